@@ -1,0 +1,3 @@
+from starqa.cli import main
+
+main()
