@@ -1,0 +1,143 @@
+"""Attention math: partial attention with its log-sum-exp, and the exact LSE merge.
+
+Pure tensor functions, no I/O and no distributed code. Layout everywhere is the one
+transformers hands to attention functions:
+
+    query: [B, Hq,  M, D]     key, value: [B, Hkv, N, D]     Hq = G * Hkv (GQA)
+
+Query head `h` reads KV head `h // G` (transformers' `repeat_kv` order). Outputs are fp32:
+
+    out: [B, Hq, M, D]        lse: [B, Hq, M]   (natural log of the softmax denominator)
+
+A partial result `(out, lse)` over one slice of the keys merges with the others exactly
+(`merge`), so attention over a sharded cache equals attention over the concatenated cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Scores are materialised for this many query rows at a time: [B, Hkv, G*rows, N] fp32.
+DEFAULT_QUERY_CHUNK = 256
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float | None = None,
+    *,
+    causal: bool = False,
+    query_chunk: int = DEFAULT_QUERY_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of `query` over `key`/`value`, with the LSE, computed in fp32.
+
+    causal=False: every query sees every key (a cached shard lying wholly before the query).
+    causal=True: the mask is aligned bottom-right, i.e. the M queries are the *last* M of the
+    N keys' positions: query i sees key j iff j <= i + (N - M). (SDPA's `is_causal` aligns
+    top-left, which is wrong whenever N > M.)
+
+    Returns (out [B, Hq, M, D] fp32, lse [B, Hq, M] fp32). A query row that sees no key at all
+    gets out = 0 and lse = -inf, so it carries zero weight in `merge`.
+    """
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        flash = _flash_attn_func()
+        if flash is not None:
+            return _attend_flash(flash, query, key, value, scale, causal)
+
+    batch, q_heads, m, dim = query.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads {q_heads} not a multiple of KV heads {kv_heads}")
+    groups = q_heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    if n == 0:
+        return (query.new_zeros(query.shape, dtype=torch.float32),
+                query.new_full((batch, q_heads, m), -math.inf, dtype=torch.float32))
+
+    # [B, Hkv, G, M, D]: grouping the query heads avoids repeating K/V G times.
+    q = query.reshape(batch, kv_heads, groups, m, dim).float()
+    k = key.float().unsqueeze(2)  # [B, Hkv, 1, N, D]
+    v = value.float().unsqueeze(2)
+    outs, lses = [], []
+    for start in range(0, m, query_chunk):
+        stop = min(start + query_chunk, m)
+        scores = torch.matmul(q[:, :, :, start:stop], k.transpose(-1, -2)) * scale  # [B,Hkv,G,c,N]
+        if causal:
+            rows = torch.arange(start, stop, device=query.device).unsqueeze(1) + (n - m)
+            cols = torch.arange(n, device=query.device).unsqueeze(0)
+            scores = scores.masked_fill(cols > rows, -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)  # [B,Hkv,G,c]
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        probs = torch.exp(scores - safe.unsqueeze(-1))
+        outs.append(torch.matmul(probs, v))
+        lses.append(lse)
+    out = torch.cat(outs, dim=3).reshape(batch, q_heads, m, dim)
+    lse = torch.cat(lses, dim=3).reshape(batch, q_heads, m)
+    return out, lse
+
+
+def merge(outs: list[torch.Tensor] | torch.Tensor, lses: list[torch.Tensor] | torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of partial attentions over disjoint key sets.
+
+    outs: P tensors [..., M, D] (or one stacked [P, ..., M, D]); lses: P tensors [..., M].
+
+        lse = logsumexp_p(lse_p)          out = sum_p exp(lse_p - lse) * out_p
+
+    Parts whose lse is -inf (no keys) get weight 0; rows with no keys anywhere stay 0 / -inf.
+    """
+    out_stack = torch.stack(list(outs)) if isinstance(outs, (list, tuple)) else outs
+    lse_stack = torch.stack(list(lses)) if isinstance(lses, (list, tuple)) else lses
+    out_stack, lse_stack = out_stack.float(), lse_stack.float()
+    lse = torch.logsumexp(lse_stack, dim=0)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weights = torch.exp(lse_stack - safe.unsqueeze(0))  # exp(-inf) = 0 for empty parts
+    out = (weights.unsqueeze(-1) * out_stack).sum(dim=0)
+    return out, lse
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Plain causal self-attention for Phase 1 (queries are the last M of N keys).
+
+    Uses the fastest kernel available (flash-attn on CUDA, else torch SDPA in the input
+    dtype); no LSE. Returns [B, Hq, M, D] in the input dtype.
+    """
+    m, n = query.shape[2], key.shape[2]
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        flash = _flash_attn_func()
+        if flash is not None:
+            out = flash(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                        softmax_scale=scale, causal=True)
+            return out.transpose(1, 2)
+    groups = query.shape[1] // key.shape[1]
+    if m == n:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    # SDPA's is_causal aligns top-left; spell out the bottom-right mask instead.
+    mask = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(diagonal=n - m)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+
+
+# ---------------------------------------------------------------------------------------
+# flash-attn (optional, CUDA only), imported lazily
+
+
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
+def _attend_flash(flash, query, key, value, scale, causal):
+    # flash-attn layout is [B, T, H, D]; it maps GQA heads itself and aligns `causal`
+    # bottom-right, which is what `attend` promises. LSE comes back as [B, H, M] fp32.
+    out, lse, _ = flash(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                        softmax_scale=scale, causal=causal, return_attn_probs=True)
+    return out.transpose(1, 2).float(), lse.float()

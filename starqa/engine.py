@@ -1,0 +1,314 @@
+"""Orchestration of `ingest` and `ask`: corpus → prompt → tokens → workers → shard store.
+
+Runs in the launcher process (never in a worker). It tokenises (workers get token ids),
+checks limits, decides the cache key, starts the torchrun group, and commits the result.
+Progress goes through a `UI` object so the CLI can draw it and tests can ignore it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starqa import corpus as corpus_mod
+from starqa import paths, prompt, store
+from starqa.errors import StarqaError
+from starqa.launch import Launch, default_workers, run_workers
+from starqa.methods import method_config, plan_blocks
+
+
+class UI:
+    """Progress callbacks; the default does nothing."""
+
+    def status(self, message: str):
+        """A context manager shown while a short step runs."""
+        return nullcontext()
+
+    def waiting(self, message: str) -> None:
+        """Workers are starting; shown until encoding starts or the first token arrives."""
+
+    def start_encoding(self, total_tokens: int, workers: int) -> None: ...
+
+    def advance(self, tokens: int) -> None: ...
+
+    def token(self, text: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    paths: tuple[str, ...]
+    model: str | None = None
+    method: str = "star"
+    block_size: int | None = None
+    anchor_size: int | None = None
+    workers: int | None = None
+    name: str | None = None
+    dtype: str | None = None
+    max_file_bytes: int = 1_000_000
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    beyond_window: bool = False
+    force: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    device: str = "auto"
+    command: str | None = None  # how the user ran it, recorded for "re-ingest with" hints
+
+
+@dataclass
+class IngestResult:
+    manifest: dict
+    corpus: corpus_mod.Corpus
+    cache_hit: bool
+    seconds: float
+    workers: int = 0
+    encode_seconds: float = 0.0
+
+
+def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
+    from starqa import models
+
+    started = time.perf_counter()
+    with ui.status("Reading files"):
+        corpus = corpus_mod.collect(opts.paths, max_file_bytes=opts.max_file_bytes,
+                                    include=opts.include, exclude=opts.exclude)
+    with ui.status("Resolving model"):
+        model_path = models.resolve_model(opts.model)
+        tokenizer = models.load_tokenizer(model_path)
+        window = models.context_window(_config(model_path))
+        fingerprint = models.fingerprint(model_path)
+    with ui.status("Tokenising"):
+        packed, spans = corpus_mod.pack(corpus.files)
+        parts = prompt.split_prompt(tokenizer, packed)
+        ids, file_tokens = prompt.tokenize_context(tokenizer, parts, spans)
+    n = len(ids)
+    if n > window and not opts.beyond_window:
+        raise StarqaError(f"The context is {n:,} tokens > {window:,} the model was trained on.",
+                          hint="ingest fewer files (--exclude, a sub-folder), use a model with a "
+                               "longer window (--model), or pass --beyond-window to go on anyway")
+    method = method_config(opts.method, n, opts.block_size, opts.anchor_size)
+    dtype = str(models.parse_dtype(opts.dtype)).removeprefix("torch.")
+    content = corpus_mod.content_hash(corpus.files)
+    key = _cache_key(content, fingerprint["digest"], method.as_dict(), dtype)
+    root = paths.contexts_dir()
+    final = root / key
+    if not opts.force and _intact(final):
+        manifest = store.read_manifest(final)
+        store.touch(manifest)
+        return IngestResult(manifest, corpus, True, time.perf_counter() - started)
+
+    blocks = plan_blocks(n, method.block_size)
+    # Exact causal encoding is sequential, so dense runs on one worker (ring is the
+    # distributed exact method); star spreads blocks, never more workers than blocks.
+    workers = 1 if method.name == "dense" else min(opts.workers or default_workers(opts.device),
+                                                   len(blocks))
+    staging = store.staging_dir(root, key)
+    try:
+        _save_tokens(staging, ids)
+        job = {"phase": "ingest", "model_path": str(model_path), "dtype": dtype,
+               "method": method.as_dict(), "blocks": blocks, "staging": str(staging)}
+        encode_started: list[float] = []
+
+        def on_event(event: dict) -> None:
+            if event["event"] == "ready" and not encode_started:
+                encode_started.append(time.perf_counter())
+                ui.start_encoding(n, workers)
+            elif event["event"] == "block":
+                ui.advance(event["tokens"])
+
+        ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
+        run_workers(job, _launch(opts, workers), on_event)
+        encode_seconds = time.perf_counter() - (encode_started[0] if encode_started else started)
+        (staging / "tokens.safetensors").unlink()
+        manifest = {
+            "format": store.FORMAT, "key": key, "name": opts.name or _default_name(opts.paths),
+            "created": time.time(), "sources": [str(Path(p).resolve()) for p in opts.paths],
+            "command": opts.command or "starqa ingest " + shlex.join(opts.paths),
+            "model": {"path": str(model_path), "spec": opts.model or models.DEFAULT_MODEL,
+                      "window": window, **fingerprint},
+            "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
+            "n_tokens": n, "query_template": parts.query_template,
+            "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
+                       for i, (s, e) in enumerate(blocks)],
+            "files": [{"path": sp.path, "token_start": a, "token_end": b, "lines": sp.lines,
+                       "bytes": f.size}
+                      for sp, (a, b), f in zip(spans, file_tokens, corpus.files)],
+            "skipped": [{"path": s.path, "reason": s.reason} for s in corpus.skipped],
+            "ingest": {"workers": workers, "encode_seconds": round(encode_seconds, 3),
+                       "tokens_per_second": round(n / max(encode_seconds, 1e-9), 1)},
+        }
+        store.commit(staging, final, manifest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    manifest = store.read_manifest(final)
+    store.touch(manifest)
+    return IngestResult(manifest, corpus, False, time.perf_counter() - started, workers,
+                        encode_seconds)
+
+
+@dataclass(frozen=True)
+class AskOptions:
+    question: str
+    context: str | None = None
+    model: str | None = None
+    workers: int | None = None
+    max_new_tokens: int = 256
+    beyond_window: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    device: str = "auto"
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    context: dict
+    query_tokens: int
+    workers: int
+    seconds: float
+    first_token_seconds: float | None
+    decode_seconds: float
+    mass: list[float] = field(default_factory=list)
+
+
+def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
+    from starqa import models
+
+    started = time.perf_counter()
+    if not opts.question.strip():
+        raise StarqaError("The question is empty.")
+    if opts.max_new_tokens < 1:
+        raise StarqaError(f"--max-new-tokens must be at least 1 (got {opts.max_new_tokens}).")
+    manifest = store.find_context(paths.contexts_dir(), opts.context)
+    with ui.status("Checking model and shards"):
+        model_path = _manifest_model(manifest, opts.model)
+        tokenizer = models.load_tokenizer(model_path)
+        for index in range(len(manifest["blocks"])):
+            store.verify_block(manifest, index)
+    query_ids = prompt.tokenize_query(tokenizer, manifest["query_template"], opts.question)
+    n, m, window = manifest["n_tokens"], len(query_ids), manifest["model"]["window"]
+    if n + m + opts.max_new_tokens > window and not opts.beyond_window:
+        raise StarqaError(
+            f"Context {n:,} + question {m:,} + up to {opts.max_new_tokens:,} answer tokens = "
+            f"{n + m + opts.max_new_tokens:,} tokens > {window:,} the model was trained on.",
+            hint="lower --max-new-tokens, ingest less, or pass --beyond-window to go on anyway")
+    workers = min(opts.workers or default_workers(opts.device), len(manifest["blocks"]))
+    stop_ids = _stop_ids(tokenizer, model_path)
+    job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest["dtype"],
+           "context_dir": manifest["_dir"], "query_ids": query_ids,
+           "max_new_tokens": opts.max_new_tokens, "stop_ids": sorted(stop_ids)}
+    generated: list[int] = []
+    shown = [""]
+    timing: dict[str, Any] = {}
+
+    def on_event(event: dict) -> None:
+        if event["event"] == "token":
+            timing.setdefault("first", time.perf_counter())
+            generated.append(event["id"])
+            text = tokenizer.decode(generated, skip_special_tokens=True)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                ui.token(text[len(shown[0]):])
+                shown[0] = text
+        elif event["event"] == "done":
+            timing["done"] = event
+
+    ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
+    run_workers(job, _launch(opts, workers), on_event)
+    store.touch(manifest)
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    if text != shown[0]:
+        ui.token(text[len(shown[0]):])
+    done = timing.get("done", {})
+    first = timing.get("first")
+    return Answer(text=text.strip(), token_ids=generated, context=manifest, query_tokens=m,
+                  workers=workers, seconds=time.perf_counter() - started,
+                  first_token_seconds=(first - started) if first else None,
+                  decode_seconds=done.get("seconds", 0.0), mass=done.get("mass", []))
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _config(model_path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+def _cache_key(content: str, model_digest: str, method: dict, dtype: str) -> str:
+    material = json.dumps({"format": store.FORMAT, "content": content, "model": model_digest,
+                           "method": method, "dtype": dtype,
+                           "prompt": [prompt.SYSTEM, prompt.INTRO, prompt.QUESTION]},
+                          sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def _intact(folder: Path) -> bool:
+    """A committed context whose shards are all present with their recorded sizes."""
+    try:
+        manifest = store.read_manifest(folder)
+    except StarqaError:
+        return False
+    return all((folder / b["file"]).is_file() and (folder / b["file"]).stat().st_size == b["bytes"]
+               for b in manifest["blocks"])
+
+
+def _save_tokens(folder: Path, ids: list[int]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"ids": torch.tensor(ids, dtype=torch.int32)}, str(folder / "tokens.safetensors"))
+
+
+def _manifest_model(manifest: dict, spec: str | None) -> Path:
+    """The model the context was made with; a different one is an error, never a silent mix."""
+    from starqa import models
+
+    recorded = manifest["model"]
+    path = Path(recorded["path"])
+    if spec is not None:
+        path = models.resolve_model(spec)
+    elif not (path / "config.json").exists():
+        path = models.resolve_model(recorded["spec"])  # e.g. the embedded model was deleted
+    actual = models.fingerprint(path)
+    if actual["digest"] != recorded["digest"]:
+        raise StarqaError(
+            f"Model {actual['name']} ({actual['digest'][:12]}) does not match the model context "
+            f"{manifest['name']!r} was ingested with: {recorded['name']} ({recorded['digest'][:12]}).",
+            hint=f"ask with --model {recorded['spec']}, or re-ingest: {manifest['command']}")
+    return path
+
+
+def _stop_ids(tokenizer, model_path: Path) -> set[int]:
+    from transformers import GenerationConfig
+
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    stop.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
+        token = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(token, int) and token != tokenizer.unk_token_id:
+            stop.add(token)
+    return stop
+
+
+def _launch(opts, workers: int) -> Launch:
+    return Launch(workers, opts.nnodes, opts.node_rank, opts.rdzv_endpoint, opts.device)
+
+
+def _default_name(sources: tuple[str, ...]) -> str:
+    return Path(sources[0]).resolve().name or "context"

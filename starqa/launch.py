@@ -1,0 +1,127 @@
+"""Spawning torchrun workers and listening to them.
+
+The launcher writes the job as JSON, starts `python -m torch.distributed.run ... -m
+starqa.worker JOB`, turns the workers' event lines into callbacks, keeps the tail of their
+stderr, and raises WorkerError (with that tail) if any of them dies.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from starqa.errors import StarqaError, WorkerError
+from starqa.worker import EVENT_PREFIX
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start the worker group (torchrun's own multi-node options pass through)."""
+    workers: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    device: str = "auto"
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_workers(device: str = "auto") -> int:
+    """All GPUs when there are any (and the device allows), else all cores."""
+    if device in ("auto", "cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+    return cpu_count()
+
+
+def torchrun_command(launch: Launch, job_file: str) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launch.workers}"]
+    if launch.nnodes == 1 and launch.rdzv_endpoint is None:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={launch.nnodes}", f"--node-rank={launch.node_rank}"]
+        if launch.rdzv_endpoint:
+            cmd.append(f"--rdzv-endpoint={launch.rdzv_endpoint}")
+    return cmd + ["-m", "starqa.worker", job_file]
+
+
+def run_workers(job: dict, launch: Launch, on_event: Callable[[dict], None]) -> None:
+    """Run the job on a torchrun group; calls `on_event` for each event line, in order."""
+    threads = max(1, cpu_count() // launch.workers)  # N workers on C cores: C/N threads each
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "STARQA_THREADS": str(threads),
+           "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "TRANSFORMERS_VERBOSITY": "error"}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="starqa-job-", delete=False) as fh:
+        json.dump({**job, "device": launch.device}, fh)
+    try:
+        _run(torchrun_command(launch, fh.name), env, on_event)
+    finally:
+        os.unlink(fh.name)
+
+
+def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            text=True, bufsize=1, start_new_session=True)
+    tail: collections.deque[str] = collections.deque(maxlen=200)
+    reader = threading.Thread(target=lambda: tail.extend(proc.stderr), daemon=True)
+    reader.start()
+    errors: list[dict] = []
+    try:
+        for line in proc.stdout:
+            if not line.startswith(EVENT_PREFIX):
+                tail.append(line)
+                continue
+            event = json.loads(line[len(EVENT_PREFIX):])
+            if event["event"] == "error":
+                errors.append(event)
+            else:
+                on_event(event)
+        proc.wait()
+    except BaseException:  # Ctrl-C or a callback failure: take the whole group down
+        _kill(proc)
+        raise
+    finally:
+        reader.join(timeout=5)
+    if errors:  # a worker explained itself: that message beats any traceback
+        raise StarqaError(errors[0]["message"], hint=errors[0].get("hint"))
+    if proc.returncode != 0:
+        raise WorkerError(f"A worker died (torchrun exit code {proc.returncode}).\n"
+                          + worker_stderr_tail(list(tail)))
+
+
+_TORCHRUN_SUMMARY = re.compile(r"torch[./]distributed[./]elastic|ChildFailedError")
+
+
+def worker_stderr_tail(lines: list[str], keep: int = 25) -> str:
+    """The workers' own last stderr lines, before torchrun's failure summary."""
+    cut = next((i for i, line in enumerate(lines) if _TORCHRUN_SUMMARY.search(line)), len(lines))
+    useful = [ln.rstrip() for ln in lines[:cut] if ln.strip()] or \
+             [ln.rstrip() for ln in lines if ln.strip()]
+    return "\n".join(useful[-keep:])
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -1,0 +1,89 @@
+"""Phase 1: encode the context blockwise into per-block KV (Star Attention, and dense).
+
+Pure compute on one worker: which blocks it encodes is decided by the caller. Each block's
+KV comes out as (k, v) tensors [L, Hkv, T, D] with RoPE applied at the tokens' original
+positions, ready to be stored as a shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from starqa.attention import causal_attention
+from starqa.methods import MethodConfig
+
+
+class _Recorder:
+    """AttentionHook for one forward: causal self-attention over the input (optionally after
+    `past` KV from earlier blocks), keeping the KV of the last `keep` tokens per layer."""
+
+    def __init__(self, keep: int, past: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        self.keep = keep
+        self.past = past
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attention(self, layer, query, key, value, scale):
+        # key, value: [1, Hkv, T, D] of this forward's tokens
+        self.kept.append((key[:, :, -self.keep:], value[:, :, -self.keep:]))
+        if self.past:
+            key = torch.cat([self.past[layer][0], key], dim=2)
+            value = torch.cat([self.past[layer][1], value], dim=2)
+        return causal_attention(query, key, value, scale)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k = torch.stack([k[0] for k, _ in self.kept])  # [L, Hkv, keep, D]
+        v = torch.stack([v[0] for _, v in self.kept])
+        return k, v
+
+
+def _forward(model, ids: torch.Tensor, positions: torch.Tensor, hook) -> None:
+    # The base model only: Phase 1 needs the KV, not the logits.
+    model.model(input_ids=ids[None], position_ids=positions[None], starqa=hook, use_cache=False)
+
+
+@torch.inference_mode()
+def encode_star(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]], indices: Sequence[int],
+                anchor_size: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Star Attention Phase 1 for blocks `indices`; yields (index, k, v) per block.
+
+    Block 0 is encoded alone; block i > 0 as [c[:a] ‖ c_i] with the anchor at positions
+    0..a-1 and the block at its own positions; the anchor's KV is discarded.
+    """
+    device = next(model.parameters()).device
+    for i in indices:
+        start, end = blocks[i]
+        anchor = min(anchor_size, start)  # never reaches into the block itself
+        tokens = torch.cat([ids[:anchor], ids[start:end]]).to(device)
+        positions = torch.cat([torch.arange(anchor), torch.arange(start, end)]).to(device)
+        hook = _Recorder(keep=end - start)
+        _forward(model, tokens, positions, hook)
+        yield (i, *hook.stacked())
+
+
+@torch.inference_mode()
+def encode_dense(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]]
+                 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Exact causal encoding, chunked by block: block i attends to all earlier blocks' KV.
+
+    Sequential by nature (block i needs every earlier block's KV), so one worker runs it.
+    Yields (index, k, v) per block, identical to slicing one full causal forward.
+    """
+    device = next(model.parameters()).device
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    for i, (start, end) in enumerate(blocks):
+        hook = _Recorder(keep=end - start, past=past)
+        _forward(model, ids[start:end].to(device), torch.arange(start, end, device=device), hook)
+        if past is None:
+            past = [(k, v) for k, v in hook.kept]
+        else:
+            past = [(torch.cat([pk, k], 2), torch.cat([pv, v], 2))
+                    for (pk, pv), (k, v) in zip(past, hook.kept)]
+        yield (i, *hook.stacked())
+
+
+def encode(model, ids: torch.Tensor, method: MethodConfig, blocks, indices):
+    if method.name == "dense":
+        return encode_dense(model, ids, blocks)
+    return encode_star(model, ids, blocks, indices, method.anchor_size)

@@ -1,0 +1,88 @@
+"""The exact LSE merge: attention over N shards merged equals attention over all keys."""
+
+import math
+
+import pytest
+import torch
+
+from starqa.attention import attend, causal_attention, merge
+
+
+def reference(query, key, value, causal=False):
+    """Plain fp64 softmax attention with repeat_kv, the oracle."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(groups, dim=1)
+    v = value.double().repeat_interleave(groups, dim=1)
+    scores = query.double() @ k.transpose(-1, -2) / math.sqrt(query.shape[-1])
+    if causal:
+        m, n = query.shape[2], key.shape[2]
+        mask = torch.ones(m, n, dtype=torch.bool).tril(diagonal=n - m)
+        scores = scores.masked_fill(~mask, -math.inf)
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+SHAPES = [  # (batch, q_heads, kv_heads, m, n, dim)
+    (1, 4, 4, 7, 33, 16),
+    (2, 9, 3, 5, 100, 64),   # SmolLM2's GQA 9/3
+    (1, 12, 2, 1, 257, 32),  # Qwen2.5's GQA 12/2, one decode token
+    (1, 8, 1, 300, 40, 8),   # MQA, more queries than one chunk
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shards", [1, 2, 3, 5])
+def test_merge_over_shards_equals_full_attention(shape, shards):
+    b, hq, hkv, m, n, d = shape
+    g = torch.Generator().manual_seed(hash((shape, shards)) % 2**31)
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for h, t in ((hq, m), (hkv, n), (hkv, n)))
+    cuts = torch.linspace(0, n, shards + 1).round().long().tolist()
+    parts = [attend(q, k[:, :, s:e], v[:, :, s:e], query_chunk=64) for s, e in zip(cuts, cuts[1:])]
+    out, lse = merge([p[0] for p in parts], [p[1] for p in parts])
+    ref_out, ref_lse = reference(q, k, v)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_shard_before_causal_tail_equals_causal_attention(shape):
+    """Phase 2 layout: a cached shard (no mask) + the query's own KV (causal, bottom-right)."""
+    b, hq, hkv, m, n, d = shape
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(b, hq, m, d, generator=g)
+    k, v = torch.randn(b, hkv, n + m, d, generator=g), torch.randn(b, hkv, n + m, d, generator=g)
+    shard = attend(q, k[:, :, :n], v[:, :, :n])
+    own = attend(q, k[:, :, n:], v[:, :, n:], causal=True, query_chunk=16)
+    out, lse = merge([shard[0], own[0]], [shard[1], own[1]])
+    ref_out, ref_lse = reference(q, k, v, causal=True)
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_shard_has_no_weight():
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    empty = attend(q, k[:, :, :0], v[:, :, :0])
+    assert torch.all(empty[1] == -math.inf) and torch.all(empty[0] == 0)
+    full = attend(q, k, v)
+    out, lse = merge([empty[0], full[0]], [empty[1], full[1]])
+    torch.testing.assert_close(out, full[0])
+    torch.testing.assert_close(lse, full[1])
+
+
+def test_causal_attention_matches_reference_in_fp32():
+    q, k, v = torch.randn(1, 6, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    torch.testing.assert_close(causal_attention(q, k, v).double(), reference(q, k, v, True)[0],
+                               rtol=1e-5, atol=1e-5)
+    # more keys than queries: bottom-right alignment
+    k2, v2 = torch.randn(1, 2, 15, 8), torch.randn(1, 2, 15, 8)
+    torch.testing.assert_close(causal_attention(q, k2, v2).double(),
+                               reference(q, k2, v2, True)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_inputs_are_computed_in_fp32():
+    """bf16 K/V/Q in, fp32 out: the error is the inputs' rounding, not the math's."""
+    q, k, v = torch.randn(1, 4, 5, 32), torch.randn(1, 2, 50, 32), torch.randn(1, 2, 50, 32)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out, lse = attend(qb, kb, vb)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    ref_out, _ = reference(qb.float(), kb.float(), vb.float())
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)

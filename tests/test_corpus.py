@@ -1,0 +1,278 @@
+"""Tests for corpus selection (git and plain folders) and packing with spans."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from starqa.corpus import FileSpan, SourceFile, collect, content_hash, line_of, pack
+from starqa.errors import StarqaError
+
+
+def write(root: Path, files: dict[str, str | bytes]) -> None:
+    for rel, content in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content, encoding="utf-8")
+
+
+def paths(corpus) -> list[str]:
+    return [f.path for f in corpus.files]
+
+
+def reasons(corpus) -> dict[str, str]:
+    return {s.path: s.reason for s in corpus.skipped}
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.email=t@example.com", "-c", "user.name=t",
+                    "-c", "commit.gpgsign=false", *args], cwd=repo, check=True,
+                   capture_output=True)
+
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+
+
+# ---------------------------------------------------------------- selection
+
+
+def test_plain_folder(tmp_path):
+    write(tmp_path, {"b.py": "print(1)\n", "a.md": "# A\n", "sub/c.txt": "c"})
+    corpus = collect([tmp_path])
+    assert paths(corpus) == ["a.md", "b.py", "sub/c.txt"]
+    assert corpus.roots == (str(tmp_path.resolve()),)
+    assert corpus.files[1].text == "print(1)\n" and corpus.files[1].size == 9
+    assert corpus.skipped == ()
+
+
+def test_nested_gitignore_outside_git(tmp_path):
+    write(tmp_path, {
+        ".gitignore": "*.log\nbuild/\n",
+        "keep.py": "x",
+        "run.log": "log",
+        "build/out.py": "x",
+        "build/deep/more.py": "x",
+        "pkg/.gitignore": "secret.txt\n!important.log\n",
+        "pkg/secret.txt": "s",
+        "pkg/important.log": "i",
+        "pkg/mod.py": "m",
+        "other/secret.txt": "not ignored here",
+    })
+    corpus = collect([tmp_path])
+    assert paths(corpus) == ["keep.py", "other/secret.txt", "pkg/important.log", "pkg/mod.py"]
+    why = reasons(corpus)
+    assert why["run.log"] == "ignored by .gitignore"
+    assert why["build"] == "ignored by .gitignore"  # the folder once, not each file
+    assert not any(p.startswith("build/") for p in why)
+    assert why["pkg/secret.txt"] == "ignored by .gitignore"
+
+
+@needs_git
+def test_git_repo(tmp_path):
+    write(tmp_path, {
+        ".gitignore": "*.log\nnode_modules/\n",
+        "tracked.py": "t",
+        "sub/.gitignore": "gen.py\n",
+        "sub/gen.py": "generated",
+        "sub/kept.py": "k",
+        "node_modules/lib.js": "x",
+    })
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", "-A")
+    write(tmp_path, {"forced.log": "tracked despite the ignore rule"})
+    git(tmp_path, "add", "-f", "forced.log")
+    git(tmp_path, "commit", "-q", "-m", "init")
+    write(tmp_path, {"untracked.py": "u", "debug.log": "d", "sub/gen2.py": "g"})
+    corpus = collect([tmp_path])
+    # forced.log is tracked, so git (not the .gitignore) decides: only git mode includes it.
+    assert paths(corpus) == ["forced.log", "sub/gen2.py", "sub/kept.py", "tracked.py",
+                             "untracked.py"]
+    why = reasons(corpus)
+    assert why["debug.log"] == "ignored by .gitignore"
+    assert why["sub/gen.py"] == "ignored by .gitignore"
+    assert why["node_modules"] == "ignored by .gitignore"
+    assert why[".gitignore"] == "hidden"
+    assert not any(p.startswith(".git/") or p == ".git" for p in why)
+
+    # A subfolder of the repository: paths are relative to it, its .gitignore still applies.
+    sub = collect([tmp_path / "sub"])
+    assert paths(sub) == ["gen2.py", "kept.py"]
+
+    # A folder the repository ignores is still walked when named, honouring .gitignores in it.
+    ignored = collect([tmp_path / "node_modules"])
+    assert paths(ignored) == ["lib.js"]
+
+
+def test_without_git_binary(tmp_path, monkeypatch):
+    write(tmp_path, {".gitignore": "*.log\n", "a.py": "a", "b.log": "b"})
+    monkeypatch.setenv("PATH", str(tmp_path / "no-bin"))  # `git` cannot be found
+    corpus = collect([tmp_path])
+    assert paths(corpus) == ["a.py"]
+    assert reasons(corpus)["b.log"] == "ignored by .gitignore"
+
+
+def test_hidden_skipped(tmp_path):
+    write(tmp_path, {"a.py": "a", ".env": "SECRET=1", ".cache/x.py": "x", ".cache/y.py": "y"})
+    corpus = collect([tmp_path])
+    assert paths(corpus) == ["a.py"]
+    assert reasons(corpus) == {".env": "hidden", ".cache": "hidden"}
+
+
+def test_binary_too_large_bad_utf8_empty_lock(tmp_path):
+    write(tmp_path, {
+        "ok.txt": "fine",
+        "img.png": b"\x89PNG\r\n\x1a\n\x00\x00\x00",
+        "big.txt": "x" * 2_000,
+        "latin1.txt": "caf\xe9".encode("latin-1"),
+        "blank.txt": "  \n\n",
+        "poetry.lock": "[[package]]",
+        "web/package-lock.json": "{}",
+    })
+    corpus = collect([tmp_path], max_file_bytes=1_000)
+    assert paths(corpus) == ["ok.txt"]
+    assert reasons(corpus) == {
+        "img.png": "binary (NUL byte)",
+        "big.txt": "too large (2.0 KB > 1.0 KB cap)",
+        "latin1.txt": "not UTF-8",
+        "blank.txt": "empty",
+        "poetry.lock": "lock file",
+        "web/package-lock.json": "lock file",
+    }
+
+
+def test_too_large_is_not_read(tmp_path, monkeypatch):
+    write(tmp_path, {"small.txt": "s", "huge.txt": "h" * 5_000})
+    opened = []
+    real_read = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes",
+                        lambda self: opened.append(self.name) or real_read(self))
+    collect([tmp_path], max_file_bytes=100)
+    assert opened == ["small.txt"]
+
+
+def test_include_exclude(tmp_path):
+    write(tmp_path, {
+        "src/a.py": "a", "src/deep/b.py": "b", "src/c.js": "c",
+        "tests/test_a.py": "t", "README.md": "r",
+    })
+    corpus = collect([tmp_path], include=["*.py", "README.md"], exclude=["tests/**"])
+    assert paths(corpus) == ["README.md", "src/a.py", "src/deep/b.py"]
+    # Excluded files are reported, files not included are silently left out.
+    assert reasons(corpus) == {"tests": "excluded by --exclude"}
+
+    only_deep = collect([tmp_path], include=["src/**/*.py"], exclude=["a.py"])
+    assert paths(only_deep) == ["src/deep/b.py"]
+    assert reasons(only_deep) == {"src/a.py": "excluded by --exclude"}
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(StarqaError, match="No such file or directory: .*nope"):
+        collect([tmp_path / "nope"])
+
+
+def test_empty_folder_error_with_hint(tmp_path):
+    write(tmp_path, {"a.bin": b"\x00\x01", "b.bin": b"\x00", ".hidden": "h"})
+    with pytest.raises(StarqaError, match="Nothing to ingest") as info:
+        collect([tmp_path])
+    assert info.value.hint == "skipped: 2 binary, 1 hidden"
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StarqaError) as info:
+        collect([tmp_path / "empty"])
+    assert info.value.hint == "no files found"
+
+
+def test_symlink_loop_does_not_hang(tmp_path):
+    write(tmp_path, {"root/a.txt": "a", "root/sub/b.txt": "b"})
+    try:
+        os.symlink(tmp_path / "root", tmp_path / "root" / "sub" / "up", target_is_directory=True)
+        os.symlink("self", tmp_path / "root" / "self")
+    except (OSError, NotImplementedError):
+        pytest.skip("symlinks not supported here")
+    corpus = collect([tmp_path / "root"])
+    assert paths(corpus) == ["a.txt", "sub/b.txt"]
+    assert reasons(corpus) == {"sub/up": "symlink loop", "self": "symlink loop"}
+
+
+def test_single_file_argument(tmp_path):
+    write(tmp_path, {"docs/.notes.md": "named explicitly", "docs/other.md": "o", "x/other.md": "x"})
+    corpus = collect([tmp_path / "docs" / ".notes.md"])
+    assert paths(corpus) == [".notes.md"]  # hidden, but the user asked for it
+
+    several = collect([tmp_path / "docs" / "other.md", tmp_path / "x", tmp_path / "x"])
+    assert paths(several) == ["other.md", "x/other.md"]
+    assert len(several.roots) == 2
+
+
+def test_duplicate_file_by_real_path(tmp_path):
+    write(tmp_path, {"d/a.txt": "a"})
+    corpus = collect([tmp_path / "d", tmp_path / "d" / "a.txt"])
+    assert [f.text for f in corpus.files] == ["a"]
+
+
+def test_crlf_and_bom_normalised(tmp_path):
+    write(tmp_path, {"w.txt": b"\xef\xbb\xbfone\r\ntwo\r\n"})
+    (f,) = collect([tmp_path]).files
+    assert f.text == "one\ntwo\n"
+    assert f.size == 13
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_pack_format_and_spans():
+    files = [SourceFile("a.py", "x = 1\ny = 2\n\n", 13), SourceFile("b/c.md", "# T", 3)]
+    packed, spans = pack(files)
+    assert packed == (
+        '<document path="a.py">\nx = 1\ny = 2\n</document>'
+        "\n\n"
+        '<document path="b/c.md">\n# T\n</document>'
+    )
+    assert [s.path for s in spans] == ["a.py", "b/c.md"]
+    for f, s in zip(files, spans):
+        body = f.text.rstrip()
+        assert packed[s.text_start:s.text_start + len(body)] == body
+        assert packed[s.char_start:s.char_end].startswith(f'<document path="{f.path}">')
+        assert packed[s.char_start:s.char_end].endswith("</document>")
+    assert spans[0].char_start == 0 and spans[1].char_end == len(packed)
+    assert spans[1].char_start == spans[0].char_end + 2
+    assert [s.lines for s in spans] == [2, 1]
+
+
+def test_line_of():
+    packed, (a, b) = pack([SourceFile("a", "l1\nl2\nl3", 8), SourceFile("b", "only", 4)])
+    assert line_of(a, packed, a.text_start) == 1
+    assert line_of(a, packed, packed.index("l2")) == 2
+    assert line_of(a, packed, packed.index("l3") + 1) == 3
+    assert line_of(a, packed, a.char_start) == 1  # in the header: clamps to the first line
+    assert line_of(a, packed, a.char_end - 1) == 3  # in the closing tag: clamps to the last
+    assert line_of(b, packed, packed.index("only")) == 1
+
+
+def test_content_hash():
+    files = [SourceFile("a", "one", 3), SourceFile("b", "two", 3)]
+    h = content_hash(files)
+    assert h == content_hash([SourceFile("a", "one", 3), SourceFile("b", "two", 3)])
+    assert len(h) == 64
+    assert h != content_hash([SourceFile("a", "one", 3), SourceFile("b", "two!", 4)])
+    assert h != content_hash([SourceFile("a", "on", 3), SourceFile("b", "etwo", 3)])
+    assert h != content_hash([SourceFile("a", "one", 3), SourceFile("c", "two", 3)])
+
+
+def test_content_hash_from_disk(tmp_path):
+    write(tmp_path, {"a.txt": "one", "b.txt": "two"})
+    first = content_hash(collect([tmp_path]).files)
+    assert content_hash(collect([tmp_path]).files) == first
+    write(tmp_path, {"b.txt": "two changed"})
+    assert content_hash(collect([tmp_path]).files) != first
+
+
+def test_filespan_is_frozen():
+    span = FileSpan("a", 0, 10, 5, 1)
+    with pytest.raises(AttributeError):
+        span.lines = 2  # type: ignore[misc]

