@@ -57,23 +57,26 @@ def attend(
         return (query.new_zeros(query.shape, dtype=torch.float32),
                 query.new_full((batch, q_heads, m), -math.inf, dtype=torch.float32))
 
-    # [B, Hkv, G, M, D]: grouping the query heads avoids repeating K/V G times.
+    # [B, Hkv, G, M, D]: grouping the query heads avoids repeating K/V G times; each chunk
+    # is flattened to [B, Hkv, G*c, D] so the score matmul is a plain batched GEMM.
     q = query.reshape(batch, kv_heads, groups, m, dim).float()
-    k = key.float().unsqueeze(2)  # [B, Hkv, 1, N, D]
-    v = value.float().unsqueeze(2)
+    k_t = key.float().transpose(-1, -2)  # [B, Hkv, D, N]
+    v = value.float()
     outs, lses = [], []
     for start in range(0, m, query_chunk):
         stop = min(start + query_chunk, m)
-        scores = torch.matmul(q[:, :, :, start:stop], k.transpose(-1, -2)) * scale  # [B,Hkv,G,c,N]
+        rows = stop - start
+        q_chunk = q[:, :, :, start:stop].reshape(batch, kv_heads, groups * rows, dim)
+        scores = torch.matmul(q_chunk, k_t).mul_(scale)  # [B, Hkv, G*c, N]
         if causal:
-            rows = torch.arange(start, stop, device=query.device).unsqueeze(1) + (n - m)
-            cols = torch.arange(n, device=query.device).unsqueeze(0)
-            scores = scores.masked_fill(cols > rows, -math.inf)
-        lse = torch.logsumexp(scores, dim=-1)  # [B,Hkv,G,c]
+            last_key = torch.arange(start, stop, device=query.device) + (n - m)  # [c]
+            hidden = torch.arange(n, device=query.device)[None, :] > last_key[:, None]
+            scores.masked_fill_(hidden.repeat(groups, 1), -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G*c]
         safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        probs = torch.exp(scores - safe.unsqueeze(-1))
-        outs.append(torch.matmul(probs, v))
-        lses.append(lse)
+        probs = torch.exp_(scores.sub_(safe.unsqueeze(-1)))
+        outs.append(torch.matmul(probs, v).view(batch, kv_heads, groups, rows, dim))
+        lses.append(lse.view(batch, kv_heads, groups, rows))
     out = torch.cat(outs, dim=3).reshape(batch, q_heads, m, dim)
     lse = torch.cat(lses, dim=3).reshape(batch, q_heads, m)
     return out, lse

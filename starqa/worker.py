@@ -69,7 +69,8 @@ def run_ask(job: dict, info) -> None:
         parts = [store.load_block(manifest, i, device=info.device) for i in blocks]
         k = torch.cat([p[0] for p in parts], dim=2)  # [L, Hkv, N_h, D]
         v = torch.cat([p[1] for p in parts], dim=2)
-        shard = [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]
+        # fp32 once here rather than in every layer of every step (attention runs in fp32)
+        shard = [(k[layer][None].float(), v[layer][None].float()) for layer in range(k.shape[0])]
     query_host = info.is_last
     hook = phase2.ShardAttention(info, shard, query_host)
     dist.barrier(info)

@@ -14,34 +14,9 @@ import torch
 
 from starqa import models
 from starqa.errors import StarqaError
+from tiny import make_tiny_model
 
 REAL_HOME = os.environ.get("STARQA_HOME")  # the model test uses the real cache, converted once
-WORDS = ["the", "star", "attention", "block", "query", "answer", "long", "context"]
-
-
-def make_tiny_model(folder: Path, seed: int = 0) -> Path:
-    """A 2-layer random Llama with a word-level tokenizer, saved as a Hugging Face folder."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *WORDS])}
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
-    config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )
-    torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    fast.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture
 def tiny(tmp_path: Path) -> Path:
     return make_tiny_model(tmp_path / "tiny-llama")
@@ -129,7 +104,7 @@ def test_load_model_and_tokenizer(tiny: Path) -> None:
     ids = tok("the star attention", return_tensors="pt").input_ids
     assert ids.shape == (1, 3)
     assert not model.training and not any(p.requires_grad for p in model.parameters())
-    assert models.context_window(model.config) == 256
+    assert models.context_window(model.config) == 512
     with torch.inference_mode():
         logits = model(ids).logits  # [B, S, V]
     assert logits.shape == (1, 3, len(tok))

@@ -1,0 +1,32 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py
+
+from tiny import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture
+def docs(tmp_path) -> Path:
+    """A small corpus in the tiny tokenizer's vocabulary (~200 tokens packed)."""
+    folder = tmp_path / "docs"
+    (folder / "policy").mkdir(parents=True)
+    (folder / "policy" / "travel.md").write_text(
+        "the travel budget was approved by the office . " * 6)
+    (folder / "policy" / "leave.md").write_text("leave policy is a long document . " * 5)
+    (folder / "code.py").write_text("retry limit default is seven \n" * 6)
+    return folder
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("STARQA_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("STARQA_MODEL", raising=False)
+    return tmp_path / "home"

@@ -1,0 +1,181 @@
+"""ingest + ask end to end through the real torchrun launch path (gloo, CPU), on a tiny
+random Llama in fp32, and every error a user can hit."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from starqa import engine, paths, prompt, store
+from starqa.errors import ShardError, StarqaError, WorkerError
+from starqa.models import load_model, load_tokenizer
+from tiny import make_tiny_model
+
+QUESTION = "who approved the travel budget"
+
+
+def ingest(docs, model, **kw):
+    return engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32",
+                                              **kw))
+
+
+def ask(model=None, **kw):
+    return engine.ask(engine.AskOptions(question=QUESTION, max_new_tokens=8,
+                                        model=str(model) if model else None, **kw))
+
+
+def reference_tokens(model_path, manifest, question, max_new_tokens):
+    """One ordinary transformers generate over the whole prompt (context + query), fp32."""
+    tok = load_tokenizer(model_path)
+    model = load_model(model_path, dtype=torch.float32)
+    parts = manifest["query_template"]
+    ctx_ids = _context_ids(model_path, manifest)
+    ids = ctx_ids + prompt.tokenize_query(tok, parts, question)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    new = out[0, len(ids):].tolist()
+    return new[:-1] if new and new[-1] == tok.eos_token_id else new
+
+
+def _context_ids(model_path, manifest):
+    from starqa import corpus
+
+    tok = load_tokenizer(model_path)
+    files = corpus.collect(manifest["sources"]).files
+    packed, spans = corpus.pack(files)
+    ids, _ = prompt.tokenize_context(tok, prompt.split_prompt(tok, packed), spans)
+    assert len(ids) == manifest["n_tokens"]
+    return ids
+
+
+def test_dense_ingest_two_worker_ask_equals_transformers_generate(home, docs, tiny_model):
+    result = ingest(docs, tiny_model, method="dense", block_size=50)
+    manifest = result.manifest
+    assert not result.cache_hit and len(manifest["blocks"]) >= 3
+    answer = ask(workers=2)
+    assert answer.workers == 2
+    assert answer.token_ids == reference_tokens(tiny_model, manifest, QUESTION, 8)
+    assert len(answer.token_ids) > 0
+
+
+def test_star_two_workers_through_torchrun(home, docs, tiny_model):
+    result = ingest(docs, tiny_model, method="star", workers=2, block_size=40)
+    m = result.manifest
+    assert result.workers == 2 and m["method"] == {"name": "star", "block_size": 40,
+                                                    "anchor_size": 40}
+    assert [b["end"] - b["start"] for b in m["blocks"]][:-1] == [40] * (len(m["blocks"]) - 1)
+    assert {f["path"] for f in m["files"]} == {"code.py", "policy/leave.md", "policy/travel.md"}
+    spans = sorted((f["token_start"], f["token_end"]) for f in m["files"])
+    assert all(a < b for a, b in spans) and spans[-1][1] <= m["n_tokens"]
+    for block in m["blocks"]:
+        assert len(block["sha256"]) == 64 and block["bytes"] > 0
+    # The merge is exact whatever the partition: 1 and 2 workers give the same tokens.
+    two, one = ask(workers=2), ask(workers=1)
+    assert two.token_ids == one.token_ids and two.workers == 2 and one.workers == 1
+    # Unchanged input, same model and settings: a cache hit, no workers started.
+    again = ingest(docs, tiny_model, method="star", workers=2, block_size=40)
+    assert again.cache_hit and again.manifest["key"] == m["key"]
+
+
+def test_star_single_block_answers_like_dense(home, docs, tiny_model):
+    star = ingest(docs, tiny_model, method="star", block_size=10_000, name="star1")
+    dense = ingest(docs, tiny_model, method="dense", block_size=10_000, name="dense1")
+    assert star.manifest["key"] != dense.manifest["key"]
+    assert ask(context="star1").token_ids == ask(context="dense1").token_ids
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_missing_path(home, tiny_model, tmp_path):
+    with pytest.raises(StarqaError, match="No such file or directory"):
+        ingest(tmp_path / "nope", tiny_model)
+
+
+def test_folder_with_nothing_readable(home, tiny_model, tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "blob.dat").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(StarqaError, match="Nothing to ingest") as err:
+        ingest(tmp_path / "bin", tiny_model)
+    assert "binary" in err.value.hint
+
+
+def test_context_longer_than_window(home, tmp_path, docs):
+    small = make_tiny_model(tmp_path / "small", window=64)
+    with pytest.raises(StarqaError, match=r"tokens > 64 the model was trained on") as err:
+        ingest(docs, small)
+    assert "--beyond-window" in err.value.hint
+    assert not list(paths.contexts_dir().glob("*")) if paths.contexts_dir().exists() else True
+
+
+def test_ask_without_context(home):
+    with pytest.raises(StarqaError, match="No ingested context"):
+        ask()
+
+
+def test_ask_unknown_context_name(home, docs, tiny_model):
+    ingest(docs, tiny_model, method="dense")
+    with pytest.raises(StarqaError, match="No context named 'nope'"):
+        ask(context="nope")
+
+
+@pytest.mark.parametrize("damage", ["delete", "corrupt"])
+def test_missing_or_corrupt_shard_is_named(home, docs, tiny_model, damage):
+    m = ingest(docs, tiny_model, method="dense", block_size=60).manifest
+    shard = store.Path(m["_dir"]) / m["blocks"][1]["file"]
+    if damage == "delete":
+        shard.unlink()
+    else:
+        data = bytearray(shard.read_bytes())
+        data[-10] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=shard.name) as err:
+        ask()
+    assert "starqa ingest" in err.value.hint
+
+
+def test_model_that_does_not_match_the_manifest(home, docs, tiny_model, tmp_path):
+    ingest(docs, tiny_model, method="dense")
+    other = make_tiny_model(tmp_path / "other", seed=1)
+    with pytest.raises(StarqaError, match="does not match the model"):
+        ask(model=other)
+
+
+def test_worker_death_shows_stderr_and_keeps_previous_cache(home, docs, tiny_model, monkeypatch):
+    first = ingest(docs, tiny_model, method="star", workers=2, block_size=40).manifest
+    before = sorted(p.name for p in store.Path(first["_dir"]).iterdir())
+    monkeypatch.setenv("STARQA_FAULT", "ingest:1")
+    with pytest.raises(WorkerError, match="injected fault in ingest on rank 1"):
+        ingest(docs, tiny_model, method="star", workers=2, block_size=40, force=True)
+    root = paths.contexts_dir()
+    assert not [p for p in root.iterdir() if p.name.startswith(".staging")]  # no partial cache
+    assert sorted(p.name for p in store.Path(first["_dir"]).iterdir()) == before
+    monkeypatch.delenv("STARQA_FAULT")
+    assert len(ask().token_ids) > 0  # the previous cache still answers
+
+
+def test_cli_error_exit_code_and_message(home, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "starqa", "ingest", str(tmp_path / "missing")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "error:" in proc.stderr and "No such file or directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_ingest_and_ask_json(home, docs, tiny_model):
+    run = lambda *a: subprocess.run([sys.executable, "-m", "starqa", *a], capture_output=True,
+                                    text=True)
+    ing = run("ingest", str(docs), "--model", str(tiny_model), "--dtype", "fp32",
+              "--workers", "2", "--block-size", "50")
+    assert ing.returncode == 0, ing.stderr
+    assert "Ingested docs" in ing.stderr
+    hit = run("ingest", str(docs), "--model", str(tiny_model), "--dtype", "fp32",
+              "--workers", "2", "--block-size", "50")
+    assert "Cache hit" in hit.stderr
+    out = run("ask", QUESTION, "--json", "--max-new-tokens", "4")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["context"] == "docs" and data["tokens"]["answer"] <= 4
+    assert data["method"]["name"] == "star" and data["workers"] == 2

@@ -1,0 +1,77 @@
+"""Phase 1 layouts on a tiny random Llama, in fp32, in-process (no workers)."""
+
+import pytest
+import torch
+
+from starqa import hooks, phase1
+from starqa.methods import MethodConfig, method_config, plan_blocks
+from starqa.models import load_model
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
+
+
+def full_forward_kv(model, ids):
+    """Per-layer KV of one ordinary causal forward (transformers' own cache)."""
+    out = model(ids[None], use_cache=True)
+    cache = out.past_key_values
+    return [(cache.layers[i].keys[0], cache.layers[i].values[0]) for i in range(len(cache.layers))]
+
+
+IDS = torch.arange(100) % 40 + 3
+
+
+def test_dense_blocks_equal_one_causal_forward(model):
+    ref = full_forward_kv(model, IDS)
+    blocks = plan_blocks(len(IDS), 30)
+    for index, k, v in phase1.encode_dense(model, IDS, blocks):
+        start, end = blocks[index]
+        for layer, (rk, rv) in enumerate(ref):
+            torch.testing.assert_close(k[layer], rk[:, start:end], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v[layer], rv[:, start:end], rtol=1e-5, atol=1e-5)
+
+
+def test_star_with_one_block_equals_dense(model):
+    blocks = plan_blocks(len(IDS), len(IDS))
+    [(_, k_star, v_star)] = phase1.encode_star(model, IDS, blocks, [0], anchor_size=len(IDS))
+    [(_, k_dense, v_dense)] = phase1.encode_dense(model, IDS, blocks)
+    torch.testing.assert_close(k_star, k_dense)
+    torch.testing.assert_close(v_star, v_dense)
+
+
+def test_star_second_block_sees_anchor_not_the_blocks_between(model):
+    """Block 2 is encoded as [c[:a] ‖ c_2]: equal to a causal forward over exactly that
+    sequence at positions (0..a-1, s..e-1), and different from dense (it skips block 1)."""
+    blocks = plan_blocks(len(IDS), 25)  # 4 blocks
+    anchor = 10
+    [(_, k, v)] = phase1.encode_star(model, IDS, blocks, [2], anchor_size=anchor)
+    start, end = blocks[2]
+    seq = torch.cat([IDS[:anchor], IDS[start:end]])
+    pos = torch.cat([torch.arange(anchor), torch.arange(start, end)])
+    out = model(seq[None], position_ids=pos[None], use_cache=True)
+    cache = out.past_key_values
+    for layer in range(len(cache.layers)):
+        torch.testing.assert_close(k[layer], cache.layers[layer].keys[0][:, anchor:],
+                                   rtol=1e-5, atol=1e-5)
+    dense = dict((i, kk) for i, kk, _ in phase1.encode_dense(model, IDS, blocks))
+    assert not torch.allclose(k, dense[2], atol=1e-4)
+    assert k.shape == (2, 2, end - start, 16)  # [L, Hkv, T, D]
+
+
+def test_star_block_one_with_full_anchor_equals_dense(model):
+    """With anchor = block size, block 1's input [c_0 ‖ c_1] is the true causal prefix."""
+    blocks = plan_blocks(60, 30)
+    ids = IDS[:60]
+    [(_, k, _)] = phase1.encode_star(model, ids, blocks, [1], anchor_size=30)
+    dense = list(phase1.encode_dense(model, ids, blocks))
+    torch.testing.assert_close(k, dense[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_method_defaults_follow_the_paper():
+    cfg = method_config("star", 10_000)
+    assert cfg == MethodConfig("star", 2_500, 2_500)  # block = n/4, anchor = block
+    assert method_config("star", 1_000_000).block_size == 32_768
+    assert method_config("dense", 100).anchor_size == 0
+    assert plan_blocks(10, 4) == [(0, 4), (4, 8), (8, 10)]
