@@ -23,6 +23,7 @@ import pathspec
 
 from starqa.errors import StarqaError
 
+STARQAIGNORE = ".starqaignore"  # per-folder ignore file, gitignore syntax, top level only
 LOCK_FILES = frozenset({
     "package-lock.json", "yarn.lock", "pnpm-lock.yaml", "poetry.lock", "Cargo.lock", "uv.lock",
     "Pipfile.lock", "composer.lock", "Gemfile.lock", "go.sum",
@@ -226,6 +227,15 @@ def _labels(paths: list[Path]) -> list[str]:
     return [p.as_posix() for p in paths]
 
 
+def _starqaignore(root: Path) -> pathspec.GitIgnoreSpec | None:
+    """`.starqaignore` at a folder's top: gitignore patterns for files starqa should not
+    ingest even though git tracks them (e.g. the answer key next to sample documents)."""
+    path = root / STARQAIGNORE
+    if not path.is_file():
+        return None
+    return pathspec.GitIgnoreSpec.from_lines(path.read_text(errors="replace").splitlines())
+
+
 def _candidates(root: Path, label: str, include: _Globs,
                 exclude: _Globs) -> Iterator[tuple[str, Path] | Skipped]:
     """(display path, path on disk) of files to read under one root, or Skipped entries."""
@@ -234,12 +244,15 @@ def _candidates(root: Path, label: str, include: _Globs,
         return
     walk = _walk_git(root) if _use_git(root) else _walk_plain(root, exclude)
     prefix = f"{label}/" if label else ""
+    own_ignore = _starqaignore(root)
     for item in walk:
         if isinstance(item, Skipped):
             yield Skipped(prefix + item.path, item.reason)
             continue
         rel, path = item
-        if exclude.match(rel, prefix + rel):
+        if own_ignore is not None and own_ignore.match_file(rel):
+            yield Skipped(prefix + rel, f"ignored by {STARQAIGNORE}")
+        elif exclude.match(rel, prefix + rel):
             yield Skipped(prefix + rel, "excluded by --exclude")
         elif include.patterns and not include.match(rel, prefix + rel):
             continue  # not asked for: not worth a line in the report

@@ -71,6 +71,7 @@ class IngestResult:
     seconds: float
     workers: int = 0
     encode_seconds: float = 0.0
+    peak_bytes: list[int] = field(default_factory=list)  # per worker
 
 
 def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
@@ -116,6 +117,7 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         job = {"phase": "ingest", "model_path": str(model_path), "dtype": dtype,
                "method": method.as_dict(), "blocks": blocks, "staging": str(staging)}
         encode_started: list[float] = []
+        peaks: dict[int, int] = {}
 
         def on_event(event: dict) -> None:
             if event["event"] == "ready" and not encode_started:
@@ -123,6 +125,8 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
                 ui.start_encoding(n, workers)
             elif event["event"] == "block":
                 ui.advance(event["tokens"])
+            elif event["event"] == "peak":
+                peaks[event["rank"]] = event["bytes"]
 
         ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
         run_workers(job, _launch(opts, workers), on_event)
@@ -152,7 +156,7 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     manifest = store.read_manifest(final)
     store.touch(manifest)
     return IngestResult(manifest, corpus, False, time.perf_counter() - started, workers,
-                        encode_seconds)
+                        encode_seconds, [peaks[r] for r in sorted(peaks)])
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ class Answer:
     first_token_seconds: float | None
     decode_seconds: float
     mass: list[float] = field(default_factory=list)
+    peak_bytes: list[int] = field(default_factory=list)  # per worker
 
 
 def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
@@ -192,10 +197,10 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         raise StarqaError(f"--max-new-tokens must be at least 1 (got {opts.max_new_tokens}).")
     manifest = store.find_context(paths.contexts_dir(), opts.context)
     with ui.status("Checking model and shards"):
-        model_path = _manifest_model(manifest, opts.model)
+        model_path = manifest_model(manifest, opts.model)
         tokenizer = models.load_tokenizer(model_path)
-        for index in range(len(manifest["blocks"])):
-            store.verify_block(manifest, index)
+        for index in range(len(manifest["blocks"])):  # workers verify checksums as they load
+            store.verify_block(manifest, index, checksum=False)
     query_ids = prompt.tokenize_query(tokenizer, manifest["query_template"], opts.question)
     n, m, window = manifest["n_tokens"], len(query_ids), manifest["model"]["window"]
     if n + m + opts.max_new_tokens > window and not opts.beyond_window:
@@ -204,13 +209,14 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
             f"{n + m + opts.max_new_tokens:,} tokens > {window:,} the model was trained on.",
             hint="lower --max-new-tokens, ingest less, or pass --beyond-window to go on anyway")
     workers = min(opts.workers or default_workers(opts.device), len(manifest["blocks"]))
-    stop_ids = _stop_ids(tokenizer, model_path)
+    stops = stop_ids(tokenizer, model_path)
     job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest["dtype"],
            "context_dir": manifest["_dir"], "query_ids": query_ids,
-           "max_new_tokens": opts.max_new_tokens, "stop_ids": sorted(stop_ids)}
+           "max_new_tokens": opts.max_new_tokens, "stop_ids": sorted(stops)}
     generated: list[int] = []
     shown = [""]
     timing: dict[str, Any] = {}
+    peaks: dict[int, int] = {}
 
     def on_event(event: dict) -> None:
         if event["event"] == "token":
@@ -222,6 +228,8 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
                 shown[0] = text
         elif event["event"] == "done":
             timing["done"] = event
+        elif event["event"] == "peak":
+            peaks[event["rank"]] = event["bytes"]
 
     ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
     run_workers(job, _launch(opts, workers), on_event)
@@ -234,7 +242,8 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
     return Answer(text=text.strip(), token_ids=generated, context=manifest, query_tokens=m,
                   workers=workers, seconds=time.perf_counter() - started,
                   first_token_seconds=(first - started) if first else None,
-                  decode_seconds=done.get("seconds", 0.0), mass=done.get("mass", []))
+                  decode_seconds=done.get("seconds", 0.0), mass=done.get("mass", []),
+                  peak_bytes=[peaks[r] for r in sorted(peaks)])
 
 
 # ---------------------------------------------------------------------------------------
@@ -258,10 +267,11 @@ def _intact(folder: Path) -> bool:
     """A committed context whose shards are all present with their recorded sizes."""
     try:
         manifest = store.read_manifest(folder)
+        for index in range(len(manifest["blocks"])):
+            store.verify_block(manifest, index, checksum=False)
     except StarqaError:
         return False
-    return all((folder / b["file"]).is_file() and (folder / b["file"]).stat().st_size == b["bytes"]
-               for b in manifest["blocks"])
+    return True
 
 
 def _save_tokens(folder: Path, ids: list[int]) -> None:
@@ -271,7 +281,7 @@ def _save_tokens(folder: Path, ids: list[int]) -> None:
     save_file({"ids": torch.tensor(ids, dtype=torch.int32)}, str(folder / "tokens.safetensors"))
 
 
-def _manifest_model(manifest: dict, spec: str | None) -> Path:
+def manifest_model(manifest: dict, spec: str | None) -> Path:
     """The model the context was made with; a different one is an error, never a silent mix."""
     from starqa import models
 
@@ -290,7 +300,7 @@ def _manifest_model(manifest: dict, spec: str | None) -> Path:
     return path
 
 
-def _stop_ids(tokenizer, model_path: Path) -> set[int]:
+def stop_ids(tokenizer, model_path: Path) -> set[int]:
     from transformers import GenerationConfig
 
     stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from starqa.errors import StarqaError, WorkerError
+from starqa.errors import ShardError, StarqaError, WorkerError
 from starqa.worker import EVENT_PREFIX
 
 
@@ -99,7 +99,8 @@ def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:
     finally:
         reader.join(timeout=5)
     if errors:  # a worker explained itself: that message beats any traceback
-        raise StarqaError(errors[0]["message"], hint=errors[0].get("hint"))
+        kind = {"ShardError": ShardError}.get(errors[0].get("kind"), StarqaError)
+        raise kind(errors[0]["message"], hint=errors[0].get("hint"))
     if proc.returncode != 0:
         raise WorkerError(f"A worker died (torchrun exit code {proc.returncode}).\n"
                           + worker_stderr_tail(list(tail)))

@@ -128,13 +128,14 @@ def touch(manifest: dict) -> None:
     (Path(manifest["_dir"]) / ".last_used").write_text(str(time.time()))
 
 
-def verify_block(manifest: dict, index: int) -> Path:
-    """Path of block `index` after checking it exists and matches its checksum."""
+def verify_block(manifest: dict, index: int, checksum: bool = True) -> Path:
+    """Path of block `index` after checking it exists, has its size and (unless
+    `checksum=False`, a quick look) matches its checksum."""
     block = manifest["blocks"][index]
     path = Path(manifest["_dir"]) / block["file"]
     if not path.exists():
         raise ShardError(f"Shard {path} is missing.", hint=_fix(manifest))
-    if path.stat().st_size != block["bytes"] or sha256_file(path) != block["sha256"]:
+    if path.stat().st_size != block["bytes"] or (checksum and sha256_file(path) != block["sha256"]):
         raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
                          hint=_fix(manifest))
     return path
@@ -156,3 +157,17 @@ def _last_used(folder: Path) -> float:
 def _fix(manifest: dict) -> str:
     command = manifest.get("command") or "starqa ingest " + " ".join(manifest.get("sources", ["PATH"]))
     return f"re-ingest to rebuild it: {command}"
+
+
+def load_shard(manifest: dict, indices, device="cpu"):
+    """The KV of blocks `indices` (contiguous, in order) as one shard: per layer (k, v), each
+    [1, Hkv, N, D] in fp32 (Phase 2 attends in fp32; converting once here, not per step).
+    None when `indices` is empty."""
+    import torch
+
+    parts = [load_block(manifest, i, device=device) for i in indices]
+    if not parts:
+        return None
+    k = torch.cat([p[0] for p in parts], dim=2).float()  # [L, Hkv, N, D]
+    v = torch.cat([p[1] for p in parts], dim=2).float()
+    return [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]

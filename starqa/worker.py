@@ -34,7 +34,6 @@ def _load_model(job: dict, info):
 
 
 def run_ingest(job: dict, info) -> None:
-    import torch
     from safetensors.torch import load_file
 
     from starqa import dist, phase1, store
@@ -57,20 +56,12 @@ def run_ingest(job: dict, info) -> None:
 
 
 def run_ask(job: dict, info) -> None:
-    import torch
-
     from starqa import dist, phase2, store
 
     manifest = store.read_manifest(store.Path(job["context_dir"]))
     blocks = list(dist.split_contiguous(len(manifest["blocks"]), info.world_size, info.rank))
     model = _load_model(job, info)
-    shard = None
-    if blocks:
-        parts = [store.load_block(manifest, i, device=info.device) for i in blocks]
-        k = torch.cat([p[0] for p in parts], dim=2)  # [L, Hkv, N_h, D]
-        v = torch.cat([p[1] for p in parts], dim=2)
-        # fp32 once here rather than in every layer of every step (attention runs in fp32)
-        shard = [(k[layer][None].float(), v[layer][None].float()) for layer in range(k.shape[0])]
+    shard = store.load_shard(manifest, blocks, device=info.device)
     query_host = info.is_last
     hook = phase2.ShardAttention(info, shard, query_host)
     dist.barrier(info)
@@ -82,6 +73,17 @@ def run_ask(job: dict, info) -> None:
     if query_host:
         emit("done", tokens=len(tokens), seconds=time.perf_counter() - started,
              mass=hook.mass.tolist())
+
+
+def _peak_memory(info) -> int:
+    """This worker's peak memory in bytes: GPU memory on CUDA, else the process's max RSS."""
+    if info.device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(info.device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _fault(phase: str, rank: int) -> None:
@@ -100,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     info = dist.init(job.get("device", "auto"))
     try:
         {"ingest": run_ingest, "ask": run_ask}[job["phase"]](job, info)
+        emit("peak", rank=info.rank, bytes=_peak_memory(info))
     except StarqaError as err:
-        emit("error", rank=info.rank, message=str(err), hint=err.hint)
+        emit("error", rank=info.rank, kind=type(err).__name__, message=str(err), hint=err.hint)
         return 1
     except Exception:
         traceback.print_exc()

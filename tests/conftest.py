@@ -30,3 +30,12 @@ def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("STARQA_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("STARQA_MODEL", raising=False)
     return tmp_path / "home"
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    """The real embedded model, fetched and converted once into the user's cache (not the
+    per-test STARQA_HOME, so it is converted once per machine, not once per test)."""
+    from starqa import models
+
+    return models.resolve_model(models.DEFAULT_MODEL)

@@ -276,3 +276,13 @@ def test_filespan_is_frozen():
     span = FileSpan("a", 0, 10, 5, 1)
     with pytest.raises(AttributeError):
         span.lines = 2  # type: ignore[misc]
+
+
+def test_starqaignore_at_the_top_of_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("alpha\n")
+    (tmp_path / "docs" / "questions.jsonl").write_text('{"q": 1}\n')
+    (tmp_path / "docs" / ".starqaignore").write_text("questions.jsonl\n")
+    corpus = collect([tmp_path / "docs"])
+    assert [f.path for f in corpus.files] == ["a.md"]
+    assert ("questions.jsonl", "ignored by .starqaignore") in {(s.path, s.reason) for s in corpus.skipped}

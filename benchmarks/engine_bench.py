@@ -1,0 +1,144 @@
+"""Engine benchmark: Phase 1 and Phase 2 numbers side by side, in one run, on ~8K tokens.
+
+    python benchmarks/engine_bench.py [--tokens 7600] [--model smollm2-135m]
+
+Prints, for dense and star with 1 and 2 workers: ingest wall time and tokens/s, peak memory
+per worker, shard size on disk; then `ask` time to first token from the cache (cold: a
+fresh torchrun group, as `starqa ask` runs; warm: model and shards already loaded) against
+answering the same question with one dense forward over the full prompt (cold: a fresh
+process that loads the model; warm: the model already loaded).
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "Who approved the 2026 travel budget?"
+
+
+def build_corpus(tokenizer, target: int, folder: Path) -> None:
+    """Copies of samples/ (without the answer key) until about `target` tokens."""
+    files = sorted(p for p in (ROOT / "samples").rglob("*")
+                   if p.is_file() and p.name not in ("questions.jsonl", ".starqaignore"))
+    total, copy = 0, 0
+    while True:
+        for path in files:
+            text = path.read_text()
+            cost = len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 12
+            if total + cost > target:
+                return
+            dest = folder / f"copy{copy}" / path.relative_to(ROOT / "samples")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text)
+            total += cost
+        copy += 1
+
+
+def dense_cold_first_token(model_path: Path, ids: list[int]) -> float:
+    """Seconds from starting a fresh Python process to the first token of a dense forward."""
+    code = ("import sys, torch; from starqa.models import load_model;"
+            f"m = load_model({str(model_path)!r}, dtype=torch.bfloat16);"
+            f"ids = torch.tensor([{ids!r}]);"
+            "torch.inference_mode().__enter__();"
+            "m(ids, logits_to_keep=1).logits.argmax(-1); print('first', flush=True)")
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("first"):
+            elapsed = time.perf_counter() - started
+    proc.wait()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=7600)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from starqa import engine, models, prompt
+    from starqa.session import LocalSession
+
+    model_path = models.resolve_model(args.model)  # from the user's cache
+    home = Path(tempfile.mkdtemp(prefix="starqa-bench-"))
+    os.environ["STARQA_HOME"] = str(home)  # contexts go to a scratch cache
+    tokenizer = models.load_tokenizer(model_path)
+    corpus = home / "corpus"
+    build_corpus(tokenizer, args.tokens, corpus)
+
+    print(f"cpu cores: {os.cpu_count()}, torch {torch.__version__}, model {model_path.name}")
+    print(f"\nPhase 1 (ingest through torchrun; wall = whole command, encode = workers' "
+          f"encoding after the model loaded)")
+    print(f"{'method':7} {'workers':>7} {'tokens':>7} {'blocks':>6} {'wall s':>7} {'encode s':>8} "
+          f"{'enc tok/s':>9} {'peak RSS/worker':>18} {'shards':>9}")
+    manifests = {}
+    for method, workers in (("dense", 1), ("dense", 2), ("star", 1), ("star", 2)):
+        result = engine.ingest(engine.IngestOptions(
+            paths=(str(corpus),), model=str(model_path), method=method, workers=workers,
+            name=f"bench-{method}", force=True))
+        m = result.manifest
+        peaks = "/".join(f"{p / 2**20:,.0f}" for p in result.peak_bytes) + " MB"
+        size = sum(b["bytes"] for b in m["blocks"]) / 2**20
+        note = " (dense encodes on 1 worker)" if method == "dense" and workers > 1 else ""
+        print(f"{method:7} {workers:>7} {m['n_tokens']:>7,} {len(m['blocks']):>6} "
+              f"{result.seconds:>7.1f} {result.encode_seconds:>8.1f} "
+              f"{m['n_tokens'] / result.encode_seconds:>9,.0f} {peaks:>18} {size:>7.1f} MB{note}")
+        manifests[method] = m
+
+    star = manifests["star"]
+    context_ids, _ = _context_ids(tokenizer, corpus)
+    query_ids = prompt.tokenize_query(tokenizer, star["query_template"], QUESTION)
+    full = context_ids + query_ids
+
+    print(f"\nPhase 2: time to first token for one question ({len(query_ids)} tokens) "
+          f"over {len(context_ids):,} context tokens")
+    cold = engine.ask(engine.AskOptions(QUESTION, context="bench-star", workers=2,
+                                        max_new_tokens=32))
+    dense_cold = dense_cold_first_token(model_path, full)
+    print(f"  cold  starqa ask (torchrun, 2 workers, load model + shards): "
+          f"{cold.first_token_seconds:6.2f} s   answer: {cold.text[:60]!r}")
+    print(f"  cold  dense forward over the full prompt (fresh process):     {dense_cold:6.2f} s"
+          f"   ratio {dense_cold / cold.first_token_seconds:.1f}x")
+    n_new = len(cold.token_ids)
+    if n_new > 1:
+        print(f"  decode (2 workers): {(n_new - 1) / cold.decode_seconds:.1f} tokens/s "
+              f"over {n_new} tokens; peak RSS/worker "
+              + "/".join(f"{p / 2**20:,.0f}" for p in cold.peak_bytes) + " MB")
+
+    session = LocalSession(star, model_path)
+    session.answer(QUESTION, 1)  # warm-up
+    warm = min(session.answer(QUESTION, 1).first_token_seconds for _ in range(3))
+    model = models.load_model(model_path, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ids = torch.tensor([full])
+        model(ids[:, :64], logits_to_keep=1)  # warm-up
+        dense_warm = []
+        for _ in range(2):
+            started = time.perf_counter()
+            model(ids, logits_to_keep=1).logits.argmax(-1)
+            dense_warm.append(time.perf_counter() - started)
+    print(f"  warm  starqa (model + shards loaded, question only):          {warm:6.2f} s")
+    print(f"  warm  dense forward over the full prompt (model loaded):     "
+          f"{min(dense_warm):6.2f} s   ratio {min(dense_warm) / warm:.1f}x")
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def _context_ids(tokenizer, corpus: Path):
+    from starqa import corpus as corpus_mod
+    from starqa import prompt
+
+    files = corpus_mod.collect([corpus]).files
+    packed, spans = corpus_mod.pack(files)
+    return prompt.tokenize_context(tokenizer, prompt.split_prompt(tokenizer, packed), spans)
+
+
+if __name__ == "__main__":
+    main()

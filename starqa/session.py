@@ -1,0 +1,48 @@
+"""A cached context answered in this process, as a world of one: model and every shard
+loaded once, then any number of questions. The LSE merge is exact, so this gives the same
+tokens as N workers; scripts that ask many questions (accuracy, benchmarks) use it to pay
+for the model load once."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from starqa import dist, hooks, phase2, prompt, store
+
+
+@dataclass
+class LocalAnswer:
+    text: str
+    token_ids: list[int]
+    first_token_seconds: float
+    seconds: float
+
+
+class LocalSession:
+    def __init__(self, manifest: dict, model_path: Path | None = None, device: str = "cpu"):
+        import torch
+
+        from starqa import engine, models
+
+        self.manifest = manifest
+        path = model_path or engine.manifest_model(manifest, None)
+        self.tokenizer = models.load_tokenizer(path)
+        self.info = dist.DistInfo(0, 0, 1, torch.device(device), None)
+        self.model = models.load_model(path, dtype=getattr(torch, manifest["dtype"]),
+                                       device=device, attn_implementation=hooks.register())
+        shard = store.load_shard(manifest, range(len(manifest["blocks"])), device=device)
+        self.hook = phase2.ShardAttention(self.info, shard, query_host=True)
+        self.stop_ids = engine.stop_ids(self.tokenizer, path)
+
+    def answer(self, question: str, max_new_tokens: int = 64) -> LocalAnswer:
+        ids = prompt.tokenize_query(self.tokenizer, self.manifest["query_template"], question)
+        started = time.perf_counter()
+        first: list[float] = []
+        tokens = phase2.generate(self.model, self.info, self.hook, ids, self.manifest["n_tokens"],
+                                 max_new_tokens, self.stop_ids,
+                                 lambda _: first or first.append(time.perf_counter()))
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        end = time.perf_counter()
+        return LocalAnswer(text, tokens, (first[0] if first else end) - started, end - started)

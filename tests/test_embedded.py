@@ -1,0 +1,45 @@
+"""Integration on the embedded SmolLM2-135M-Instruct (fetched and converted once)."""
+
+import pytest
+import torch
+
+from starqa import corpus, engine, prompt
+from starqa.models import load_model, load_tokenizer
+from starqa.paths import contexts_dir
+
+pytestmark = pytest.mark.model
+QUESTION = "Who approved the 2026 travel budget?"
+
+
+def test_dense_two_workers_equal_one_transformers_generate(embedded_model, home, request):
+    """dense ingest (fp32) + 2-worker Phase 2 = greedy generate over the whole prompt."""
+    samples = request.config.rootpath / "samples"
+    manifest = engine.ingest(engine.IngestOptions(
+        paths=(str(samples),), model=str(embedded_model), method="dense", dtype="fp32",
+        block_size=1024)).manifest
+    assert len(manifest["blocks"]) >= 4
+    answer = engine.ask(engine.AskOptions(QUESTION, workers=2, max_new_tokens=12))
+
+    tok = load_tokenizer(embedded_model)
+    packed, spans = corpus.pack(corpus.collect([samples]).files)
+    context_ids, _ = prompt.tokenize_context(tok, prompt.split_prompt(tok, packed), spans)
+    ids = context_ids + prompt.tokenize_query(tok, manifest["query_template"], QUESTION)
+    model = load_model(embedded_model, dtype=torch.float32)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+    reference = [t for t in out[0, len(ids):].tolist()]
+    stop = engine.stop_ids(tok, embedded_model)
+    reference = reference[:next((i for i, t in enumerate(reference) if t in stop), len(reference))]
+    assert answer.token_ids == reference
+    assert len(reference) > 3
+
+
+def test_samples_ingest_excludes_the_answer_key(embedded_model, home, request):
+    samples = request.config.rootpath / "samples"
+    files = {f.path for f in corpus.collect([samples]).files}
+    assert "questions.jsonl" not in files and "handbook/travel-policy.md" in files
+    tok = load_tokenizer(embedded_model)
+    packed, spans = corpus.pack(corpus.collect([samples]).files)
+    ids, _ = prompt.tokenize_context(tok, prompt.split_prompt(tok, packed), spans)
+    assert len(ids) < 8192 - 512  # the samples fit the window with room for Q&A
+    assert not contexts_dir().exists()
