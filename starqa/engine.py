@@ -65,7 +65,7 @@ class IngestOptions:
 
 @dataclass
 class IngestResult:
-    manifest: dict
+    manifest: dict | None  # None on machines other than node 0, which commits
     corpus: corpus_mod.Corpus
     cache_hit: bool
     seconds: float
@@ -107,22 +107,23 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         return IngestResult(manifest, corpus, True, time.perf_counter() - started)
 
     blocks = plan_blocks(n, method.block_size)
-    # Exact causal encoding is sequential, so dense runs on one worker (ring is the
-    # distributed exact method); star spreads blocks, never more workers than blocks.
-    workers = 1 if method.name == "dense" else min(opts.workers or default_workers(opts.device),
-                                                   len(blocks))
-    staging = store.staging_dir(root, key)
+    workers = _ingest_workers(opts, method.name, len(blocks))
+    # Across machines every node's workers write into one staging folder on the shared
+    # cache, and node 0 commits it; on one machine the folder is this process's own.
+    multinode = opts.nnodes > 1
+    staging = store.staging_dir(root, key, shared=multinode)
     try:
-        _save_tokens(staging, ids)
+        tokens_file = _save_tokens(staging, ids, opts.node_rank)
         job = {"phase": "ingest", "model_path": str(model_path), "dtype": dtype,
-               "method": method.as_dict(), "blocks": blocks, "staging": str(staging)}
+               "method": method.as_dict(), "blocks": blocks, "staging": str(staging),
+               "tokens_file": str(tokens_file)}
         encode_started: list[float] = []
         peaks: dict[int, int] = {}
 
         def on_event(event: dict) -> None:
             if event["event"] == "ready" and not encode_started:
                 encode_started.append(time.perf_counter())
-                ui.start_encoding(n, workers)
+                ui.start_encoding(n, workers * opts.nnodes)
             elif event["event"] == "block":
                 ui.advance(event["tokens"])
             elif event["event"] == "peak":
@@ -131,32 +132,63 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
         run_workers(job, _launch(opts, workers), on_event)
         encode_seconds = time.perf_counter() - (encode_started[0] if encode_started else started)
-        (staging / "tokens.safetensors").unlink()
-        manifest = {
-            "format": store.FORMAT, "key": key, "name": opts.name or _default_name(opts.paths),
-            "created": time.time(), "sources": [str(Path(p).resolve()) for p in opts.paths],
-            "command": opts.command or "starqa ingest " + shlex.join(opts.paths),
-            "model": {"path": str(model_path), "spec": opts.model or models.DEFAULT_MODEL,
-                      "window": window, **fingerprint},
-            "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
-            "n_tokens": n, "query_template": parts.query_template,
-            "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
-                       for i, (s, e) in enumerate(blocks)],
-            "files": [{"path": sp.path, "token_start": a, "token_end": b, "lines": sp.lines,
-                       "bytes": f.size}
-                      for sp, (a, b), f in zip(spans, file_tokens, corpus.files)],
-            "skipped": [{"path": s.path, "reason": s.reason} for s in corpus.skipped],
-            "ingest": {"workers": workers, "encode_seconds": round(encode_seconds, 3),
-                       "tokens_per_second": round(n / max(encode_seconds, 1e-9), 1)},
-        }
-        store.commit(staging, final, manifest)
+        tokens_file.unlink(missing_ok=True)  # node 0 may have committed it away already
+        if opts.node_rank != 0:  # node 0 commits what every node wrote
+            return IngestResult(None, corpus, False, time.perf_counter() - started, workers,
+                                encode_seconds, [peaks[r] for r in sorted(peaks)])
+        for leftover in staging.glob("tokens-node*.safetensors"):
+            leftover.unlink()
+        store.commit(staging, final, _manifest(
+            opts, key, model_path, window, fingerprint, dtype, method, content, parts, ids,
+            blocks, corpus, spans, file_tokens, workers * opts.nnodes, encode_seconds))
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if opts.node_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     manifest = store.read_manifest(final)
     store.touch(manifest)
-    return IngestResult(manifest, corpus, False, time.perf_counter() - started, workers,
-                        encode_seconds, [peaks[r] for r in sorted(peaks)])
+    return IngestResult(manifest, corpus, False, time.perf_counter() - started,
+                        workers * opts.nnodes, encode_seconds, [peaks[r] for r in sorted(peaks)])
+
+
+def _ingest_workers(opts: IngestOptions, method: str, n_blocks: int) -> int:
+    """Workers per machine. Exact causal encoding is sequential, so dense runs on one worker
+    (ring is the distributed exact method); star never starts more workers than blocks."""
+    if method == "dense":
+        if opts.nnodes > 1:
+            raise StarqaError("dense encodes on one worker; it cannot be spread over machines.",
+                              hint="use --method star across machines, or drop --nnodes")
+        return 1
+    if opts.nnodes == 1:
+        return min(opts.workers or default_workers(opts.device), n_blocks)
+    workers = opts.workers or default_workers(opts.device)
+    if workers * opts.nnodes > n_blocks:
+        raise StarqaError(f"{workers * opts.nnodes} workers on {opts.nnodes} machines but only "
+                          f"{n_blocks} blocks.", hint="pass a smaller --block-size or --workers")
+    return workers
+
+
+def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content, parts, ids,
+              blocks, corpus, spans, file_tokens, workers, encode_seconds) -> dict:
+    from starqa import models
+
+    return {
+        "format": store.FORMAT, "key": key, "name": opts.name or _default_name(opts.paths),
+        "created": time.time(), "sources": [str(Path(p).resolve()) for p in opts.paths],
+        "command": opts.command or "starqa ingest " + shlex.join(opts.paths),
+        "model": {"path": str(model_path), "spec": opts.model or models.DEFAULT_MODEL,
+                  "window": window, **fingerprint},
+        "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
+        "n_tokens": len(ids), "query_template": parts.query_template,
+        "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
+                   for i, (s, e) in enumerate(blocks)],
+        "files": [{"path": sp.path, "token_start": a, "token_end": b, "lines": sp.lines,
+                   "bytes": f.size}
+                  for sp, (a, b), f in zip(spans, file_tokens, corpus.files)],
+        "skipped": [{"path": s.path, "reason": s.reason} for s in corpus.skipped],
+        "ingest": {"workers": workers, "encode_seconds": round(encode_seconds, 3),
+                   "tokens_per_second": round(len(ids) / max(encode_seconds, 1e-9), 1)},
+    }
 
 
 @dataclass(frozen=True)
@@ -185,6 +217,7 @@ class Answer:
     decode_seconds: float
     mass: list[float] = field(default_factory=list)
     peak_bytes: list[int] = field(default_factory=list)  # per worker
+    query_host: bool = True  # False on machines that do not hold the last block
 
 
 def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
@@ -208,7 +241,13 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
             f"Context {n:,} + question {m:,} + up to {opts.max_new_tokens:,} answer tokens = "
             f"{n + m + opts.max_new_tokens:,} tokens > {window:,} the model was trained on.",
             hint="lower --max-new-tokens, ingest less, or pass --beyond-window to go on anyway")
-    workers = min(opts.workers or default_workers(opts.device), len(manifest["blocks"]))
+    workers = opts.workers or default_workers(opts.device)
+    if opts.nnodes == 1:
+        workers = min(workers, len(manifest["blocks"]))
+    elif workers * opts.nnodes > len(manifest["blocks"]):
+        raise StarqaError(f"{workers * opts.nnodes} workers on {opts.nnodes} machines but the "
+                          f"context has only {len(manifest['blocks'])} blocks.",
+                          hint="pass a smaller --workers")
     stops = stop_ids(tokenizer, model_path)
     job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest["dtype"],
            "context_dir": manifest["_dir"], "query_ids": query_ids,
@@ -240,7 +279,8 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
     done = timing.get("done", {})
     first = timing.get("first")
     return Answer(text=text.strip(), token_ids=generated, context=manifest, query_tokens=m,
-                  workers=workers, seconds=time.perf_counter() - started,
+                  workers=workers * opts.nnodes, query_host=opts.node_rank == opts.nnodes - 1,
+                  seconds=time.perf_counter() - started,
                   first_token_seconds=(first - started) if first else None,
                   decode_seconds=done.get("seconds", 0.0), mass=done.get("mass", []),
                   peak_bytes=[peaks[r] for r in sorted(peaks)])
@@ -274,11 +314,14 @@ def _intact(folder: Path) -> bool:
     return True
 
 
-def _save_tokens(folder: Path, ids: list[int]) -> None:
+def _save_tokens(folder: Path, ids: list[int], node_rank: int) -> Path:
+    """The context's token ids for this machine's workers (they never tokenise)."""
     import torch
     from safetensors.torch import save_file
 
-    save_file({"ids": torch.tensor(ids, dtype=torch.int32)}, str(folder / "tokens.safetensors"))
+    path = folder / f"tokens-node{node_rank}.safetensors"
+    save_file({"ids": torch.tensor(ids, dtype=torch.int32)}, str(path))
+    return path
 
 
 def manifest_model(manifest: dict, spec: str | None) -> Path:

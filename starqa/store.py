@@ -43,7 +43,13 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def staging_dir(root: Path, key: str) -> Path:
+def staging_dir(root: Path, key: str, shared: bool = False) -> Path:
+    """A fresh folder for this process's ingest, or (`shared`, a multi-machine ingest) the
+    one folder every machine's workers write into."""
+    if shared:
+        path = root / f".staging-{key}-shared"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
     path = root / f".staging-{key}-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)

@@ -83,6 +83,10 @@ class RichUI(UI):
 
 def ingest_report(result: IngestResult) -> None:
     m = result.manifest
+    if m is None:
+        err.print(f"This machine's {result.workers} workers encoded their blocks in "
+                  f"{result.encode_seconds:.1f} s; node 0 commits the context.")
+        return
     files = sorted(m["files"], key=lambda f: f["token_end"] - f["token_start"], reverse=True)
     method = m["method"]
     settings = f"block {method['block_size']:,}" + (
@@ -116,6 +120,9 @@ def ingest_report(result: IngestResult) -> None:
 
 
 def answer_stats(answer: Answer) -> None:
+    if not answer.query_host:
+        err.print("The answer streams on the machine holding the last block (the last node).")
+        return
     n_new = len(answer.token_ids)
     ttft = answer.first_token_seconds
     rate = (n_new - 1) / answer.decode_seconds if answer.decode_seconds and n_new > 1 else 0.0

@@ -42,7 +42,7 @@ def run_ingest(job: dict, info) -> None:
     method = MethodConfig(**job["method"])
     blocks = [tuple(b) for b in job["blocks"]]
     folder = store.Path(job["staging"])
-    ids = load_file(str(folder / "tokens.safetensors"))["ids"].long()
+    ids = load_file(job["tokens_file"])["ids"].long()
     model = _load_model(job, info)
     mine = list(dist.split_contiguous(len(blocks), info.world_size, info.rank))
     emit("ready", rank=info.rank, blocks=mine)

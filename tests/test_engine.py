@@ -179,3 +179,35 @@ def test_cli_ingest_and_ask_json(home, docs, tiny_model):
     data = json.loads(out.stdout)
     assert data["context"] == "docs" and data["tokens"]["answer"] <= 4
     assert data["method"]["name"] == "star" and data["workers"] == 2
+
+
+def test_two_machines_on_loopback(home, docs, tiny_model):
+    """torchrun's multi-node options pass through: two launchers, one worker each, meeting at
+    a rendezvous endpoint on 127.0.0.1, sharing one cache; node 0 commits, node 1 streams."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def run(command, rank, *extra):
+        return subprocess.Popen(
+            [sys.executable, "-m", "starqa", command, *extra, "--nnodes", "2", "--node-rank",
+             str(rank), "--workers", "1", "--rdzv-endpoint", f"127.0.0.1:{port}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    ingest_args = (str(docs), "--model", str(tiny_model), "--dtype", "fp32", "--block-size", "60")
+    nodes = [run("ingest", rank, *ingest_args) for rank in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert "Ingested docs" in outs[0][1] and "node 0 commits" in outs[1][1]
+    manifest = store.find_context(paths.contexts_dir(), "docs")
+    assert manifest["ingest"]["workers"] == 2
+
+    port += 1
+    nodes = [run("ask", rank, QUESTION, "--max-new-tokens", "6") for rank in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert outs[0][0] == ""  # node 0 holds the first blocks: the answer streams on node 1
+    single = engine.ask(engine.AskOptions(QUESTION, max_new_tokens=6, workers=2))
+    assert outs[1][0].strip() == single.text and single.text
