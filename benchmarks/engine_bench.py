@@ -94,8 +94,8 @@ def main() -> None:
         manifests[method] = m
 
     star = manifests["star"]
-    context_ids, _ = _context_ids(tokenizer, corpus)
-    query_ids = prompt.tokenize_query(tokenizer, star["query_template"], QUESTION)
+    context_ids = _context_ids(tokenizer, corpus)
+    query_ids = prompt.tokenize_query(tokenizer, QUESTION)
     full = context_ids + query_ids
 
     print(f"\nPhase 2: time to first token for one question ({len(query_ids)} tokens) "
@@ -137,7 +137,7 @@ def _context_ids(tokenizer, corpus: Path):
 
     files = corpus_mod.collect([corpus]).files
     packed, spans = corpus_mod.pack(files)
-    return prompt.tokenize_context(tokenizer, prompt.split_prompt(tokenizer, packed), spans)
+    return prompt.tokenize_context(tokenizer, packed, spans).ids
 
 
 if __name__ == "__main__":

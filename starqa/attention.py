@@ -102,6 +102,22 @@ def merge(outs: list[torch.Tensor] | torch.Tensor, lses: list[torch.Tensor] | to
     return out, lse
 
 
+def key_mass(query: torch.Tensor, key: torch.Tensor, scale: float, lse: torch.Tensor) -> torch.Tensor:
+    """Attention probability each key receives, summed over query heads and rows.
+
+    query [B, Hq, M, D], key [B, Hkv, N, D], lse [B, Hq, M]: the *global* log-normaliser
+    (after the merge), so a shard's keys get their true share of the whole cache's mass.
+    Returns [N] fp32: sum over b, h, m of exp(q_bhm · k_n * scale - lse_bhm).
+    """
+    batch, q_heads, m, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = q_heads // kv_heads
+    q = query.float().reshape(batch, kv_heads, groups * m, dim)
+    scores = torch.matmul(q, key.float().transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*M, N]
+    norm = lse.float().reshape(batch, kv_heads, groups * m, 1)
+    return torch.exp_(scores.sub_(norm)).sum(dim=(0, 1, 2))
+
+
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scale: float | None = None) -> torch.Tensor:
     """Plain causal self-attention for Phase 1 (queries are the last M of N keys).

@@ -95,6 +95,8 @@ def ask(
     max_new_tokens: Annotated[int, typer.Option(envvar="STARQA_MAX_NEW_TOKENS",
                                                 help="Longest answer in tokens.")] = 256,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    cold: Annotated[bool, typer.Option(
+        "--cold", help="Start workers even when a warm group serves the context.")] = False,
     beyond_window: BeyondWindow = False,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
@@ -108,13 +110,211 @@ def ask(
     opts = engine.AskOptions(question=question, context=context, model=model, workers=workers,
                              max_new_tokens=max_new_tokens, beyond_window=beyond_window,
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                             device=device)
+                             device=device, warm=not cold)
     with RichUI(stream=not as_json) as ui:
         answer = engine.ask(opts, ui)
     if as_json:
         print(json.dumps(answer_json(answer), indent=1))
     else:
         answer_stats(answer)
+
+
+# ---------------------------------------------------------------------------------------
+# cache management
+
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+@app.command("list")
+def list_(as_json: AsJson = False) -> None:
+    """List cached contexts, most recently used first.
+
+    `*` marks the one `ask` uses without --context."""
+    import time
+
+    from starqa import paths, store
+
+    summaries = [store.context_summary(m) for m in store.list_contexts(paths.contexts_dir())]
+    if as_json:
+        print(json.dumps([{**s, "default": i == 0} for i, s in enumerate(summaries)], indent=1))
+        return
+    from starqa.ui import context_list
+
+    context_list(summaries, time.time())
+
+
+@app.command()
+def info(
+    name: Annotated[Optional[str], typer.Argument(
+        metavar="NAME", help="Context name or key prefix (default: the one `ask` uses).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the manifest.")] = False,
+) -> None:
+    """Show everything about one cached context.
+
+    Sources, the command that made it, model, method, blocks, files, skipped files, timing."""
+    import time
+
+    from starqa import paths, store
+
+    manifest = store.find_context(paths.contexts_dir(), name)
+    if as_json:
+        print(json.dumps({**{k: v for k, v in manifest.items() if k != "_dir"},
+                          "dir": manifest["_dir"]}, indent=1))
+        return
+    from starqa.ui import context_info
+
+    context_info(manifest, store.context_summary(manifest), time.time())
+
+
+@app.command()
+def rm(
+    names: Annotated[Optional[list[str]], typer.Argument(
+        metavar="NAME", help="Context names or key prefixes.", show_default=False)] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Remove every context.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask to confirm --all.")] = False,
+) -> None:
+    """Remove cached contexts and print the space freed."""
+    from starqa import paths, store
+    from starqa.errors import StarqaError
+    from starqa.ui import removed_report
+
+    root = paths.contexts_dir()
+    if bool(names) == all_:
+        raise StarqaError("Give the names of the contexts to remove, or --all (not both).",
+                          hint="starqa list shows the names")
+    if all_:
+        targets = store.list_contexts(root)
+        if not targets:
+            print("No contexts to remove.")
+            return
+        if not yes:
+            if not sys.stdin.isatty():
+                raise StarqaError(f"--all would remove {len(targets)} contexts.",
+                                  hint="pass --yes to confirm when stdin is not a terminal")
+            if not typer.confirm(f"Remove all {len(targets)} contexts?"):
+                print("Nothing removed.")
+                raise typer.Exit(1)
+    else:  # resolve every name first, so a typo removes nothing
+        targets = list({m["key"]: m for m in (store.find_context(root, n) for n in names)}.values())
+    removed_report([(m, store.remove_context(m)) for m in targets])
+
+
+@app.command()
+def cache(
+    clean: Annotated[bool, typer.Option(
+        "--clean", help="Delete folders left by crashed or interrupted ingests and removals "
+                        "(never those of a running process on this machine) and contexts "
+                        "this starqa cannot read.")] = False,
+    as_json: AsJson = False,
+) -> None:
+    """Show where the cache is and how big it is.
+
+    Sizes of converted models and contexts, folders left by interrupted work, and contexts
+    from an incompatible starqa."""
+    from starqa import paths, store
+
+    usage = store.cache_usage(paths.models_dir(), paths.contexts_dir())
+    cleaned = None
+    if clean:
+        cleaned = store.clean_leftovers(usage.leftovers)
+        usage = store.cache_usage(paths.models_dir(), paths.contexts_dir())
+    if as_json:
+        print(json.dumps({"home": str(paths.home()), **usage.as_dict(),
+                          "cleaned_bytes": cleaned}, indent=1))
+        return
+    from starqa.ui import cache_report
+
+    cache_report(paths.home(), usage, cleaned)
+
+
+KeepAlive = Annotated[float, typer.Option(
+    "--keep-alive", envvar="STARQA_KEEP_ALIVE",
+    help="Seconds without a question before warm workers exit (0: never).")]
+ContextArg = Annotated[Optional[str], typer.Argument(
+    envvar="STARQA_CONTEXT", help="Context name or key (default: the one used last).")]
+
+
+@app.command()
+def serve(
+    context: ContextArg = None,
+    model: Model = None,
+    workers: Workers = None,
+    keepalive: KeepAlive = 900.0,
+    device: Device = "auto",
+) -> None:
+    """Keep a worker group warm for a context; `ask` and `chat` use it while it runs."""
+    from starqa import engine
+    from starqa.ui import RichUI, err
+
+    def ready(info: dict) -> None:
+        ui._stop_status()
+        err.print(f"Serving {info['name']} ({info['key']}) on {info['workers']} warm worker"
+                  f"{'s' * (info['workers'] > 1)}; idle exit after {keepalive:.0f} s "
+                  f"(0: never). Ctrl-C or `starqa stop {info['name']}` ends it.")
+
+    with RichUI() as ui:
+        engine.serve(engine.ServeOptions(context=context, model=model, workers=workers,
+                                         keepalive=keepalive, device=device), ui, ready)
+
+
+@app.command()
+def ps(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """Show running worker groups."""
+    from starqa import client
+    from starqa.ui import groups_table
+
+    groups = client.running()
+    for group in groups:
+        try:
+            conn = client.Client(group, timeout=5)
+            group.update(conn.ping())
+            conn.close()
+        except Exception:  # busy answering or starting: show what the run file says
+            pass
+    if as_json:
+        print(json.dumps(groups, indent=1))
+    else:
+        groups_table(groups)
+
+
+@app.command()
+def stop(
+    contexts: Annotated[Optional[list[str]], typer.Argument(help="Context names or keys.")] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Stop every running group.")] = False,
+) -> None:
+    """Stop warm worker groups."""
+    from starqa import client, paths, store
+    from starqa.errors import StarqaError
+    from starqa.ui import err
+
+    groups = client.running()
+    if not all_:
+        if not contexts:
+            raise StarqaError("Name the contexts whose workers to stop, or pass --all.",
+                              hint="starqa ps shows them")
+        keys = {store.find_context(paths.contexts_dir(), name)["key"] for name in contexts}
+        groups = [g for g in groups if g["key"] in keys]
+    if not groups:
+        err.print("No matching worker group is running.")
+    for group in groups:
+        conn = client.Client(group, timeout=30)
+        conn.stop()
+        conn.close()
+        err.print(f"Stopped {group['name']} ({group['key']}).")
+
+
+@app.command()
+def chat(
+    context: ContextArg = None,
+    workers: Workers = None,
+    keepalive: KeepAlive = 900.0,
+    max_new_tokens: Annotated[int, typer.Option(envvar="STARQA_MAX_NEW_TOKENS",
+                                                help="Longest answer in tokens.")] = 256,
+) -> None:
+    """Interactive questions over a cached context, with warm workers."""
+    from starqa.repl import Chat
+
+    Chat(context, workers, keepalive, max_new_tokens).run()
 
 
 def main() -> None:

@@ -71,6 +71,24 @@ def broadcast(info: DistInfo, tensor: torch.Tensor, src: int) -> torch.Tensor:
     return tensor
 
 
+def gather_object(info: DistInfo, obj, dst: int) -> list | None:
+    """Every rank's picklable `obj`, as a list on rank `dst` (None elsewhere)."""
+    if info.group is None:
+        return [obj]
+    out = [None] * info.world_size if info.rank == dst else None
+    dist.gather_object(obj, out, dst=dst, group=info.group)
+    return out
+
+
+def broadcast_object(info: DistInfo, obj, src: int):
+    """Rank `src`'s picklable `obj` on every rank."""
+    if info.group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=info.group)
+    return box[0]
+
+
 def barrier(info: DistInfo) -> None:
     if info.group is not None:
         dist.barrier(group=info.group)

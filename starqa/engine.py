@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import time
@@ -88,8 +89,8 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         fingerprint = models.fingerprint(model_path)
     with ui.status("Tokenising"):
         packed, spans = corpus_mod.pack(corpus.files)
-        parts = prompt.split_prompt(tokenizer, packed)
-        ids, file_tokens = prompt.tokenize_context(tokenizer, parts, spans)
+        tokens = prompt.tokenize_context(tokenizer, packed, spans)
+        ids = tokens.ids
     n = len(ids)
     if n > window and not opts.beyond_window:
         raise StarqaError(f"The context is {n:,} tokens > {window:,} the model was trained on.",
@@ -139,8 +140,8 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         for leftover in staging.glob("tokens-node*.safetensors"):
             leftover.unlink()
         store.commit(staging, final, _manifest(
-            opts, key, model_path, window, fingerprint, dtype, method, content, parts, ids,
-            blocks, corpus, spans, file_tokens, workers * opts.nnodes, encode_seconds))
+            opts, key, model_path, window, fingerprint, dtype, method, content, tokens, blocks,
+            corpus, spans, workers * opts.nnodes, encode_seconds))
     except BaseException:
         if opts.node_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -168,8 +169,8 @@ def _ingest_workers(opts: IngestOptions, method: str, n_blocks: int) -> int:
     return workers
 
 
-def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content, parts, ids,
-              blocks, corpus, spans, file_tokens, workers, encode_seconds) -> dict:
+def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content, tokens,
+              blocks, corpus, spans, workers, encode_seconds) -> dict:
     from starqa import models
 
     return {
@@ -179,15 +180,16 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
         "model": {"path": str(model_path), "spec": opts.model or models.DEFAULT_MODEL,
                   "window": window, **fingerprint},
         "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
-        "n_tokens": len(ids), "query_template": parts.query_template,
+        "n_tokens": len(tokens.ids),
         "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
                    for i, (s, e) in enumerate(blocks)],
         "files": [{"path": sp.path, "token_start": a, "token_end": b, "lines": sp.lines,
-                   "bytes": f.size}
-                  for sp, (a, b), f in zip(spans, file_tokens, corpus.files)],
+                   "bytes": f.size, "line_tokens": lines}
+                  for sp, (a, b), lines, f in zip(spans, tokens.file_tokens, tokens.line_tokens,
+                                                  corpus.files)],
         "skipped": [{"path": s.path, "reason": s.reason} for s in corpus.skipped],
         "ingest": {"workers": workers, "encode_seconds": round(encode_seconds, 3),
-                   "tokens_per_second": round(len(ids) / max(encode_seconds, 1e-9), 1)},
+                   "tokens_per_second": round(len(tokens.ids) / max(encode_seconds, 1e-9), 1)},
     }
 
 
@@ -203,6 +205,7 @@ class AskOptions:
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     device: str = "auto"
+    warm: bool = True  # use a running `starqa serve` group for the context when there is one
 
 
 @dataclass
@@ -215,9 +218,10 @@ class Answer:
     seconds: float
     first_token_seconds: float | None
     decode_seconds: float
-    mass: list[float] = field(default_factory=list)
+    sources: list[dict] = field(default_factory=list)  # top files and lines attended to
     peak_bytes: list[int] = field(default_factory=list)  # per worker
     query_host: bool = True  # False on machines that do not hold the last block
+    warm: bool = False  # answered by a running worker group
 
 
 def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
@@ -229,25 +233,22 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
     if opts.max_new_tokens < 1:
         raise StarqaError(f"--max-new-tokens must be at least 1 (got {opts.max_new_tokens}).")
     manifest = store.find_context(paths.contexts_dir(), opts.context)
+    if opts.warm and opts.nnodes == 1 and opts.model is None:
+        from starqa import client
+
+        if (group := client.find(manifest["key"])) is not None:
+            return _ask_warm(opts, manifest, group, ui, started)
     with ui.status("Checking model and shards"):
-        model_path = manifest_model(manifest, opts.model)
+        model_path = _checked_model(manifest, opts.model)
         tokenizer = models.load_tokenizer(model_path)
-        for index in range(len(manifest["blocks"])):  # workers verify checksums as they load
-            store.verify_block(manifest, index, checksum=False)
-    query_ids = prompt.tokenize_query(tokenizer, manifest["query_template"], opts.question)
+    query_ids = prompt.tokenize_query(tokenizer, opts.question)
     n, m, window = manifest["n_tokens"], len(query_ids), manifest["model"]["window"]
     if n + m + opts.max_new_tokens > window and not opts.beyond_window:
         raise StarqaError(
             f"Context {n:,} + question {m:,} + up to {opts.max_new_tokens:,} answer tokens = "
             f"{n + m + opts.max_new_tokens:,} tokens > {window:,} the model was trained on.",
             hint="lower --max-new-tokens, ingest less, or pass --beyond-window to go on anyway")
-    workers = opts.workers or default_workers(opts.device)
-    if opts.nnodes == 1:
-        workers = min(workers, len(manifest["blocks"]))
-    elif workers * opts.nnodes > len(manifest["blocks"]):
-        raise StarqaError(f"{workers * opts.nnodes} workers on {opts.nnodes} machines but the "
-                          f"context has only {len(manifest['blocks'])} blocks.",
-                          hint="pass a smaller --workers")
+    workers = _phase2_workers(manifest, opts.workers, opts.nnodes, opts.device)
     stops = stop_ids(tokenizer, model_path)
     job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest["dtype"],
            "context_dir": manifest["_dir"], "query_ids": query_ids,
@@ -282,11 +283,103 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
                   workers=workers * opts.nnodes, query_host=opts.node_rank == opts.nnodes - 1,
                   seconds=time.perf_counter() - started,
                   first_token_seconds=(first - started) if first else None,
-                  decode_seconds=done.get("seconds", 0.0), mass=done.get("mass", []),
+                  decode_seconds=done.get("seconds", 0.0), sources=done.get("sources") or [],
                   peak_bytes=[peaks[r] for r in sorted(peaks)])
 
 
+def _ask_warm(opts: AskOptions, manifest: dict, group: dict, ui: UI, started: float) -> Answer:
+    """Ask a running worker group over its socket (no model load, no torch import here)."""
+    from starqa.client import Client
+
+    conn = Client(group)
+    try:
+        first = None
+        for event in conn.ask(opts.question, (), opts.max_new_tokens, opts.beyond_window):
+            if event["event"] == "token":
+                first = first or time.perf_counter()
+                ui.token(event["text"])
+            elif event["event"] == "done":
+                done = event
+    except BaseException:  # Ctrl-C: stop the answer, leave the group warm
+        conn.cancel()
+        raise
+    finally:
+        conn.close()
+    return Answer(text=done["text"], token_ids=done["token_ids"], context=manifest,
+                  query_tokens=done["question_tokens"], workers=group["workers"],
+                  seconds=time.perf_counter() - started,
+                  first_token_seconds=(first - started) if first else None,
+                  decode_seconds=done["decode_s"], sources=done["sources"] or [], warm=True)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    context: str | None = None
+    model: str | None = None
+    workers: int | None = None
+    keepalive: float = 900.0  # seconds without a request before the group exits; 0: never
+    device: str = "auto"
+
+
+def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
+    """Run a warm worker group for a context until stopped or idle for `keepalive`."""
+    from starqa import client
+
+    manifest = store.find_context(paths.contexts_dir(), opts.context)
+    key = manifest["key"]
+    if client.find(key) is not None:
+        raise StarqaError(f"A worker group for {manifest['name']} ({key}) is already running.",
+                          hint=f"starqa stop {manifest['name']}")
+    with ui.status("Checking model and shards"):
+        model_path = _checked_model(manifest, opts.model)
+    workers = _phase2_workers(manifest, opts.workers, 1, opts.device)
+    run_file = client.run_dir() / f"{key}.json"
+    job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest["dtype"],
+           "context_dir": manifest["_dir"], "keepalive": opts.keepalive,
+           "socket": str(client.run_dir() / f"{key}.sock")}
+    ready: set[int] = set()
+
+    def on_event(event: dict) -> None:
+        if event["event"] == "ready":
+            ready.add(event["rank"])
+            if len(ready) == workers:
+                info = {"key": key, "name": manifest["name"], "pid": os.getpid(),
+                        "workers": workers, "socket": job["socket"], "started": time.time(),
+                        "keepalive": opts.keepalive, "tokens": manifest["n_tokens"],
+                        "method": manifest["method"]["name"]}
+                store.write_json_atomic(run_file, info)
+                if on_ready:
+                    on_ready(info)
+
+    ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
+    try:
+        run_workers(job, Launch(workers, device=opts.device), on_event)
+    finally:
+        run_file.unlink(missing_ok=True)
+
+
 # ---------------------------------------------------------------------------------------
+
+
+def _checked_model(manifest: dict, spec: str | None) -> Path:
+    """The manifest's model, verified, with every shard present at its recorded size (the
+    workers verify checksums as they load)."""
+    model_path = manifest_model(manifest, spec)
+    for index in range(len(manifest["blocks"])):
+        store.verify_block(manifest, index, checksum=False)
+    return model_path
+
+
+def _phase2_workers(manifest: dict, requested: int | None, nnodes: int, device: str) -> int:
+    """Workers per machine for Phase 2: never more in all than the context has blocks."""
+    workers = requested or default_workers(device)
+    n_blocks = len(manifest["blocks"])
+    if nnodes == 1:
+        return min(workers, n_blocks)
+    if workers * nnodes > n_blocks:
+        raise StarqaError(f"{workers * nnodes} workers on {nnodes} machines but the context "
+                          f"has only {n_blocks} blocks.", hint="pass a smaller --workers")
+    return workers
 
 
 def _config(model_path: Path):

@@ -15,13 +15,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from starqa import dist
-from starqa.attention import attend, merge
+from starqa.attention import attend, key_mass, merge
 
 
 class ShardAttention:
     """AttentionHook for Phase 2 on one worker.
 
     shard: per layer (k, v) [1, Hkv, N_h, D] of this worker's blocks, or None for no blocks.
+    While `track` is set, `key_mass` [N_h] accumulates the attention probability each shard
+    key receives from the last query row of every forward (the row that picks the next
+    token), summed over layers and heads: the basis of source attribution.
     """
 
     def __init__(self, info: dist.DistInfo, shard: list[tuple[torch.Tensor, torch.Tensor]] | None,
@@ -30,9 +33,9 @@ class ShardAttention:
         self.shard = shard
         self.query_host = query_host
         self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Attention mass each worker's shard received, per layer, summed over heads and
-        # query tokens (filled on every worker; the basis of source attribution).
-        self.mass = torch.zeros(info.world_size, dtype=torch.float64)
+        self.track = False
+        n_keys = shard[0][0].shape[2] if shard else 0
+        self.key_mass = torch.zeros(n_keys, dtype=torch.float64)
 
     def attention(self, layer, query, key, value, scale):
         outs, lses = [], []
@@ -53,35 +56,42 @@ class ShardAttention:
         # One collective: [out ‖ lse] as [B, Hq, M, D + 1], gathered to [W, B, Hq, M, D + 1].
         gathered = dist.all_gather(self.info, torch.cat([out, lse.unsqueeze(-1)], dim=-1))
         out, total = merge(gathered[..., :-1], gathered[..., -1])
-        share = torch.exp(gathered[..., -1] - total.unsqueeze(0))  # [W, B, Hq, M]
-        self.mass += share.sum(dim=(1, 2, 3)).double().cpu()
+        if self.track and self.shard is not None:
+            mass = key_mass(query[:, :, -1:], self.shard[layer][0], scale, total[..., -1:])
+            self.key_mass += mass.double().cpu()
         return out
 
-    def drop_query(self) -> None:
-        """Forget the question's KV so the cache stays the document's."""
+    def reset(self) -> None:
+        """Forget the question's KV (the cache stays the document's) and the tracked mass."""
         self.own.clear()
+        self.key_mass.zero_()
 
 
 @torch.inference_mode()
 def generate(model, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequence[int],
              start_position: int, max_new_tokens: int, stop_ids: set[int],
-             on_token: Callable[[int], None] | None = None) -> list[int]:
+             on_token: Callable[[int], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> list[int]:
     """Greedy generation of up to `max_new_tokens` after `query_ids` (at positions from
-    `start_position`). The query host picks each token and broadcasts it."""
+    `start_position`). The query host picks each token and broadcasts it; it broadcasts -1
+    instead when `should_stop()` (evaluated there only) asks to stop early."""
     device = info.device
     src = info.world_size - 1
     ids = torch.tensor(query_ids, device=device)
     positions = torch.arange(start_position, start_position + len(query_ids), device=device)
     generated: list[int] = []
+    hook.reset()
+    hook.track = True
     try:
         for _ in range(max_new_tokens):
             hidden = model.model(input_ids=ids[None], position_ids=positions[None], starqa=hook,
                                  use_cache=False).last_hidden_state
             choice = torch.zeros(1, dtype=torch.long, device=device)
             if hook.query_host:
-                choice[0] = model.lm_head(hidden[:, -1]).argmax(dim=-1)[0]
+                stop = should_stop is not None and should_stop()
+                choice[0] = -1 if stop else model.lm_head(hidden[:, -1]).argmax(dim=-1)[0]
             token = int(dist.broadcast(info, choice, src=src)[0])
-            if token in stop_ids:
+            if token < 0 or token in stop_ids:
                 break
             generated.append(token)
             if on_token is not None:
@@ -89,5 +99,6 @@ def generate(model, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequen
             ids = choice.view(1).to(device)
             positions = positions[-1:] + 1
     finally:
-        hook.drop_query()
+        hook.track = False
+        hook.own.clear()  # only the query host ever held the question's KV; drop it now
     return generated

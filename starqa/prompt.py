@@ -2,13 +2,14 @@
 encoded once in Phase 1, and a query part, encoded per question in Phase 2.
 
     context = template opening + system turn + user turn's opening + the packed documents
-    query   = "\\n\\nQuestion: ..." + end of the user turn + the assistant header
+    query   = "\\n\\nQuestion: ..." + end of the user turn (+ earlier turns) + assistant header
 
 Both are tokenised with `add_special_tokens=False`: the template carries BOS itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from starqa.corpus import FileSpan
@@ -16,61 +17,83 @@ from starqa.corpus import FileSpan
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents provided. Be brief."
 INTRO = "Here are the documents.\n\n"
 QUESTION = "\n\nQuestion: "
-_MARK = "\u2063STARQA-QUESTION\u2063"  # never in a document; replaced by the question
+_DOCS = "\u2063STARQA-DOCUMENTS\u2063"  # never in a document; stands for them in the query
 
 
 @dataclass(frozen=True)
-class PromptParts:
-    context: str         # full context text (template opening + documents)
-    query_template: str  # the query part, with a marker where the question goes
-    docs_offset: int     # char offset of the packed documents inside `context`
+class ContextTokens:
+    ids: list[int]
+    file_tokens: list[tuple[int, int]]  # per file: token span [start, end) of its document
+    line_tokens: list[list[int]]        # per file: token index where each of its lines starts
 
 
-def split_prompt(tokenizer, packed: str) -> PromptParts:
-    """Render the chat template around `packed` and cut it after the documents."""
-    user = INTRO + packed + QUESTION + _MARK
-    try:
-        rendered = _render(tokenizer, [{"role": "system", "content": SYSTEM},
-                                       {"role": "user", "content": user}])
-    except Exception:  # templates without a system role (e.g. Gemma) raise on it
-        rendered = _render(tokenizer, [{"role": "user", "content": SYSTEM + "\n\n" + user}])
-    docs_offset = rendered.index(INTRO + packed) + len(INTRO)
-    cut = docs_offset + len(packed)
-    return PromptParts(rendered[:cut], rendered[cut:], docs_offset)
+def _messages(docs: str, question: str, history: Sequence[tuple[str, str]]) -> list[dict]:
+    """System turn, then the documents in the first user turn with the first question."""
+    turns = [*history, (question, None)]
+    first_q = turns[0][0]
+    messages = [{"role": "user", "content": INTRO + docs + QUESTION + first_q.strip()}]
+    for i, (q, a) in enumerate(turns):
+        if i:
+            messages.append({"role": "user", "content": q.strip()})
+        if a is not None:
+            messages.append({"role": "assistant", "content": a.strip()})
+    return messages
 
 
-def _render(tokenizer, messages) -> str:
+def _render(tokenizer, messages: list[dict]) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         # A base model without a template: a plain layout the same split applies to.
-        return "\n\n".join(m["content"] for m in messages) + "\n\nAnswer:"
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return SYSTEM + "\n\n" + "\n\n".join(m["content"] for m in messages) + "\n\nAnswer:"
+    try:
+        return tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, *messages],
+                                             tokenize=False, add_generation_prompt=True)
+    except Exception:  # templates without a system role (e.g. Gemma) raise on it
+        first = {**messages[0], "content": SYSTEM + "\n\n" + messages[0]["content"]}
+        return tokenizer.apply_chat_template([first, *messages[1:]], tokenize=False,
+                                             add_generation_prompt=True)
 
 
-def tokenize_context(tokenizer, parts: PromptParts, spans: list[FileSpan]):
-    """Token ids of the context and each file's token span [start, end).
+def context_text(tokenizer, packed: str) -> tuple[str, int]:
+    """The context part around `packed`, and the char offset where the documents start."""
+    rendered = _render(tokenizer, _messages(_DOCS, "?", ()))
+    docs_offset = rendered.index(_DOCS)
+    return rendered[:docs_offset] + packed, docs_offset
 
-    Returns (ids: list[int], file_tokens: list[tuple[int, int]]) with the spans in the order of
-    `spans`, mapped through the tokenizer's character offsets.
-    """
-    enc = tokenizer(parts.context, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    ends = [end for _, end in offsets]
-    file_tokens = []
+
+def query_text(tokenizer, question: str, history: Sequence[tuple[str, str]] = ()) -> str:
+    """The query part for `question` after earlier (question, answer) turns: everything the
+    template puts after the documents."""
+    rendered = _render(tokenizer, _messages(_DOCS, question, history))
+    return rendered[rendered.index(_DOCS) + len(_DOCS):]
+
+
+def tokenize_query(tokenizer, question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
+    return tokenizer(query_text(tokenizer, question, history),
+                     add_special_tokens=False)["input_ids"]
+
+
+def tokenize_context(tokenizer, packed: str, spans: list[FileSpan]) -> ContextTokens:
+    """Tokenise the context part, mapping each file's span and line starts to tokens through
+    the tokenizer's character offsets (spans in the order of `spans`)."""
+    text, base = context_text(tokenizer, packed)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, ends = enc["input_ids"], [end for _, end in enc["offset_mapping"]]
+    file_tokens, line_tokens = [], []
     for span in spans:
-        start_char = parts.docs_offset + span.char_start
-        end_char = parts.docs_offset + span.char_end
-        start = _first_token_ending_after(ends, start_char)
-        end = _first_token_ending_after(ends, end_char - 1) + 1
+        start = _first_token_ending_after(ends, base + span.char_start)
+        end = _first_token_ending_after(ends, base + span.char_end - 1) + 1
         file_tokens.append((start, min(end, len(ids))))
-    return ids, file_tokens
+        text_end = span.char_end - len("\n</document>")
+        lines = [span.text_start, *(i + 1 for i in _newlines(packed, span.text_start, text_end))]
+        line_tokens.append([_first_token_ending_after(ends, base + c) for c in lines])
+    return ContextTokens(ids, file_tokens, line_tokens)
 
 
-def render_query(query_template: str, question: str) -> str:
-    return query_template.replace(_MARK, question.strip())
-
-
-def tokenize_query(tokenizer, query_template: str, question: str) -> list[int]:
-    return tokenizer(render_query(query_template, question), add_special_tokens=False)["input_ids"]
+def _newlines(text: str, start: int, end: int):
+    i = text.find("\n", start, end)
+    while i != -1:
+        yield i
+        i = text.find("\n", i + 1, end)
 
 
 def _first_token_ending_after(ends: list[int], char: int) -> int:

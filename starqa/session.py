@@ -37,7 +37,7 @@ class LocalSession:
         self.stop_ids = engine.stop_ids(self.tokenizer, path)
 
     def answer(self, question: str, max_new_tokens: int = 64) -> LocalAnswer:
-        ids = prompt.tokenize_query(self.tokenizer, self.manifest["query_template"], question)
+        ids = prompt.tokenize_query(self.tokenizer, question)
         started = time.perf_counter()
         first: list[float] = []
         tokens = phase2.generate(self.model, self.info, self.hook, ids, self.manifest["n_tokens"],

@@ -5,6 +5,7 @@ Layout under `$STARQA_HOME/contexts/`:
     <key>/manifest.json             model fingerprint, method + settings, hashes, spans
     <key>/block_00000.safetensors   k, v: [L, Hkv, T, D] contiguous, RoPE applied
     .staging-<key>-<pid>/           a context being written (never read)
+    .old-<key>-<pid>/, .trash-<key>-<pid>/   a context being replaced or removed
 
 A context is written into a staging folder and renamed into place only when every shard
 is there and hashed, so a crash or Ctrl-C mid-ingest leaves the previous cache intact.
@@ -17,12 +18,14 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from starqa.errors import ShardError, StarqaError
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: files carry line_tokens (sources)
 
 
 def block_file(index: int) -> str:
@@ -132,6 +135,146 @@ def find_context(root: Path, name: str | None) -> dict:
 def touch(manifest: dict) -> None:
     """Mark a context as used now, so `ask` without --context picks it next time."""
     (Path(manifest["_dir"]) / ".last_used").write_text(str(time.time()))
+
+
+def last_used(manifest: dict) -> float:
+    """When the context was last used (or created), as a Unix time."""
+    return _last_used(Path(manifest["_dir"]))
+
+
+def dir_size(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 when it does not exist); symlinks not followed."""
+    total = 0
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+            except FileNotFoundError:  # removed while we walk
+                continue
+    return total
+
+
+def context_size(manifest: dict) -> int:
+    """Bytes the context takes on disk: its shards, manifest and stamps."""
+    return dir_size(Path(manifest["_dir"]))
+
+
+def context_summary(manifest: dict) -> dict:
+    """The facts `starqa list` shows for one context (JSON-ready)."""
+    return {"name": manifest["name"], "key": manifest["key"], "sources": manifest["sources"],
+            "n_tokens": manifest["n_tokens"], "method": manifest["method"],
+            "model": manifest["model"]["name"], "dtype": manifest["dtype"],
+            "bytes": context_size(manifest), "created": manifest["created"],
+            "last_used": last_used(manifest), "dir": manifest["_dir"]}
+
+
+def remove_context(manifest: dict) -> int:
+    """Delete a context and return the bytes freed (0 if it was already gone).
+
+    The folder is first renamed to a hidden `.trash-<key>-<pid>` (atomic), so a concurrent
+    `list` or `ask` sees either the whole context or none of it, never half a folder."""
+    folder = Path(manifest["_dir"])
+    size = dir_size(folder)
+    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
+    try:
+        os.replace(folder, trash)
+    except FileNotFoundError:
+        return 0
+    shutil.rmtree(trash, ignore_errors=True)
+    return size
+
+
+# ---------------------------------------------------------------------------------------
+# leftovers of interrupted work and the cache's size
+
+LEFTOVER_PREFIXES = (".staging-", ".trash-", ".old-")
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A folder in the contexts root that is not a usable context: an ingest being staged,
+    a context being replaced (`.old-`) or removed (`.trash-`), stale when the process that
+    made it is gone; or a context whose manifest this starqa cannot read (old format)."""
+
+    path: Path
+    bytes: int
+    pid: int | None  # None: a multi-machine `-shared` staging folder or an unreadable context
+    running: bool  # its process is alive on this machine; never cleaned
+    state: str  # why it is here, for people
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    models_bytes: int
+    contexts_bytes: int  # everything under contexts/ except leftovers
+    n_contexts: int
+    leftovers: tuple[Leftover, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.models_bytes + self.contexts_bytes + sum(x.bytes for x in self.leftovers)
+
+    def as_dict(self) -> dict:
+        return {"models_bytes": self.models_bytes, "contexts_bytes": self.contexts_bytes,
+                "n_contexts": self.n_contexts, "total_bytes": self.total_bytes,
+                "leftovers": [{"path": str(x.path), "bytes": x.bytes, "pid": x.pid,
+                               "running": x.running, "state": x.state}
+                              for x in self.leftovers]}
+
+
+def find_leftovers(root: Path) -> list[Leftover]:
+    """The `.staging-*`, `.trash-*` and `.old-*` folders under the contexts `root`, and the
+    contexts `list_contexts` skips because their manifest cannot be read."""
+    found = []
+    for path in sorted(root.iterdir()) if root.is_dir() else ():
+        if path.is_dir() and path.name.startswith(LEFTOVER_PREFIXES):
+            found.append(_leftover(path))
+        elif not path.name.startswith(".") and (path / MANIFEST).is_file():
+            try:
+                read_manifest(path)
+            except ShardError as error:
+                found.append(Leftover(path, dir_size(path), None, False, f"unreadable: {error}"))
+    return found
+
+
+def _leftover(path: Path) -> Leftover:
+    suffix = path.name.rsplit("-", 1)[-1]
+    if not suffix.isdigit():
+        return Leftover(path, dir_size(path), None, False, "multi-machine staging; owner unknown")
+    pid = int(suffix)
+    if _process_alive(pid):
+        return Leftover(path, dir_size(path), pid, True, f"in use by running process {pid}")
+    return Leftover(path, dir_size(path), pid, False, f"stale (process {pid} is gone)")
+
+
+def clean_leftovers(leftovers: Iterable[Leftover]) -> int:
+    """Delete every leftover whose process is not running; returns the bytes freed.
+    Multi-machine `-shared` staging folders are deleted too (their owner cannot be checked),
+    and so are unreadable contexts (this starqa could never use them)."""
+    freed = 0
+    for leftover in leftovers:
+        if not leftover.running:
+            shutil.rmtree(leftover.path, ignore_errors=True)
+            freed += leftover.bytes
+    return freed
+
+
+def cache_usage(models_root: Path, contexts_root: Path) -> CacheUsage:
+    """Sizes of the converted models and the contexts, and the leftovers beside them."""
+    leftovers = tuple(find_leftovers(contexts_root))
+    contexts_bytes = dir_size(contexts_root) - sum(x.bytes for x in leftovers)
+    return CacheUsage(dir_size(models_root), contexts_bytes, len(list_contexts(contexts_root)),
+                      leftovers)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def verify_block(manifest: dict, index: int, checksum: bool = True) -> Path:

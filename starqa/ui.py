@@ -1,13 +1,16 @@
 """Terminal output: spinners, the encoding progress bar, streamed answers, reports.
 
 Progress and reports go to stderr; the answer alone goes to stdout, so `starqa ask ... >
-answer.txt` captures just the answer.
+answer.txt` captures just the answer. `list`, `info`, `rm` and `cache` print their result
+to stdout.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -15,9 +18,55 @@ from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
+from starqa import store
 from starqa.engine import UI, Answer, IngestResult
+from starqa.errors import ShardError
 
 err = Console(stderr=True, highlight=False)
+out = Console(highlight=False)  # a command's own result (answers, tables): stdout
+
+
+def stream_writer():
+    """A function that shows an answer as its text arrives; call it with None at the end.
+
+    On a terminal the text is rendered as Markdown, live; piped, it is written as is.
+    """
+    if not sys.stdout.isatty():
+        state = {"any": False}
+
+        def plain(text: str | None) -> None:
+            if text is None:
+                if state["any"]:
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                state["any"] = False
+                return
+            state["any"] = True
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+        return plain
+
+    from rich.live import Live
+    from rich.markdown import Markdown
+
+    state = {"text": "", "live": None}
+
+    def rendered(text: str | None) -> None:
+        if text is None:
+            if state["live"] is not None:
+                state["live"].stop()
+            state.update(text="", live=None)
+            return
+        state["text"] += text
+        if state["live"] is None:
+            state["live"] = Live(Markdown(state["text"]), console=out, refresh_per_second=12,
+                                 vertical_overflow="visible")
+            state["live"].start()
+        else:
+            state["live"].update(Markdown(state["text"]))
+
+    return rendered
 
 
 class RichUI(UI):
@@ -26,6 +75,7 @@ class RichUI(UI):
         self._status = None
         self._progress: Progress | None = None
         self._task = None
+        self._write = stream_writer() if stream else None
 
     def __enter__(self):
         return self
@@ -34,11 +84,8 @@ class RichUI(UI):
         self._stop_status()
         if self._progress is not None:
             self._progress.stop()
-        if self.stream and self._streamed:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-
-    _streamed = False
+        if self._write is not None:
+            self._write(None)
 
     @contextmanager
     def status(self, message: str):
@@ -75,10 +122,18 @@ class RichUI(UI):
 
     def token(self, text: str) -> None:
         self._stop_status()
-        if self.stream and text:
-            self._streamed = True
-            sys.stdout.write(text)
-            sys.stdout.flush()
+        if self._write is not None and text:
+            self._write(text)
+
+
+def print_sources(sources: list[dict], limit: int = 3) -> None:
+    """`path:first-last (share)` for the files the answer attended to most."""
+    if not sources:
+        return
+    parts = [f"{s['path']}:{s['lines'][0]}" + (f"-{s['lines'][1]}" if s["lines"][1] != s["lines"][0]
+                                                 else "") + f" ({s['share']:.0%})"
+             for s in sources[:limit]]
+    err.print("[dim]sources: " + escape(", ".join(parts)) + "[/]")
 
 
 def ingest_report(result: IngestResult) -> None:
@@ -131,6 +186,7 @@ def answer_stats(answer: Answer) -> None:
               f"{answer.workers} worker{'s' * (answer.workers > 1)} · first token "
               f"{ttft:.2f} s · {n_new} tokens, {rate:.1f} tok/s · total {answer.seconds:.1f} s[/]"
               if ttft is not None else f"[dim]no answer tokens ({answer.seconds:.1f} s)[/]")
+    print_sources(answer.sources)
 
 
 def answer_json(answer: Answer) -> dict:
@@ -139,9 +195,151 @@ def answer_json(answer: Answer) -> dict:
             "method": ctx["method"], "model": ctx["model"]["name"],
             "tokens": {"context": ctx["n_tokens"], "question": answer.query_tokens,
                        "answer": len(answer.token_ids)},
-            "workers": answer.workers,
+            "workers": answer.workers, "warm": answer.warm, "sources": answer.sources,
             "timings": {"first_token_s": answer.first_token_seconds,
                         "total_s": answer.seconds, "decode_s": answer.decode_seconds}}
+
+
+# ---------------------------------------------------------------------------------------
+# cache management: list, info, rm, cache (their output is the command's result: stdout)
+
+
+def context_list(summaries: list[dict], now: float) -> None:
+    """The contexts as a table, most recently used first; `*` marks the one `ask` uses."""
+    if not summaries:
+        err.print("No ingested context yet. Run: starqa ingest PATH")
+        return
+    table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0),
+                  caption="* the context `starqa ask` uses without --context; "
+                          "method: block/anchor tokens", caption_justify="left")
+    for column, justify in (("", "left"), ("name", "left"), ("key", "left"),
+                            ("sources", "left"), ("tokens", "right"), ("method", "left"),
+                            ("model", "left"), ("size", "right"), ("last used", "right")):
+        table.add_column(column, justify=justify, overflow="fold",
+                         no_wrap=column not in ("name", "sources"))
+    for i, s in enumerate(summaries):
+        table.add_row("*" if i == 0 else "", escape(s["name"]), s["key"][:8],
+                      escape(_sources(s["sources"])), f"{s['n_tokens']:,}",
+                      _method_short(s["method"]), escape(s["model"]), _size(s["bytes"]),
+                      _ago(now - s["last_used"]))
+    out.print(table)
+
+
+def context_info(manifest: dict, summary: dict, now: float) -> None:
+    """Everything useful in a context's manifest: identity, model, method, blocks, files."""
+    m, model, run = manifest, manifest["model"], manifest.get("ingest", {})
+    model_text = (f"{model['name']} (digest {model['digest'][:12]}, window {model['window']:,}, "
+                  f"from {model['spec']})")
+    created = time.strftime("%Y-%m-%d %H:%M", time.localtime(m["created"]))
+    ingest_text = (f"{run.get('workers', '?')} workers, {run.get('encode_seconds', 0):.1f} s "
+                   f"encoding, {run.get('tokens_per_second', 0):,.0f} tokens/s")
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column(overflow="fold")
+    for label, value in (
+            ("name", m["name"]), ("key", m["key"]), ("folder", m["_dir"]),
+            ("sources", "\n".join(m["sources"])), ("command", m["command"]),
+            ("model", model_text), ("model path", model["path"]),
+            ("method", _method(m["method"])), ("dtype", m["dtype"]),
+            ("tokens", f"{m['n_tokens']:,} in {len(m['blocks'])} blocks, {len(m['files'])} files"),
+            ("size", _size(summary["bytes"])),
+            ("created", f"{created} ({_ago(now - m['created'])})"),
+            ("last used", _ago(now - summary["last_used"])), ("ingest", ingest_text)):
+        facts.add_row(label, escape(str(value)))
+    out.print(facts)
+    out.print()
+    blocks = _table("Blocks", ("block", "right"), ("tokens", "right"), ("range", "right"),
+                    ("size", "right"), ("shard", "left"))
+    for b in m["blocks"]:
+        try:
+            store.verify_block(m, b["index"], checksum=False)
+            state = b["file"]
+        except ShardError:
+            state = f"[red]{b['file']} missing or wrong size[/]"
+        blocks.add_row(str(b["index"]), f"{b['end'] - b['start']:,}",
+                       f"{b['start']:,}–{b['end']:,}", _size(b["bytes"]), state)
+    out.print(blocks)
+    out.print()
+    files = _table("Files", ("file", "left"), ("tokens", "right"), ("range", "right"),
+                   ("lines", "right"), ("bytes", "right"))
+    for f in m["files"]:
+        files.add_row(escape(f["path"]), f"{f['token_end'] - f['token_start']:,}",
+                      f"{f['token_start']:,}–{f['token_end']:,}", f"{f['lines']:,}",
+                      _size(f["bytes"]))
+    out.print(files)
+    if m["skipped"]:
+        out.print()
+        skipped = _table(f"Skipped ({len(m['skipped'])})", ("file", "left"), ("reason", "left"))
+        for s in m["skipped"]:
+            skipped.add_row(escape(s["path"]), escape(s["reason"]))
+        out.print(skipped)
+
+
+def removed_report(removed: list[tuple[dict, int]]) -> None:
+    """One line per removed context with the bytes it freed, then the total."""
+    for manifest, freed in removed:
+        out.print(f"Removed {escape(manifest['name'])} ({manifest['key']}), freed {_size(freed)}")
+    if len(removed) > 1:
+        out.print(f"Removed {len(removed)} contexts, freed {_size(sum(f for _, f in removed))}")
+
+
+def cache_report(home: Path, usage: store.CacheUsage, cleaned: int | None) -> None:
+    """Where the cache lives, what takes its space, and leftovers of interrupted work."""
+    out.print(f"Cache at {escape(str(home))}")
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column(justify="right")
+    facts.add_column()
+    facts.add_row("models", _size(usage.models_bytes), "")
+    facts.add_row("contexts", _size(usage.contexts_bytes),
+                  f"{usage.n_contexts} context{'s' * (usage.n_contexts != 1)}")
+    if usage.leftovers:
+        stale = [x for x in usage.leftovers if not x.running]
+        facts.add_row("leftovers", _size(sum(x.bytes for x in usage.leftovers)),
+                      f"{len(usage.leftovers)} folder{'s' * (len(usage.leftovers) > 1)}, "
+                      f"{len(stale)} removable with --clean")
+    facts.add_row("total", _size(usage.total_bytes), "")
+    out.print(facts)
+    for x in usage.leftovers:
+        out.print(f"  {escape(x.path.name)}  {_size(x.bytes)}  {escape(x.state)}")
+    if cleaned is not None:
+        out.print(f"Cleaned leftovers, freed {_size(cleaned)}")
+
+
+def _table(title: str, *columns: tuple[str, str]) -> Table:
+    table = Table(title=title, title_justify="left", title_style="bold", box=None,
+                  header_style="bold", pad_edge=False)
+    for name, justify in columns:
+        table.add_column(name, justify=justify)
+    return table
+
+
+def _method(method: dict) -> str:
+    settings = f"block {method['block_size']:,}"
+    if method["name"] == "star":
+        settings += f", anchor {method['anchor_size']:,}"
+    return f"{method['name']} ({settings})"
+
+
+def _method_short(method: dict) -> str:
+    """`star 1,024/1,024` (block/anchor) or `dense 1,024` (block)."""
+    anchor = f"/{method['anchor_size']:,}" if method["name"] == "star" else ""
+    return f"{method['name']} {method['block_size']:,}{anchor}"
+
+
+def _sources(sources: list[str]) -> str:
+    home = str(Path.home())
+    short = ["~" + s[len(home):] if s == home or s.startswith(home + "/") else s for s in sources]
+    return ", ".join(short[:2]) + (f" +{len(short) - 2} more" if len(short) > 2 else "")
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(seconds, 0)
+    for unit, size in (("day", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' * (unit == 'day' and n > 1)} ago"
+    return "just now" if seconds < 5 else f"{int(seconds)} s ago"
 
 
 def print_error(error) -> None:
@@ -156,3 +354,23 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GB"
+
+
+def groups_table(groups: list[dict]) -> None:
+    """Running worker groups (`starqa ps`)."""
+    import time
+
+    if not groups:
+        err.print("No worker group is running.")
+        return
+    table = Table(box=None)
+    for column in ("context", "key", "workers", "pid", "up", "answered", "RSS (query host)",
+                   "keep-alive"):
+        table.add_column(column)
+    now = time.time()
+    for g in groups:
+        rss = f"{g['rss_bytes'] / 2**20:,.0f} MB" if "rss_bytes" in g else "?"
+        table.add_row(g["name"], g["key"], str(g["workers"]), str(g["pid"]),
+                      _ago(now - g["started"]).removesuffix(" ago"), str(g.get("answered", "?")),
+                      rss, f"{g['keepalive']:.0f} s" if g["keepalive"] else "never")
+    out.print(table)

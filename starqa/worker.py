@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 EVENT_PREFIX = "@@starqa "
 
@@ -41,7 +42,7 @@ def run_ingest(job: dict, info) -> None:
 
     method = MethodConfig(**job["method"])
     blocks = [tuple(b) for b in job["blocks"]]
-    folder = store.Path(job["staging"])
+    folder = Path(job["staging"])
     ids = load_file(job["tokens_file"])["ids"].long()
     model = _load_model(job, info)
     mine = list(dist.split_contiguous(len(blocks), info.world_size, info.rank))
@@ -55,24 +56,69 @@ def run_ingest(job: dict, info) -> None:
     dist.barrier(info)
 
 
-def run_ask(job: dict, info) -> None:
-    from starqa import dist, phase2, store
+class _Context:
+    """What every Phase 2 worker holds: the model, its contiguous blocks and their shard."""
 
-    manifest = store.read_manifest(store.Path(job["context_dir"]))
-    blocks = list(dist.split_contiguous(len(manifest["blocks"]), info.world_size, info.rank))
-    model = _load_model(job, info)
-    shard = store.load_shard(manifest, blocks, device=info.device)
-    query_host = info.is_last
-    hook = phase2.ShardAttention(info, shard, query_host)
-    dist.barrier(info)
-    emit("ready", rank=info.rank, blocks=blocks)
+    def __init__(self, job: dict, info):
+        from starqa import dist, phase2, store
+
+        self.info = info
+        self.manifest = store.read_manifest(Path(job["context_dir"]))
+        self.blocks = list(dist.split_contiguous(len(self.manifest["blocks"]), info.world_size,
+                                                 info.rank))
+        self.model = _load_model(job, info)
+        shard = store.load_shard(self.manifest, self.blocks, device=info.device)
+        self.hook = phase2.ShardAttention(info, shard, query_host=info.is_last)
+        dist.barrier(info)
+
+    def answer(self, query_ids, max_new_tokens, stop_ids, on_token=None, should_stop=None):
+        """Generate on every worker; returns (tokens, top sources on the query host or None)."""
+        from starqa import dist, phase2, sources
+
+        tokens = phase2.generate(self.model, self.info, self.hook, query_ids,
+                                 self.manifest["n_tokens"], max_new_tokens, set(stop_ids),
+                                 on_token, should_stop)
+        mine = {}
+        if self.blocks:
+            start = self.manifest["blocks"][self.blocks[0]]["start"]
+            mine = sources.line_mass(self.manifest["files"], start, self.hook.key_mass)
+        parts = dist.gather_object(self.info, mine, dst=self.info.world_size - 1)
+        return tokens, (sources.top_sources(sources.add(parts)) if parts is not None else None)
+
+
+def run_ask(job: dict, info) -> None:
+    ctx = _Context(job, info)
+    emit("ready", rank=info.rank, blocks=ctx.blocks)
     started = time.perf_counter()
-    on_token = (lambda t: emit("token", id=t)) if query_host else None
-    tokens = phase2.generate(model, info, hook, job["query_ids"], manifest["n_tokens"],
-                             job["max_new_tokens"], set(job["stop_ids"]), on_token)
-    if query_host:
-        emit("done", tokens=len(tokens), seconds=time.perf_counter() - started,
-             mass=hook.mass.tolist())
+    on_token = (lambda t: emit("token", id=t)) if info.is_last else None
+    tokens, top = ctx.answer(job["query_ids"], job["max_new_tokens"], job["stop_ids"], on_token)
+    if info.is_last:
+        emit("done", tokens=len(tokens), seconds=time.perf_counter() - started, sources=top)
+
+
+def run_serve(job: dict, info) -> None:
+    """Keep model and shards loaded and answer questions from a local socket (starqa.server)."""
+    from starqa import dist
+    from starqa.server import Server
+
+    ctx = _Context(job, info)
+    server = Server(job, ctx) if info.is_last else None
+    emit("ready", rank=info.rank, blocks=ctx.blocks)
+    try:
+        while True:
+            request = server.next_request() if server else None
+            request = dist.broadcast_object(info, request, src=info.world_size - 1)
+            if request["op"] == "stop":
+                break
+            if request["op"] == "ask":
+                if server:
+                    server.answer(request)
+                else:
+                    ctx.answer(request["query_ids"], request["max_new_tokens"],
+                               request["stop_ids"])
+    finally:
+        if server:
+            server.close()
 
 
 def _peak_memory(info) -> int:
@@ -101,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     job = json.loads(open(argv[0]).read())
     info = dist.init(job.get("device", "auto"))
     try:
-        {"ingest": run_ingest, "ask": run_ask}[job["phase"]](job, info)
+        {"ingest": run_ingest, "ask": run_ask, "serve": run_serve}[job["phase"]](job, info)
         emit("peak", rank=info.rank, bytes=_peak_memory(info))
     except StarqaError as err:
         emit("error", rank=info.rank, kind=type(err).__name__, message=str(err), hint=err.hint)

@@ -22,8 +22,8 @@ def test_dense_two_workers_equal_one_transformers_generate(embedded_model, home,
 
     tok = load_tokenizer(embedded_model)
     packed, spans = corpus.pack(corpus.collect([samples]).files)
-    context_ids, _ = prompt.tokenize_context(tok, prompt.split_prompt(tok, packed), spans)
-    ids = context_ids + prompt.tokenize_query(tok, manifest["query_template"], QUESTION)
+    context_ids = prompt.tokenize_context(tok, packed, spans).ids
+    ids = context_ids + prompt.tokenize_query(tok, QUESTION)
     model = load_model(embedded_model, dtype=torch.float32)
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
@@ -40,6 +40,6 @@ def test_samples_ingest_excludes_the_answer_key(embedded_model, home, request):
     assert "questions.jsonl" not in files and "handbook/travel-policy.md" in files
     tok = load_tokenizer(embedded_model)
     packed, spans = corpus.pack(corpus.collect([samples]).files)
-    ids, _ = prompt.tokenize_context(tok, prompt.split_prompt(tok, packed), spans)
+    ids = prompt.tokenize_context(tok, packed, spans).ids
     assert len(ids) < 8192 - 512  # the samples fit the window with room for Q&A
     assert not contexts_dir().exists()

@@ -30,9 +30,8 @@ def reference_tokens(model_path, manifest, question, max_new_tokens):
     """One ordinary transformers generate over the whole prompt (context + query), fp32."""
     tok = load_tokenizer(model_path)
     model = load_model(model_path, dtype=torch.float32)
-    parts = manifest["query_template"]
     ctx_ids = _context_ids(model_path, manifest)
-    ids = ctx_ids + prompt.tokenize_query(tok, parts, question)
+    ids = ctx_ids + prompt.tokenize_query(tok, question)
     out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
     new = out[0, len(ids):].tolist()
@@ -45,7 +44,7 @@ def _context_ids(model_path, manifest):
     tok = load_tokenizer(model_path)
     files = corpus.collect(manifest["sources"]).files
     packed, spans = corpus.pack(files)
-    ids, _ = prompt.tokenize_context(tok, prompt.split_prompt(tok, packed), spans)
+    ids = prompt.tokenize_context(tok, packed, spans).ids
     assert len(ids) == manifest["n_tokens"]
     return ids
 

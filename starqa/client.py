@@ -1,0 +1,130 @@
+"""Talking to warm worker groups (`starqa serve`) from the CLI: finding them, starting one
+in the background, asking, cancelling, stopping. Imports nothing heavy, so a warm `ask` pays
+for no torch or transformers import.
+
+A running group is described by `$STARQA_HOME/run/<key>.json` (written by the launcher once
+every worker is ready) next to its socket `<key>.sock`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from starqa import paths
+from starqa.errors import StarqaError, WorkerError
+
+
+def run_dir() -> Path:
+    folder = paths.home() / "run"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder
+
+
+def running() -> list[dict]:
+    """Live groups (stale run files of dead launchers are removed)."""
+    found = []
+    for file in sorted(run_dir().glob("*.json")):
+        try:
+            info = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(info["pid"]) and Path(info["socket"]).exists():
+            found.append(info)
+        else:
+            file.unlink(missing_ok=True)
+    return found
+
+
+def find(key: str) -> dict | None:
+    return next((info for info in running() if info["key"] == key), None)
+
+
+def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300) -> dict:
+    """Start `starqa serve` for context `key` in the background; returns its run info once
+    every worker is ready (or raises with the tail of its log)."""
+    log = run_dir() / f"{key}.log"
+    cmd = [sys.executable, "-m", "starqa", "serve", "--context", key,
+           "--keep-alive", str(keepalive)] + (["--workers", str(workers)] if workers else [])
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
+                                start_new_session=True)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if (info := find(key)) is not None:
+            return info
+        if proc.poll() is not None:
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+            raise WorkerError(f"The worker group for {key} exited while starting:\n{tail}")
+        time.sleep(0.2)
+    proc.terminate()
+    raise WorkerError(f"The worker group for {key} did not become ready in {wait_s:.0f} s "
+                      f"(log: {log}).")
+
+
+class Client:
+    """One connection to a group's query host."""
+
+    def __init__(self, info: dict, timeout: float = 600):
+        self.info = info
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(info["socket"])
+        except OSError as err:
+            raise StarqaError(f"Cannot reach the worker group of {info['name']} ({err}).",
+                              hint="starqa ps shows running groups; starqa stop ends them") from None
+        self.reader = self.sock.makefile("rb")
+
+    def send(self, message: dict) -> None:
+        self.sock.sendall((json.dumps(message) + "\n").encode())
+
+    def events(self) -> Iterator[dict]:
+        for line in self.reader:
+            yield json.loads(line)
+        raise WorkerError("The worker group closed the connection (did a worker die? "
+                          f"see {run_dir() / (self.info['key'] + '.log')}).")
+
+    def ask(self, question: str, history=(), max_new_tokens: int = 256,
+            beyond_window: bool = False) -> Iterator[dict]:
+        """Stream events for one question: token events, then done (or error)."""
+        self.send({"op": "ask", "question": question, "history": [list(t) for t in history],
+                   "max_new_tokens": max_new_tokens, "beyond_window": beyond_window})
+        for event in self.events():
+            if event["event"] == "error":
+                raise StarqaError(event["message"])
+            yield event
+            if event["event"] == "done":
+                return
+
+    def cancel(self) -> None:
+        self.send({"op": "cancel"})
+
+    def ping(self) -> dict:
+        self.send({"op": "ping"})
+        return next(e for e in self.events() if e["event"] == "pong")
+
+    def stop(self) -> None:
+        self.send({"op": "stop"})
+        next(e for e in self.events() if e["event"] == "stopping")
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sock.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

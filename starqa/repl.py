@@ -1,0 +1,169 @@
+"""`starqa chat`: an interactive REPL over a cached context, answered by a warm worker group.
+
+History (up-arrow, Ctrl-R) persists in `$STARQA_HOME/chat_history`; Enter sends, Esc then
+Enter (or Alt-Enter) adds a line; Ctrl-C stops the current answer and keeps the session;
+Ctrl-D or /exit leaves (the workers stay warm until their keep-alive runs out).
+"""
+
+from __future__ import annotations
+
+from starqa import client, paths, store
+from starqa.errors import StarqaError
+
+HELP = """\
+/help            this help
+/sources         files and lines the last answer attended to most
+/stats           timings of the last answer and the worker group's state
+/context NAME    switch to another ingested context
+/clear           forget the conversation so far (each question stands alone again)
+/exit            leave (Ctrl-D too); workers stay warm until their keep-alive ends
+Enter sends; Esc then Enter adds a new line; Ctrl-C stops an answer."""
+
+
+class Chat:
+    def __init__(self, context: str | None, workers: int | None, keepalive: float,
+                 max_new_tokens: int):
+        from starqa.ui import err
+
+        self.console = err
+        self.workers = workers
+        self.keepalive = keepalive
+        self.max_new_tokens = max_new_tokens
+        self.history: list[tuple[str, str]] = []
+        self.last: dict | None = None
+        self.conn: client.Client | None = None
+        self.connect(context)
+
+    def connect(self, name: str | None) -> None:
+        manifest = store.find_context(paths.contexts_dir(), name)
+        group = client.find(manifest["key"])
+        if group is None:
+            with self.console.status(f"Starting workers for {manifest['name']} "
+                                     "(loading model and shards)"):
+                group = client.start(manifest["key"], self.workers, self.keepalive)
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = client.Client(group)
+        self.group, self.manifest = group, manifest
+        self.history.clear()
+        self.console.print(
+            f"[bold]{manifest['name']}[/] · {manifest['n_tokens']:,} tokens · "
+            f"{manifest['method']['name']} · {group['workers']} warm worker"
+            f"{'s' * (group['workers'] > 1)} · /help for commands")
+
+    def run(self) -> None:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory
+        from prompt_toolkit.key_binding import KeyBindings
+
+        keys = KeyBindings()
+
+        @keys.add("escape", "enter")
+        def _newline(event):
+            event.current_buffer.insert_text("\n")
+
+        @keys.add("enter")
+        def _submit(event):
+            event.current_buffer.validate_and_handle()
+
+        session = PromptSession(history=FileHistory(str(paths.home() / "chat_history")),
+                                key_bindings=keys, multiline=True)
+        while True:
+            try:
+                text = session.prompt("› ").strip()
+            except KeyboardInterrupt:
+                continue
+            except EOFError:
+                break
+            if not text:
+                continue
+            try:
+                if text.startswith("/"):
+                    if not self.command(text):
+                        break
+                else:
+                    self.ask(text)
+            except StarqaError as error:
+                from starqa.ui import print_error
+
+                print_error(error)
+        if self.conn is not None:
+            self.conn.close()
+
+    def command(self, text: str) -> bool:
+        """Run a slash command; False ends the session."""
+        from starqa.ui import print_sources
+
+        name, _, arg = text.partition(" ")
+        if name in ("/exit", "/quit"):
+            return False
+        if name == "/help":
+            self.console.print(HELP, markup=False)
+        elif name == "/sources":
+            if self.last is None:
+                self.console.print("No answer yet.")
+            else:
+                print_sources(self.last.get("sources") or [], limit=10)
+        elif name == "/stats":
+            self.print_stats()
+        elif name == "/clear":
+            self.history.clear()
+            self.console.print("Conversation cleared.")
+        elif name == "/context":
+            if not arg.strip():
+                self.console.print("usage: /context NAME (starqa list shows them)")
+            else:
+                self.connect(arg.strip())
+        else:
+            self.console.print(f"Unknown command {name}; /help lists them.")
+        return True
+
+    def ask(self, question: str) -> None:
+        from starqa.ui import print_sources, stream_writer
+
+        write = stream_writer()
+        conn = self.conn
+        conn.send({"op": "ask", "question": question, "max_new_tokens": self.max_new_tokens,
+                   "history": [list(t) for t in self.history]})
+        cancelled = False
+        done = None
+        while done is None:
+            try:
+                for event in conn.events():
+                    if event["event"] == "token":
+                        write(event["text"])
+                    elif event["event"] == "error":
+                        write(None)
+                        raise StarqaError(event["message"])
+                    elif event["event"] == "done":
+                        done = event
+                        break
+            except KeyboardInterrupt:
+                if not cancelled:
+                    conn.cancel()
+                    cancelled = True
+        write(None)
+        if cancelled or done.get("cancelled"):
+            self.console.print("[dim](stopped)[/]")
+        self.last = done
+        self.history.append((question, done["text"]))
+        self.console.print(_stats_line(done))
+        print_sources(done.get("sources") or [], limit=3)
+
+    def print_stats(self) -> None:
+        status = self.conn.ping()
+        self.console.print(
+            f"group: {status['workers']} workers · {status['answered']} answered · query host "
+            f"RSS {status['rss_bytes'] / 2**20:,.0f} MB · conversation: {len(self.history)} turns")
+        if self.last:
+            self.console.print(_stats_line(self.last))
+
+
+def _stats_line(done: dict) -> str:
+    n = len(done["token_ids"])
+    ttft = done.get("first_token_s")
+    rate = (n - 1) / done["decode_s"] if n > 1 and done["decode_s"] else 0.0
+    prefill = done["question_tokens"] / ttft if ttft else 0.0
+    first = f"first token {ttft:.2f} s" if ttft is not None else "no tokens"
+    return (f"[dim]{first} · prefill {prefill:,.0f} tok/s · decode {rate:.1f} tok/s · "
+            f"{n} tokens[/]")

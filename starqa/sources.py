@@ -1,0 +1,60 @@
+"""Source attribution: the attention mass shard keys received, traced to files and lines.
+
+Phase 2 accumulates, per worker, the attention probability each of its cached keys got
+from the rows that picked the answer's tokens (summed over layers and heads). The manifest
+maps token positions to files (token spans) and lines (the token where each line starts),
+so each worker turns its vector into per-line mass; the query host adds them up and ranks.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def line_mass(files: list[dict], token_start: int, mass: torch.Tensor) -> dict[str, dict[int, float]]:
+    """Mass per (file, 1-based line) for keys at positions token_start .. token_start+len(mass).
+    Tokens of a document's header count towards its first line."""
+    end = token_start + mass.numel()
+    out: dict[str, dict[int, float]] = {}
+    for f in files:
+        a, b = max(f["token_start"], token_start), min(f["token_end"], end)
+        if a >= b:
+            continue
+        starts = torch.tensor(f["line_tokens"] or [f["token_start"]])
+        line = (torch.searchsorted(starts, torch.arange(a, b), right=True) - 1).clamp_(min=0)
+        per_line = torch.zeros(len(starts), dtype=torch.float64).index_add_(
+            0, line, mass[a - token_start:b - token_start].double())
+        nonzero = per_line.nonzero().flatten().tolist()
+        out[f["path"]] = {i + 1: float(per_line[i]) for i in nonzero}
+    return out
+
+
+def add(parts: list[dict[str, dict[int, float]]]) -> dict[str, dict[int, float]]:
+    total: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for part in parts:
+        for path, lines in part.items():
+            for line, m in lines.items():
+                total[path][line] += m
+    return {p: dict(lines) for p, lines in total.items()}
+
+
+def top_sources(per_line: dict[str, dict[int, float]], k: int = 5,
+                keep: float = 0.25) -> list[dict]:
+    """The `k` files with the most mass, each with its share of the mass on all files and
+    the line range around its peak line (neighbouring lines with >= `keep` x the peak)."""
+    totals = {path: sum(lines.values()) for path, lines in per_line.items()}
+    grand = sum(totals.values()) or 1.0
+    ranked = sorted(totals, key=totals.get, reverse=True)[:k]
+    result = []
+    for path in ranked:
+        lines = per_line[path]
+        peak = max(lines, key=lines.get)
+        first = last = peak
+        while lines.get(first - 1, 0.0) >= keep * lines[peak]:
+            first -= 1
+        while lines.get(last + 1, 0.0) >= keep * lines[peak]:
+            last += 1
+        result.append({"path": path, "share": totals[path] / grand, "lines": [first, last]})
+    return result

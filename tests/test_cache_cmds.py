@@ -1,0 +1,257 @@
+"""`starqa list / info / rm / cache` on fake contexts written straight into a tmp cache.
+
+No model and no torchrun: a context here is a manifest shaped like engine._manifest's and
+dummy block files of known sizes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from starqa import store
+from starqa.cli import app
+from starqa.errors import StarqaError
+
+runner = CliRunner()
+
+
+def make_context(home: Path, name: str, key: str, used: float, block_bytes=(1000, 600),
+                 method: str = "star") -> Path:
+    """A committed context with len(block_bytes) blocks of 100 tokens, last used at `used`."""
+    folder = home / "contexts" / key
+    folder.mkdir(parents=True)
+    blocks = []
+    for i, size in enumerate(block_bytes):
+        (folder / store.block_file(i)).write_bytes(b"\0" * size)
+        blocks.append({"index": i, "start": 100 * i, "end": 100 * (i + 1),
+                       "file": store.block_file(i), "bytes": size, "sha256": "0" * 64})
+    n = 100 * len(block_bytes)
+    manifest = {
+        "format": store.FORMAT, "key": key, "name": name, "created": used - 3600,
+        "sources": [f"/data/{name}"], "command": f"starqa ingest /data/{name}",
+        "model": {"name": "tiny-llama", "digest": "ab" * 32, "path": "/models/tiny-llama",
+                  "spec": "tiny-llama", "window": 8192},
+        "dtype": "bfloat16",
+        "method": {"name": method, "block_size": 100, "anchor_size": 100 if method == "star" else 0},
+        "content_sha256": "cd" * 32, "n_tokens": n, "blocks": blocks,
+        "files": [{"path": "a.md", "token_start": 0, "token_end": n - 30, "lines": 12,
+                   "bytes": 400, "line_tokens": list(range(0, n - 30, 20))},
+                  {"path": "b.py", "token_start": n - 30, "token_end": n, "lines": 3,
+                   "bytes": 90, "line_tokens": [n - 30, n - 20, n - 10]}],
+        "skipped": [{"path": "logo.png", "reason": "binary"}],
+        "ingest": {"workers": 2, "encode_seconds": 1.5, "tokens_per_second": n / 1.5},
+    }
+    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+    (folder / ".last_used").write_text(str(used))
+    os.utime(folder / ".last_used", (used, used))
+    return folder
+
+
+@pytest.fixture
+def contexts(home) -> dict[str, Path]:
+    """Three contexts: `docs` used a minute ago, `repo` an hour ago, `old` two days ago."""
+    now = time.time()
+    return {"docs": make_context(home, "docs", "d0c5" + "0" * 12, now - 60),
+            "repo": make_context(home, "repo", "4e90" + "0" * 12, now - 3600, (500,), "dense"),
+            "old": make_context(home, "old", "01d0" + "0" * 12, now - 2 * 86400)}
+
+
+def invoke(*args: str):
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+def starqa(*args: str, home: Path) -> subprocess.CompletedProcess:
+    """The real entry point (StarqaError → `error: ...`, exit 1) in a subprocess."""
+    env = {**os.environ, "STARQA_HOME": str(home), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "starqa", *args], env=env, capture_output=True,
+                          text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
+
+
+# ---------------------------------------------------------------------------------------
+# list
+
+
+def test_list_most_recent_first_with_default_marked(contexts):
+    lines = invoke("list").output.splitlines()
+    rows = [line for line in lines if any(n in line for n in ("docs", "repo", "old"))
+            and "tiny-llama" in line]
+    assert [row.split()[1] if row.startswith("*") else row.split()[0] for row in rows] == \
+        ["docs", "repo", "old"]
+    assert rows[0].startswith("*") and not rows[1].startswith("*")
+    docs = rows[0]
+    assert "d0c50000" in docs and "200" in docs and "star 100/100" in docs
+    assert f"{store.dir_size(contexts['docs']) / 1024:.1f} KB" in docs
+    assert "1 min ago" in docs
+    assert "dense 100" in rows[1] and "1 h ago" in rows[1]
+    assert "2 days ago" in rows[2]
+
+
+def test_list_json(contexts):
+    data = json.loads(invoke("list", "--json").output)
+    assert [c["name"] for c in data] == ["docs", "repo", "old"]
+    assert [c["default"] for c in data] == [True, False, False]
+    docs = data[0]
+    assert docs["key"] == "d0c5" + "0" * 12 and docs["n_tokens"] == 200
+    assert docs["method"] == {"name": "star", "block_size": 100, "anchor_size": 100}
+    assert docs["model"] == "tiny-llama" and docs["sources"] == ["/data/docs"]
+    assert docs["bytes"] == store.dir_size(contexts["docs"]) > 1600
+    assert docs["last_used"] > docs["created"]
+
+
+def test_list_empty(home):
+    result = runner.invoke(app, ["list"])
+    assert result.exit_code == 0 and "No ingested context yet" in result.output
+    assert json.loads(invoke("list", "--json").output) == []
+
+
+# ---------------------------------------------------------------------------------------
+# info
+
+
+def test_info_shows_manifest_facts(contexts):
+    out = invoke("info", "repo").output
+    for expected in ("4e90" + "0" * 12, "/data/repo", "starqa ingest /data/repo", "tiny-llama",
+                     "abababababab", "dense (block 100)", "bfloat16", "a.md", "b.py",
+                     "logo.png", "binary", "2 workers", "block_00000.safetensors"):
+        assert expected in out, expected
+    assert "ab" * 32 not in out  # the digest is shortened
+
+
+def test_info_defaults_to_the_latest_and_flags_missing_shards(contexts):
+    (contexts["docs"] / store.block_file(1)).unlink()
+    out = invoke("info").output
+    assert "d0c5" + "0" * 12 in out
+    assert "missing" in out
+
+
+def test_info_json_is_the_manifest(contexts):
+    data = json.loads(invoke("info", "--json", "old").output)
+    on_disk = json.loads((contexts["old"] / store.MANIFEST).read_text())
+    assert {k: v for k, v in data.items() if k != "dir"} == on_disk
+    assert data["dir"] == str(contexts["old"])
+
+
+def test_info_unknown_name(contexts):
+    result = runner.invoke(app, ["info", "nope"])
+    assert isinstance(result.exception, StarqaError)
+    proc = starqa("info", "nope", home=contexts["docs"].parent.parent)
+    assert proc.returncode == 1
+    assert "No context named 'nope'" in proc.stderr and "docs, old, repo" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# rm
+
+
+def test_rm_named_removes_folders_and_reports_freed(contexts):
+    size = store.dir_size(contexts["docs"])
+    out = invoke("rm", "docs", "4e90").output  # a name and a key prefix
+    assert not contexts["docs"].exists() and not contexts["repo"].exists()
+    assert contexts["old"].exists()
+    assert "Removed docs" in out and "Removed repo" in out and "Removed 2 contexts" in out
+    assert f"{size / 1024:.1f} KB" in out
+    assert [p.name for p in contexts["old"].parent.iterdir()] == [contexts["old"].name]  # no trash
+
+
+def test_rm_typo_removes_nothing(contexts):
+    result = runner.invoke(app, ["rm", "docs", "nope"])
+    assert isinstance(result.exception, StarqaError)
+    assert all(folder.exists() for folder in contexts.values())
+
+
+def test_rm_all_needs_yes_without_a_terminal(contexts):
+    proc = starqa("rm", "--all", home=contexts["docs"].parent.parent)
+    assert proc.returncode == 1 and "--yes" in proc.stderr
+    assert all(folder.exists() for folder in contexts.values())
+    out = invoke("rm", "--all", "--yes").output
+    assert "Removed 3 contexts" in out
+    assert not any(folder.exists() for folder in contexts.values())
+    assert "No contexts to remove" in invoke("rm", "--all", "-y").output
+
+
+def test_rm_needs_names_or_all(contexts):
+    assert isinstance(runner.invoke(app, ["rm"]).exception, StarqaError)
+    assert isinstance(runner.invoke(app, ["rm", "docs", "--all", "--yes"]).exception, StarqaError)
+    assert contexts["docs"].exists()
+
+
+def test_remove_context_twice_frees_nothing(contexts):
+    manifest = store.read_manifest(contexts["old"])
+    size = store.dir_size(contexts["old"])
+    assert store.remove_context(manifest) == size > 1600
+    assert not contexts["old"].exists()
+    assert store.remove_context(manifest) == 0
+
+
+# ---------------------------------------------------------------------------------------
+# cache
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_cache_totals(contexts, home):
+    (home / "models" / "tiny").mkdir(parents=True)
+    (home / "models" / "tiny" / "model.safetensors").write_bytes(b"\0" * 5000)
+    data = json.loads(invoke("cache", "--json").output)
+    assert data["home"] == str(home)
+    assert data["models_bytes"] == 5000 and data["n_contexts"] == 3
+    assert data["contexts_bytes"] == sum(store.dir_size(f) for f in contexts.values())
+    assert data["total_bytes"] == store.dir_size(home)
+    assert data["leftovers"] == [] and data["cleaned_bytes"] is None
+    out = invoke("cache").output
+    assert str(home) in out and "3 contexts" in out and "4.9 KB" in out
+
+
+def test_cache_clean_removes_stale_leftovers_only(contexts, home):
+    root = home / "contexts"
+    stale = root / f".staging-abcd-{dead_pid()}"
+    live = root / f".staging-ef01-{os.getpid()}"
+    trash = root / f".trash-abcd-{dead_pid()}"
+    shared = root / ".staging-1234-shared"
+    for folder in (stale, live, trash, shared):
+        folder.mkdir()
+        (folder / "block_00000.safetensors").write_bytes(b"\0" * 300)
+
+    data = json.loads(invoke("cache", "--json").output)
+    assert {Path(x["path"]).name: x["running"] for x in data["leftovers"]} == \
+        {stale.name: False, live.name: True, trash.name: False, shared.name: False}
+    assert data["n_contexts"] == 3  # leftovers are not contexts
+    out = invoke("cache").output
+    assert "4 folders, 3 removable with --clean" in out and "in use by running process" in out
+    assert stale.exists()  # reporting deletes nothing
+
+    out = invoke("cache", "--clean").output
+    assert "freed 900 B" in out
+    assert live.exists() and not stale.exists() and not trash.exists() and not shared.exists()
+    assert all(folder.exists() for folder in contexts.values())
+
+
+def test_cache_clean_removes_contexts_this_starqa_cannot_read(contexts, home):
+    manifest = json.loads((contexts["old"] / store.MANIFEST).read_text())
+    (contexts["old"] / store.MANIFEST).write_text(json.dumps({**manifest, "format": 0}))
+    (contexts["repo"] / store.MANIFEST).write_text("{not json")
+    size = store.dir_size(contexts["old"]) + store.dir_size(contexts["repo"])
+    assert [c["name"] for c in json.loads(invoke("list", "--json").output)] == ["docs"]
+
+    data = json.loads(invoke("cache", "--json").output)
+    assert data["n_contexts"] == 1
+    assert data["contexts_bytes"] == store.dir_size(contexts["docs"])
+    states = {Path(x["path"]).name: x["state"] for x in data["leftovers"]}
+    assert "incompatible starqa (format 0" in states[contexts["old"].name]
+    assert "not valid JSON" in states[contexts["repo"].name]
+
+    assert json.loads(invoke("cache", "--clean", "--json").output)["cleaned_bytes"] == size
+    assert not contexts["old"].exists() and not contexts["repo"].exists()
+    assert contexts["docs"].exists()

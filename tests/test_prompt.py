@@ -1,0 +1,38 @@
+"""The prompt split: context + query tokens are the whole chat-templated prompt."""
+
+from starqa import corpus, prompt
+from starqa.models import load_tokenizer
+
+
+def test_context_plus_query_is_the_rendered_prompt(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    files = [corpus.SourceFile("a.md", "the star block\nthe query\n", 30)]
+    packed, spans = corpus.pack(files)
+    context, offset = prompt.context_text(tok, packed)
+    full = tok.apply_chat_template(
+        [{"role": "system", "content": prompt.SYSTEM},
+         {"role": "user", "content": prompt.INTRO + packed + prompt.QUESTION + "who is it"}],
+        tokenize=False, add_generation_prompt=True)
+    assert context + prompt.query_text(tok, "who is it") == full
+    assert context[offset:] == packed
+
+
+def test_history_goes_into_the_query_part(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    query = prompt.query_text(tok, "second", [("first", "answer one")])
+    assert query.index("first") < query.index("answer one") < query.index("second")
+    assert query.startswith(prompt.QUESTION + "first")
+
+
+def test_file_and_line_token_spans(tiny_model):
+    tok = load_tokenizer(tiny_model)
+    files = [corpus.SourceFile("a.md", "the star\nblock query\nanswer\n", 30),
+             corpus.SourceFile("b.md", "long context\n", 13)]
+    packed, spans = corpus.pack(files)
+    tokens = prompt.tokenize_context(tok, packed, spans)
+    (a0, a1), (b0, b1) = tokens.file_tokens
+    assert a0 < a1 <= b0 < b1 <= len(tokens.ids)
+    vocab = {v: k for k, v in tok.get_vocab().items()}
+    lines = tokens.line_tokens[0]
+    assert [vocab[tokens.ids[i]] for i in lines] == ["the", "block", "answer"]
+    assert vocab[tokens.ids[tokens.line_tokens[1][0]]] == "long"
