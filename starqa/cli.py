@@ -195,7 +195,8 @@ def rm(
                 print("Nothing removed.")
                 raise typer.Exit(1)
     else:  # resolve every name first, so a typo removes nothing
-        targets = list({m["key"]: m for m in (store.find_context(root, n) for n in names)}.values())
+        found = (store.find_context(root, name) for name in names)
+        targets = list({m["key"]: m for m in found}.values())  # each context once
     removed_report([(m, store.remove_context(m)) for m in targets])
 
 
@@ -332,12 +333,8 @@ def main() -> None:
         sys.exit(130)
     except typer.Exit as exit_:
         sys.exit(exit_.exit_code)
-    except Exception as err:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(err, click.ClickException):
-            err.show()
-            sys.exit(err.exit_code)
-        if isinstance(err, click.exceptions.Abort):
-            sys.exit(130)
-        raise
+    except typer.Abort:
+        sys.exit(130)
+    except typer.TyperException as err:  # usage errors: bad option, missing argument
+        err.show()
+        sys.exit(err.exit_code)

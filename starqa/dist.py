@@ -60,7 +60,7 @@ def all_gather(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.unsqueeze(0)
     flat = tensor.contiguous().view(-1)
     out = flat.new_empty(info.world_size * flat.numel())
-    dist.all_gather_into_tensor(out, flat, group=info.group)
+    dist.all_gather_single(out, flat, group=info.group)
     return out.view(info.world_size, *tensor.shape)
 
 

@@ -330,7 +330,7 @@ def _method_short(method: dict) -> str:
 def _sources(sources: list[str]) -> str:
     home = str(Path.home())
     short = ["~" + s[len(home):] if s == home or s.startswith(home + "/") else s for s in sources]
-    return ", ".join(short[:2]) + (f" +{len(short) - 2} more" if len(short) > 2 else "")
+    return "\n".join(short[:2]) + (f"\n+{len(short) - 2} more" if len(short) > 2 else "")
 
 
 def _ago(seconds: float) -> str:

@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         {"ingest": run_ingest, "ask": run_ask, "serve": run_serve}[job["phase"]](job, info)
         emit("peak", rank=info.rank, bytes=_peak_memory(info))
+        dist.barrier(info)  # nobody tears down the group while a peer still talks on it
     except StarqaError as err:
         emit("error", rank=info.rank, kind=type(err).__name__, message=str(err), hint=err.hint)
         return 1

@@ -210,3 +210,9 @@ def test_two_machines_on_loopback(home, docs, tiny_model):
     assert outs[0][0] == ""  # node 0 holds the first blocks: the answer streams on node 1
     single = engine.ask(engine.AskOptions(QUESTION, max_new_tokens=6, workers=2))
     assert outs[1][0].strip() == single.text and single.text
+
+
+def test_cli_usage_error_is_not_a_traceback(home):
+    proc = subprocess.run([sys.executable, "-m", "starqa", "ask"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Missing argument" in proc.stderr and "Traceback" not in proc.stderr
