@@ -51,7 +51,7 @@ def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300) 
     """Start `starqa serve` for context `key` in the background; returns its run info once
     every worker is ready (or raises with the tail of its log)."""
     log = run_dir() / f"{key}.log"
-    cmd = [sys.executable, "-m", "starqa", "serve", "--context", key,
+    cmd = [sys.executable, "-m", "starqa", "serve", key,
            "--keep-alive", str(keepalive)] + (["--workers", str(workers)] if workers else [])
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,

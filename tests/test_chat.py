@@ -1,13 +1,16 @@
 """The REPL driven as a person would, in a pseudo-terminal, plus warm `ask`, `ps`, `stop`."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pexpect
 import pytest
 
 from starqa import engine
+from tiny import make_tiny_model
 
 
 def starqa(*args, env=None):
@@ -16,45 +19,54 @@ def starqa(*args, env=None):
 
 
 @pytest.fixture
-def warm_home(home, docs, tiny_model):
-    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model), dtype="fp32",
+def warm_home(home, docs, tmp_path):
+    # A long window, so an answer can run for thousands of tokens (seconds) and be interrupted.
+    model = make_tiny_model(tmp_path / "long-tiny", window=8192)
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32",
                                        block_size=60))
     yield home
     starqa("stop", "--all")
 
 
 def test_chat_session_in_a_terminal(warm_home):
-    child = pexpect.spawn(sys.executable, ["-m", "starqa", "chat", "--max-new-tokens", "300",
+    # pexpect's terminal answers no cursor-position requests; say so instead of timing out.
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1")
+    child = pexpect.spawn(sys.executable, ["-m", "starqa", "chat", "--max-new-tokens", "6000",
                                            "--workers", "2"],
-                          encoding="utf-8", timeout=240, dimensions=(40, 120))
+                          encoding="utf-8", timeout=240, dimensions=(40, 120), env=env)
+    child.logfile_read = open(warm_home / "chat.log", "w")  # shown by pytest on failure
     child.expect(r"2 warm workers · /help for commands")
-    child.expect("› ")
+    child.expect("›")
 
-    child.sendline("who approved the travel budget")
+    # Enter is CR in a terminal (sendline's LF would add a line instead).
+    child.send("who approved the travel budget\r")
     child.expect(r"first token [\d.]+ s")
     child.expect(r"sources: \S+\.(md|py):\d+")
-    child.expect("› ")
+    child.expect("›")
 
-    child.sendline("/sources")
+    child.send("/sources\r")
     child.expect(r"sources: (\S+\.(md|py):\d+(-\d+)? \(\d+%\)(, )?)+")
-    child.expect("› ")
+    child.expect("›")
 
-    child.sendline("/help")
+    child.send("/help\r")
     child.expect("/context NAME")
-    child.expect("› ")
+    child.expect("›")
 
     # A long answer, interrupted: the session goes on.
-    child.sendline("what is the retry limit of the long context code document")
-    child.expect(r"\w")  # the answer has begun streaming
+    child.send("what is the retry limit of the long context code document\r")
+    child.expect("document")
+    # The answer (6,000 tokens, tens of seconds) is streaming by now; the prompt has long
+    # returned the terminal to cooked mode, so ^C is a SIGINT to the REPL.
+    time.sleep(3)
     child.sendintr()
     child.expect(r"\(stopped\)")
-    child.expect("› ")
+    child.expect("›")
 
-    child.sendline("/stats")
+    child.send("/stats\r")
     child.expect(r"group: 2 workers · \d+ answered")
-    child.expect("› ")
+    child.expect("›")
 
-    child.sendline("/exit")
+    child.send("/exit\r")
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
