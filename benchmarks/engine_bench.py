@@ -75,8 +75,8 @@ def main() -> None:
     build_corpus(tokenizer, args.tokens, corpus)
 
     print(f"cpu cores: {os.cpu_count()}, torch {torch.__version__}, model {model_path.name}")
-    print(f"\nPhase 1 (ingest through torchrun; wall = whole command, encode = workers' "
-          f"encoding after the model loaded)")
+    print("\nPhase 1 (ingest through torchrun; wall = whole command, encode = workers' "
+          "encoding after the model loaded)")
     print(f"{'method':7} {'workers':>7} {'tokens':>7} {'blocks':>6} {'wall s':>7} {'encode s':>8} "
           f"{'enc tok/s':>9} {'peak RSS/worker':>18} {'shards':>9}")
     manifests = {}
@@ -94,12 +94,12 @@ def main() -> None:
         manifests[method] = m
 
     star = manifests["star"]
-    context_ids = _context_ids(tokenizer, corpus)
+    ctx_ids = context_ids(tokenizer, corpus)
     query_ids = prompt.tokenize_query(tokenizer, QUESTION)
-    full = context_ids + query_ids
+    full = ctx_ids + query_ids
 
     print(f"\nPhase 2: time to first token for one question ({len(query_ids)} tokens) "
-          f"over {len(context_ids):,} context tokens")
+          f"over {len(ctx_ids):,} context tokens")
     cold = engine.ask(engine.AskOptions(QUESTION, context="bench-star", workers=2,
                                         max_new_tokens=32))
     dense_cold = dense_cold_first_token(model_path, full)
@@ -131,7 +131,7 @@ def main() -> None:
     shutil.rmtree(home, ignore_errors=True)
 
 
-def _context_ids(tokenizer, corpus: Path):
+def context_ids(tokenizer, corpus: Path):
     from starqa import corpus as corpus_mod
     from starqa import prompt
 

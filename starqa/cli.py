@@ -35,6 +35,8 @@ Rdzv = Annotated[Optional[str], typer.Option(
     help="torchrun: HOST:PORT of node 0, for runs across machines.")]
 Device = Annotated[str, typer.Option("--device", envvar="STARQA_DEVICE",
                                      help="auto, cpu or cuda.")]
+MaxNewTokens = Annotated[int, typer.Option(envvar="STARQA_MAX_NEW_TOKENS", min=1,
+                                           help="Longest answer in tokens.")]
 BeyondWindow = Annotated[bool, typer.Option(
     "--beyond-window", envvar="STARQA_BEYOND_WINDOW",
     help="Go on even when the context is longer than the model's trained window.")]
@@ -58,10 +60,14 @@ def ingest(
     max_file_size: Annotated[int, typer.Option(
         envvar="STARQA_MAX_FILE_SIZE", help="Skip files larger than this many bytes.")] = 1_000_000,
     include: Annotated[Optional[list[str]], typer.Option(
-        "--include", "-i", help="Only files matching this glob (repeatable).")] = None,
+        "--include", "-i", envvar="STARQA_INCLUDE",
+        help="Only files matching this glob (repeatable; the variable takes a space-separated "
+             "list).")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option(
-        "--exclude", "-x", help="Skip files matching this glob (repeatable).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Re-encode even on a cache hit.")] = False,
+        "--exclude", "-x", envvar="STARQA_EXCLUDE",
+        help="Skip files matching this glob (repeatable).")] = None,
+    force: Annotated[bool, typer.Option("--force", envvar="STARQA_FORCE",
+                                        help="Re-encode even on a cache hit.")] = False,
     beyond_window: BeyondWindow = False,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
@@ -92,11 +98,12 @@ def ask(
         help="Context name or key (default: the one used last).")] = None,
     model: Model = None,
     workers: Workers = None,
-    max_new_tokens: Annotated[int, typer.Option(envvar="STARQA_MAX_NEW_TOKENS",
-                                                help="Longest answer in tokens.")] = 256,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    max_new_tokens: MaxNewTokens = 256,
+    as_json: Annotated[bool, typer.Option("--json", envvar="STARQA_JSON",
+                                          help="Print one JSON object.")] = False,
     cold: Annotated[bool, typer.Option(
-        "--cold", help="Start workers even when a warm group serves the context.")] = False,
+        "--cold", envvar="STARQA_COLD",
+        help="Start workers even when a warm group serves the context.")] = False,
     beyond_window: BeyondWindow = False,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
@@ -309,8 +316,7 @@ def chat(
     context: ContextArg = None,
     workers: Workers = None,
     keepalive: KeepAlive = 900.0,
-    max_new_tokens: Annotated[int, typer.Option(envvar="STARQA_MAX_NEW_TOKENS",
-                                                help="Longest answer in tokens.")] = 256,
+    max_new_tokens: MaxNewTokens = 256,
 ) -> None:
     """Interactive questions over a cached context, with warm workers."""
     from starqa.repl import Chat

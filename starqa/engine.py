@@ -217,7 +217,8 @@ class Answer:
     workers: int
     seconds: float
     first_token_seconds: float | None
-    decode_seconds: float
+    decode_seconds: float  # first token → last token
+    prefill_seconds: float | None  # the workers' question prefill, up to the first token
     sources: list[dict] = field(default_factory=list)  # top files and lines attended to
     peak_bytes: list[int] = field(default_factory=list)  # per worker
     query_host: bool = True  # False on machines that do not hold the last block
@@ -283,7 +284,8 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
                   workers=workers * opts.nnodes, query_host=opts.node_rank == opts.nnodes - 1,
                   seconds=time.perf_counter() - started,
                   first_token_seconds=(first - started) if first else None,
-                  decode_seconds=done.get("seconds", 0.0), sources=done.get("sources") or [],
+                  decode_seconds=done.get("decode_s", 0.0), prefill_seconds=done.get("prefill_s"),
+                  sources=done.get("sources") or [],
                   peak_bytes=[peaks[r] for r in sorted(peaks)])
 
 
@@ -309,7 +311,8 @@ def _ask_warm(opts: AskOptions, manifest: dict, group: dict, ui: UI, started: fl
                   query_tokens=done["question_tokens"], workers=group["workers"],
                   seconds=time.perf_counter() - started,
                   first_token_seconds=(first - started) if first else None,
-                  decode_seconds=done["decode_s"], sources=done["sources"] or [], warm=True)
+                  decode_seconds=done["decode_s"], prefill_seconds=done["first_token_s"],
+                  sources=done["sources"] or [], warm=True)
 
 
 @dataclass(frozen=True)

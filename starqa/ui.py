@@ -155,6 +155,8 @@ def ingest_report(result: IngestResult) -> None:
               f"{m['n_tokens']:,} tokens, {len(m['blocks'])} blocks on {result.workers} "
               f"worker{'s' * (result.workers > 1)}, method {method['name']} ({settings}), "
               f"model {m['model']['name']}, {m['dtype']}")
+    per_worker = _blocks_per_worker(len(m["blocks"]), result.workers)
+    err.print(f"Blocks per worker: {per_worker}")
     err.print(f"Encoded in {result.encode_seconds:.1f} s "
               f"({m['n_tokens'] / max(result.encode_seconds, 1e-9):,.0f} tokens/s); "
               f"total {result.seconds:.1f} s; shards {_size(sum(b['bytes'] for b in m['blocks']))} "
@@ -174,6 +176,14 @@ def ingest_report(result: IngestResult) -> None:
             err.print(f"  … and {len(m['skipped']) - 20} more")
 
 
+def _blocks_per_worker(n_blocks: int, workers: int) -> str:
+    from starqa.dist import split_contiguous
+
+    groups = [split_contiguous(n_blocks, workers, r) for r in range(workers)]
+    return ", ".join(f"worker {r}: " + (f"{g.start}-{g.stop - 1}" if len(g) > 1 else str(g.start))
+                     for r, g in enumerate(groups))
+
+
 def answer_stats(answer: Answer) -> None:
     if not answer.query_host:
         err.print("The answer streams on the machine holding the last block (the last node).")
@@ -181,10 +191,12 @@ def answer_stats(answer: Answer) -> None:
     n_new = len(answer.token_ids)
     ttft = answer.first_token_seconds
     rate = (n_new - 1) / answer.decode_seconds if answer.decode_seconds and n_new > 1 else 0.0
+    prefill = answer.query_tokens / answer.prefill_seconds if answer.prefill_seconds else 0.0
+    workers = f"{answer.workers} {'warm ' * answer.warm}worker{'s' * (answer.workers > 1)}"
     err.print(f"[dim]{answer.context['name']} · {answer.context['method']['name']} · "
               f"{answer.context['n_tokens']:,} cached + {answer.query_tokens} question tokens · "
-              f"{answer.workers} worker{'s' * (answer.workers > 1)} · first token "
-              f"{ttft:.2f} s · {n_new} tokens, {rate:.1f} tok/s · total {answer.seconds:.1f} s[/]"
+              f"{workers} · first token {ttft:.2f} s · prefill {prefill:,.0f} tok/s · "
+              f"decode {rate:.1f} tok/s ({n_new} tokens) · total {answer.seconds:.1f} s[/]"
               if ttft is not None else f"[dim]no answer tokens ({answer.seconds:.1f} s)[/]")
     print_sources(answer.sources)
 
@@ -197,7 +209,8 @@ def answer_json(answer: Answer) -> dict:
                        "answer": len(answer.token_ids)},
             "workers": answer.workers, "warm": answer.warm, "sources": answer.sources,
             "timings": {"first_token_s": answer.first_token_seconds,
-                        "total_s": answer.seconds, "decode_s": answer.decode_seconds}}
+                        "prefill_s": answer.prefill_seconds, "decode_s": answer.decode_seconds,
+                        "total_s": answer.seconds}}
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,14 +222,15 @@ def context_list(summaries: list[dict], now: float) -> None:
     if not summaries:
         err.print("No ingested context yet. Run: starqa ingest PATH")
         return
-    table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0),
+    table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1, 0, 0),
                   caption="* the context `starqa ask` uses without --context; "
                           "method: block/anchor tokens", caption_justify="left")
     for column, justify in (("", "left"), ("name", "left"), ("key", "left"),
                             ("sources", "left"), ("tokens", "right"), ("method", "left"),
                             ("model", "left"), ("size", "right"), ("last used", "right")):
-        table.add_column(column, justify=justify, overflow="fold",
-                         no_wrap=column not in ("name", "sources"))
+        # Only the sources may wrap; every other column keeps its width.
+        table.add_column(column, justify=justify, overflow="fold", no_wrap=column != "sources",
+                         min_width=len(column) if column != "sources" else 12)
     for i, s in enumerate(summaries):
         table.add_row("*" if i == 0 else "", escape(s["name"]), s["key"][:8],
                       escape(_sources(s["sources"])), f"{s['n_tokens']:,}",

@@ -90,10 +90,18 @@ def run_ask(job: dict, info) -> None:
     ctx = _Context(job, info)
     emit("ready", rank=info.rank, blocks=ctx.blocks)
     started = time.perf_counter()
-    on_token = (lambda t: emit("token", id=t)) if info.is_last else None
-    tokens, top = ctx.answer(job["query_ids"], job["max_new_tokens"], job["stop_ids"], on_token)
+    first: list[float] = []
+
+    def on_token(token: int) -> None:
+        first or first.append(time.perf_counter())
+        emit("token", id=token)
+
+    tokens, top = ctx.answer(job["query_ids"], job["max_new_tokens"], job["stop_ids"],
+                             on_token if info.is_last else None)
     if info.is_last:
-        emit("done", tokens=len(tokens), seconds=time.perf_counter() - started, sources=top)
+        end = time.perf_counter()
+        emit("done", tokens=len(tokens), prefill_s=(first[0] if first else end) - started,
+             decode_s=end - (first[0] if first else end), sources=top)
 
 
 def run_serve(job: dict, info) -> None:

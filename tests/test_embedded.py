@@ -43,3 +43,19 @@ def test_samples_ingest_excludes_the_answer_key(embedded_model, home, request):
     ids = prompt.tokenize_context(tok, packed, spans).ids
     assert len(ids) < 8192 - 512  # the samples fit the window with room for Q&A
     assert not contexts_dir().exists()
+
+
+def test_needle_file_is_the_top_source(embedded_model, home, request):
+    """The answer's attention mass, traced through the manifest, points at the file that
+    holds the needle."""
+    samples = request.config.rootpath / "samples"
+    engine.ingest(engine.IngestOptions(paths=(str(samples),), model=str(embedded_model),
+                                       workers=2))
+    answer = engine.ask(engine.AskOptions(QUESTION, workers=2, max_new_tokens=24))
+    assert "Quintanilla" in answer.text
+    assert answer.sources[0]["path"] == "handbook/travel-policy.md", answer.sources
+    first, last = answer.sources[0]["lines"]
+    budget_line = next(i for i, line in enumerate(
+        (samples / "handbook/travel-policy.md").read_text().splitlines(), 1)
+        if "Quintanilla" in line)
+    assert first <= budget_line + 2 and last >= budget_line - 2, (first, last, budget_line)

@@ -1,0 +1,88 @@
+"""Warm-worker benchmark: time to first token from a warm group against one dense forward
+over the full prompt, side by side in one run, on a cached context of about 8K tokens; then
+many consecutive warm questions, printing the query host's memory at the start and the end.
+
+    python benchmarks/warm_bench.py [--tokens 7600] [--questions 200] [--workers 2]
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from engine_bench import QUESTION, build_corpus, context_ids
+
+QUESTIONS = ["Who approved the 2026 travel budget?", "What is the default retry limit?",
+             "Who is the travel coordinator?", "What is the minimum password length?",
+             "Who wrote the tidepool library?"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=7600)
+    parser.add_argument("--questions", type=int, default=200)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from starqa import client, engine, models, prompt
+
+    model_path = models.resolve_model(args.model)
+    home = Path(tempfile.mkdtemp(prefix="starqa-warm-"))
+    os.environ["STARQA_HOME"] = str(home)
+    tokenizer = models.load_tokenizer(model_path)
+    build_corpus(tokenizer, args.tokens, home / "corpus")
+    manifest = engine.ingest(engine.IngestOptions(
+        paths=(str(home / "corpus"),), model=str(model_path), workers=args.workers)).manifest
+    try:
+        group = client.start(manifest["key"], args.workers, keepalive=0)
+        conn = client.Client(group)
+
+        def ask(question: str, max_new_tokens: int) -> dict:
+            return [e for e in conn.ask(question, (), max_new_tokens) if e["event"] == "done"][0]
+
+        ask(QUESTION, 1)  # warm-up
+        warm = [ask(QUESTION, 1)["first_token_s"] for _ in range(5)]
+
+        model = models.load_model(model_path, dtype=torch.bfloat16)
+        full = torch.tensor([context_ids(tokenizer, home / "corpus") +
+                             prompt.tokenize_query(tokenizer, QUESTION)])
+        dense = []
+        with torch.inference_mode():
+            model(full[:, :64], logits_to_keep=1)  # warm-up
+            for _ in range(2):
+                started = time.perf_counter()
+                model(full, logits_to_keep=1).logits.argmax(-1)
+                dense.append(time.perf_counter() - started)
+        del model
+
+        print(f"context {manifest['n_tokens']:,} tokens ({manifest['method']['name']}, "
+              f"{len(manifest['blocks'])} blocks), {args.workers} warm workers, "
+              f"{os.cpu_count()} cores, prompt {full.shape[1]:,} tokens")
+        print(f"  warm time to first token (median of 5):      {statistics.median(warm):7.3f} s")
+        print(f"  dense forward over the full prompt (best of 2): {min(dense):7.3f} s")
+        print(f"  ratio: {min(dense) / statistics.median(warm):.1f}x faster warm")
+
+        first = ask(QUESTIONS[0], 8)
+        started = time.perf_counter()
+        for i in range(args.questions - 1):
+            last = ask(QUESTIONS[i % len(QUESTIONS)], 8)
+        elapsed = time.perf_counter() - started
+        print(f"\n{args.questions} consecutive warm questions (8 answer tokens each), "
+              f"{elapsed / (args.questions - 1):.2f} s per question")
+        print(f"  query host RSS after question 1:   {first['rss_bytes'] / 2**20:8.1f} MB")
+        print(f"  query host RSS after question {args.questions}: "
+              f"{last['rss_bytes'] / 2**20:8.1f} MB")
+        conn.stop()
+        conn.close()
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
