@@ -108,9 +108,10 @@ def main() -> None:
     print(f"  cold  dense forward over the full prompt (fresh process):     {dense_cold:6.2f} s"
           f"   ratio {dense_cold / cold.first_token_seconds:.1f}x")
     n_new = len(cold.token_ids)
-    if n_new > 1:
-        print(f"  decode (2 workers): {(n_new - 1) / cold.decode_seconds:.1f} tokens/s "
-              f"over {n_new} tokens; peak RSS/worker "
+    if n_new > 1 and cold.decode_seconds:
+        print(f"  question prefill on the workers: {cold.prefill_seconds:.2f} s; decode "
+              f"(2 workers): {(n_new - 1) / cold.decode_seconds:.1f} tokens/s over {n_new} "
+              f"tokens; peak RSS/worker "
               + "/".join(f"{p / 2**20:,.0f}" for p in cold.peak_bytes) + " MB")
 
     session = LocalSession(star, model_path)
