@@ -1,4 +1,4 @@
-"""Orchestration of `ingest` and `ask`: corpus → prompt → tokens → workers → shard store.
+"""Orchestration of `ingest`, `ask` and `serve`: corpus → prompt → tokens → workers → shards.
 
 Runs in the launcher process (never in a worker). It tokenises (workers get token ids),
 checks limits, decides the cache key, starts the torchrun group, and commits the result.

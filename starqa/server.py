@@ -44,8 +44,8 @@ class Server:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)
         self.listener.listen(4)
-        self.conn: socket.socket | None = None
-        self.buffer = b""
+        self.buffers: dict[socket.socket, bytes] = {}  # connected clients, unread bytes
+        self.conn: socket.socket | None = None  # the client being answered
         self.last_activity = time.monotonic()
         self.answered = 0
         self.cancel_seen = False
@@ -132,16 +132,20 @@ class Server:
         self.cancel_seen = False
 
     def _cancelled(self) -> bool:
-        """Polled once per generated token: a cancel request, or the client went away."""
-        if self.conn is None:
+        """Polled once per generated token: a cancel from the asking client, or it left."""
+        asker = self.conn
+        if asker is None:
             return True
-        ready, _, _ = select.select([self.conn], [], [], 0)
+        ready, _, _ = select.select([asker], [], [], 0)
         if ready:
-            message = self._read(timeout=0)
-            if message is None and self.conn is None:  # disconnected
-                self.cancel_seen = True
-            elif message is not None and message.get("op") == "cancel":
-                self.cancel_seen = True
+            self._receive(asker)
+        if self.conn is None:  # disconnected
+            self.cancel_seen = True
+        else:  # take cancels out of its unread lines; anything else waits its turn
+            *lines, partial = self.buffers[asker].split(b"\n")
+            kept = [line for line in lines if _op(line) != "cancel"]
+            self.cancel_seen = self.cancel_seen or len(kept) < len(lines)
+            self.buffers[asker] = b"".join(line + b"\n" for line in kept) + partial
         return self.cancel_seen
 
     def status(self) -> dict:
@@ -151,33 +155,44 @@ class Server:
                 "answered": self.answered, "rss_bytes": _rss(), "pid": os.getpid()}
 
     # -- socket plumbing ----------------------------------------------------------------
+    # Several clients may be connected (a chat and an `ask` side by side); requests are
+    # served one at a time, each answer streaming to the client that asked (`self.conn`).
 
     def _read(self, timeout: float) -> dict | None:
-        """One JSON line from the current client (accepting one if none), or None."""
-        if b"\n" not in self.buffer:
-            if self.conn is None:
-                ready, _, _ = select.select([self.listener], [], [], timeout)
-                if not ready:
-                    return None
-                self.conn, _ = self.listener.accept()
-                self.buffer = b""
-                timeout = max(timeout, 0.05)
-            ready, _, _ = select.select([self.conn], [], [], timeout)
-            if not ready:
-                return None
-            chunk = self.conn.recv(65536)
-            if not chunk:
-                self._drop()
-                return None
-            self.buffer += chunk
-            if b"\n" not in self.buffer:
-                return None
-        line, self.buffer = self.buffer.split(b"\n", 1)
+        """The next complete request line from any client, waiting up to `timeout`."""
+        if (message := self._next_line()) is not None:
+            return message
+        ready, _, _ = select.select([self.listener, *self.buffers], [], [], timeout)
+        for sock in ready:
+            if sock is self.listener:
+                conn, _ = self.listener.accept()
+                self.buffers[conn] = b""
+            else:
+                self._receive(sock)
+        return self._next_line()
+
+    def _receive(self, sock: socket.socket) -> None:
         try:
-            return json.loads(line)
-        except json.JSONDecodeError:
-            self._send({"event": "error", "message": "bad request (not JSON)"})
-            return None
+            chunk = sock.recv(65536)
+        except OSError:
+            chunk = b""
+        if chunk:
+            self.buffers[sock] += chunk
+        else:
+            self._drop(sock)
+
+    def _next_line(self, only: socket.socket | None = None) -> dict | None:
+        for sock, buffer in list(self.buffers.items()):
+            if (only is not None and sock is not only) or b"\n" not in buffer:
+                continue
+            line, self.buffers[sock] = buffer.split(b"\n", 1)
+            self.conn = sock
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                self._send({"event": "error", "message": "bad request (not JSON)"})
+                return None
+        return None
 
     def _send(self, event: dict) -> None:
         if self.conn is None:
@@ -185,18 +200,26 @@ class Server:
         try:
             self.conn.sendall((json.dumps(event) + "\n").encode())
         except OSError:
-            self._drop()
+            self._drop(self.conn)
 
-    def _drop(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-        self.conn = None
-        self.buffer = b""
+    def _drop(self, sock: socket.socket) -> None:
+        sock.close()
+        self.buffers.pop(sock, None)
+        if sock is self.conn:
+            self.conn = None
 
     def close(self) -> None:
-        self._drop()
+        for sock in list(self.buffers):
+            self._drop(sock)
         self.listener.close()
         self.path.unlink(missing_ok=True)
+
+
+def _op(line: bytes) -> str | None:
+    try:
+        return json.loads(line).get("op")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _rss() -> int:

@@ -66,6 +66,11 @@ def test_chat_session_in_a_terminal(warm_home):
     child.expect(r"group: 2 workers · \d+ answered")
     child.expect("›")
 
+    # Another client (`ask`) is served while the chat stays connected.
+    side = json.loads(starqa("ask", "who approved the travel budget", "--json",
+                             "--max-new-tokens", "4").stdout)
+    assert side["warm"] is True
+
     child.send("/exit\r")
     child.expect(pexpect.EOF)
     child.close()
