@@ -47,7 +47,8 @@ def ingest(
     paths: Annotated[list[str], typer.Argument(help="Files and folders to pack into one context.")],
     model: Model = None,
     method: Annotated[str, typer.Option(envvar="STARQA_METHOD",
-                                        help="star (default) or dense (exact reference).")] = "star",
+                                        help="star (default), dense (exact reference) or "
+                                             "ring (exact, distributed).")] = "star",
     block_size: Annotated[Optional[int], typer.Option(
         envvar="STARQA_BLOCK_SIZE", help="Tokens per block (default: a quarter of the context).")] = None,
     anchor_size: Annotated[Optional[int], typer.Option(

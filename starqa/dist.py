@@ -71,6 +71,20 @@ def broadcast(info: DistInfo, tensor: torch.Tensor, src: int) -> torch.Tensor:
     return tensor
 
 
+def ring_shift(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
+    """Send `tensor` to the next rank and return the one the previous rank sent (same shape
+    on every rank); ranks form a ring, rank W-1 sending to rank 0."""
+    if info.group is None:
+        return tensor
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor.contiguous(), (info.rank + 1) % info.world_size,
+                      group=info.group),
+           dist.P2POp(dist.irecv, received, (info.rank - 1) % info.world_size, group=info.group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return received
+
+
 def gather_object(info: DistInfo, obj, dst: int) -> list | None:
     """Every rank's picklable `obj`, as a list on rank `dst` (None elsewhere)."""
     if info.group is None:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from starqa.errors import StarqaError
 
-METHODS = ("star", "dense")
+METHODS = ("star", "dense", "ring")
 MAX_DEFAULT_BLOCK = 32_768  # the paper's fixed block size for very long contexts
 
 
@@ -26,7 +26,8 @@ def method_config(name: str, n_tokens: int, block_size: int | None = None,
     """Settings for `name` on a context of `n_tokens`, with the papers' defaults.
 
     star: block = a quarter of the context (capped at 32K), anchor = block.
-    dense: blocks only split the cache into shards (one per block); encoding is exact.
+    dense, ring: exact; blocks only split the cache into shards (one file per block), and
+    ring's workers each hold a contiguous group of them.
     """
     if name not in METHODS:
         raise StarqaError(f"Unknown method {name!r}.", hint=f"choose one of: {', '.join(METHODS)}")
@@ -35,8 +36,8 @@ def method_config(name: str, n_tokens: int, block_size: int | None = None,
     if anchor_size is not None and anchor_size < 0:
         raise StarqaError(f"--anchor-size must be 0 or more (got {anchor_size}).")
     block = block_size or min(max(1, math.ceil(n_tokens / 4)), MAX_DEFAULT_BLOCK)
-    if name == "dense":
-        return MethodConfig("dense", block, 0)
+    if name in ("dense", "ring"):
+        return MethodConfig(name, block, 0)
     return MethodConfig("star", block, block if anchor_size is None else anchor_size)
 
 

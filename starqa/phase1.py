@@ -83,7 +83,12 @@ def encode_dense(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]]
         yield (i, *hook.stacked())
 
 
-def encode(model, ids: torch.Tensor, method: MethodConfig, blocks, indices):
+def encode(model, ids: torch.Tensor, method: MethodConfig, blocks, indices, info):
+    """This worker's share of Phase 1 for `method`: yields (index, k, v) per block."""
     if method.name == "dense":
         return encode_dense(model, ids, blocks)
+    if method.name == "ring":
+        from starqa.ring import encode_ring
+
+        return encode_ring(model, ids, blocks, indices, info)
     return encode_star(model, ids, blocks, indices, method.anchor_size)

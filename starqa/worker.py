@@ -48,7 +48,7 @@ def run_ingest(job: dict, info) -> None:
     mine = list(dist.split_contiguous(len(blocks), info.world_size, info.rank))
     emit("ready", rank=info.rank, blocks=mine)
     _fault("ingest", info.rank)
-    for index, k, v in phase1.encode(model, ids, method, blocks, mine):
+    for index, k, v in phase1.encode(model, ids, method, blocks, mine, info):
         start, end = blocks[index]
         store.save_block(folder, index, k.cpu(), v.cpu(), {
             "index": str(index), "start": str(start), "end": str(end), "method": method.name})
