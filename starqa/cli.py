@@ -47,12 +47,25 @@ def ingest(
     paths: Annotated[list[str], typer.Argument(help="Files and folders to pack into one context.")],
     model: Model = None,
     method: Annotated[str, typer.Option(envvar="STARQA_METHOD",
-                                        help="star (default), dense (exact reference) or "
-                                             "ring (exact, distributed).")] = "star",
+                                        help="star (default), pulsar, dense (exact reference) "
+                                             "or ring (exact, distributed).")] = "star",
     block_size: Annotated[Optional[int], typer.Option(
         envvar="STARQA_BLOCK_SIZE", help="Tokens per block (default: a quarter of the context).")] = None,
     anchor_size: Annotated[Optional[int], typer.Option(
         envvar="STARQA_ANCHOR_SIZE", help="star: anchor tokens (default: the block size).")] = None,
+    sink_size: Annotated[Optional[int], typer.Option(
+        envvar="STARQA_SINK_SIZE", help="pulsar: tokens of the sink (default 64).")] = None,
+    heuristic: Annotated[Optional[str], typer.Option(
+        envvar="STARQA_HEURISTIC",
+        help="pulsar: chunk scoring, max-idf (default), tfidf, bm25, entropy or even.")] = None,
+    summary_budget: Annotated[Optional[float], typer.Option(
+        envvar="STARQA_SUMMARY_BUDGET",
+        help="pulsar: summary size as a fraction of the block (default 0.125).")] = None,
+    chunk_size: Annotated[Optional[int], typer.Option(
+        envvar="STARQA_CHUNK_SIZE", help="pulsar: tokens per scored chunk (default 32).")] = None,
+    positions: Annotated[Optional[str], typer.Option(
+        envvar="STARQA_POSITIONS",
+        help="pulsar: sparse (default: original positions) or contiguous.")] = None,
     workers: Workers = None,
     name: Annotated[Optional[str], typer.Option(
         envvar="STARQA_NAME", help="Context name (default: the first path's name).")] = None,
@@ -85,7 +98,9 @@ def ingest(
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
         beyond_window=beyond_window, force=force, nnodes=nnodes, node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint, device=device,
-        command="starqa " + shlex.join(sys.argv[1:]))
+        command="starqa " + shlex.join(sys.argv[1:]),
+        pulsar={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
+                "chunk": chunk_size, "positions": positions})
     with RichUI() as ui:
         result = engine.ingest(opts, ui)
     ingest_report(result)

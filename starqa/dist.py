@@ -1,6 +1,7 @@
 """Distributed glue, and the only module that reads torchrun's environment.
 
-Owns process-group set-up and teardown; every collective takes the group explicitly.
+Owns process-group set-up (workers leave with os._exit, see worker.main); every collective
+takes the group explicitly.
 CPU runs use gloo, CUDA runs nccl. A process started without torchrun is a world of one
 with no process group, so the phases run unchanged in-process (tests, single worker).
 """
@@ -47,11 +48,6 @@ def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
                                 device_id=dev if dev.type == "cuda" else None)
         group = dist.group.WORLD
     return DistInfo(rank, local_rank, world, dev, group)
-
-
-def shutdown(info: DistInfo) -> None:
-    if info.group is not None and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def all_gather(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:

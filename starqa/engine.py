@@ -62,6 +62,7 @@ class IngestOptions:
     rdzv_endpoint: str | None = None
     device: str = "auto"
     command: str | None = None  # how the user ran it, recorded for "re-ingest with" hints
+    pulsar: dict | None = None  # pulsar settings given (sink, heuristic, budget_frac, ...)
 
 
 @dataclass
@@ -96,7 +97,7 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         raise StarqaError(f"The context is {n:,} tokens > {window:,} the model was trained on.",
                           hint="ingest fewer files (--exclude, a sub-folder), use a model with a "
                                "longer window (--model), or pass --beyond-window to go on anyway")
-    method = method_config(opts.method, n, opts.block_size, opts.anchor_size)
+    method = method_config(opts.method, n, opts.block_size, opts.anchor_size, opts.pulsar)
     dtype = str(models.parse_dtype(opts.dtype)).removeprefix("torch.")
     content = corpus_mod.content_hash(corpus.files)
     key = _cache_key(content, fingerprint["digest"], method.as_dict(), dtype)
@@ -152,6 +153,24 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
                         workers * opts.nnodes, encode_seconds, [peaks[r] for r in sorted(peaks)])
 
 
+def _query_position(ids: list[int], method, blocks) -> int:
+    """Where Phase 2 positions start: after the context, except for pulsar's contiguous
+    mode, where the query follows the longest assembled block."""
+    if method.name != "pulsar" or method.params["positions"] != "contiguous":
+        return len(ids)
+    import torch
+
+    from starqa.pulsar import all_summaries, query_start
+
+    p = method.params
+    tensor = torch.tensor(ids)
+    # Only ids present matter to the IDF, so the table may stop at the largest one.
+    summaries = all_summaries(tensor, blocks, int(tensor.max()) + 1, sink=p["sink"],
+                              heuristic=p["heuristic"], budget_frac=p["budget_frac"],
+                              chunk=p["chunk"])
+    return query_start(len(ids), blocks, summaries, sink=p["sink"], positions="contiguous")
+
+
 def _ingest_workers(opts: IngestOptions, method: str, n_blocks: int) -> int:
     """Workers per machine. Exact causal encoding is sequential, so dense runs on one worker
     (ring is the distributed exact method); star never starts more workers than blocks."""
@@ -181,6 +200,7 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
                   "window": window, **fingerprint},
         "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
         "n_tokens": len(tokens.ids),
+        "query_position": _query_position(tokens.ids, method, blocks),
         "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
                    for i, (s, e) in enumerate(blocks)],
         "files": [{"path": sp.path, "token_start": a, "token_end": b, "lines": sp.lines,

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from starqa.errors import StarqaError
 
-METHODS = ("star", "dense", "ring")
+METHODS = ("star", "dense", "ring", "pulsar")
+PULSAR_DEFAULTS = {"sink": 64, "heuristic": "max-idf", "budget_frac": 0.125, "chunk": 32,
+                   "positions": "sparse"}
 MAX_DEFAULT_BLOCK = 32_768  # the paper's fixed block size for very long contexts
 
 
@@ -15,14 +17,15 @@ MAX_DEFAULT_BLOCK = 32_768  # the paper's fixed block size for very long context
 class MethodConfig:
     name: str
     block_size: int
-    anchor_size: int  # star only; 0 for dense
+    anchor_size: int  # star only; 0 for the others
+    params: dict = field(default_factory=dict)  # pulsar: sink, heuristic, budget_frac, ...
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def method_config(name: str, n_tokens: int, block_size: int | None = None,
-                  anchor_size: int | None = None) -> MethodConfig:
+                  anchor_size: int | None = None, params: dict | None = None) -> MethodConfig:
     """Settings for `name` on a context of `n_tokens`, with the papers' defaults.
 
     star: block = a quarter of the context (capped at 32K), anchor = block.
@@ -35,10 +38,34 @@ def method_config(name: str, n_tokens: int, block_size: int | None = None,
         raise StarqaError(f"--block-size must be at least 1 (got {block_size}).")
     if anchor_size is not None and anchor_size < 0:
         raise StarqaError(f"--anchor-size must be 0 or more (got {anchor_size}).")
+    given = {k for k, v in (params or {}).items() if v is not None}
+    if given and name != "pulsar":
+        raise StarqaError(f"{', '.join(sorted(given))} only apply to --method pulsar.")
+    if anchor_size is not None and name != "star":
+        raise StarqaError("--anchor-size only applies to --method star.")
     block = block_size or min(max(1, math.ceil(n_tokens / 4)), MAX_DEFAULT_BLOCK)
     if name in ("dense", "ring"):
         return MethodConfig(name, block, 0)
+    if name == "pulsar":
+        return MethodConfig("pulsar", block, 0, _pulsar_params(params or {}))
     return MethodConfig("star", block, block if anchor_size is None else anchor_size)
+
+
+def _pulsar_params(given: dict) -> dict:
+    from starqa.pulsar import HEURISTICS, POSITIONS
+
+    chosen = {**PULSAR_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    if chosen["heuristic"] not in HEURISTICS:
+        raise StarqaError(f"Unknown --heuristic {chosen['heuristic']!r}.",
+                          hint=f"choose one of: {', '.join(HEURISTICS)}")
+    if chosen["positions"] not in POSITIONS:
+        raise StarqaError(f"Unknown --positions {chosen['positions']!r}.",
+                          hint=f"choose one of: {', '.join(POSITIONS)}")
+    if not 0 < chosen["budget_frac"] <= 1:
+        raise StarqaError(f"--summary-budget must be in (0, 1] (got {chosen['budget_frac']}).")
+    if chosen["chunk"] < 1 or chosen["sink"] < 0:
+        raise StarqaError("--chunk-size must be at least 1 and --sink-size at least 0.")
+    return chosen
 
 
 def plan_blocks(n_tokens: int, block_size: int) -> list[tuple[int, int]]:

@@ -91,4 +91,8 @@ def encode(model, ids: torch.Tensor, method: MethodConfig, blocks, indices, info
         from starqa.ring import encode_ring
 
         return encode_ring(model, ids, blocks, indices, info)
+    if method.name == "pulsar":
+        from starqa.pulsar import encode_pulsar
+
+        return encode_pulsar(model, ids, blocks, indices, **method.params)
     return encode_star(model, ids, blocks, indices, method.anchor_size)

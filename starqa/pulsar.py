@@ -125,7 +125,7 @@ def all_summaries(ids: torch.Tensor, blocks: Blocks, vocab_size: int, *, sink: i
     _check(heuristic, HEURISTICS, "heuristic")
     df = df_table(ids, blocks, vocab_size)
     idf = idf_table(ids, blocks, vocab_size)
-    bm25 = dict(df=df, n_blocks=len(blocks)) if heuristic == "bm25" else {}
+    bm25 = {"df": df, "n_blocks": len(blocks)} if heuristic == "bm25" else {}
     return [summary_positions(s, ids[s:e], idf, heuristic, budget_frac, chunk,
                               skip=sink if j == 0 else 0, **bm25)
             for j, (s, e) in enumerate(blocks)]

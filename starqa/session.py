@@ -40,7 +40,8 @@ class LocalSession:
         ids = prompt.tokenize_query(self.tokenizer, question)
         started = time.perf_counter()
         first: list[float] = []
-        tokens = phase2.generate(self.model, self.info, self.hook, ids, self.manifest["n_tokens"],
+        tokens = phase2.generate(self.model, self.info, self.hook, ids,
+                                 self.manifest["query_position"],
                                  max_new_tokens, self.stop_ids,
                                  lambda _: first or first.append(time.perf_counter()))
         text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -25,7 +25,7 @@ from pathlib import Path
 from starqa.errors import ShardError, StarqaError
 
 MANIFEST = "manifest.json"
-FORMAT = 2  # 2: files carry line_tokens (sources)
+FORMAT = 3  # 2: files carry line_tokens (sources); 3: query_position
 
 
 def block_file(index: int) -> str:

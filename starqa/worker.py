@@ -76,7 +76,7 @@ class _Context:
         from starqa import dist, phase2, sources
 
         tokens = phase2.generate(self.model, self.info, self.hook, query_ids,
-                                 self.manifest["n_tokens"], max_new_tokens, set(stop_ids),
+                                 self.manifest["query_position"], max_new_tokens, set(stop_ids),
                                  on_token, should_stop)
         mine = {}
         if self.blocks:
@@ -157,16 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         {"ingest": run_ingest, "ask": run_ask, "serve": run_serve}[job["phase"]](job, info)
         emit("peak", rank=info.rank, bytes=_peak_memory(info))
-        dist.barrier(info)  # nobody tears down the group while a peer still talks on it
+        dist.barrier(info)  # every rank is done with the group
     except StarqaError as err:
         emit("error", rank=info.rank, kind=type(err).__name__, message=str(err), hint=err.hint)
         return 1
     except Exception:
         traceback.print_exc()
         return 1
-    finally:
-        dist.shutdown(info)
-    return 0
+    # Done. Leave without tearing the group down: now and then gloo's threads abort the
+    # process while it unwinds ("terminate called without an active exception"), turning a
+    # finished job into a failed one. Nothing is left to flush but our own streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def test_star_two_workers_through_torchrun(home, docs, tiny_model):
     result = ingest(docs, tiny_model, method="star", workers=2, block_size=40)
     m = result.manifest
     assert result.workers == 2 and m["method"] == {"name": "star", "block_size": 40,
-                                                    "anchor_size": 40}
+                                                    "anchor_size": 40, "params": {}}
     assert [b["end"] - b["start"] for b in m["blocks"]][:-1] == [40] * (len(m["blocks"]) - 1)
     assert {f["path"] for f in m["files"]} == {"code.py", "policy/leave.md", "policy/travel.md"}
     spans = sorted((f["token_start"], f["token_end"]) for f in m["files"])
@@ -229,3 +229,19 @@ def test_ring_two_workers_equals_dense(home, docs, tiny_model):
         for r, d in zip(load_block(ring.manifest, i), load_block(dense.manifest, i)):
             torch.testing.assert_close(r, d, rtol=1e-4, atol=1e-4)
     assert ask(context="ring", workers=2).token_ids == ask(context="dense", workers=2).token_ids
+
+
+def test_pulsar_two_workers_through_torchrun(home, docs, tiny_model):
+    result = ingest(docs, tiny_model, method="pulsar", workers=2, block_size=50,
+                    pulsar={"sink": 8, "chunk": 4, "budget_frac": 0.25,
+                            "positions": "contiguous", "heuristic": "bm25"})
+    m = result.manifest
+    assert m["method"]["params"] == {"sink": 8, "heuristic": "bm25", "budget_frac": 0.25,
+                                     "chunk": 4, "positions": "contiguous"}
+    assert 50 < m["query_position"] < m["n_tokens"]  # after the longest assembled block
+    two, one = ask(workers=2), ask(workers=1)
+    assert two.token_ids == one.token_ids and len(two.token_ids) > 0
+    with pytest.raises(StarqaError, match="only apply to --method pulsar"):
+        ingest(docs, tiny_model, method="star", pulsar={"heuristic": "bm25"})
+    with pytest.raises(StarqaError, match="Unknown --heuristic"):
+        ingest(docs, tiny_model, method="pulsar", pulsar={"heuristic": "nope"})
