@@ -121,6 +121,14 @@ def find_context(root: Path, name: str | None) -> dict:
     """The context called `name` (its name or a key prefix), or the latest one used."""
     contexts = list_contexts(root)
     if not contexts:
+        unreadable = root.is_dir() and any(
+            (folder / MANIFEST).exists() for folder in root.iterdir()
+            if not folder.name.startswith("."))
+        if unreadable:
+            raise StarqaError("No usable context: the cache holds only contexts an older or "
+                              "broken starqa wrote.",
+                              hint="re-ingest them (starqa ingest PATH); `starqa cache --clean` "
+                                   "removes the old ones")
         raise StarqaError("No ingested context yet.", hint="run: starqa ingest PATH")
     if name is None:
         return contexts[0]

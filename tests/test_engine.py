@@ -245,3 +245,12 @@ def test_pulsar_two_workers_through_torchrun(home, docs, tiny_model):
         ingest(docs, tiny_model, method="star", pulsar={"heuristic": "bm25"})
     with pytest.raises(StarqaError, match="Unknown --heuristic"):
         ingest(docs, tiny_model, method="pulsar", pulsar={"heuristic": "nope"})
+
+
+def test_ask_with_only_an_old_format_context(home):
+    old = paths.contexts_dir() / "0123456789abcdef"
+    old.mkdir(parents=True)
+    (old / "manifest.json").write_text(json.dumps({"format": 1, "name": "old"}))
+    with pytest.raises(StarqaError, match="only contexts an older or broken starqa wrote") as err:
+        ask()
+    assert "cache --clean" in err.value.hint
