@@ -7,13 +7,13 @@ Progress goes through a `UI` object so the CLI can draw it and tests can ignore 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shlex
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ class UI:
 
     def status(self, message: str):
         """A context manager shown while a short step runs."""
-        return nullcontext()
+        return contextlib.nullcontext()
 
     def waiting(self, message: str) -> None:
         """Workers are starting; shown until encoding starts or the first token arrives."""
@@ -322,8 +322,9 @@ def _ask_warm(opts: AskOptions, manifest: dict, group: dict, ui: UI, started: fl
                 ui.token(event["text"])
             elif event["event"] == "done":
                 done = event
-    except BaseException:  # Ctrl-C: stop the answer, leave the group warm
-        conn.cancel()
+    except KeyboardInterrupt:  # stop the answer, leave the group warm
+        with contextlib.suppress(OSError):
+            conn.cancel()
         raise
     finally:
         conn.close()
