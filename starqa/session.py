@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from starqa import dist, hooks, phase2, prompt, store
+from starqa import dist, prompt
 
 
 @dataclass
@@ -25,25 +25,22 @@ class LocalSession:
         import torch
 
         from starqa import engine, models
+        from starqa.worker import Phase2Context
 
-        self.manifest = manifest
         path = model_path or engine.manifest_model(manifest, None)
         self.tokenizer = models.load_tokenizer(path)
-        self.info = dist.DistInfo(0, 0, 1, torch.device(device), None)
-        self.model = models.load_model(path, dtype=getattr(torch, manifest["dtype"]),
-                                       device=device, attn_implementation=hooks.register())
-        shard = store.load_shard(manifest, range(len(manifest["blocks"])), device=device)
-        self.hook = phase2.ShardAttention(self.info, shard, query_host=True)
         self.stop_ids = engine.stop_ids(self.tokenizer, path)
+        info = dist.DistInfo(0, 0, 1, torch.device(device), None)
+        job = {"context_dir": manifest["_dir"], "model_path": str(path),
+               "dtype": manifest["dtype"]}
+        self.context = Phase2Context(job, info)
 
     def answer(self, question: str, max_new_tokens: int = 64) -> LocalAnswer:
         ids = prompt.tokenize_query(self.tokenizer, question)
         started = time.perf_counter()
         first: list[float] = []
-        tokens = phase2.generate(self.model, self.info, self.hook, ids,
-                                 self.manifest["query_position"],
-                                 max_new_tokens, self.stop_ids,
-                                 lambda _: first or first.append(time.perf_counter()))
+        tokens, _ = self.context.answer(ids, max_new_tokens, self.stop_ids,
+                                        lambda _: first or first.append(time.perf_counter()))
         text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
         end = time.perf_counter()
         return LocalAnswer(text, tokens, (first[0] if first else end) - started, end - started)

@@ -56,8 +56,9 @@ def run_ingest(job: dict, info) -> None:
     dist.barrier(info)
 
 
-class _Context:
-    """What every Phase 2 worker holds: the model, its contiguous blocks and their shard."""
+class Phase2Context:
+    """What every Phase 2 worker holds: the model, its contiguous blocks and their shard.
+    In a world of one (starqa.session) that is the whole context."""
 
     def __init__(self, job: dict, info):
         from starqa import dist, phase2, store
@@ -87,7 +88,7 @@ class _Context:
 
 
 def run_ask(job: dict, info) -> None:
-    ctx = _Context(job, info)
+    ctx = Phase2Context(job, info)
     emit("ready", rank=info.rank, blocks=ctx.blocks)
     started = time.perf_counter()
     first: list[float] = []
@@ -109,7 +110,7 @@ def run_serve(job: dict, info) -> None:
     from starqa import dist
     from starqa.server import Server
 
-    ctx = _Context(job, info)
+    ctx = Phase2Context(job, info)
     server = Server(job, ctx) if info.is_last else None
     emit("ready", rank=info.rank, blocks=ctx.blocks)
     try:
