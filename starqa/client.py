@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from starqa import paths
+from starqa import paths, store
 from starqa.errors import StarqaError, WorkerError
 
 
@@ -36,7 +36,7 @@ def running() -> list[dict]:
             info = json.loads(file.read_text())
         except (OSError, ValueError):
             continue
-        if _alive(info["pid"]) and Path(info["socket"]).exists():
+        if store.process_alive(info["pid"]) and Path(info["socket"]).exists():
             found.append(info)
         else:
             file.unlink(missing_ok=True)
@@ -118,13 +118,3 @@ class Client:
     def close(self) -> None:
         self.reader.close()
         self.sock.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

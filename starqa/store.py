@@ -250,7 +250,7 @@ def _leftover(path: Path) -> Leftover:
     if not suffix.isdigit():
         return Leftover(path, dir_size(path), None, False, "multi-machine staging; owner unknown")
     pid = int(suffix)
-    if _process_alive(pid):
+    if process_alive(pid):
         return Leftover(path, dir_size(path), pid, True, f"in use by running process {pid}")
     return Leftover(path, dir_size(path), pid, False, f"stale (process {pid} is gone)")
 
@@ -275,7 +275,8 @@ def cache_usage(models_root: Path, contexts_root: Path) -> CacheUsage:
                       leftovers)
 
 
-def _process_alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -296,6 +297,13 @@ def verify_block(manifest: dict, index: int, checksum: bool = True) -> Path:
         raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
                          hint=_fix(manifest))
     return path
+
+
+def verify_present(manifest: dict) -> None:
+    """Every shard of the context is there with its recorded size (a quick look: the
+    workers verify checksums as they load)."""
+    for index in range(len(manifest["blocks"])):
+        verify_block(manifest, index, checksum=False)
 
 
 def load_block(manifest: dict, index: int, device="cpu"):
