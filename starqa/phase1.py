@@ -96,3 +96,25 @@ def encode(model, ids: torch.Tensor, method: MethodConfig, blocks, indices, info
 
         return encode_pulsar(model, ids, blocks, indices, **method.params)
     return encode_star(model, ids, blocks, indices, method.anchor_size)
+
+
+def encode_local(model, ids: torch.Tensor, method: MethodConfig, blocks):
+    """Phase 1 for every block in this one process, as if each block sat on its own host;
+    yields (index, k, v) in block order.
+
+    The result equals what the distributed workers store (tested): star, dense and pulsar
+    need no communication; ring is exact, so its blocks are dense's; apb's hosts only read
+    compressed KV from earlier blocks, so running the blocks in order reproduces them. Used
+    where many short contexts are encoded with one loaded model (`starqa eval`).
+    """
+    from starqa import dist
+
+    info = dist.DistInfo(0, 0, 1, next(model.parameters()).device, None)
+    everything = range(len(blocks))
+    if method.name == "ring":
+        return encode_dense(model, ids, blocks)
+    if method.name == "apb":
+        from starqa.apb import encode_apb_local
+
+        return encode_apb_local(model, ids, blocks, **method.params)
+    return encode(model, ids, method, blocks, everything, info)
