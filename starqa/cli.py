@@ -47,12 +47,13 @@ def ingest(
     paths: Annotated[list[str], typer.Argument(help="Files and folders to pack into one context.")],
     model: Model = None,
     method: Annotated[str, typer.Option(envvar="STARQA_METHOD",
-                                        help="star (default), pulsar, dense (exact reference) "
-                                             "or ring (exact, distributed).")] = "star",
+                                        help="star (default), pulsar, apb, dense (exact "
+                                             "reference) or ring (exact, distributed).")] = "star",
     block_size: Annotated[Optional[int], typer.Option(
         envvar="STARQA_BLOCK_SIZE", help="Tokens per block (default: a quarter of the context).")] = None,
     anchor_size: Annotated[Optional[int], typer.Option(
-        envvar="STARQA_ANCHOR_SIZE", help="star: anchor tokens (default: the block size).")] = None,
+        envvar="STARQA_ANCHOR_SIZE", help="star, apb: anchor tokens (default: the block size for star, a "
+                                           "quarter of it for apb).")] = None,
     sink_size: Annotated[Optional[int], typer.Option(
         envvar="STARQA_SINK_SIZE", help="pulsar: tokens of the sink (default 64).")] = None,
     heuristic: Annotated[Optional[str], typer.Option(
@@ -66,6 +67,13 @@ def ingest(
     positions: Annotated[Optional[str], typer.Option(
         envvar="STARQA_POSITIONS",
         help="pulsar: sparse (default: original positions) or contiguous.")] = None,
+    passing_size: Annotated[Optional[int], typer.Option(
+        envvar="STARQA_PASSING_SIZE",
+        help="apb: compressed tokens each block passes on, per layer and KV head "
+             "(default: an eighth of the block).")] = None,
+    probe_window: Annotated[Optional[int], typer.Option(
+        envvar="STARQA_PROBE_WINDOW",
+        help="apb: the block's last tokens whose queries score what to pass (default 64).")] = None,
     workers: Workers = None,
     name: Annotated[Optional[str], typer.Option(
         envvar="STARQA_NAME", help="Context name (default: the first path's name).")] = None,
@@ -99,8 +107,9 @@ def ingest(
         beyond_window=beyond_window, force=force, nnodes=nnodes, node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint, device=device,
         command="starqa " + shlex.join(sys.argv[1:]),
-        pulsar={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
-                "chunk": chunk_size, "positions": positions})
+        method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
+                "chunk": chunk_size, "positions": positions, "passing": passing_size,
+                "window": probe_window})
     with RichUI() as ui:
         result = engine.ingest(opts, ui)
     ingest_report(result)

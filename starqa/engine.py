@@ -62,7 +62,7 @@ class IngestOptions:
     rdzv_endpoint: str | None = None
     device: str = "auto"
     command: str | None = None  # how the user ran it, recorded for "re-ingest with" hints
-    pulsar: dict | None = None  # pulsar settings given (sink, heuristic, budget_frac, ...)
+    method_params: dict | None = None  # method-specific settings given (methods.OPTIONS)
 
 
 @dataclass
@@ -97,7 +97,8 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         raise StarqaError(f"The context is {n:,} tokens > {window:,} the model was trained on.",
                           hint="ingest fewer files (--exclude, a sub-folder), use a model with a "
                                "longer window (--model), or pass --beyond-window to go on anyway")
-    method = method_config(opts.method, n, opts.block_size, opts.anchor_size, opts.pulsar)
+    method = method_config(opts.method, n, opts.block_size, opts.anchor_size,
+                           opts.method_params)
     dtype = str(models.parse_dtype(opts.dtype)).removeprefix("torch.")
     content = corpus_mod.content_hash(corpus.files)
     key = _cache_key(content, fingerprint["digest"], method.as_dict(), dtype)

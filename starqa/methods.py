@@ -7,9 +7,15 @@ from dataclasses import asdict, dataclass, field
 
 from starqa.errors import StarqaError
 
-METHODS = ("star", "dense", "ring", "pulsar")
+METHODS = ("star", "dense", "ring", "pulsar", "apb")
 PULSAR_DEFAULTS = {"sink": 64, "heuristic": "max-idf", "budget_frac": 0.125, "chunk": 32,
                    "positions": "sparse"}
+APB_DEFAULTS = {"passing": None, "window": 64}  # passing: None = an eighth of the block
+# The command-line option behind each method-specific setting, for error messages.
+OPTIONS = {"sink": "--sink-size", "heuristic": "--heuristic", "budget_frac": "--summary-budget",
+           "chunk": "--chunk-size", "positions": "--positions", "passing": "--passing-size",
+           "window": "--probe-window", "anchor": "--anchor-size"}
+OWNERS = {**{k: "pulsar" for k in PULSAR_DEFAULTS}, **{k: "apb" for k in APB_DEFAULTS}}
 MAX_DEFAULT_BLOCK = 32_768  # the paper's fixed block size for very long contexts
 
 
@@ -17,8 +23,8 @@ MAX_DEFAULT_BLOCK = 32_768  # the paper's fixed block size for very long context
 class MethodConfig:
     name: str
     block_size: int
-    anchor_size: int  # star only; 0 for the others
-    params: dict = field(default_factory=dict)  # pulsar: sink, heuristic, budget_frac, ...
+    anchor_size: int  # star and apb; 0 for the others
+    params: dict = field(default_factory=dict)  # pulsar: sink, heuristic, ...; apb: passing, ...
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -29,8 +35,11 @@ def method_config(name: str, n_tokens: int, block_size: int | None = None,
     """Settings for `name` on a context of `n_tokens`, with the papers' defaults.
 
     star: block = a quarter of the context (capped at 32K), anchor = block.
+    apb: same blocks, anchor = block/4, passing = block/8 per KV head, probe window 64.
     dense, ring: exact; blocks only split the cache into shards (one file per block), and
     ring's workers each hold a contiguous group of them.
+    `params` holds the method-specific settings (keys of PULSAR_DEFAULTS / APB_DEFAULTS);
+    None means not given. A setting given for another method is an error.
     """
     if name not in METHODS:
         raise StarqaError(f"Unknown method {name!r}.", hint=f"choose one of: {', '.join(METHODS)}")
@@ -39,22 +48,42 @@ def method_config(name: str, n_tokens: int, block_size: int | None = None,
     if anchor_size is not None and anchor_size < 0:
         raise StarqaError(f"--anchor-size must be 0 or more (got {anchor_size}).")
     given = {k for k, v in (params or {}).items() if v is not None}
-    if given and name != "pulsar":
-        raise StarqaError(f"{', '.join(sorted(given))} only apply to --method pulsar.")
-    if anchor_size is not None and name != "star":
-        raise StarqaError("--anchor-size only applies to --method star.")
+    if anchor_size is not None:
+        given.add("anchor")
+    for key in sorted(given):
+        owners = ("star", "apb") if key == "anchor" else (OWNERS.get(key),)
+        if name not in owners:
+            raise StarqaError(f"{OPTIONS.get(key, key)} only applies to --method "
+                              f"{' or '.join(o for o in owners if o)}.")
     block = block_size or min(max(1, math.ceil(n_tokens / 4)), MAX_DEFAULT_BLOCK)
     if name in ("dense", "ring"):
         return MethodConfig(name, block, 0)
     if name == "pulsar":
         return MethodConfig("pulsar", block, 0, _pulsar_params(params or {}))
+    if name == "apb":
+        from starqa.apb import default_anchor
+
+        anchor = default_anchor(block) if anchor_size is None else anchor_size
+        return MethodConfig("apb", block, anchor, _apb_params(params or {}, block))
     return MethodConfig("star", block, block if anchor_size is None else anchor_size)
+
+
+def _apb_params(given: dict, block: int) -> dict:
+    chosen = {**APB_DEFAULTS, **{k: v for k, v in given.items()
+                                 if v is not None and k in APB_DEFAULTS}}
+    if chosen["passing"] is None:
+        chosen["passing"] = max(1, block // 8)
+    if chosen["passing"] < 0 or chosen["window"] < 1:
+        raise StarqaError(f"--passing-size must be 0 or more and --probe-window at least 1 "
+                          f"(got {chosen['passing']} and {chosen['window']}).")
+    return chosen
 
 
 def _pulsar_params(given: dict) -> dict:
     from starqa.pulsar import HEURISTICS, POSITIONS
 
-    chosen = {**PULSAR_DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    chosen = {**PULSAR_DEFAULTS, **{k: v for k, v in given.items()
+                                    if v is not None and k in PULSAR_DEFAULTS}}
     if chosen["heuristic"] not in HEURISTICS:
         raise StarqaError(f"Unknown --heuristic {chosen['heuristic']!r}.",
                           hint=f"choose one of: {', '.join(HEURISTICS)}")

@@ -95,7 +95,24 @@ def encode(model, ids: torch.Tensor, method: MethodConfig, blocks, indices, info
         from starqa.pulsar import encode_pulsar
 
         return encode_pulsar(model, ids, blocks, indices, **method.params)
+    if method.name == "apb":
+        from starqa.apb import encode_apb
+
+        return encode_apb(model, ids, blocks, indices, info, anchor=method.anchor_size,
+                          **method.params)
     return encode_star(model, ids, blocks, indices, method.anchor_size)
+
+
+def assignment(method: MethodConfig, n_blocks: int, world: int, rank: int) -> list[int]:
+    """The blocks worker `rank` of `world` encodes: a contiguous group (what ring needs and
+    what Phase 2 loads), or round-robin for apb, whose blocks pass KV forward round by round."""
+    from starqa import dist
+
+    if method.name == "apb":
+        from starqa.apb import assignment as apb_assignment
+
+        return apb_assignment(n_blocks, world, rank)
+    return list(dist.split_contiguous(n_blocks, world, rank))
 
 
 def encode_local(model, ids: torch.Tensor, method: MethodConfig, blocks):
@@ -116,5 +133,5 @@ def encode_local(model, ids: torch.Tensor, method: MethodConfig, blocks):
     if method.name == "apb":
         from starqa.apb import encode_apb_local
 
-        return encode_apb_local(model, ids, blocks, **method.params)
+        return encode_apb_local(model, ids, blocks, anchor=method.anchor_size, **method.params)
     return encode(model, ids, method, blocks, everything, info)

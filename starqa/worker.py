@@ -45,7 +45,7 @@ def run_ingest(job: dict, info) -> None:
     folder = Path(job["staging"])
     ids = load_file(job["tokens_file"])["ids"].long()
     model = _load_model(job, info)
-    mine = list(dist.split_contiguous(len(blocks), info.world_size, info.rank))
+    mine = phase1.assignment(method, len(blocks), info.world_size, info.rank)
     emit("ready", rank=info.rank, blocks=mine)
     _fault("ingest", info.rank)
     for index, k, v in phase1.encode(model, ids, method, blocks, mine, info):

@@ -233,7 +233,7 @@ def test_ring_two_workers_equals_dense(home, docs, tiny_model):
 
 def test_pulsar_two_workers_through_torchrun(home, docs, tiny_model):
     result = ingest(docs, tiny_model, method="pulsar", workers=2, block_size=50,
-                    pulsar={"sink": 8, "chunk": 4, "budget_frac": 0.25,
+                    method_params={"sink": 8, "chunk": 4, "budget_frac": 0.25,
                             "positions": "contiguous", "heuristic": "bm25"})
     m = result.manifest
     assert m["method"]["params"] == {"sink": 8, "heuristic": "bm25", "budget_frac": 0.25,
@@ -241,10 +241,10 @@ def test_pulsar_two_workers_through_torchrun(home, docs, tiny_model):
     assert 50 < m["query_position"] < m["n_tokens"]  # after the longest assembled block
     two, one = ask(workers=2), ask(workers=1)
     assert two.token_ids == one.token_ids and len(two.token_ids) > 0
-    with pytest.raises(StarqaError, match="only apply to --method pulsar"):
-        ingest(docs, tiny_model, method="star", pulsar={"heuristic": "bm25"})
+    with pytest.raises(StarqaError, match="--heuristic only applies to --method pulsar"):
+        ingest(docs, tiny_model, method="star", method_params={"heuristic": "bm25"})
     with pytest.raises(StarqaError, match="Unknown --heuristic"):
-        ingest(docs, tiny_model, method="pulsar", pulsar={"heuristic": "nope"})
+        ingest(docs, tiny_model, method="pulsar", method_params={"heuristic": "nope"})
 
 
 def test_ask_with_only_an_old_format_context(home):
@@ -254,3 +254,27 @@ def test_ask_with_only_an_old_format_context(home):
     with pytest.raises(StarqaError, match="only contexts an older or broken starqa wrote") as err:
         ask()
     assert "cache --clean" in err.value.hint
+
+
+def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
+    """Two workers pass compressed KV round by round (one all-gather per layer, an idle
+    worker in a short last round); the shards equal encoding the blocks in order in one
+    process, and ask answers from them."""
+    from starqa import hooks, phase1
+    from starqa.methods import MethodConfig
+    from starqa.store import load_block
+
+    result = ingest(docs, tiny_model, method="apb", workers=2, block_size=40,
+                    method_params={"passing": 6, "window": 8})
+    m = result.manifest
+    assert result.workers == 2 and len(m["blocks"]) % 2 == 1  # a short last round
+    assert m["method"] == {"name": "apb", "block_size": 40, "anchor_size": 10,
+                           "params": {"passing": 6, "window": 8}}
+    model = load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
+    ids = torch.tensor(_context_ids(tiny_model, m))
+    blocks = [(b["start"], b["end"]) for b in m["blocks"]]
+    for i, k, v in phase1.encode_local(model, ids, MethodConfig(**m["method"]), blocks):
+        stored_k, stored_v = load_block(m, i)
+        torch.testing.assert_close(stored_k, k, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(stored_v, v, rtol=1e-4, atol=1e-4)
+    assert len(ask(workers=2).token_ids) > 0
