@@ -74,6 +74,10 @@ def ingest(
     probe_window: Annotated[Optional[int], typer.Option(
         envvar="STARQA_PROBE_WINDOW",
         help="apb: the block's last tokens whose queries score what to pass (default 64).")] = None,
+    question: Annotated[Optional[str], typer.Option(
+        envvar="STARQA_QUESTION",
+        help="apb: the question, when known before encoding: it joins every block's anchor "
+             "and chooses what is passed on (the cache then favours that question).")] = None,
     workers: Workers = None,
     name: Annotated[Optional[str], typer.Option(
         envvar="STARQA_NAME", help="Context name (default: the first path's name).")] = None,
@@ -109,7 +113,7 @@ def ingest(
         command="starqa " + shlex.join(sys.argv[1:]),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                 "chunk": chunk_size, "positions": positions, "passing": passing_size,
-                "window": probe_window})
+                "window": probe_window, "question": question})
     with RichUI() as ui:
         result = engine.ingest(opts, ui)
     ingest_report(result)

@@ -14,7 +14,7 @@ import os
 import shlex
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,9 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
                                "longer window (--model), or pass --beyond-window to go on anyway")
     method = method_config(opts.method, n, opts.block_size, opts.anchor_size,
                            opts.method_params)
+    if method.params.get("question"):  # apb: the question joins every block's anchor
+        question_ids = tokenizer.encode(method.params["question"], add_special_tokens=False)
+        method = replace(method, params={**method.params, "question_ids": question_ids})
     dtype = str(models.parse_dtype(opts.dtype)).removeprefix("torch.")
     content = corpus_mod.content_hash(corpus.files)
     key = _cache_key(content, fingerprint["digest"], method.as_dict(), dtype)

@@ -10,11 +10,13 @@ from starqa.errors import StarqaError
 METHODS = ("star", "dense", "ring", "pulsar", "apb")
 PULSAR_DEFAULTS = {"sink": 64, "heuristic": "max-idf", "budget_frac": 0.125, "chunk": 32,
                    "positions": "sparse"}
-APB_DEFAULTS = {"passing": None, "window": 64}  # passing: None = an eighth of the block
+# passing None: an eighth of the block; question None: unknown at encoding time (the engine
+# adds its token ids as question_ids when given)
+APB_DEFAULTS = {"passing": None, "window": 64, "question": None}
 # The command-line option behind each method-specific setting, for error messages.
 OPTIONS = {"sink": "--sink-size", "heuristic": "--heuristic", "budget_frac": "--summary-budget",
            "chunk": "--chunk-size", "positions": "--positions", "passing": "--passing-size",
-           "window": "--probe-window", "anchor": "--anchor-size"}
+           "window": "--probe-window", "question": "--question", "anchor": "--anchor-size"}
 OWNERS = {**{k: "pulsar" for k in PULSAR_DEFAULTS}, **{k: "apb" for k in APB_DEFAULTS}}
 MAX_DEFAULT_BLOCK = 32_768  # the paper's fixed block size for very long contexts
 
@@ -73,6 +75,8 @@ def _apb_params(given: dict, block: int) -> dict:
                                  if v is not None and k in APB_DEFAULTS}}
     if chosen["passing"] is None:
         chosen["passing"] = max(1, block // 8)
+    if chosen["question"] is not None and not chosen["question"].strip():
+        raise StarqaError("--question is empty.")
     if chosen["passing"] < 0 or chosen["window"] < 1:
         raise StarqaError(f"--passing-size must be 0 or more and --probe-window at least 1 "
                           f"(got {chosen['passing']} and {chosen['window']}).")

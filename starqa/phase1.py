@@ -98,8 +98,10 @@ def encode(model, ids: torch.Tensor, method: MethodConfig, blocks, indices, info
     if method.name == "apb":
         from starqa.apb import encode_apb
 
+        p = method.params
         return encode_apb(model, ids, blocks, indices, info, anchor=method.anchor_size,
-                          **method.params)
+                          passing=p["passing"], window=p["window"],
+                          question_ids=p.get("question_ids"))
     return encode_star(model, ids, blocks, indices, method.anchor_size)
 
 
@@ -133,5 +135,8 @@ def encode_local(model, ids: torch.Tensor, method: MethodConfig, blocks):
     if method.name == "apb":
         from starqa.apb import encode_apb_local
 
-        return encode_apb_local(model, ids, blocks, anchor=method.anchor_size, **method.params)
+        p = method.params
+        return encode_apb_local(model, ids, blocks, anchor=method.anchor_size,
+                                passing=p["passing"], window=p["window"],
+                                question_ids=p.get("question_ids"))
     return encode(model, ids, method, blocks, everything, info)

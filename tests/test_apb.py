@@ -122,7 +122,7 @@ def test_round_robin_assignment():
 
 def test_method_defaults_and_option_errors():
     cfg = method_config("apb", 8_000)
-    assert cfg == MethodConfig("apb", 2_000, 500, {"passing": 250, "window": 64})
+    assert cfg == MethodConfig("apb", 2_000, 500, {"passing": 250, "window": 64, "question": None})
     assert method_config("apb", 8_000, anchor_size=100, params={"passing": 10}).params["passing"] == 10
     with pytest.raises(StarqaError, match="--passing-size only applies to --method apb"):
         method_config("star", 100, params={"passing": 10})

@@ -269,7 +269,7 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     m = result.manifest
     assert result.workers == 2 and len(m["blocks"]) % 2 == 1  # a short last round
     assert m["method"] == {"name": "apb", "block_size": 40, "anchor_size": 10,
-                           "params": {"passing": 6, "window": 8}}
+                           "params": {"passing": 6, "window": 8, "question": None}}
     model = load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
     ids = torch.tensor(_context_ids(tiny_model, m))
     blocks = [(b["start"], b["end"]) for b in m["blocks"]]
@@ -278,3 +278,10 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
         torch.testing.assert_close(stored_k, k, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(stored_v, v, rtol=1e-4, atol=1e-4)
     assert len(ask(workers=2).token_ids) > 0
+    # A question known at encoding time joins the anchor: another cache, ids recorded.
+    known = ingest(docs, tiny_model, method="apb", workers=2, block_size=40,
+                   method_params={"question": QUESTION}, name="known")
+    params = known.manifest["method"]["params"]
+    assert known.manifest["key"] != m["key"] and params["question"] == QUESTION
+    assert params["question_ids"] == load_tokenizer(tiny_model).encode(
+        QUESTION, add_special_tokens=False)
