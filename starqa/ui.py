@@ -143,19 +143,16 @@ def ingest_report(result: IngestResult) -> None:
                   f"{result.encode_seconds:.1f} s; node 0 commits the context.")
         return
     files = sorted(m["files"], key=lambda f: f["token_end"] - f["token_start"], reverse=True)
-    method = m["method"]
-    settings = f"block {method['block_size']:,}" + (
-        f", anchor {method['anchor_size']:,}" if method["name"] == "star" else "")
     if result.cache_hit:
         err.print(f"[green]Cache hit[/]: {m['name']} ({m['key']}) is already encoded with "
-                  f"{method['name']} ({settings}) on {m['model']['name']}; nothing to do "
+                  f"{_method(m['method'])} on {m['model']['name']}; nothing to do "
                   f"({result.seconds:.1f} s). Use --force to re-encode.")
         return
     err.print(f"[bold]Ingested[/] {m['name']} ({m['key']}): {len(m['files'])} files, "
               f"{m['n_tokens']:,} tokens, {len(m['blocks'])} blocks on {result.workers} "
-              f"worker{'s' * (result.workers > 1)}, method {method['name']} ({settings}), "
+              f"worker{'s' * (result.workers > 1)}, method {_method(m['method'])}, "
               f"model {m['model']['name']}, {m['dtype']}")
-    per_worker = _blocks_per_worker(len(m["blocks"]), result.workers)
+    per_worker = _blocks_per_worker(m["method"], len(m["blocks"]), result.workers)
     err.print(f"Blocks per worker: {per_worker}")
     err.print(f"Encoded in {result.encode_seconds:.1f} s "
               f"({m['n_tokens'] / max(result.encode_seconds, 1e-9):,.0f} tokens/s); "
@@ -176,12 +173,17 @@ def ingest_report(result: IngestResult) -> None:
             err.print(f"  … and {len(m['skipped']) - 20} more")
 
 
-def _blocks_per_worker(n_blocks: int, workers: int) -> str:
-    from starqa.dist import split_contiguous
+def _blocks_per_worker(method: dict, n_blocks: int, workers: int) -> str:
+    from starqa.methods import MethodConfig
+    from starqa.phase1 import assignment
 
-    groups = [split_contiguous(n_blocks, workers, r) for r in range(workers)]
-    return ", ".join(f"worker {r}: " + (f"{g.start}-{g.stop - 1}" if len(g) > 1 else str(g.start))
-                     for r, g in enumerate(groups))
+    def span(mine: list[int]) -> str:
+        if len(mine) > 1 and mine == list(range(mine[0], mine[-1] + 1)):
+            return f"{mine[0]}-{mine[-1]}"
+        return ",".join(map(str, mine)) or "none"
+
+    return ", ".join(f"worker {r}: " + span(assignment(MethodConfig(**method), n_blocks, workers, r))
+                     for r in range(workers))
 
 
 def answer_stats(answer: Answer) -> None:
@@ -329,15 +331,20 @@ def _table(title: str, *columns: tuple[str, str]) -> Table:
 
 
 def _method(method: dict) -> str:
-    settings = f"block {method['block_size']:,}"
-    if method["name"] == "star":
-        settings += f", anchor {method['anchor_size']:,}"
-    return f"{method['name']} ({settings})"
+    """`apb (block 1,024, anchor 256, passing 128, window 64)`: every setting but token ids."""
+    settings = [f"block {method['block_size']:,}"]
+    if method["name"] in ("star", "apb"):
+        settings.append(f"anchor {method['anchor_size']:,}")
+    for key, value in method.get("params", {}).items():
+        if value is not None and key != "question_ids":
+            text = str(value)
+            settings.append(f"{key} {text if len(text) <= 40 else text[:39] + '…'}")
+    return f"{method['name']} ({', '.join(settings)})"
 
 
 def _method_short(method: dict) -> str:
     """`star 1,024/1,024` (block/anchor) or `dense 1,024` (block)."""
-    anchor = f"/{method['anchor_size']:,}" if method["name"] == "star" else ""
+    anchor = f"/{method['anchor_size']:,}" if method["name"] in ("star", "apb") else ""
     return f"{method['name']} {method['block_size']:,}{anchor}"
 
 
