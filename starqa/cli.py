@@ -22,7 +22,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 
 Model = Annotated[Optional[str], typer.Option(
     "--model", "-m", envvar="STARQA_MODEL",
-    help="Embedded model name (smollm2-135m), a local Hugging Face folder, or a hub id.")]
+    help="Embedded model name (smollm2-135m, qwen2.5-coder-1.5b), a local Hugging Face "
+    "folder, or a hub id.")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", "-w", envvar="STARQA_WORKERS", min=1,
     help="torchrun workers (default: all GPUs, else all CPU cores).")]

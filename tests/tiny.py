@@ -1,5 +1,11 @@
-"""A tiny random Llama with a word-level tokenizer and a chat template, saved as a Hugging
-Face folder: the model of the unit tests (no weights to download)."""
+"""Tiny random models with a small tokenizer and a chat template, saved as Hugging Face
+folders: the models of the unit tests (no weights to download).
+
+`arch="llama"` (the default): a Llama, word-level tokenizer, plain template. `arch="qwen2"`:
+a Qwen2 (q/k/v projections with biases, randomised here so they matter; GQA 6/2 like
+Qwen2.5's 12/2), a byte-level BPE loaded as Qwen2Tokenizer, Qwen2.5's ChatML template
+(default system prompt included) and its special tokens.
+"""
 
 from pathlib import Path
 
@@ -10,14 +16,37 @@ WORDS = ("the star attention block query answer long context budget travel appro
          "office leave retry limit default seven").split()
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </s> {% endfor %}"
             "{% if add_generation_prompt %}<assistant> {% endif %}")
+# Qwen2.5's chat template without its tool-calling branches (starqa sends no tools).
+QWEN_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+PROMPT_WORDS = ("You are helpful assistant Answer question using only documents provided Be "
+                "brief Here Question document path md py system user").split()
 
 
-def make_tiny_model(folder: Path, seed: int = 0, window: int = 512) -> Path:
+def make_tiny_model(folder: Path, seed: int = 0, window: int = 512, arch: str = "llama") -> Path:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    if arch == "qwen2":
+        return _make_tiny_qwen2(folder, seed, window)
+    if arch != "llama":
+        raise ValueError(f"unknown arch {arch!r}")
     specials = ["<unk>", "<s>", "</s>", "<", ">", "system", "user", "assistant", "\"", "=", "/"]
     vocab = {w: i for i, w in enumerate(dict.fromkeys([*specials, *WORDS]))}
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
@@ -31,4 +60,46 @@ def make_tiny_model(folder: Path, seed: int = 0, window: int = 512) -> Path:
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(folder)
     fast.save_pretrained(folder)
+    return folder
+
+
+def _make_tiny_qwen2(folder: Path, seed: int, window: int) -> Path:
+    """transformers loads any qwen2 folder's tokenizer as Qwen2Tokenizer (byte-level BPE with
+    Qwen's pre-tokenizer regex), so the tiny one is a real byte-level BPE: the 256 byte
+    symbols plus merges trained on WORDS and the prompt's words."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = " ".join([*WORDS, *PROMPT_WORDS])
+    bpe.train_from_iterator([text, text.title(), text + " .\n\n"], trainer)
+    trained = json.loads(bpe.to_str())["model"]
+    vocab, merges = trained["vocab"], [tuple(m) for m in trained["merges"]]
+    for special in QWEN_SPECIALS:
+        vocab[special] = len(vocab)
+    # Like Qwen2.5's tokenizer: no BOS added, <|im_end|> ends a turn, <|endoftext|> pads.
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None,
+                         bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                         pad_token="<|endoftext|>")
+    tok.add_tokens([AddedToken(t, special=True) for t in QWEN_SPECIALS], special_tokens=True)
+    tok.chat_template = QWEN_TEMPLATE
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=96, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                         max_position_embeddings=window, eos_token_id=vocab["<|im_end|>"],
+                         bos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"],
+                         rope_theta=1_000_000.0,
+                         initializer_range=0.2)  # large enough that the context sways the answer
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # initialised to zero: make the q/k/v biases count
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
     return folder

@@ -1,0 +1,285 @@
+"""Every method on a tiny random Qwen2 (q/k/v biases, GQA 6/2, ChatML template), in fp32 and
+in-process: Phase 1 blocks equal transformers' own KV over each method's layout, and Phase 2
+on several workers (threads standing in for ranks) equals transformers' greedy generate
+for the exact methods and a world of one for the others."""
+
+import threading
+
+import pytest
+import torch
+
+from starqa import corpus, dist, engine, hooks, phase1, phase2, prompt, pulsar
+from starqa.methods import method_config, plan_blocks
+from starqa.models import context_window, load_model, load_tokenizer
+from tiny import make_tiny_model
+
+METHODS = ("star", "dense", "ring", "pulsar")  # listed, not starqa.methods.METHODS
+PULSAR = {"sink": 8, "chunk": 4, "budget_frac": 0.25}
+BLOCK = 40
+QUESTION = "who approved the travel budget"
+
+
+@pytest.fixture(scope="module")
+def qwen_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2")
+
+
+@pytest.fixture(scope="module")
+def model(qwen_path):
+    return load_model(qwen_path, dtype=torch.float32, attn_implementation=hooks.register())
+
+
+@pytest.fixture(scope="module")
+def reference(qwen_path):
+    """The same weights on transformers' own attention: the oracle."""
+    return load_model(qwen_path, dtype=torch.float32, attn_implementation="eager")
+
+
+@pytest.fixture(scope="module")
+def tok(qwen_path):
+    return load_tokenizer(qwen_path)
+
+
+@pytest.fixture(scope="module")
+def context_ids(tok):
+    files = [corpus.SourceFile("policy/travel.md",
+                               "the travel budget was approved by the office .\n" * 5, 0),
+             corpus.SourceFile("code.py", "retry limit default is seven\n" * 6, 0)]
+    packed, spans = corpus.pack(files)
+    ids = prompt.tokenize_context(tok, packed, spans).ids
+    assert 120 < len(ids) < 200  # several blocks of BLOCK tokens
+    return torch.tensor(ids)
+
+
+def config_for(name, n):
+    return method_config(name, n, block_size=BLOCK, params=PULSAR if name == "pulsar" else None)
+
+
+def reference_kv(reference, ids, positions, keep):
+    """Per-layer (k, v) [Hkv, keep, D] of the last `keep` tokens of one ordinary causal
+    forward over `ids` at `positions`."""
+    cache = reference(ids[None], position_ids=positions[None], use_cache=True).past_key_values
+    return [(layer.keys[0, :, -keep:], layer.values[0, :, -keep:]) for layer in cache.layers]
+
+
+def layout(name, ids, blocks, i, cfg, vocab_size):
+    """Tokens and positions of block i's Phase 1 input under method `name`."""
+    start, end = blocks[i]
+    if name in ("dense", "ring"):  # exact: the whole causal prefix
+        return ids[:end], torch.arange(end)
+    if name == "star":
+        anchor = min(cfg.anchor_size, start)
+        return (torch.cat([ids[:anchor], ids[start:end]]),
+                torch.cat([torch.arange(anchor), torch.arange(start, end)]))
+    p = cfg.params
+    summaries = pulsar.all_summaries(ids, blocks, vocab_size, sink=p["sink"],
+                                     heuristic=p["heuristic"], budget_frac=p["budget_frac"],
+                                     chunk=p["chunk"])
+    tokens, positions, _ = pulsar.assemble(ids, blocks, i, summaries, sink=p["sink"],
+                                           positions=p["positions"])
+    return tokens, positions
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def test_tiny_qwen2_is_qwen2_shaped(model, tok, qwen_path):
+    config = model.config
+    assert config.model_type == "qwen2" and context_window(config) == 512
+    assert (config.num_attention_heads, config.num_key_value_heads) == (6, 2)
+    attn = model.model.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.bias is not None and proj.bias.abs().sum() > 0
+    assert attn.o_proj.bias is None
+    stops = engine.stop_ids(tok, qwen_path)
+    assert tok.convert_tokens_to_ids("<|im_end|>") in stops
+    assert tok.convert_tokens_to_ids("<|endoftext|>") in stops
+
+
+def test_qwen_template_split(tok):
+    """Qwen's template adds its own system prompt only when none is given: starqa's goes in,
+    and context + query is exactly the rendered conversation."""
+    files = [corpus.SourceFile("a.md", "the star block\nthe query\n", 0)]
+    packed, _ = corpus.pack(files)
+    context, offset = prompt.context_text(tok, packed)
+    full = tok.apply_chat_template(
+        [{"role": "system", "content": prompt.SYSTEM},
+         {"role": "user", "content": prompt.INTRO + packed + prompt.QUESTION + QUESTION}],
+        tokenize=False, add_generation_prompt=True)
+    query = prompt.query_text(tok, QUESTION)
+    assert context + query == full and context[offset:] == packed
+    assert context.startswith("<|im_start|>system\n" + prompt.SYSTEM + "<|im_end|>\n")
+    assert "You are Qwen" not in full
+    assert query.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    ids = prompt.tokenize_query(tok, QUESTION)
+    end, start = tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    assert [t for t in ids if t in (end, start)] == [end, start]  # one token each
+    assert tok.decode(ids) == query
+
+
+# ---------------------------------------------------------------------------- Phase 1
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_phase1_blocks_equal_transformers_kv(name, model, reference, context_ids):
+    ids = context_ids
+    cfg = config_for(name, len(ids))
+    blocks = plan_blocks(len(ids), cfg.block_size)
+    assert len(blocks) >= 4
+    out = list(phase1.encode_local(model, ids, cfg, blocks))
+    assert [i for i, _, _ in out] == list(range(len(blocks)))
+    for i, k, v in out:
+        start, end = blocks[i]
+        assert k.shape == v.shape == (2, 2, end - start, 16)  # [L, Hkv, T, D]
+        tokens, positions = layout(name, ids, blocks, i, cfg, model.config.vocab_size)
+        with torch.inference_mode():
+            ref = reference_kv(reference, tokens, positions, end - start)
+        for layer, (rk, rv) in enumerate(ref):
+            torch.testing.assert_close(k[layer], rk, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v[layer], rv, rtol=1e-4, atol=1e-4)
+
+
+def test_approximate_methods_differ_from_dense(model, context_ids):
+    """Star and pulsar do not see the whole prefix: block 0 is exact, later blocks are not."""
+    ids = context_ids
+    blocks = plan_blocks(len(ids), BLOCK)
+    dense = [k for _, k, _ in phase1.encode_local(model, ids, config_for("dense", len(ids)),
+                                                  blocks)]
+    for name in ("star", "pulsar"):
+        keys = [k for _, k, _ in phase1.encode_local(model, ids, config_for(name, len(ids)),
+                                                     blocks)]
+        torch.testing.assert_close(keys[0], dense[0])
+        assert not torch.allclose(keys[-1], dense[-1], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------- Phase 2
+
+
+class ThreadWorld:
+    """Collectives for ranks that are threads of this process: all_gather and broadcast as
+    starqa.dist has them, exchanged through shared slots and a barrier."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list = [None] * world
+
+    def all_gather(self, info, tensor):
+        self.slots[info.rank] = tensor.clone()
+        self.barrier.wait()
+        out = torch.stack(self.slots)
+        self.barrier.wait()  # everyone has read before anyone writes again
+        return out
+
+    def broadcast(self, info, tensor, src):
+        if info.rank == src:
+            self.slots[src] = tensor.clone()
+        self.barrier.wait()
+        value = self.slots[src].clone()
+        self.barrier.wait()
+        return tensor.copy_(value)
+
+
+def on_workers(blocks_kv, workers, monkeypatch, run):
+    """`run(info, hook)` on `workers` ranks (threads), each holding its contiguous blocks'
+    shard as worker.Phase2Context does; returns every rank's result."""
+    world = ThreadWorld(workers)
+    monkeypatch.setattr(dist, "all_gather", world.all_gather)
+    monkeypatch.setattr(dist, "broadcast", world.broadcast)
+    results: list = [None] * workers
+    errors: list[BaseException] = []
+
+    def rank(r):
+        try:
+            info = dist.DistInfo(r, r, workers, torch.device("cpu"), None)
+            mine = list(dist.split_contiguous(len(blocks_kv), workers, r))
+            shard = None
+            if mine:
+                k = torch.cat([blocks_kv[i][0] for i in mine], dim=2)
+                v = torch.cat([blocks_kv[i][1] for i in mine], dim=2)
+                shard = [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]
+            with torch.inference_mode():  # grad mode is per thread
+                results[r] = run(info, phase2.ShardAttention(info, shard, info.is_last))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def answer_on_workers(model, blocks_kv, query_ids, start, workers, stops, monkeypatch,
+                      max_new_tokens=8):
+    """Phase 2 greedy generation on `workers` ranks; every rank must agree."""
+    results = on_workers(blocks_kv, workers, monkeypatch, lambda info, hook: phase2.generate(
+        model, info, hook, query_ids, start, max_new_tokens, stops))
+    assert all(r == results[-1] for r in results)  # every rank generated the same tokens
+    return results[-1]
+
+
+def greedy_reference(reference, ids, stops, max_new_tokens=8):
+    with torch.inference_mode():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+    tokens = out[0, len(ids):].tolist()
+    return tokens[:next((i for i, t in enumerate(tokens) if t in stops), len(tokens))]
+
+
+def dense_kv(model, ids):
+    cfg = config_for("dense", len(ids))
+    return [(k, v) for _, k, v in phase1.encode_local(model, ids, cfg,
+                                                      plan_blocks(len(ids), cfg.block_size))]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_dense_phase2_prefill_equals_one_forward(workers, model, reference, tok, context_ids,
+                                                 monkeypatch):
+    """The question's forward over the sharded cache: every query row's final hidden state
+    equals transformers' forward over the whole prompt."""
+    ids = context_ids
+    query = torch.tensor(prompt.tokenize_query(tok, QUESTION))
+    positions = torch.arange(len(ids), len(ids) + len(query))
+    hidden = on_workers(dense_kv(model, ids), workers, monkeypatch, lambda info, hook: model.model(
+        input_ids=query[None], position_ids=positions[None], starqa=hook,
+        use_cache=False).last_hidden_state[0])
+    with torch.inference_mode():
+        expected = reference.model(torch.cat([ids, query])[None]).last_hidden_state[0]
+    for rank_hidden in hidden:  # the merge is all-gathered: every rank holds the same output
+        torch.testing.assert_close(rank_hidden, expected[len(ids):], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_dense_phase2_on_workers_equals_generate(workers, model, reference, tok, qwen_path,
+                                                 context_ids, monkeypatch):
+    ids = context_ids
+    kv = dense_kv(model, ids)
+    query = prompt.tokenize_query(tok, QUESTION)
+    stops = engine.stop_ids(tok, qwen_path)
+    expected = greedy_reference(reference, ids.tolist() + query, stops)
+    assert len(expected) >= 3  # the comparison covers several decode steps
+    got = answer_on_workers(model, kv, query, len(ids), workers, stops, monkeypatch)
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", ["star", "ring", "pulsar"])
+def test_phase2_on_workers_equals_one_worker(name, model, reference, tok, qwen_path,
+                                             context_ids, monkeypatch):
+    """The LSE merge is exact whatever the blocks hold: 3 ranks answer like a world of one;
+    ring (exact) answers like transformers."""
+    ids = context_ids
+    cfg = config_for(name, len(ids))
+    blocks = plan_blocks(len(ids), cfg.block_size)
+    kv = [(k, v) for _, k, v in phase1.encode_local(model, ids, cfg, blocks)]
+    query = prompt.tokenize_query(tok, QUESTION)
+    stops = engine.stop_ids(tok, qwen_path)
+    one = answer_on_workers(model, kv, query, len(ids), 1, stops, monkeypatch)
+    three = answer_on_workers(model, kv, query, len(ids), 3, stops, monkeypatch)
+    assert three == one and len(one) >= 3
+    if name == "ring":
+        assert one == greedy_reference(reference, ids.tolist() + query, stops)
