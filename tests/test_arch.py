@@ -13,7 +13,7 @@ from starqa.methods import method_config, plan_blocks
 from starqa.models import context_window, load_model, load_tokenizer
 from tiny import make_tiny_model
 
-METHODS = ("star", "dense", "ring", "pulsar")  # listed, not starqa.methods.METHODS
+METHODS = ("star", "dense", "ring", "pulsar")  # apb: its own tests below
 PULSAR = {"sink": 8, "chunk": 4, "budget_frac": 0.25}
 BLOCK = 40
 QUESTION = "who approved the travel budget"
@@ -145,11 +145,73 @@ def test_approximate_methods_differ_from_dense(model, context_ids):
     blocks = plan_blocks(len(ids), BLOCK)
     dense = [k for _, k, _ in phase1.encode_local(model, ids, config_for("dense", len(ids)),
                                                   blocks)]
-    for name in ("star", "pulsar"):
+    for name in ("star", "pulsar", "apb"):
         keys = [k for _, k, _ in phase1.encode_local(model, ids, config_for(name, len(ids)),
                                                      blocks)]
         torch.testing.assert_close(keys[0], dense[0])
         assert not torch.allclose(keys[-1], dense[-1], atol=1e-3)
+
+
+def test_apb_limits_are_star_and_dense(model, reference, context_ids):
+    """apb with nothing passed is star with apb's anchor; with no anchor and every key passed
+    it is dense (per-layer passing at original positions, through q/k/v biases)."""
+    ids = context_ids
+    blocks = plan_blocks(len(ids), BLOCK)
+    star = method_config("apb", len(ids), block_size=BLOCK, anchor_size=7, params={"passing": 0})
+    for i, k, _ in phase1.encode_local(model, ids, star, blocks):
+        start, end = blocks[i]
+        a = min(7, start)
+        tokens = torch.cat([ids[:a], ids[start:end]])
+        positions = torch.cat([torch.arange(a), torch.arange(start, end)])
+        with torch.inference_mode():
+            ref = reference_kv(reference, tokens, positions, end - start)
+        torch.testing.assert_close(k[-1], ref[-1][0], rtol=1e-4, atol=1e-4)
+    full = method_config("apb", len(ids), block_size=BLOCK, anchor_size=0,
+                         params={"passing": BLOCK})
+    for (_, k, v), (_, dk, dv) in zip(phase1.encode_local(model, ids, full, blocks),
+                                      phase1.encode_local(model, ids, config_for("dense", len(ids)),
+                                                          blocks)):
+        torch.testing.assert_close(k, dk, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v, dv, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_apb_on_workers_equals_blocks_in_order(workers, model, context_ids, monkeypatch):
+    """Round-robin ranks (threads) exchanging compressed KV per layer store what encoding the
+    blocks in order in one process does, including an idle rank in a short last round."""
+    from starqa import apb
+
+    ids = context_ids
+    cfg = method_config("apb", len(ids), block_size=BLOCK, params={"passing": 5, "window": 8})
+    blocks = plan_blocks(len(ids), BLOCK)
+    assert len(blocks) % workers  # some rank idles in the last round
+    local = {i: (k, v) for i, k, v in phase1.encode_local(model, ids, cfg, blocks)}
+    world = ThreadWorld(workers)
+    monkeypatch.setattr(dist, "all_gather", world.all_gather)
+    got, errors = {}, []
+
+    def rank(r):
+        try:
+            info = dist.DistInfo(r, r, workers, torch.device("cpu"), None)
+            mine = phase1.assignment(cfg, len(blocks), workers, r)
+            assert mine == apb.assignment(len(blocks), workers, r)
+            for i, k, v in phase1.encode(model, ids, cfg, blocks, mine, info):
+                got[i] = (k, v)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    assert sorted(got) == sorted(local)
+    for i, (k, v) in got.items():
+        torch.testing.assert_close(k, local[i][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, local[i][1], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------- Phase 2
@@ -267,7 +329,7 @@ def test_dense_phase2_on_workers_equals_generate(workers, model, reference, tok,
     assert got == expected
 
 
-@pytest.mark.parametrize("name", ["star", "ring", "pulsar"])
+@pytest.mark.parametrize("name", ["star", "ring", "pulsar", "apb"])
 def test_phase2_on_workers_equals_one_worker(name, model, reference, tok, qwen_path,
                                              context_ids, monkeypatch):
     """The LSE merge is exact whatever the blocks hold: 3 ranks answer like a world of one;
