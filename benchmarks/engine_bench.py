@@ -1,12 +1,13 @@
-"""Engine benchmark: Phase 1 and Phase 2 numbers side by side, in one run, on ~8K tokens.
+"""The cache against no cache: time to first token of `starqa ask` over a cached context of
+~8K tokens of real files, against answering the same question with one dense forward over
+the full prompt, in one run.
 
     python benchmarks/engine_bench.py [--tokens 7600] [--model smollm2-135m]
 
-Prints, for dense and star with 1 and 2 workers: ingest wall time and tokens/s, peak memory
-per worker, shard size on disk; then `ask` time to first token from the cache (cold: a
-fresh torchrun group, as `starqa ask` runs; warm: model and shards already loaded) against
-answering the same question with one dense forward over the full prompt (cold: a fresh
-process that loads the model; warm: the model already loaded).
+Ingests copies of samples/ with star on 2 workers, then compares: cold (a fresh torchrun
+group, as `starqa ask` runs, against a fresh process that loads the model) and warm (model
+and shards loaded, against the model loaded). Phase 1 and Phase 2 of every method on their
+own (time, FLOPs, memory, bytes communicated): `starqa bench`.
 """
 
 import argparse
@@ -75,25 +76,9 @@ def main() -> None:
     build_corpus(tokenizer, args.tokens, corpus)
 
     print(f"cpu cores: {os.cpu_count()}, torch {torch.__version__}, model {model_path.name}")
-    print("\nPhase 1 (ingest through torchrun; wall = whole command, encode = workers' "
-          "encoding after the model loaded)")
-    print(f"{'method':7} {'workers':>7} {'tokens':>7} {'blocks':>6} {'wall s':>7} {'encode s':>8} "
-          f"{'enc tok/s':>9} {'peak RSS/worker':>18} {'shards':>9}")
-    manifests = {}
-    for method, workers in (("dense", 1), ("dense", 2), ("star", 1), ("star", 2)):
-        result = engine.ingest(engine.IngestOptions(
-            paths=(str(corpus),), model=str(model_path), method=method, workers=workers,
-            name=f"bench-{method}", force=True))
-        m = result.manifest
-        peaks = "/".join(f"{p / 2**20:,.0f}" for p in result.peak_bytes) + " MB"
-        size = sum(b["bytes"] for b in m["blocks"]) / 2**20
-        note = " (dense encodes on 1 worker)" if method == "dense" and workers > 1 else ""
-        print(f"{method:7} {workers:>7} {m['n_tokens']:>7,} {len(m['blocks']):>6} "
-              f"{result.seconds:>7.1f} {result.encode_seconds:>8.1f} "
-              f"{m['n_tokens'] / result.encode_seconds:>9,.0f} {peaks:>18} {size:>7.1f} MB{note}")
-        manifests[method] = m
-
-    star = manifests["star"]
+    star = engine.ingest(engine.IngestOptions(
+        paths=(str(corpus),), model=str(model_path), method="star", workers=2,
+        name="bench-star")).manifest
     ctx_ids = context_ids(tokenizer, corpus)
     query_ids = prompt.tokenize_query(tokenizer, QUESTION)
     full = ctx_ids + query_ids
@@ -107,12 +92,6 @@ def main() -> None:
           f"{cold.first_token_seconds:6.2f} s   answer: {cold.text[:60]!r}")
     print(f"  cold  dense forward over the full prompt (fresh process):     {dense_cold:6.2f} s"
           f"   ratio {dense_cold / cold.first_token_seconds:.1f}x")
-    n_new = len(cold.token_ids)
-    if n_new > 1 and cold.decode_seconds:
-        print(f"  question prefill on the workers: {cold.prefill_seconds:.2f} s; decode "
-              f"(2 workers): {(n_new - 1) / cold.decode_seconds:.1f} tokens/s over {n_new} "
-              f"tokens; peak RSS/worker "
-              + "/".join(f"{p / 2**20:,.0f}" for p in cold.peak_bytes) + " MB")
 
     session = LocalSession(star, model_path)
     session.answer(QUESTION, 1)  # warm-up

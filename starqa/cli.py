@@ -354,6 +354,49 @@ def chat(
     Chat(context, workers, keepalive, max_new_tokens).run()
 
 
+@app.command()
+def bench(
+    methods: Annotated[Optional[str], typer.Option(
+        envvar="STARQA_BENCH_METHODS",
+        help="Methods, comma-separated (default: every method).")] = None,
+    lengths: Annotated[str, typer.Option(
+        envvar="STARQA_BENCH_LENGTHS",
+        help="Context lengths in tokens, comma-separated; k = 1,024. May pass the model's "
+             "window (timing only).")] = "2k,4k,8k,16k,32k",
+    workers: Annotated[str, typer.Option(
+        "--workers", "-w", envvar="STARQA_BENCH_WORKERS",
+        help="Worker counts, comma-separated (simulated hosts; may outnumber the cores).")
+    ] = "1,2,4",
+    model: Model = None,
+    dtype: Annotated[Optional[str], typer.Option(
+        envvar="STARQA_DTYPE", help="Compute dtype: bf16 (default), fp16, fp32.")] = None,
+    new_tokens: Annotated[int, typer.Option(
+        envvar="STARQA_BENCH_NEW_TOKENS",
+        help="Tokens generated per run, for time to first token and per-token latency.")] = 16,
+    json_path: Annotated[Optional[str], typer.Option(
+        "--json", envvar="STARQA_BENCH_JSON",
+        help="Also write every measurement (per worker) to this JSON file.")] = None,
+    device: Device = "auto",
+) -> None:
+    """Measure Phase 1 and Phase 2 of each method side by side on synthetic contexts.
+
+    Phase 1 wall time, tokens/s, critical-path and total FLOPs, peak memory per worker,
+    bytes communicated, shard size; Phase 2 time to first token and per-token latency."""
+    from pathlib import Path
+
+    from starqa import bench as bench_mod
+    from starqa.ui import RichUI, bench_notes, bench_table, err
+
+    opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device)
+    plan = bench_mod.make_plan(opts)
+    bench_notes(plan)
+    result = bench_mod.run(plan, json_path=Path(json_path) if json_path else None,
+                           new_ui=lambda: RichUI(stream=False), report=err.print)
+    bench_table(result)
+    if json_path:
+        err.print(f"Wrote {json_path}")
+
+
 def main() -> None:
     from starqa.errors import StarqaError
 

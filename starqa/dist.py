@@ -1,7 +1,7 @@
 """Distributed glue, and the only module that reads torchrun's environment.
 
 Owns process-group set-up (workers leave with os._exit, see worker.main); every collective
-takes the group explicitly.
+takes the group explicitly and adds what it moved to the rank's `Traffic`.
 CPU runs use gloo, CUDA runs nccl. A process started without torchrun is a world of one
 with no process group, so the phases run unchanged in-process (tests, single worker).
 """
@@ -9,11 +9,48 @@ with no process group, so the phases run unchanged in-process (tests, single wor
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import pickle
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class Traffic:
+    """Payload bytes one rank moved through the collectives of this module, by collective.
+
+    Counted as if every collective were plain transfers of its payload between ranks:
+    all_gather sends this rank's tensor to each of the W-1 others and receives theirs;
+    broadcast sends the tensor from `src` to W-1 ranks, each receiving it once; ring_shift
+    sends one tensor and receives one. Object collectives count their pickled size.
+    Not counted: the backend's own routing (gloo's rings and trees), headers, the size
+    messages of object collectives, barriers. A world of one moves nothing. Summed over the
+    ranks of a group, bytes sent equal bytes received.
+    """
+
+    sent: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, op: str, sent: int, received: int) -> None:
+        self.sent[op] = self.sent.get(op, 0) + sent
+        self.received[op] = self.received.get(op, 0) + received
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    @property
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    @property
+    def total_received(self) -> int:
+        return sum(self.received.values())
+
+    def as_dict(self) -> dict:
+        return {"sent_bytes": self.total_sent, "received_bytes": self.total_received,
+                "by_op": {op: {"calls": self.calls[op], "sent": self.sent[op],
+                               "received": self.received[op]} for op in self.calls}}
 
 
 @dataclass(frozen=True)
@@ -23,6 +60,7 @@ class DistInfo:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup | None  # None for a world of one
+    traffic: Traffic = field(default_factory=Traffic, compare=False)  # this rank's, so far
 
     @property
     def is_last(self) -> bool:
@@ -57,6 +95,8 @@ def all_gather(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.contiguous().view(-1)
     out = flat.new_empty(info.world_size * flat.numel())
     dist.all_gather_single(out, flat, group=info.group)
+    others = (info.world_size - 1) * _nbytes(flat)
+    info.traffic.add("all_gather", others, others)
     return out.view(info.world_size, *tensor.shape)
 
 
@@ -64,6 +104,11 @@ def broadcast(info: DistInfo, tensor: torch.Tensor, src: int) -> torch.Tensor:
     """Rank `src`'s tensor on every rank (in place)."""
     if info.group is not None:
         dist.broadcast(tensor, src=src, group=info.group)
+        size = _nbytes(tensor)
+        if info.rank == src:
+            info.traffic.add("broadcast", (info.world_size - 1) * size, 0)
+        else:
+            info.traffic.add("broadcast", 0, size)
     return tensor
 
 
@@ -78,6 +123,7 @@ def ring_shift(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
            dist.P2POp(dist.irecv, received, (info.rank - 1) % info.world_size, group=info.group)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
+    info.traffic.add("ring_shift", _nbytes(tensor), _nbytes(received))
     return received
 
 
@@ -87,6 +133,11 @@ def gather_object(info: DistInfo, obj, dst: int) -> list | None:
         return [obj]
     out = [None] * info.world_size if info.rank == dst else None
     dist.gather_object(obj, out, dst=dst, group=info.group)
+    if info.rank == dst:
+        info.traffic.add("gather_object", 0, sum(_pickled(o) for r, o in enumerate(out)
+                                                  if r != dst))
+    else:
+        info.traffic.add("gather_object", _pickled(obj), 0)
     return out
 
 
@@ -96,12 +147,25 @@ def broadcast_object(info: DistInfo, obj, src: int):
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=info.group)
+    size = _pickled(box[0])
+    if info.rank == src:
+        info.traffic.add("broadcast_object", (info.world_size - 1) * size, 0)
+    else:
+        info.traffic.add("broadcast_object", 0, size)
     return box[0]
 
 
 def barrier(info: DistInfo) -> None:
     if info.group is not None:
         dist.barrier(group=info.group)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _pickled(obj) -> int:
+    return len(pickle.dumps(obj))
 
 
 def split_contiguous(n_items: int, world: int, rank: int) -> range:

@@ -74,6 +74,7 @@ class IngestResult:
     workers: int = 0
     encode_seconds: float = 0.0
     peak_bytes: list[int] = field(default_factory=list)  # per worker
+    measures: list[dict] = field(default_factory=list)  # per worker, when measured (bench)
 
 
 def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
@@ -111,7 +112,50 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         manifest = store.read_manifest(final)
         store.touch(manifest)
         return IngestResult(manifest, corpus, True, time.perf_counter() - started)
+    return _encode(opts, root, key, tokens, corpus, spans, model_path, window, fingerprint, dtype,
+                   method, content, started, ui)
 
+
+def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, method: str = "star",
+                  workers: int | None = None, dtype: str | None = None, name: str = "tokens",
+                  measure: bool = False, allow_over_window: bool = False,
+                  device: str = "auto", ui: UI = UI()) -> IngestResult:
+    """Phase 1 over token ids given directly, through the same torchrun workers as `ingest`:
+    the way in for `starqa bench`'s synthetic contexts. No files, so answers name no sources;
+    always encodes (no cache lookup); the context is committed under `root`.
+
+    measure: the workers report time, FLOPs and bytes communicated (IngestResult.measures).
+    allow_over_window: a context longer than the model's window is encoded anyway. For
+    timing only, where answers do not matter; `ingest` never passes it (users have
+    --beyond-window, which says what it does).
+    """
+    from starqa import models
+
+    started = time.perf_counter()
+    model_path = models.resolve_model(model)
+    window = models.context_window(_config(model_path))
+    fingerprint = models.fingerprint(model_path)
+    if len(ids) > window and not allow_over_window:
+        raise StarqaError(f"The context is {len(ids):,} tokens > {window:,} the model was "
+                          "trained on.", hint="use fewer tokens or a model with a longer window")
+    config = method_config(method, len(ids))
+    dtype = str(models.parse_dtype(dtype)).removeprefix("torch.")
+    content = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+    key = _cache_key(content, fingerprint["digest"], config.as_dict(), dtype)
+    opts = IngestOptions(paths=(), model=model, method=method, workers=workers, name=name,
+                         dtype=dtype, device=device, command=f"starqa bench ({name})")
+    return _encode(opts, root, key, prompt.ContextTokens(list(ids), [], []),
+                   corpus_mod.Corpus((), (), ()), [], model_path, window, fingerprint, dtype,
+                   config, content, started, ui, measure)
+
+
+def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, model_path, window,
+            fingerprint, dtype, method, content, started, ui: UI, measure: bool = False
+            ) -> IngestResult:
+    """Run Phase 1 on a torchrun group and commit the shards under `root / key`."""
+    ids = tokens.ids
+    n = len(ids)
+    final = root / key
     blocks = plan_blocks(n, method.block_size)
     workers = _ingest_workers(opts, method.name, len(blocks))
     # Across machines every node's workers write into one staging folder on the shared
@@ -122,9 +166,10 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         tokens_file = _save_tokens(staging, ids, opts.node_rank)
         job = {"phase": "ingest", "model_path": str(model_path), "dtype": dtype,
                "method": method.as_dict(), "blocks": blocks, "staging": str(staging),
-               "tokens_file": str(tokens_file)}
+               "tokens_file": str(tokens_file), "measure": measure}
         encode_started: list[float] = []
         peaks: dict[int, int] = {}
+        measures: dict[int, dict] = {}
 
         def on_event(event: dict) -> None:
             if event["event"] == "ready" and not encode_started:
@@ -134,14 +179,18 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
                 ui.advance(event["tokens"])
             elif event["event"] == "peak":
                 peaks[event["rank"]] = event["bytes"]
+            elif event["event"] == "measure":
+                measures[event["rank"]] = event
 
         ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
         run_workers(job, _launch(opts, workers), on_event)
         encode_seconds = time.perf_counter() - (encode_started[0] if encode_started else started)
         tokens_file.unlink(missing_ok=True)  # node 0 may have committed it away already
+        per_rank = {"peak_bytes": [peaks[r] for r in sorted(peaks)],
+                    "measures": [measures[r] for r in sorted(measures)]}
         if opts.node_rank != 0:  # node 0 commits what every node wrote
             return IngestResult(None, corpus, False, time.perf_counter() - started, workers,
-                                encode_seconds, [peaks[r] for r in sorted(peaks)])
+                                encode_seconds, **per_rank)
         for leftover in staging.glob("tokens-node*.safetensors"):
             leftover.unlink()
         store.commit(staging, final, _manifest(
@@ -154,7 +203,7 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     manifest = store.read_manifest(final)
     store.touch(manifest)
     return IngestResult(manifest, corpus, False, time.perf_counter() - started,
-                        workers * opts.nnodes, encode_seconds, [peaks[r] for r in sorted(peaks)])
+                        workers * opts.nnodes, encode_seconds, **per_rank)
 
 
 def _query_position(ids: list[int], method, blocks) -> int:
@@ -190,6 +239,11 @@ def _ingest_workers(opts: IngestOptions, method: str, n_blocks: int) -> int:
         raise StarqaError(f"{workers * opts.nnodes} workers on {opts.nnodes} machines but only "
                           f"{n_blocks} blocks.", hint="pass a smaller --block-size or --workers")
     return workers
+
+
+def ingest_worker_count(method: str, n_blocks: int, workers: int) -> int:
+    """The workers Phase 1 of `method` runs on, on one machine, when `workers` are asked for."""
+    return _ingest_workers(IngestOptions(paths=(), workers=workers), method, n_blocks)
 
 
 def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content, tokens,
@@ -245,6 +299,7 @@ class Answer:
     prefill_seconds: float | None  # the workers' question prefill, up to the first token
     sources: list[dict] = field(default_factory=list)  # top files and lines attended to
     peak_bytes: list[int] = field(default_factory=list)  # per worker
+    measures: list[dict] = field(default_factory=list)  # per worker, when measured (bench)
     query_host: bool = True  # False on machines that do not hold the last block
     warm: bool = False  # answered by a running worker group
 
@@ -274,14 +329,46 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
             f"{n + m + opts.max_new_tokens:,} tokens > {window:,} the model was trained on.",
             hint="lower --max-new-tokens, ingest less, or pass --beyond-window to go on anyway")
     workers = _phase2_workers(manifest, opts.workers, opts.nnodes, opts.device)
-    stops = stop_ids(tokenizer, model_path)
+    return _answer(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
+                   stop_ids(tokenizer, model_path), _launch(opts, workers), ui, started)
+
+
+def ask_tokens(manifest: dict, query_ids: list[int], *, workers: int | None = None,
+               max_new_tokens: int = 16, stop: bool = True, measure: bool = False,
+               allow_over_window: bool = False, device: str = "auto", ui: UI = UI()) -> Answer:
+    """Phase 2 for query token ids on a fresh torchrun group (never a warm one): the way in
+    for `starqa bench`. stop=False generates exactly `max_new_tokens` (an end-of-turn token
+    does not end it); measure: the workers report time and bytes communicated
+    (Answer.measures); allow_over_window as in `ingest_tokens`."""
+    from starqa import models
+
+    started = time.perf_counter()
+    model_path = _checked_model(manifest, None)
+    tokenizer = models.load_tokenizer(model_path)
+    n, m, window = manifest["n_tokens"], len(query_ids), manifest["model"]["window"]
+    if n + m + max_new_tokens > window and not allow_over_window:
+        raise StarqaError(f"Context {n:,} + query {m:,} + up to {max_new_tokens:,} new tokens "
+                          f"= {n + m + max_new_tokens:,} tokens > {window:,} the model was "
+                          "trained on.")
+    workers = _phase2_workers(manifest, workers, 1, device)
+    stops = stop_ids(tokenizer, model_path) if stop else set()
+    return _answer(manifest, model_path, tokenizer, query_ids, max_new_tokens, stops,
+                   Launch(workers, device=device), ui, started, measure)
+
+
+def _answer(manifest: dict, model_path: Path, tokenizer, query_ids: list[int],
+            max_new_tokens: int, stops: set[int], launch: Launch, ui: UI, started: float,
+            measure: bool = False) -> Answer:
+    """Run Phase 2 on a torchrun group, streaming tokens to `ui`."""
+    workers = launch.workers
     job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest["dtype"],
            "context_dir": manifest["_dir"], "query_ids": query_ids,
-           "max_new_tokens": opts.max_new_tokens, "stop_ids": sorted(stops)}
+           "max_new_tokens": max_new_tokens, "stop_ids": sorted(stops), "measure": measure}
     generated: list[int] = []
     shown = [""]
     timing: dict[str, Any] = {}
     peaks: dict[int, int] = {}
+    measures: dict[int, dict] = {}
 
     def on_event(event: dict) -> None:
         if event["event"] == "token":
@@ -295,22 +382,26 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
             timing["done"] = event
         elif event["event"] == "peak":
             peaks[event["rank"]] = event["bytes"]
+        elif event["event"] == "measure":
+            measures[event["rank"]] = event
 
     ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
-    run_workers(job, _launch(opts, workers), on_event)
+    run_workers(job, launch, on_event)
     store.touch(manifest)
     text = tokenizer.decode(generated, skip_special_tokens=True)
     if text != shown[0]:
         ui.token(text[len(shown[0]):])
     done = timing.get("done", {})
     first = timing.get("first")
-    return Answer(text=text.strip(), token_ids=generated, context=manifest, query_tokens=m,
-                  workers=workers * opts.nnodes, query_host=opts.node_rank == opts.nnodes - 1,
+    return Answer(text=text.strip(), token_ids=generated, context=manifest,
+                  query_tokens=len(query_ids), workers=workers * launch.nnodes,
+                  query_host=launch.node_rank == launch.nnodes - 1,
                   seconds=time.perf_counter() - started,
                   first_token_seconds=(first - started) if first else None,
                   decode_seconds=done.get("decode_s", 0.0), prefill_seconds=done.get("prefill_s"),
                   sources=done.get("sources") or [],
-                  peak_bytes=[peaks[r] for r in sorted(peaks)])
+                  peak_bytes=[peaks[r] for r in sorted(peaks)],
+                  measures=[measures[r] for r in sorted(measures)])
 
 
 def _ask_warm(opts: AskOptions, manifest: dict, group: dict, ui: UI, started: float) -> Answer:

@@ -395,3 +395,55 @@ def groups_table(groups: list[dict]) -> None:
                       _ago(now - g["started"]).removesuffix(" ago"), str(g.get("answered", "?")),
                       rss, f"{g['keepalive']:.0f} s" if g["keepalive"] else "never")
     out.print(table)
+
+
+# ---------------------------------------------------------------------------------------
+# starqa bench
+
+
+def bench_notes(plan) -> None:
+    """What the run will do, said before it starts (stderr)."""
+    opts = plan.opts
+    err.print(f"[bold]starqa bench[/]: {', '.join(opts.methods)} · "
+              f"{', '.join(f'{n:,}' for n in opts.lengths)} tokens · workers "
+              f"{', '.join(map(str, opts.workers))} · {escape(plan.model_name)} · {plan.cores} "
+              f"core{'s' * (plan.cores > 1)}")
+    for note in plan.notes:
+        err.print(f"[dim]note:[/] {escape(note)}")
+
+
+def bench_table(result: dict) -> None:
+    """One row per run, then critical-path FLOPs against star (stdout)."""
+    table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0))
+    for name in ("method", "tokens", "workers", "P1 s", "P1 tok/s", "crit GFLOP",
+                 "total GFLOP", "peak MB", "P1 comm MB", "shards MB", "TTFT s", "ms/token"):
+        table.add_column(name, justify="left" if name == "method" else "right", no_wrap=True)
+    mb = 2**20
+    for row in result["rows"]:
+        p1, p2 = row["phase1"], row["phase2"]
+        per_token = p2["seconds_per_token"]
+        table.add_row(row["method"], f"{row['tokens']:,}", str(row["workers"]),
+                      f"{p1['seconds']:.1f}", f"{p1['tokens_per_second']:,.0f}",
+                      f"{p1['critical_path_flops'] / 1e9:,.1f}",
+                      f"{p1['total_flops'] / 1e9:,.1f}", f"{p1['peak_bytes'] / mb:,.0f}",
+                      f"{p1['sent_bytes'] / mb:,.1f}", f"{row['shard_bytes'] / mb:,.1f}",
+                      f"{p2['first_token_seconds']:.2f}",
+                      f"{per_token * 1e3:.0f}" if per_token is not None else "–")
+    out.print(table)
+    out.print("[dim]P1: Phase 1. s, tok/s, crit: the slowest worker (the critical path); "
+              "total: all workers;\npeak: the largest worker's max RSS (GPU memory on CUDA); "
+              "comm: payload all workers sent;\nTTFT: question prefill to first token on "
+              "loaded workers; ms/token: each token after it.[/]")
+    if result["ratios"]:
+        names = list(dict.fromkeys(k for r in result["ratios"] for k in r if "/" in k))
+        ratios = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1, 0, 0))
+        for name in ("tokens", "workers", *names):
+            ratios.add_column(name, justify="right")
+        for r in result["ratios"]:
+            ratios.add_row(f"{r['tokens']:,}", str(r["workers"]),
+                           *(f"{r[n]:.2f}" if n in r else "–" for n in names))
+        out.print()
+        out.print("[bold]Critical-path FLOPs relative to star[/] (same length and workers"
+                  + ("; dense: its one worker against star's slowest" if "dense/star" in names
+                     else "") + ")")
+        out.print(ratios)

@@ -2,11 +2,14 @@
 
 Reads the job the launcher wrote, joins the process group (starqa.dist), loads the model,
 and runs Phase 1 (encode and save this rank's blocks) or Phase 2 (load this rank's shards,
-answer). Talks to the launcher through JSON event lines on stdout (see `emit`).
+answer). Talks to the launcher through JSON event lines on stdout (see `emit`). A job with
+`"measure": true` (starqa bench) also reports this rank's time, FLOPs and bytes
+communicated in a `measure` event; other jobs pay nothing for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -48,12 +51,44 @@ def run_ingest(job: dict, info) -> None:
     mine = phase1.assignment(method, len(blocks), info.world_size, info.rank)
     emit("ready", rank=info.rank, blocks=mine)
     _fault("ingest", info.rank)
-    for index, k, v in phase1.encode(model, ids, method, blocks, mine, info):
-        start, end = blocks[index]
-        store.save_block(folder, index, k.cpu(), v.cpu(), {
-            "index": str(index), "start": str(start), "end": str(end), "method": method.name})
-        emit("block", rank=info.rank, index=index, tokens=end - start)
+    measure = job.get("measure", False)
+    if measure:
+        dist.barrier(info)  # every rank starts its clock together, after the model loaded
+    counter = flop_counter() if measure else contextlib.nullcontext()
+    started, cpu = time.perf_counter(), time.process_time()
+    with counter:
+        for index, k, v in phase1.encode(model, ids, method, blocks, mine, info):
+            start, end = blocks[index]
+            store.save_block(folder, index, k.cpu(), v.cpu(), {
+                "index": str(index), "start": str(start), "end": str(end), "method": method.name})
+            emit("block", rank=info.rank, index=index, tokens=end - start)
+    if measure:
+        emit("measure", rank=info.rank, phase="ingest", seconds=time.perf_counter() - started,
+             cpu_seconds=time.process_time() - cpu, flops=counter.get_total_flops(),
+             tokens=sum(blocks[i][1] - blocks[i][0] for i in mine), **info.traffic.as_dict())
     dist.barrier(info)
+
+
+def flop_counter():
+    """torch's FLOP counter (`FlopCounterMode`), taught the CPU attention kernel.
+
+    torch counts matmuls (2·m·n·k) and its CUDA SDPA kernels, but not the CPU one SDPA
+    dispatches to (`_scaled_dot_product_flash_attention_for_cpu`), which Phase 1 uses; it
+    is counted here the way torch counts the CUDA ones: QKᵀ and PV over the full [M, N]
+    score matrix, 4·B·Hq·M·N·D, causal masks not discounted. Phase 2's `attend` is plain
+    matmuls and needs nothing. flash-attn's own kernels (CUDA, optional) are not counted.
+    """
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def sdpa(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        # query [B, Hq, M, D], key [B, Hkv, N, D], value [B, Hkv, N, Dv]; GQA shares KV heads
+        batch, heads, m, dim = query_shape
+        n, dim_v = key_shape[2], value_shape[3]
+        return 2 * batch * heads * m * n * dim + 2 * batch * heads * m * n * dim_v
+
+    return FlopCounterMode(display=False, custom_mapping={
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa})
 
 
 class Phase2Context:
@@ -103,6 +138,9 @@ def run_ask(job: dict, info) -> None:
         end = time.perf_counter()
         emit("done", tokens=len(tokens), prefill_s=(first[0] if first else end) - started,
              decode_s=end - (first[0] if first else end), sources=top)
+    if job.get("measure", False):
+        emit("measure", rank=info.rank, phase="ask", seconds=time.perf_counter() - started,
+             tokens=len(tokens), **info.traffic.as_dict())
 
 
 def run_serve(job: dict, info) -> None:

@@ -1,0 +1,213 @@
+"""`starqa bench` and its instruments: bytes counted by dist's collectives, FLOPs counted by
+the worker, a whole bench through torchrun on the tiny model, and every input error."""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from starqa import bench, dist, engine, hooks, phase1, store
+from starqa.errors import StarqaError
+from starqa.methods import METHODS
+from starqa.models import load_model
+from starqa.worker import flop_counter
+from tiny import make_tiny_model
+
+# --------------------------------------------------------------------------- dist: bytes
+
+
+def test_world_of_one_moves_nothing():
+    info = dist.DistInfo(0, 0, 1, torch.device("cpu"), None)
+    x = torch.arange(6.0).view(2, 3)
+    assert dist.all_gather(info, x).shape == (1, 2, 3)
+    dist.broadcast(info, x, src=0)
+    dist.ring_shift(info, x)
+    assert dist.gather_object(info, {"a": 1}, dst=0) == [{"a": 1}]
+    assert dist.broadcast_object(info, "hello", src=0) == "hello"
+    assert info.traffic.as_dict() == {"sent_bytes": 0, "received_bytes": 0, "by_op": {}}
+
+
+_TWO_RANKS = textwrap.dedent("""
+    import json, os, torch
+    from starqa import dist
+    info = dist.init("cpu")
+    r = info.rank
+    dist.all_gather(info, torch.zeros(3, 4))                     # 48 bytes each way
+    dist.broadcast(info, torch.zeros(5, dtype=torch.int64), 1)   # 40 bytes from rank 1
+    dist.ring_shift(info, torch.zeros(2, 5, dtype=torch.bfloat16))  # 20 bytes each way
+    dist.gather_object(info, {"rank": r}, dst=1)
+    dist.broadcast_object(info, ["from", "rank", 0], src=0)
+    print(f"TRAFFIC {r} " + json.dumps(info.traffic.as_dict()), flush=True)
+    dist.barrier(info)
+    os._exit(0)  # as worker.main: no gloo teardown, which now and then aborts the process
+""")
+
+
+def test_two_ranks_count_each_collective(tmp_path):
+    script = tmp_path / "collectives.py"
+    script.write_text(_TWO_RANKS)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(script)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ranks = {int(ln.split(" ")[1]): json.loads(ln.split(" ", 2)[2])
+             for ln in proc.stdout.splitlines() if ln.startswith("TRAFFIC ")}
+    r0, r1 = ranks[0], ranks[1]
+    obj0, obj1 = len(pickle.dumps({"rank": 0})), len(pickle.dumps({"rank": 1}))
+    listed = len(pickle.dumps(["from", "rank", 0]))
+    assert r0["by_op"] == {
+        "all_gather": {"calls": 1, "sent": 48, "received": 48},
+        "broadcast": {"calls": 1, "sent": 0, "received": 40},
+        "ring_shift": {"calls": 1, "sent": 20, "received": 20},
+        "gather_object": {"calls": 1, "sent": obj0, "received": 0},
+        "broadcast_object": {"calls": 1, "sent": listed, "received": 0}}
+    assert r1["by_op"] == {
+        "all_gather": {"calls": 1, "sent": 48, "received": 48},
+        "broadcast": {"calls": 1, "sent": 40, "received": 0},
+        "ring_shift": {"calls": 1, "sent": 20, "received": 20},
+        "gather_object": {"calls": 1, "sent": 0, "received": obj0},
+        "broadcast_object": {"calls": 1, "sent": 0, "received": listed}}
+    assert obj1 > 0  # rank 1's own object stays where it is: never counted
+    assert r0["sent_bytes"] + r1["sent_bytes"] == r0["received_bytes"] + r1["received_bytes"]
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def test_flop_counter_counts_every_linear_and_the_cpu_attention_kernel(tiny_model):
+    """One causal forward of T tokens on the tiny Llama (hidden 64, MLP 128, 4 query heads
+    and 2 KV heads of 16, 2 layers): torch alone would miss the attention entirely."""
+    model = load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
+    t = 40
+    with flop_counter() as counter:
+        list(phase1.encode_star(model, torch.arange(t) % 30 + 11, [(0, t)], [0], 0))
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    per_token_layer = 2 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128)  # q k v o mlp
+    assert counts["aten.mm"] == 2 * t * per_token_layer
+    assert counts["aten._scaled_dot_product_flash_attention_for_cpu"] == 2 * 4 * 4 * t * t * 16
+    assert counter.get_total_flops() == sum(counts.values())
+
+
+# --------------------------------------------------------------------------- bench end to end
+
+
+def test_bench_on_the_tiny_model(tiny_model, tmp_path):
+    """star and dense, 600 tokens (past the tiny model's 512-token window), workers 1 and 2,
+    through torchrun: every number is there and sane."""
+    opts = bench.options("star,dense", "600", "1,2", model=str(tiny_model), dtype="fp32",
+                         new_tokens=3)
+    plan = bench.make_plan(opts)
+    assert [(r.method, r.workers, r.requested) for r in plan.runs] == [
+        ("star", 1, (1,)), ("star", 2, (2,)), ("dense", 1, (1, 2))]
+    assert any("contexts of 600 tokens, with the question and answer, go past the model's "
+               "512-token window" in n for n in plan.notes)
+    assert any("dense encodes on one worker" in n for n in plan.notes)
+    contexts = tmp_path / "contexts"
+    result = bench.run(plan, contexts_dir=contexts, json_path=tmp_path / "bench.json")
+    assert json.loads((tmp_path / "bench.json").read_text()) == json.loads(json.dumps(result))
+    rows = {(r["method"], r["workers"]): r for r in result["rows"]}
+    assert set(rows) == {("star", 1), ("star", 2), ("dense", 1)}
+    for row in rows.values():
+        p1, p2 = row["phase1"], row["phase2"]
+        assert row["tokens"] == 600 and row["blocks"] == 4
+        assert len(p1["per_worker"]) == row["workers"] == p2["workers"]
+        assert sum(w["tokens"] for w in p1["per_worker"]) == 600
+        assert p1["seconds"] > 0 and p1["tokens_per_second"] > 0
+        assert 0 < p1["critical_path_flops"] <= p1["total_flops"]
+        assert all(w["flops"] > 0 and w["peak_bytes"] > 2**20 for w in p1["per_worker"])
+        assert p1["sent_bytes"] == 0  # star and dense encode without communicating
+        assert p2["new_tokens"] == 3 and p2["query_tokens"] > 0
+        assert p2["first_token_seconds"] > 0 and p2["seconds_per_token"] > 0
+        assert p2["peak_bytes"] > 2**20
+        manifest = store.read_manifest(contexts / row["context_key"])
+        on_disk = sum((Path(manifest["_dir"]) / b["file"]).stat().st_size
+                      for b in manifest["blocks"])
+        assert row["shard_bytes"] == on_disk == sum(b["bytes"] for b in manifest["blocks"])
+        kv = 2 * 2 * 2 * 600 * 16 * 4  # k and v, 2 layers, 2 KV heads, 600 tokens, D 16, fp32
+        assert kv < row["shard_bytes"] < kv + 4 * 1024  # plus 4 small safetensors headers
+    star1, star2, dense = rows["star", 1], rows["star", 2], rows["dense", 1]
+    # One worker does all the work; the critical path of two is a part of the same work.
+    assert star1["phase1"]["critical_path_flops"] == star1["phase1"]["total_flops"]
+    assert star2["phase1"]["total_flops"] == star1["phase1"]["total_flops"]
+    assert star2["phase1"]["critical_path_flops"] < star2["phase1"]["total_flops"]
+    # Star's slowest host runs as many token-forwards as dense (its blocks each behind a
+    # block-sized anchor) but attends over at most two blocks, never the whole context.
+    assert star2["phase1"]["critical_path_flops"] < dense["phase1"]["total_flops"]
+    # Phase 2 merges partial attentions: two workers talk, one does not.
+    assert star1["phase2"]["sent_bytes"] == dense["phase2"]["sent_bytes"] == 0
+    two = star2["phase2"]["per_worker"]
+    assert all(w["by_op"]["all_gather"]["calls"] == 2 * 3 for w in two)  # layers × forwards
+    assert sum(w["sent_bytes"] for w in two) == sum(w["received_bytes"] for w in two) > 0
+    by_workers = {r["workers"]: r for r in result["ratios"] if r["tokens"] == 600}
+    assert by_workers[2]["dense/star"] == pytest.approx(
+        dense["phase1"]["total_flops"] / star2["phase1"]["critical_path_flops"])
+    assert by_workers[2]["dense/star"] > 1
+
+
+def test_ring_phase1_bytes_are_the_kv_going_round(tiny_model, tmp_path):
+    """Ring on 2 workers: each layer, each worker sends its chunk's K and V (fp32, padded to
+    the longest chunk) once to the other, under the FLOP counter."""
+    ids = list(range(11, 11 + 30)) * 20  # 600 tokens, 4 blocks of 150, 300 per worker
+    result = engine.ingest_tokens(ids, tmp_path, model=str(tiny_model), method="ring",
+                                  workers=2, dtype="fp32", measure=True, allow_over_window=True)
+    per_step = 2 * 2 * 300 * 16 * 4  # [K|V, Hkv, 300 tokens, D] fp32
+    for m in result.measures:
+        assert m["by_op"] == {"ring_shift": {"calls": 2, "sent": 2 * per_step,
+                                             "received": 2 * per_step}}
+        assert m["flops"] > 0 and m["seconds"] > 0
+
+
+# --------------------------------------------------------------------------- the window
+
+
+def test_over_window_refused_by_ingest_and_unless_allowed(home, docs, tmp_path):
+    small = make_tiny_model(tmp_path / "small", window=64)
+    with pytest.raises(StarqaError, match=r"tokens > 64 the model was trained on"):
+        engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(small)))
+    with pytest.raises(StarqaError, match=r"100 tokens > 64 the model was trained on"):
+        engine.ingest_tokens([11] * 100, tmp_path / "contexts", model=str(small))
+    assert not (tmp_path / "contexts").exists()  # refused before any worker started
+
+
+# --------------------------------------------------------------------------- input errors
+
+
+def test_parsing():
+    assert bench.parse_lengths("8k, 2K,8k,3000") == (2048, 3000, 8192)
+    assert bench.parse_workers("4,1,2,1") == (1, 2, 4)
+    assert bench.parse_methods(None) == METHODS
+    assert bench.parse_methods("pulsar, star,pulsar") == ("pulsar", "star")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"methods": "star,nope"}, "Unknown method 'nope'"),
+    ({"methods": " , "}, "names no method"),
+    ({"lengths": "2k,abc"}, "'abc' is not a token count"),
+    ({"lengths": "2k,,4k"}, "'' is not a token count"),
+    ({"lengths": "1.5k"}, "'1.5k' is not a token count"),
+    ({"lengths": "10"}, "10 tokens is too short"),
+    ({"workers": "0,2"}, "--workers must be at least 1"),
+    ({"workers": "-1"}, "--workers must be at least 1"),
+    ({"workers": "two"}, "'two' is not a whole number"),
+    ({"new_tokens": 1}, "--new-tokens must be at least 2"),
+])
+def test_bad_options(kwargs, message):
+    with pytest.raises(StarqaError, match=message):
+        bench.options(**kwargs)
+
+
+def test_cli_errors_are_messages_not_tracebacks(home):
+    for args, message in ((["--methods", "nope"], "Unknown method 'nope'"),
+                          (["--workers", "0"], "--workers must be at least 1"),
+                          (["--lengths", "2k;4k"], "Bad --lengths")):
+        proc = subprocess.run([sys.executable, "-m", "starqa", "bench", *args],
+                              capture_output=True, text=True)
+        assert proc.returncode == 1, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr
