@@ -220,6 +220,7 @@ def ensure_embedded(model: EmbeddedModel) -> Path:
         info = {"name": model.name, "gguf_file": model.gguf_file, "size": model.size,
                 "sha256": model.sha256, "parts": [vars(p) for p in model.parts]}
         (out / MODEL_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        _readable_by_all(out)
         try:
             os.rename(out, final)
         except OSError:
@@ -228,6 +229,15 @@ def ensure_embedded(model: EmbeddedModel) -> Path:
                                   hint="remove that folder and try again") from None
     console.print(f"[green]✓[/] {model.name} ready in {final}", highlight=False)
     return final
+
+
+def _readable_by_all(folder: Path) -> None:
+    """Files as the umask allows (safetensors writes 0600): a shared cache serves every user."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _assemble_gguf(model: EmbeddedModel, target: Path, work: Path, console: Any) -> None:

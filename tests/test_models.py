@@ -228,10 +228,12 @@ def test_embedded_install_is_atomic(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not (models.models_dir() / "fake").exists()
         out.mkdir()
         (out / "config.json").write_text("{}")
+        (out / "model.safetensors").touch(mode=0o600)  # as safetensors writes it
 
     monkeypatch.setattr(models, "_convert_gguf", convert)
     folder = models.ensure_embedded(model)
     assert seen == [b"gguf"] and folder == models.models_dir() / "fake"
+    assert (folder / "model.safetensors").stat().st_mode & 0o044  # a shared cache reads it
     assert json.loads((folder / models.MODEL_INFO).read_text())["parts"][0]["spec"] == "x==1"
     assert sorted(p.name for p in models.models_dir().iterdir()) == ["fake"]  # no temp left
     assert models.ensure_embedded(model) == folder and len(seen) == 1  # second call is a no-op
