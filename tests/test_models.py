@@ -233,7 +233,9 @@ def test_embedded_install_is_atomic(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(models, "_convert_gguf", convert)
     folder = models.ensure_embedded(model)
     assert seen == [b"gguf"] and folder == models.models_dir() / "fake"
-    assert (folder / "model.safetensors").stat().st_mode & 0o044  # a shared cache reads it
+    umask = os.umask(0)
+    os.umask(umask)  # what the user allows others, not safetensors' 0600
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     assert json.loads((folder / models.MODEL_INFO).read_text())["parts"][0]["spec"] == "x==1"
     assert sorted(p.name for p in models.models_dir().iterdir()) == ["fake"]  # no temp left
     assert models.ensure_embedded(model) == folder and len(seen) == 1  # second call is a no-op
