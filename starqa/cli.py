@@ -41,6 +41,33 @@ MaxNewTokens = Annotated[int, typer.Option(envvar="STARQA_MAX_NEW_TOKENS", min=1
 BeyondWindow = Annotated[bool, typer.Option(
     "--beyond-window", envvar="STARQA_BEYOND_WINDOW",
     help="Go on even when the context is longer than the model's trained window.")]
+Dtype = Annotated[Optional[str], typer.Option(
+    envvar="STARQA_DTYPE", help="Compute dtype: bf16 (default), fp16, fp32.")]
+# method settings (ingest, eval)
+BlockSize = Annotated[Optional[int], typer.Option(
+    envvar="STARQA_BLOCK_SIZE", help="Tokens per block (default: a quarter of the context).")]
+AnchorSize = Annotated[Optional[int], typer.Option(
+    envvar="STARQA_ANCHOR_SIZE",
+    help="star, apb: anchor tokens (default: the block size for star, a quarter of it for apb).")]
+SinkSize = Annotated[Optional[int], typer.Option(
+    envvar="STARQA_SINK_SIZE", help="pulsar: tokens of the sink (default 64).")]
+Heuristic = Annotated[Optional[str], typer.Option(
+    envvar="STARQA_HEURISTIC",
+    help="pulsar: chunk scoring, max-idf (default), tfidf, bm25, entropy or even.")]
+SummaryBudget = Annotated[Optional[float], typer.Option(
+    envvar="STARQA_SUMMARY_BUDGET",
+    help="pulsar: summary size as a fraction of the block (default 0.125).")]
+ChunkSize = Annotated[Optional[int], typer.Option(
+    envvar="STARQA_CHUNK_SIZE", help="pulsar: tokens per scored chunk (default 32).")]
+Positions = Annotated[Optional[str], typer.Option(
+    envvar="STARQA_POSITIONS", help="pulsar: sparse (default: original positions) or contiguous.")]
+PassingSize = Annotated[Optional[int], typer.Option(
+    envvar="STARQA_PASSING_SIZE",
+    help="apb: compressed tokens each block passes on, per layer and KV head "
+         "(default: an eighth of the block).")]
+ProbeWindow = Annotated[Optional[int], typer.Option(
+    envvar="STARQA_PROBE_WINDOW",
+    help="apb: the block's last tokens whose queries score what to pass (default 64).")]
 
 
 @app.command()
@@ -50,31 +77,15 @@ def ingest(
     method: Annotated[str, typer.Option(envvar="STARQA_METHOD",
                                         help="star (default), pulsar, apb, dense (exact "
                                              "reference) or ring (exact, distributed).")] = "star",
-    block_size: Annotated[Optional[int], typer.Option(
-        envvar="STARQA_BLOCK_SIZE", help="Tokens per block (default: a quarter of the context).")] = None,
-    anchor_size: Annotated[Optional[int], typer.Option(
-        envvar="STARQA_ANCHOR_SIZE", help="star, apb: anchor tokens (default: the block size for star, a "
-                                           "quarter of it for apb).")] = None,
-    sink_size: Annotated[Optional[int], typer.Option(
-        envvar="STARQA_SINK_SIZE", help="pulsar: tokens of the sink (default 64).")] = None,
-    heuristic: Annotated[Optional[str], typer.Option(
-        envvar="STARQA_HEURISTIC",
-        help="pulsar: chunk scoring, max-idf (default), tfidf, bm25, entropy or even.")] = None,
-    summary_budget: Annotated[Optional[float], typer.Option(
-        envvar="STARQA_SUMMARY_BUDGET",
-        help="pulsar: summary size as a fraction of the block (default 0.125).")] = None,
-    chunk_size: Annotated[Optional[int], typer.Option(
-        envvar="STARQA_CHUNK_SIZE", help="pulsar: tokens per scored chunk (default 32).")] = None,
-    positions: Annotated[Optional[str], typer.Option(
-        envvar="STARQA_POSITIONS",
-        help="pulsar: sparse (default: original positions) or contiguous.")] = None,
-    passing_size: Annotated[Optional[int], typer.Option(
-        envvar="STARQA_PASSING_SIZE",
-        help="apb: compressed tokens each block passes on, per layer and KV head "
-             "(default: an eighth of the block).")] = None,
-    probe_window: Annotated[Optional[int], typer.Option(
-        envvar="STARQA_PROBE_WINDOW",
-        help="apb: the block's last tokens whose queries score what to pass (default 64).")] = None,
+    block_size: BlockSize = None,
+    anchor_size: AnchorSize = None,
+    sink_size: SinkSize = None,
+    heuristic: Heuristic = None,
+    summary_budget: SummaryBudget = None,
+    chunk_size: ChunkSize = None,
+    positions: Positions = None,
+    passing_size: PassingSize = None,
+    probe_window: ProbeWindow = None,
     question: Annotated[Optional[str], typer.Option(
         envvar="STARQA_QUESTION",
         help="apb: the question, when known before encoding: it joins every block's anchor "
@@ -82,8 +93,7 @@ def ingest(
     workers: Workers = None,
     name: Annotated[Optional[str], typer.Option(
         envvar="STARQA_NAME", help="Context name (default: the first path's name).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(
-        envvar="STARQA_DTYPE", help="Compute dtype: bf16 (default), fp16, fp32.")] = None,
+    dtype: Dtype = None,
     max_file_size: Annotated[int, typer.Option(
         envvar="STARQA_MAX_FILE_SIZE", help="Skip files larger than this many bytes.")] = 1_000_000,
     include: Annotated[Optional[list[str]], typer.Option(
@@ -397,11 +407,72 @@ def bench(
         err.print(f"Wrote {json_path}")
 
 
+@app.command("eval")
+def eval_(
+    model: Model = None,
+    methods: Annotated[Optional[str], typer.Option(
+        envvar="STARQA_EVAL_METHODS",
+        help="Comma-separated methods to compare (default: every method starqa has); dense "
+             "always runs, as the reference of retention.")] = None,
+    tasks: Annotated[Optional[str], typer.Option(
+        envvar="STARQA_EVAL_TASKS",
+        help="Comma-separated tasks or groups (default: all): niah_single_1..3, "
+             "niah_multikey_1..3, niah_multivalue, niah_multiquery (group: niah), vt, cwe, "
+             "fwe, qa.")] = None,
+    lengths: Annotated[Optional[str], typer.Option(
+        envvar="STARQA_EVAL_LENGTHS",
+        help="Comma-separated sample lengths in tokens, context + question + answer, e.g. "
+             "1k,2k,4k or 1500; 1k = 1,024 (default: 1k doubling up to the model's "
+             "window).")] = None,
+    samples: Annotated[int, typer.Option(
+        "--samples", "-n", envvar="STARQA_EVAL_SAMPLES", min=1,
+        help="Samples per task and length.")] = 4,
+    seed: Annotated[int, typer.Option(envvar="STARQA_EVAL_SEED",
+                                      help="Seed of the generated samples.")] = 0,
+    json_path: Annotated[Optional[str], typer.Option(
+        "--json", envvar="STARQA_EVAL_JSON",
+        help="Write the results here (default: $STARQA_HOME/evals/<time>-<model>.json).")] = None,
+    dtype: Dtype = None,
+    device: Device = "auto",
+    block_size: BlockSize = None,
+    anchor_size: AnchorSize = None,
+    sink_size: SinkSize = None,
+    heuristic: Heuristic = None,
+    summary_budget: SummaryBudget = None,
+    chunk_size: ChunkSize = None,
+    positions: Positions = None,
+    passing_size: PassingSize = None,
+    probe_window: ProbeWindow = None,
+) -> None:
+    """Measure each method's accuracy, and its retention of dense accuracy, on generated
+    long-context tasks (RULER-style: needles, variable tracking, word extraction, and
+    questions over samples/), all in this process, offline and reproducible from --seed."""
+    from starqa.evals import report, runner
+
+    opts = runner.EvalOptions(
+        model=model, methods=methods, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
+        json_path=json_path, dtype=dtype, device=device, block_size=block_size,
+        anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]),
+        method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
+                       "chunk": chunk_size, "positions": positions, "passing": passing_size,
+                       "window": probe_window})
+    plan = runner.plan(opts)
+    report.plan_report(plan)
+    with report.RichProgress() as progress:
+        results = runner.run(plan, progress)
+    report.results_table(results)
+    report.closing_report(results, plan.json_path)
+    if results["status"] == "interrupted":
+        sys.exit(130)  # not typer.Exit(130): main would take it for an unreported Ctrl-C
+
+
 def main() -> None:
     from starqa.errors import StarqaError
 
     try:
-        app(standalone_mode=False)
+        # Without standalone mode, typer hands back typer.Exit's code, and Ctrl-C as 130,
+        # instead of raising them.
+        code = app(standalone_mode=False)
     except StarqaError as err:
         from starqa.ui import print_error
 
@@ -417,3 +488,7 @@ def main() -> None:
     except typer.TyperException as err:  # usage errors: bad option, missing argument
         err.show()
         sys.exit(err.exit_code)
+    if code == 130:
+        print("\ninterrupted; nothing was changed on disk", file=sys.stderr)
+    if isinstance(code, int) and code:
+        sys.exit(code)

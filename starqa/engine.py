@@ -206,7 +206,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
                         workers * opts.nnodes, encode_seconds, **per_rank)
 
 
-def _query_position(ids: list[int], method, blocks) -> int:
+def query_position(ids: list[int], method, blocks) -> int:
     """Where Phase 2 positions start: after the context, except for pulsar's contiguous
     mode, where the query follows the longest assembled block."""
     if method.name != "pulsar" or method.params["positions"] != "contiguous":
@@ -258,7 +258,7 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
                   "window": window, **fingerprint},
         "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
         "n_tokens": len(tokens.ids),
-        "query_position": _query_position(tokens.ids, method, blocks),
+        "query_position": query_position(tokens.ids, method, blocks),
         "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
                    for i, (s, e) in enumerate(blocks)],
         "files": [{"path": sp.path, "token_start": a, "token_end": b, "lines": sp.lines,

@@ -325,12 +325,16 @@ def _fix(manifest: dict) -> str:
 
 
 def load_shard(manifest: dict, indices, device="cpu"):
-    """The KV of blocks `indices` (contiguous, in order) as one shard: per layer (k, v), each
-    [1, Hkv, N, D] in fp32 (Phase 2 attends in fp32; converting once here, not per step).
-    None when `indices` is empty."""
+    """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`)."""
+    return shard_of([load_block(manifest, i, device=device) for i in indices])
+
+
+def shard_of(parts):
+    """Consecutive blocks' (k, v), each [L, Hkv, T_i, D], as one Phase 2 shard: per layer
+    (k, v), each [1, Hkv, N, D] in fp32 (Phase 2 attends in fp32; converting once here, not
+    per step). None when `parts` is empty."""
     import torch
 
-    parts = [load_block(manifest, i, device=device) for i in indices]
     if not parts:
         return None
     k = torch.cat([p[0] for p in parts], dim=2).float()  # [L, Hkv, N, D]

@@ -1,0 +1,343 @@
+"""`starqa eval`: every method over the very same generated samples, in this one process.
+
+The model loads once. For each sample (generators.generate) every method encodes the
+context with Phase 1 for all of its blocks here (phase1.encode_local: what the workers
+would store) and answers the question with Phase 2 as a world of one, the query host
+attending to the whole shard (phase2.ShardAttention + phase2.generate, greedy). Dense runs
+first on every sample: it is the reference of retention. The results go to a JSON file
+rewritten atomically after every sample, so an interrupted run keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starqa import methods as methods_mod
+from starqa import paths, store
+from starqa.errors import StarqaError
+from starqa.evals import generators, scoring
+
+FORMAT = "starqa-eval/1"
+DEFAULT_SAMPLES = 4
+DECODING = ("greedy; stops at the end of the turn, after the task's max_new_tokens, or as "
+            "soon as the prediction holds the answers (a substring match stays true)")
+
+
+class Progress:
+    """Callbacks while the evaluation runs; the default does nothing."""
+
+    def loading(self, plan: Plan) -> None: ...
+
+    def start(self, plan: Plan) -> None: ...
+
+    def run(self, task: str, length: int, index: int, method: str) -> None: ...
+
+    def done(self, tokens: int, correct: bool) -> None: ...
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    model: str | None = None
+    methods: str | None = None  # comma-separated; None: every method starqa has
+    tasks: str | None = None  # comma-separated tasks and groups; None: all
+    lengths: str | None = None  # e.g. "1k,2k,4k"; None: 1k doubling up to the model's window
+    samples: int = DEFAULT_SAMPLES  # per task and length
+    seed: int = 0
+    json_path: str | None = None  # None: $STARQA_HOME/evals/<time>-<model>.json
+    dtype: str | None = None
+    device: str = "auto"
+    block_size: int | None = None
+    anchor_size: int | None = None
+    method_params: dict | None = None  # method-specific settings given (methods.OPTIONS)
+    command: str | None = None  # how the user ran it, recorded in the JSON
+
+
+@dataclass
+class Plan:
+    opts: EvalOptions
+    tasks: list[str]
+    lengths: list[int]
+    methods: list[str]  # dense first
+    model_path: Path
+    window: int
+    fingerprint: dict
+    json_path: Path
+    device: str  # resolved: "cpu", "cuda"
+    dtype: str  # resolved: "bfloat16", ...
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.tasks) * len(self.lengths) * self.opts.samples
+
+    @property
+    def n_runs(self) -> int:
+        return self.n_samples * len(self.methods)
+
+    @property
+    def total_tokens(self) -> int:
+        """Token budget of all runs: the progress bar's unit (a run costs about its length)."""
+        return sum(self.lengths) * len(self.tasks) * self.opts.samples * len(self.methods)
+
+
+# ---------------------------------------------------------------------------------------
+# options
+
+
+def parse_methods(text: str | None) -> tuple[list[str], list[str]]:
+    """Methods to run, dense first (added when missing: it is the reference), and notes."""
+    names = list(methods_mod.METHODS) if not text or not text.strip() else list(
+        dict.fromkeys(p.strip() for p in text.split(",")))
+    for name in names:
+        if name not in methods_mod.METHODS:
+            raise StarqaError(f"Unknown method {name!r}.",
+                              hint=f"choose from: {', '.join(methods_mod.METHODS)}")
+    notes = []
+    if scoring.REFERENCE not in names:
+        notes.append("dense runs too: it is the reference of retention")
+    return [scoring.REFERENCE, *(n for n in names if n != scoring.REFERENCE)], notes
+
+
+_LENGTH = re.compile(r"(\d+(?:\.\d+)?)(k?)", re.IGNORECASE)
+
+
+def parse_lengths(text: str | None) -> list[int] | None:
+    """Token counts from "1k,2k,1500" (k = 1,024), sorted; None when not given."""
+    if text is None or not text.strip():
+        return None
+    lengths = []
+    for part in (p.strip() for p in text.split(",")):
+        m = _LENGTH.fullmatch(part)
+        value = float(m[1]) * (1024 if m[2] else 1) if m else 0
+        if not m or value < 1 or value != int(value):
+            raise StarqaError(f"Bad --lengths {text!r}: {part!r} is not a length in tokens.",
+                              hint="comma-separated token counts, e.g. 1k,2k,4k or 1500 "
+                                   "(1k = 1,024 tokens)")
+        lengths.append(int(value))
+    return sorted(set(lengths))
+
+
+def fit_window(lengths: list[int] | None, window: int) -> list[int]:
+    """`lengths`, every one within the model's window; by default 1k, 2k, 4k ... up to it."""
+    if lengths is None:
+        doubling = [1024 << i for i in range(32) if 1024 << i <= window]
+        return doubling or [window]
+    for n in lengths:
+        if n > window:
+            raise StarqaError(f"--lengths {length_label(n)} is {n:,} tokens > {window:,} the "
+                              "model was trained on.",
+                              hint=f"choose lengths up to {window:,} ({length_label(window)})")
+    return lengths
+
+
+def length_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+
+
+def method_options(name: str, opts: EvalOptions) -> dict:
+    """The keyword arguments of methods.method_config that apply to method `name`."""
+    given = opts.method_params or {}
+    return {"block_size": opts.block_size,
+            "anchor_size": opts.anchor_size if name in ("star", "apb") else None,
+            "params": {k: v for k, v in given.items() if methods_mod.OWNERS.get(k) == name}}
+
+
+def plan(opts: EvalOptions) -> Plan:
+    """Check every option (cheap errors first), resolve the model, size the work."""
+    import torch
+    from transformers import AutoConfig
+
+    from starqa import models
+
+    tasks = generators.resolve_tasks(opts.tasks)
+    methods, notes = parse_methods(opts.methods)
+    requested = parse_lengths(opts.lengths)
+    if opts.samples < 1:
+        raise StarqaError(f"--samples must be at least 1 (got {opts.samples}).")
+    given = {k for k, v in (opts.method_params or {}).items() if v is not None}
+    if opts.anchor_size is not None:
+        given.add("anchor")
+    for key in sorted(given):
+        owners = ("star", "apb") if key == "anchor" else (methods_mod.OWNERS.get(key),)
+        if not set(owners) & set(methods):
+            raise StarqaError(f"{methods_mod.OPTIONS.get(key, key)} only applies to "
+                              f"{' or '.join(o for o in owners if o)}, which --methods leaves out.")
+    for name in methods:  # the methods' own checks, before any model is loaded
+        methods_mod.method_config(name, 1024, **method_options(name, opts))
+    device = opts.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = str(models.parse_dtype(opts.dtype, device)).removeprefix("torch.")
+    model_path = models.resolve_model(opts.model)
+    window = models.context_window(AutoConfig.from_pretrained(model_path))
+    lengths = fit_window(requested, window)
+    fingerprint = models.fingerprint(model_path)
+    if opts.json_path:
+        json_path = Path(opts.json_path).expanduser().resolve()
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        safe = re.sub(r"[^\w.-]+", "-", fingerprint["name"]).strip("-") or "model"
+        json_path = paths.home() / "evals" / f"{stamp}-{safe}.json"
+    return Plan(opts, tasks, lengths, methods, model_path, window, fingerprint, json_path,
+                device, dtype, notes)
+
+
+# ---------------------------------------------------------------------------------------
+# running
+
+
+class Evaluator:
+    """The model, loaded once, answering generated samples with any method."""
+
+    def __init__(self, plan: Plan):
+        import torch
+
+        from starqa import dist, engine, hooks, models
+
+        self.device = torch.device(plan.device)
+        self.dtype = getattr(torch, plan.dtype)
+        self.tokenizer = models.load_tokenizer(plan.model_path)
+        self.model = models.load_model(plan.model_path, dtype=self.dtype, device=self.device,
+                                       attn_implementation=hooks.register())
+        self.stop_ids = engine.stop_ids(self.tokenizer, plan.model_path)
+        self.info = dist.DistInfo(0, 0, 1, self.device, None)  # a world of one
+        self.options = {m: method_options(m, plan.opts) for m in plan.methods}
+
+    def answer(self, sample: generators.Sample, method: str) -> dict:
+        """Phase 1 over all blocks of the sample's context, then Phase 2 for its question."""
+        import torch
+
+        from starqa import engine, phase1, phase2
+
+        n = len(sample.context_ids)
+        config = methods_mod.method_config(method, n, **self.options[method])
+        blocks = methods_mod.plan_blocks(n, config.block_size)
+        started = time.perf_counter()
+        encoded = phase1.encode_local(self.model, torch.tensor(sample.context_ids), config,
+                                      blocks)
+        parts = [(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])]
+        hook = phase2.ShardAttention(self.info, store.shard_of(parts), query_host=True)
+        del parts
+        encoded_at = time.perf_counter()
+        tokens: list[int] = []
+        first: list[float] = []
+        answered = [False]
+
+        def on_token(token: int) -> None:
+            first or first.append(time.perf_counter())
+            tokens.append(token)
+
+        def should_stop() -> bool:
+            # Greedy decoding with a substring score: once the answers are in, they stay in.
+            answered[0] = answered[0] or bool(tokens) and scoring.is_correct(
+                self._decode(tokens), sample.answers, sample.match)
+            return answered[0]
+
+        start = engine.query_position(sample.context_ids, config, blocks)
+        phase2.generate(self.model, self.info, hook, sample.query_ids, start,
+                        sample.max_new_tokens, self.stop_ids, on_token, should_stop)
+        end = time.perf_counter()
+        text = self._decode(tokens).strip()
+        stop = ("answer" if answered[0] else
+                "max_new_tokens" if len(tokens) >= sample.max_new_tokens else "end")
+        return {"prediction": text,
+                "correct": scoring.is_correct(text, sample.answers, sample.match),
+                "found": scoring.found(text, sample.answers), "token_ids": tokens, "stop": stop,
+                "method": config.as_dict(), "blocks": len(blocks), "query_position": start,
+                "phase1_s": round(encoded_at - started, 3),
+                "first_token_s": round(first[0] - encoded_at, 3) if first else None,
+                "seconds": round(end - started, 3)}
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None = None) -> dict:
+    """Run the plan; returns the results (also in plan.json_path), with status "complete",
+    or "interrupted" after Ctrl-C (the samples every method finished are summarised)."""
+    progress.loading(plan)
+    evaluator = evaluator or Evaluator(plan)
+    results = _skeleton(plan, evaluator)
+    plan.json_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+
+    def save(status: str) -> None:
+        results["status"] = status
+        results["seconds"] = round(time.perf_counter() - started, 2)
+        results["runs_done"] = sum(len(s["results"]) for s in results["samples"])
+        results["summary"] = scoring.summarize(results["samples"], plan.methods)
+        store.write_json_atomic(plan.json_path, results)
+
+    progress.start(plan)
+    try:
+        for length in plan.lengths:
+            for task in plan.tasks:
+                for index in range(plan.opts.samples):
+                    sample = generators.generate(task, length, plan.opts.seed,
+                                                 evaluator.tokenizer, index)
+                    record = _record(sample)
+                    results["samples"].append(record)
+                    for method in plan.methods:
+                        progress.run(task, length, index, method)
+                        record["results"][method] = evaluator.answer(sample, method)
+                        progress.done(length, record["results"][method]["correct"])
+                    save("running")
+    except KeyboardInterrupt:
+        save("interrupted")
+        return results
+    except BaseException as e:
+        results["error"] = f"{type(e).__name__}: {e}"
+        save("failed")
+        raise
+    save("complete")
+    return results
+
+
+def _record(sample: generators.Sample) -> dict:
+    return {"task": sample.task, "length": sample.length, "index": sample.index,
+            "sample_seed": generators.sample_seed(sample.seed, sample.task, sample.length,
+                                                  sample.index),
+            "tokens": {"context": len(sample.context_ids), "query": len(sample.query_ids),
+                       "max_new": sample.max_new_tokens},
+            "context_sha256": hashlib.sha256(sample.context_text.encode()).hexdigest(),
+            "question": sample.question, "answers": sample.answers, "match": sample.match,
+            "meta": sample.meta, "results": {}}
+
+
+def _skeleton(plan: Plan, evaluator: Evaluator) -> dict:
+    import torch
+    import transformers
+
+    import starqa
+    from starqa import models
+
+    opts = plan.opts
+    return {
+        "format": FORMAT, "status": "running", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": opts.command, "json": str(plan.json_path),
+        "settings": {
+            "model": {"spec": opts.model or models.DEFAULT_MODEL, "path": str(plan.model_path),
+                      "window": plan.window, **plan.fingerprint},
+            "dtype": plan.dtype, "device": str(evaluator.device),
+            "threads": torch.get_num_threads(),
+            "seed": opts.seed, "samples_per_task": opts.samples,
+            "lengths": plan.lengths, "methods": plan.methods, "reference": scoring.REFERENCE,
+            "method_options": evaluator.options,
+            "tasks": {t: {"about": generators.TASKS[t].about,
+                          "max_new_tokens": generators.TASKS[t].max_new_tokens,
+                          "match": generators.TASKS[t].match} for t in plan.tasks},
+            "decoding": DECODING,
+            "scoring": "case-insensitive substring match: every answer (match all), or one "
+                       "of the alternatives (match any)",
+            "versions": {"starqa": starqa.__version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__,
+                         "python": platform.python_version()},
+        },
+        "runs_total": plan.n_runs, "runs_done": 0, "seconds": 0.0,
+        "summary": [], "samples": [],
+    }

@@ -1,0 +1,378 @@
+"""`starqa eval`: generated samples, scoring, the runner on the tiny random model, CLI errors.
+
+Generators are checked with the tiny word-level tokenizer (every word and punctuation mark
+a token, unknown words one <unk> each), so lengths are measured without any real model.
+"""
+
+import json
+import re
+from collections import Counter
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from starqa import prompt
+from starqa.cli import app
+from starqa.errors import StarqaError
+from starqa.evals import generators, prose, runner, scoring, words
+from starqa.models import load_model, load_tokenizer
+
+SYNTHETIC = [t for t in generators.TASKS if t != "qa"]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return load_tokenizer(tiny_model)
+
+
+def same(a: generators.Sample, b: generators.Sample) -> bool:
+    return (a.context_text, a.question, a.answers, a.context_ids, a.query_ids, a.meta) == \
+           (b.context_text, b.question, b.answers, b.context_ids, b.query_ids, b.meta)
+
+
+# ---------------------------------------------------------------------------------------
+# generators
+
+
+@pytest.mark.parametrize("task", list(generators.TASKS))
+def test_same_seed_same_sample_other_seed_or_index_another(tok, task):
+    a = generators.generate(task, 1200, 7, tok)
+    assert same(a, generators.generate(task, 1200, 7, tok))
+    assert not same(a, generators.generate(task, 1200, 8, tok))
+    assert not same(a, generators.generate(task, 1200, 7, tok, index=1))
+
+
+def test_content_does_not_depend_on_the_tokenizer_only_the_amount(tok):
+    """Keys, values and depths come from the seed alone; a tokenizer only sizes the haystack."""
+
+    class Halved:  # the same tokenizer, but the context counts double
+        chat_template = tok.chat_template
+
+        def __call__(self, text, **kw):
+            enc = tok(text, **kw)
+            return {k: v * 2 for k, v in enc.items()}
+
+        def apply_chat_template(self, *a, **kw):
+            return tok.apply_chat_template(*a, **kw)
+
+    a = generators.generate("niah_multikey_1", 1200, 3, tok)
+    b = generators.generate("niah_multikey_1", 1200, 3, Halved())
+    assert a.answers == b.answers and a.question == b.question
+    assert a.meta["needles"] == b.meta["needles"]
+    assert b.meta["units"] < a.meta["units"]
+
+
+@pytest.mark.parametrize("task", list(generators.TASKS))
+@pytest.mark.parametrize("length", [600, 1500, 4000])
+def test_lengths_fill_the_budget_and_are_measured_as_laid_out(tok, task, length):
+    s = generators.generate(task, length, 1, tok)
+    assert length - max(64, length // 20) <= s.tokens <= length
+    # The budget is the layout starqa uses: the context part around the packed documents,
+    # the question in the query part, then the answer.
+    ctx = prompt.tokenize_context(tok, s.context_text, []).ids
+    assert ctx == s.context_ids
+    assert prompt.tokenize_query(tok, s.question) == s.query_ids
+    assert s.question not in prompt.context_text(tok, s.context_text)[0]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("length", [1024, 8192])
+def test_lengths_with_the_embedded_models_tokenizer(embedded_model, length):
+    tok = load_tokenizer(embedded_model)  # BPE: digits, UUIDs and pseudo-words cost more
+    for task in generators.TASKS:
+        s = generators.generate(task, length, 0, tok)
+        assert length - max(64, length // 20) <= s.tokens <= length
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("task", [t for t in SYNTHETIC if t.startswith("niah")])
+def test_needles_map_each_key_to_its_values_exactly_once(tok, task, seed):
+    s = generators.generate(task, 2000, seed, tok)
+    text = s.context_text.lower()
+    needles = s.meta["needles"]
+    for a in s.answers:
+        assert text.count(a.lower()) == 1
+        assert a.lower() not in s.question.lower()
+    for n in needles:  # every placed needle says exactly its key -> value, once
+        line = f"for {n['key']} is: {n['value']}.".lower()
+        assert text.count(line) == 1
+        assert 0 <= n["depth"] <= 1
+    asked = [n for n in needles
+             if re.search(rf"(?<![\w-]){re.escape(n['key'])}(?![\w-])", s.question)]
+    assert sorted(s.answers) == sorted(n["value"] for n in asked)
+    expected = {"niah_multikey_1": (4, 1), "niah_multivalue": (4, 4), "niah_multiquery": (4, 4)}
+    placed, n_answers = expected.get(task, (1, 1))
+    assert len(needles) == placed and len(s.answers) == n_answers
+    if task in ("niah_multikey_2", "niah_multikey_3"):  # the haystack is other keys' needles
+        keys = re.findall(r"for (\S+) is:", s.context_text)
+        assert len(keys) == len(set(keys)) > 10
+    if task == "niah_multivalue":
+        assert len({n["key"] for n in needles}) == 1
+        assert all(v in words.VALUE_WORDS for v in s.answers)
+    if task == "niah_single_3":
+        assert re.fullmatch(r"[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}", s.answers[0])
+    if task in ("niah_single_1", "niah_single_2", "niah_multikey_1"):
+        assert re.fullmatch(r"\d{7}", s.answers[0])
+
+
+def test_needle_depth_varies_by_seed_and_sets_the_place(tok):
+    depths = []
+    for seed in range(8):
+        s = generators.generate("niah_single_2", 3000, seed, tok)
+        depth = s.meta["needles"][0]["depth"]
+        depths.append(depth)
+        where = s.context_text.index(s.answers[0]) / len(s.context_text)
+        assert abs(where - depth) < 0.1
+    assert max(depths) - min(depths) > 0.4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_variable_tracking_chain(tok, seed):
+    s = generators.generate("vt", 2000, seed, tok)
+    lines = [x for x in s.context_text.splitlines() if x.startswith("VAR ")]
+    assert len(lines) == 10  # two chains of 4 hops: 5 assignments each
+    value = int(re.search(r"value (\d+)", s.question)[1])
+    holds = {}
+    for line in lines:  # follow the assignments in the order they appear
+        name, rhs = re.fullmatch(r"VAR (\w+) = (.+)", line).groups()
+        holds[name] = int(rhs) if rhs.isdigit() else holds[rhs.removeprefix("VAR ")]
+    assert sorted(n for n, v in holds.items() if v == value) == sorted(s.answers)
+    assert len(s.answers) == 5
+
+
+@pytest.mark.parametrize("length", [700, 3000])
+def test_common_words_are_the_most_common(tok, length):
+    s = generators.generate("cwe", length, 2, tok)
+    items = re.findall(r"^\d+\. (\S+)$", s.context_text, flags=re.M)
+    counts = Counter(items)
+    top = {w for w, _ in counts.most_common(10)}
+    assert top == set(s.answers) and len(s.answers) == 10
+    rare = max(c for w, c in counts.items() if w not in top)
+    assert min(counts[w] for w in s.answers) > rare
+
+
+def test_frequent_words_are_the_most_frequent(tok):
+    s = generators.generate("fwe", 2000, 4, tok)
+    body = s.context_text.split("\n", 1)[1].rsplit("\n", 1)[0]  # inside <document ...>
+    counts = Counter(body.split())
+    ranked = [w for w, _ in counts.most_common(4)]
+    assert ranked[:3] == s.answers
+    assert counts[ranked[2]] > counts[ranked[3]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_qa_holds_its_gold_file_and_answer(tok, seed):
+    s = generators.generate("qa", 2500, seed, tok)
+    assert s.match == "any"
+    assert f'<document path="{s.meta["file"]}">' in s.context_text
+    assert any(a.lower() in s.context_text.lower() for a in s.answers)
+    assert "questions.jsonl" not in s.context_text and s.question not in s.context_text
+    gold = (generators.SAMPLES_DIR / s.meta["file"]).read_text().rstrip()
+    assert gold in s.context_text
+
+
+def test_prose_has_no_digits_hyphens_or_needle_words():
+    text = " ".join(prose.PARAGRAPHS)
+    assert not re.search(r"[\d-]", text)
+    assert "magic" not in text.lower()
+    assert len(text.split()) > 4500
+    assert not [w for w in words.VALUE_WORDS if w in text.lower()]
+    assert not set(words.VALUE_WORDS) & (set(words.ADJECTIVES) | set(words.NOUNS))
+
+
+def test_too_short_and_unknown_tasks_are_clear_errors(tok):
+    with pytest.raises(StarqaError, match="too short for niah_single_3"):
+        generators.generate("niah_single_3", 40, 0, tok)
+    with pytest.raises(StarqaError, match="Unknown task 'nah'"):
+        generators.resolve_tasks("niah_single_1,nah")
+    assert generators.resolve_tasks("niah,vt")[-1] == "vt"
+    assert len(generators.resolve_tasks("niah")) == 8
+    assert generators.resolve_tasks(None) == list(generators.TASKS)
+
+
+# ---------------------------------------------------------------------------------------
+# scoring
+
+
+def test_scoring_is_case_insensitive_substring_of_every_answer():
+    assert scoring.is_correct("The number is 1234567.", ["1234567"])
+    assert scoring.is_correct("ABC-def", ["abc-DEF"])
+    assert not scoring.is_correct("123456", ["1234567"])
+    assert not scoring.is_correct("baboon and pelican", ["baboon", "pelican", "wombat"])
+    assert scoring.is_correct("Pelican, WOMBAT, baboon", ["baboon", "pelican", "wombat"])
+    assert scoring.found("baboon", ["baboon", "wombat"]) == [True, False]
+    assert scoring.is_correct("It is 184000 euros", ["184,000", "184000"], match="any")
+    assert not scoring.is_correct("anything", [])
+
+
+def test_retention_and_summary():
+    assert scoring.retention(0.5, 1.0) == 0.5
+    assert scoring.retention(1.0, 0.5) == 2.0
+    assert scoring.retention(0.0, 0.0) is None and scoring.retention(0.5, 0.0) is None
+
+    def sample(task, length, dense, star):
+        results = {"dense": {"correct": dense}}
+        if star is not None:
+            results["star"] = {"correct": star}
+        return {"task": task, "length": length, "results": results}
+
+    rows = scoring.summarize([
+        sample("a", 1024, True, True), sample("a", 1024, True, False),
+        sample("b", 1024, False, True), sample("b", 1024, False, False),
+        sample("a", 2048, True, True),
+        sample("a", 2048, True, None),  # interrupted before star: left out of both
+    ], ["dense", "star"])
+    by = {(r["task"], r["length"]): r for r in rows}
+    assert [(r["task"], r["length"]) for r in rows] == [("a", 1024), ("b", 1024), ("all", 1024),
+                                                        ("a", 2048)]
+    assert by["a", 1024]["methods"]["star"] == {"correct": 1, "accuracy": 0.5, "retention": 0.5}
+    assert by["b", 1024]["methods"]["star"]["retention"] is None  # dense 0: n/a
+    assert by["all", 1024]["methods"]["dense"]["accuracy"] == 0.5
+    assert by["all", 1024]["methods"]["star"] == {"correct": 2, "accuracy": 0.5,
+                                                   "retention": 1.0}
+    assert by["a", 2048]["n"] == 1 and by["a", 2048]["methods"]["dense"]["retention"] is None
+
+
+# ---------------------------------------------------------------------------------------
+# options and CLI errors
+
+
+def test_lengths_parse_and_fit_the_window():
+    assert runner.parse_lengths("2k, 1k,1500,1.5k") == [1024, 1500, 1536, 2048]
+    assert runner.parse_lengths(None) is None
+    for bad in ("1x", "k", "1k,,2k", "0", "-1k", "1.1"):
+        with pytest.raises(StarqaError, match="Bad --lengths"):
+            runner.parse_lengths(bad)
+    assert runner.fit_window(None, 8192) == [1024, 2048, 4096, 8192]
+    assert runner.fit_window(None, 512) == [512]
+    with pytest.raises(StarqaError, match=r"16k is 16,384 tokens > 8,192 the model was trained"):
+        runner.fit_window([1024, 16384], 8192)
+
+
+def test_methods_dense_first_and_always():
+    assert runner.parse_methods("star,ring") == (["dense", "star", "ring"],
+                                                 ["dense runs too: it is the reference of "
+                                                  "retention"])
+    assert runner.parse_methods("star,dense")[0] == ["dense", "star"]
+    assert set(runner.parse_methods(None)[0]) == set(runner.methods_mod.METHODS)
+    with pytest.raises(StarqaError, match="Unknown method 'flash'"):
+        runner.parse_methods("star,flash")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "niah_single_1,bogus"], "Unknown task 'bogus'"),
+    (["--lengths", "1k,2q"], "Bad --lengths '1k,2q': '2q' is not a length"),
+    (["--lengths", "1k"], "1k is 1,024 tokens > 512 the model was trained on"),
+    (["--methods", "dense,warp"], "Unknown method 'warp'"),
+    (["--methods", "dense", "--anchor-size", "8"], "--anchor-size only applies to star"),
+    (["--heuristic", "nope"], "Unknown --heuristic 'nope'"),
+])
+def test_cli_errors_are_clear(home, tiny_model, args, message):
+    result = CliRunner().invoke(app, ["eval", "--model", str(tiny_model), *args])
+    assert isinstance(result.exception, StarqaError), result.output
+    assert message in str(result.exception)
+    assert not (home / "evals").exists()  # nothing was run or written
+
+
+# ---------------------------------------------------------------------------------------
+# the runner on the tiny model
+
+
+def test_runner_writes_json_and_dense_equals_plain_generate(home, tiny_model, tmp_path):
+    out = tmp_path / "eval.json"
+    opts = runner.EvalOptions(model=str(tiny_model), methods="dense,star", tasks="niah_single_1,vt",
+                              lengths="300,400", samples=1, dtype="fp32", json_path=str(out),
+                              block_size=64)
+    plan = runner.plan(opts)
+    assert plan.n_runs == 8 and plan.methods == ["dense", "star"]
+    results = runner.run(plan)
+    assert results["status"] == "complete" and results["runs_done"] == 8
+    saved = json.loads(out.read_text())
+    assert saved["status"] == "complete" and saved["format"] == runner.FORMAT
+    settings = saved["settings"]
+    assert settings["model"]["digest"] and settings["model"]["window"] == 512
+    assert settings["seed"] == 0 and settings["lengths"] == [300, 400]
+    assert settings["methods"] == ["dense", "star"] and settings["dtype"] == "float32"
+    assert settings["method_options"]["star"]["block_size"] == 64
+    assert set(settings["tasks"]) == {"niah_single_1", "vt"}
+    assert [(s["task"], s["length"]) for s in saved["samples"]] == [
+        ("niah_single_1", 300), ("vt", 300), ("niah_single_1", 400), ("vt", 400)]
+    for s in saved["samples"]:
+        assert s["tokens"]["context"] + s["tokens"]["query"] + s["tokens"]["max_new"] <= s["length"]
+        assert len(s["context_sha256"]) == 64 and s["answers"]
+        for m in ("dense", "star"):
+            r = s["results"][m]
+            assert isinstance(r["prediction"], str) and isinstance(r["correct"], bool)
+            assert r["method"]["name"] == m and r["method"]["block_size"] == 64
+            assert r["blocks"] == -(-s["tokens"]["context"] // 64)
+            assert r["stop"] in ("answer", "end", "max_new_tokens")
+    assert [(r["task"], r["length"]) for r in saved["summary"]] == [
+        ("niah_single_1", 300), ("vt", 300), ("all", 300),
+        ("niah_single_1", 400), ("vt", 400), ("all", 400)]
+    assert set(saved["summary"][0]["methods"]) == {"dense", "star"}
+
+    # Dense in the eval is exactly an ordinary greedy generate over the whole prompt.
+    sample = generators.generate("vt", 400, 0, load_tokenizer(tiny_model))
+    model = load_model(tiny_model, dtype=torch.float32)
+    ids = sample.context_ids + sample.query_ids
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=sample.max_new_tokens,
+                         do_sample=False, eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
+    got = saved["samples"][3]["results"]["dense"]
+    assert got["stop"] != "answer"  # a random model: the whole answer was generated
+    assert got["token_ids"] == [t for t in ref if t != 2][:len(got["token_ids"])]
+    assert len(got["token_ids"]) == len([t for t in ref if t != 2])
+
+
+def test_interrupt_keeps_finished_samples(home, tiny_model, tmp_path):
+    out = tmp_path / "partial.json"
+    plan = runner.plan(runner.EvalOptions(model=str(tiny_model), methods="star",
+                                          tasks="niah_single_1", lengths="300", samples=3,
+                                          dtype="fp32", json_path=str(out)))
+
+    class CtrlC(runner.Progress):
+        runs = 0
+
+        def run(self, task, length, index, method):
+            if self.runs == 3:  # the second sample's star run
+                raise KeyboardInterrupt
+            self.runs += 1
+
+    results = runner.run(plan, CtrlC())
+    saved = json.loads(out.read_text())
+    assert results["status"] == saved["status"] == "interrupted"
+    assert saved["runs_done"] == 3 and len(saved["samples"]) == 2
+    assert list(saved["samples"][1]["results"]) == ["dense"]
+    assert saved["summary"][0]["n"] == 1  # only the sample both methods answered
+    assert not list(tmp_path.glob(".*tmp"))  # written atomically: no temp file left
+
+
+def test_every_method_runs_generically_and_ring_is_dense(home, tiny_model, tmp_path):
+    opts = runner.EvalOptions(model=str(tiny_model), methods="ring,pulsar", tasks="niah_single_2",
+                              lengths="400", samples=1, dtype="fp32", block_size=100,
+                              method_params={"positions": "contiguous", "sink": 8},
+                              json_path=str(tmp_path / "r.json"))
+    results = runner.run(runner.plan(opts))
+    [sample] = results["samples"]
+    r = sample["results"]
+    assert list(r) == ["dense", "ring", "pulsar"]
+    assert r["ring"]["token_ids"] == r["dense"]["token_ids"]  # exact, like dense
+    assert r["pulsar"]["method"]["params"]["positions"] == "contiguous"
+    assert r["pulsar"]["query_position"] < sample["tokens"]["context"]  # shifted, see engine
+    assert r["dense"]["query_position"] == sample["tokens"]["context"]
+
+
+@pytest.mark.parametrize("code, status, message", [(130, 130, "interrupted"), (1, 1, ""),
+                                                   (0, None, ""), (None, None, "")])
+def test_main_exits_with_the_code_typer_hands_back(monkeypatch, capsys, code, status, message):
+    """typer without standalone mode returns typer.Exit's code, and Ctrl-C as 130."""
+    from starqa import cli
+
+    monkeypatch.setattr(cli, "app", lambda standalone_mode: code)
+    if status is None:
+        cli.main()
+    else:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+        assert exit_.value.code == status
+    assert message in capsys.readouterr().err
