@@ -21,7 +21,7 @@ def starqa(*args, env=None):
 @pytest.fixture
 def warm_home(home, docs, tmp_path):
     # A long window, so an answer can run for thousands of tokens (seconds) and be interrupted.
-    model = make_tiny_model(tmp_path / "long-tiny", window=8192)
+    model = make_tiny_model(tmp_path / "long-tiny", window=8192, never_stops=True)
     engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32",
                                        block_size=60))
     yield home

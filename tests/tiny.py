@@ -37,7 +37,10 @@ PROMPT_WORDS = ("You are helpful assistant Answer question using only documents 
                 "brief Here Question document path md py system user").split()
 
 
-def make_tiny_model(folder: Path, seed: int = 0, window: int = 512, arch: str = "llama") -> Path:
+def make_tiny_model(folder: Path, seed: int = 0, window: int = 512, arch: str = "llama",
+                    never_stops: bool = False) -> Path:
+    """never_stops: the end-of-turn token's logit is pinned to 0 while the others vary with
+    the context, so greedy answers run to max_new_tokens (for tests that interrupt one)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
@@ -59,7 +62,11 @@ def make_tiny_model(folder: Path, seed: int = 0, window: int = 512, arch: str = 
                          max_position_embeddings=window, eos_token_id=2, bos_token_id=1,
                          initializer_range=0.2)  # large enough that the context sways the answer
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model = LlamaForCausalLM(config)
+    if never_stops:
+        with torch.no_grad():
+            model.lm_head.weight[config.eos_token_id] = 0.0
+    model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
 
