@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import sys
 from typing import Annotated, Optional
 
@@ -396,6 +397,11 @@ def eval_(
                 "chunk": chunk_size, "positions": positions})
     plan = runner.plan(opts)
     report.plan_report(plan)
+
+    def terminated(signum, frame):  # `kill` ends the run like Ctrl-C: the JSON says so
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminated)
     with report.RichProgress() as progress:
         results = runner.run(plan, progress)
     report.results_table(results)
