@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import sys
 from typing import Annotated, Optional
 
@@ -458,6 +459,11 @@ def eval_(
                        "window": probe_window})
     plan = runner.plan(opts)
     report.plan_report(plan)
+
+    def terminated(signum, frame):  # `kill` ends the run like Ctrl-C: the JSON says so
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminated)
     with report.RichProgress() as progress:
         results = runner.run(plan, progress)
     report.results_table(results)
