@@ -188,26 +188,13 @@ def test_apb_on_workers_equals_blocks_in_order(workers, model, context_ids, monk
     local = {i: (k, v) for i, k, v in phase1.encode_local(model, ids, cfg, blocks)}
     world = ThreadWorld(workers)
     monkeypatch.setattr(dist, "all_gather", world.all_gather)
-    got, errors = {}, []
 
-    def rank(r):
-        try:
-            info = dist.DistInfo(r, r, workers, torch.device("cpu"), None)
-            mine = phase1.assignment(cfg, len(blocks), workers, r)
-            assert mine == apb.assignment(len(blocks), workers, r)
-            for i, k, v in phase1.encode(model, ids, cfg, blocks, mine, info):
-                got[i] = (k, v)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-            world.barrier.abort()
+    def rank(info):
+        mine = phase1.assignment(cfg, len(blocks), workers, info.rank)
+        assert mine == apb.assignment(len(blocks), workers, info.rank)
+        return {i: (k, v) for i, k, v in phase1.encode(model, ids, cfg, blocks, mine, info)}
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    got = {i: kv for part in run_ranks(world, rank) for i, kv in part.items()}
     assert sorted(got) == sorted(local)
     for i, (k, v) in got.items():
         torch.testing.assert_close(k, local[i][0], rtol=1e-5, atol=1e-5)
@@ -242,31 +229,21 @@ class ThreadWorld:
         return tensor.copy_(value)
 
 
-def on_workers(blocks_kv, workers, monkeypatch, run):
-    """`run(info, hook)` on `workers` ranks (threads), each holding its contiguous blocks'
-    shard as worker.Phase2Context does; returns every rank's result."""
-    world = ThreadWorld(workers)
-    monkeypatch.setattr(dist, "all_gather", world.all_gather)
-    monkeypatch.setattr(dist, "broadcast", world.broadcast)
-    results: list = [None] * workers
+def run_ranks(world: ThreadWorld, run):
+    """`run(info)` on every rank of `world`, each a thread; returns every rank's result."""
+    results: list = [None] * world.world
     errors: list[BaseException] = []
 
     def rank(r):
         try:
-            info = dist.DistInfo(r, r, workers, torch.device("cpu"), None)
-            mine = list(dist.split_contiguous(len(blocks_kv), workers, r))
-            shard = None
-            if mine:
-                k = torch.cat([blocks_kv[i][0] for i in mine], dim=2)
-                v = torch.cat([blocks_kv[i][1] for i in mine], dim=2)
-                shard = [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]
+            info = dist.DistInfo(r, r, world.world, torch.device("cpu"), None)
             with torch.inference_mode():  # grad mode is per thread
-                results[r] = run(info, phase2.ShardAttention(info, shard, info.is_last))
+                results[r] = run(info)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
             world.barrier.abort()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(workers)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world.world)]
     for t in threads:
         t.start()
     for t in threads:
@@ -274,6 +251,25 @@ def on_workers(blocks_kv, workers, monkeypatch, run):
     if errors:
         raise errors[0]
     return results
+
+
+def on_workers(blocks_kv, workers, monkeypatch, run):
+    """`run(info, hook)` on `workers` ranks (threads), each holding its contiguous blocks'
+    shard as worker.Phase2Context does; returns every rank's result."""
+    world = ThreadWorld(workers)
+    monkeypatch.setattr(dist, "all_gather", world.all_gather)
+    monkeypatch.setattr(dist, "broadcast", world.broadcast)
+
+    def rank(info):
+        mine = list(dist.split_contiguous(len(blocks_kv), workers, info.rank))
+        shard = None
+        if mine:
+            k = torch.cat([blocks_kv[i][0] for i in mine], dim=2)
+            v = torch.cat([blocks_kv[i][1] for i in mine], dim=2)
+            shard = [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]
+        return run(info, phase2.ShardAttention(info, shard, info.is_last))
+
+    return run_ranks(world, rank)
 
 
 def answer_on_workers(model, blocks_kv, query_ids, start, workers, stops, monkeypatch,
