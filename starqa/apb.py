@@ -20,8 +20,8 @@ block's last `window` tokens otherwise, so the cache stays reusable across quest
 
 Distributed, block i runs on worker i mod W in round i // W (`assignment`): every block an
 earlier round encoded is already compressed, and the blocks of this round reach each other
-through one all-gather per layer. Each block only reads earlier blocks, so encoding them in
-order in one process (`encode_apb_local`) reproduces the workers' result exactly.
+through one all-gather per layer. Each block only reads earlier blocks, so a world of one
+(every block in order, in one process) reproduces the workers' result exactly.
 """
 
 from __future__ import annotations
@@ -147,30 +147,6 @@ def _encode_block(model, ids: torch.Tensor, blocks: Blocks, i: int, anchor: int,
     return hook.stacked()
 
 
-def _question(question_ids: Sequence[int] | None) -> torch.Tensor:
-    return torch.tensor(list(question_ids or []), dtype=torch.long)
-
-
-@torch.inference_mode()
-def encode_apb_local(model, ids: torch.Tensor, blocks: Blocks, *, anchor: int, passing: int,
-                     window: int = 64, pool: int = 5, question_ids: Sequence[int] | None = None
-                     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """APB Phase 1 for every block in this process, in order; yields (index, k, v)."""
-    history: dict[int, list[KV]] = {}
-
-    def exchange(layer: int, k: torch.Tensor, v: torch.Tensor) -> KV:
-        earlier = history.setdefault(layer, [])
-        result = (torch.cat([e[0] for e in earlier] or [k[:, :, :0]], dim=2),
-                  torch.cat([e[1] for e in earlier] or [v[:, :, :0]], dim=2))
-        earlier.append((k, v))
-        return result
-
-    question = _question(question_ids)
-    for i in range(len(blocks)):
-        yield (i, *_encode_block(model, ids, blocks, i, anchor, question, passing, window, pool,
-                                 exchange))
-
-
 class _RoundExchange:
     """Per-layer all-gather of this round's compressed blocks, plus every earlier round's."""
 
@@ -216,7 +192,7 @@ def encode_apb(model, ids: torch.Tensor, blocks: Blocks, indices: Sequence[int],
         raise ValueError("apb blocks must be assigned round-robin (apb.assignment)")
     lengths = [min(passing, end - start) for start, end in blocks]
     exchange = _RoundExchange(info, lengths)
-    question = _question(question_ids)
+    question = torch.tensor(list(question_ids or []), dtype=torch.long)
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype

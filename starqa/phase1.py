@@ -122,8 +122,9 @@ def encode_local(model, ids: torch.Tensor, method: MethodConfig, blocks):
     yields (index, k, v) in block order.
 
     The result equals what the distributed workers store (tested): star, dense and pulsar
-    need no communication; ring is exact, so its blocks are dense's; apb's hosts only read
-    compressed KV from earlier blocks, so running the blocks in order reproduces them. Used
+    need no communication; ring is exact, so its blocks are dense's; apb's blocks only read
+    compressed KV from earlier blocks, so a world of one, running them in order, reproduces
+    the workers' result. Used
     where many short contexts are encoded with one loaded model (`starqa eval`).
     """
     from starqa import dist
@@ -132,11 +133,4 @@ def encode_local(model, ids: torch.Tensor, method: MethodConfig, blocks):
     everything = range(len(blocks))
     if method.name == "ring":
         return encode_dense(model, ids, blocks)
-    if method.name == "apb":
-        from starqa.apb import encode_apb_local
-
-        p = method.params
-        return encode_apb_local(model, ids, blocks, anchor=method.anchor_size,
-                                passing=p["passing"], window=p["window"],
-                                question_ids=p.get("question_ids"))
     return encode(model, ids, method, blocks, everything, info)

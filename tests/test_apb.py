@@ -59,8 +59,8 @@ def test_compress_keeps_the_top_keys_per_head_in_positional_order():
 
 
 def _apb(model, blocks, anchor, passing, window=16, ids=IDS, question_ids=None):
-    return list(apb.encode_apb_local(model, ids, blocks, anchor=anchor, passing=passing,
-                                     window=window, question_ids=question_ids))
+    params = {"passing": passing, "window": window, "question_ids": question_ids}
+    return list(phase1.encode_local(model, ids, MethodConfig("apb", 30, anchor, params), blocks))
 
 
 def test_without_passing_blocks_apb_is_star_with_its_anchor(model):
@@ -123,7 +123,8 @@ def test_round_robin_assignment():
 def test_method_defaults_and_option_errors():
     cfg = method_config("apb", 8_000)
     assert cfg == MethodConfig("apb", 2_000, 500, {"passing": 250, "window": 64, "question": None})
-    assert method_config("apb", 8_000, anchor_size=100, params={"passing": 10}).params["passing"] == 10
+    given = method_config("apb", 8_000, anchor_size=100, params={"passing": 10})
+    assert (given.anchor_size, given.params["passing"]) == (100, 10)
     with pytest.raises(StarqaError, match="--passing-size only applies to --method apb"):
         method_config("star", 100, params={"passing": 10})
     with pytest.raises(StarqaError, match="--anchor-size only applies to --method star or apb"):
