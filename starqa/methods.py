@@ -49,14 +49,10 @@ def method_config(name: str, n_tokens: int, block_size: int | None = None,
         raise StarqaError(f"--block-size must be at least 1 (got {block_size}).")
     if anchor_size is not None and anchor_size < 0:
         raise StarqaError(f"--anchor-size must be 0 or more (got {anchor_size}).")
-    given = {k for k, v in (params or {}).items() if v is not None}
-    if anchor_size is not None:
-        given.add("anchor")
-    for key in sorted(given):
-        owners = ("star", "apb") if key == "anchor" else (OWNERS.get(key),)
-        if name not in owners:
+    for key in given_settings(anchor_size, params):
+        if name not in owners(key):
             raise StarqaError(f"{OPTIONS.get(key, key)} only applies to --method "
-                              f"{' or '.join(o for o in owners if o)}.")
+                              f"{' or '.join(owners(key))}.")
     block = block_size or min(max(1, math.ceil(n_tokens / 4)), MAX_DEFAULT_BLOCK)
     if name in ("dense", "ring"):
         return MethodConfig(name, block, 0)
@@ -68,6 +64,19 @@ def method_config(name: str, n_tokens: int, block_size: int | None = None,
         anchor = default_anchor(block) if anchor_size is None else anchor_size
         return MethodConfig("apb", block, anchor, _apb_params(params or {}, block))
     return MethodConfig("star", block, block if anchor_size is None else anchor_size)
+
+
+def given_settings(anchor_size: int | None, params: dict | None) -> list[str]:
+    """The method-specific settings given (not None), "anchor" for the anchor size, sorted."""
+    given = {k for k, v in (params or {}).items() if v is not None}
+    return sorted(given | ({"anchor"} if anchor_size is not None else set()))
+
+
+def owners(setting: str) -> tuple[str, ...]:
+    """The methods a setting of `given_settings` applies to."""
+    if setting == "anchor":
+        return ("star", "apb")
+    return (OWNERS[setting],) if setting in OWNERS else ()
 
 
 def _apb_params(given: dict, block: int) -> dict:

@@ -129,8 +129,7 @@ def encode_local(model, ids: torch.Tensor, method: MethodConfig, blocks):
     """
     from starqa import dist
 
-    info = dist.DistInfo(0, 0, 1, next(model.parameters()).device, None)
-    everything = range(len(blocks))
     if method.name == "ring":
         return encode_dense(model, ids, blocks)
-    return encode(model, ids, method, blocks, everything, info)
+    info = dist.DistInfo(0, 0, 1, next(model.parameters()).device, None)
+    return encode(model, ids, method, blocks, range(len(blocks)), info)

@@ -143,8 +143,8 @@ def method_options(name: str, opts: EvalOptions) -> dict:
     """The keyword arguments of methods.method_config that apply to method `name`."""
     given = opts.method_params or {}
     return {"block_size": opts.block_size,
-            "anchor_size": opts.anchor_size if name in ("star", "apb") else None,
-            "params": {k: v for k, v in given.items() if methods_mod.OWNERS.get(k) == name}}
+            "anchor_size": opts.anchor_size if name in methods_mod.owners("anchor") else None,
+            "params": {k: v for k, v in given.items() if name in methods_mod.owners(k)}}
 
 
 def plan(opts: EvalOptions) -> Plan:
@@ -159,14 +159,11 @@ def plan(opts: EvalOptions) -> Plan:
     requested = parse_lengths(opts.lengths)
     if opts.samples < 1:
         raise StarqaError(f"--samples must be at least 1 (got {opts.samples}).")
-    given = {k for k, v in (opts.method_params or {}).items() if v is not None}
-    if opts.anchor_size is not None:
-        given.add("anchor")
-    for key in sorted(given):
-        owners = ("star", "apb") if key == "anchor" else (methods_mod.OWNERS.get(key),)
+    for key in methods_mod.given_settings(opts.anchor_size, opts.method_params):
+        owners = methods_mod.owners(key)
         if not set(owners) & set(methods):
             raise StarqaError(f"{methods_mod.OPTIONS.get(key, key)} only applies to "
-                              f"{' or '.join(o for o in owners if o)}, which --methods leaves out.")
+                              f"{' or '.join(owners)}, which --methods leaves out.")
     for name in methods:  # the methods' own checks, before any model is loaded
         methods_mod.method_config(name, 1024, **method_options(name, opts))
     device = opts.device
