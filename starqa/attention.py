@@ -82,6 +82,73 @@ def attend(
     return out, lse
 
 
+def fold_gqa(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """query [1, Hq, M, D] → [1, Hkv, G*M, D]: the G = Hq / Hkv query heads of a KV head as
+    rows, so unmasked GQA attention needs no repeated K/V (every row sees every key)."""
+    _, q_heads, m, dim = query.shape
+    return query.to(dtype).reshape(1, kv_heads, q_heads // kv_heads * m, dim)
+
+
+def partial_chunks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                   chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked partial attentions of folded queries q [1, Hkv, R, D] over each run of
+    `chunk` consecutive keys of key/value [1, Hkv, N, D] (N >= 1), in the keys' dtype.
+
+    The keys are viewed (no copy) as C = N // chunk batch entries [C, Hkv, chunk, D] of one
+    fused kernel call, which also spreads a single question's work over every core (a call
+    over [1, Hkv, N, D] has only Hkv work items); a last partial chunk is one more call.
+    Returns out [C', Hkv, R, D] (keys' dtype) and lse [C', Hkv, R] fp32, C' = ceil(N / chunk):
+    parts for `merge`, and each chunk's LSE is what source attribution needs.
+    """
+    kv_heads, n, dim = key.shape[1], key.shape[2], key.shape[3]
+    count, full = n // chunk, n // chunk * chunk
+    outs, lses = [], []
+    if count:
+        k = key[0, :, :full].view(kv_heads, count, chunk, dim).transpose(0, 1)  # [C,Hkv,c,D]
+        v = value[0, :, :full].view(kv_heads, count, chunk, dim).transpose(0, 1)
+        out, lse = _fused(q.expand(count, -1, -1, -1), k, v, scale)
+        outs.append(out), lses.append(lse)
+    if full < n:
+        out, lse = _fused(q, key[:, :, full:], value[:, :, full:], scale)
+        outs.append(out), lses.append(lse)
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)
+
+
+def attend_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scale: float | None = None, chunk: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend` without a mask, in the keys' dtype, by the fused kernel (CPU: torch's flash
+    kernel, which returns its LSE; CUDA: flash-attn), over chunks of `chunk` keys merged by
+    their LSE (default: one chunk). query [1, Hq, M, D], key/value [1, Hkv, N, D] (N >= 1).
+    Returns out [1, Hq, M, D] fp32 and lse [1, Hq, M] fp32, equal to `attend`'s up to the
+    kernel's rounding."""
+    _, q_heads, m, dim = query.shape
+    scale = dim**-0.5 if scale is None else scale
+    q = fold_gqa(query, key.shape[1], key.dtype)
+    out, lse = merge(*partial_chunks(q, key, value, scale, chunk or key.shape[2]))
+    return out.reshape(1, q_heads, m, dim), lse.reshape(1, q_heads, m)
+
+
+def fused_available(query: torch.Tensor) -> bool:
+    """Whether `partial_chunks` has a fused kernel for tensors like `query`."""
+    if query.is_cuda:
+        return query.dtype in (torch.float16, torch.bfloat16) and _flash_attn_func() is not None
+    return query.device.type == "cpu"
+
+
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused non-causal attention call, [B, H, M, D] over [B, H, N, D] (same H), with
+    its LSE [B, H, M] fp32."""
+    if q.is_cuda:
+        return _attend_flash(_flash_attn_func(), q, k, v, scale, False)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, scale=scale)[:2]
+    return out, lse
+
+
 def merge(outs: list[torch.Tensor] | torch.Tensor, lses: list[torch.Tensor] | torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of partial attentions over disjoint key sets.
@@ -91,14 +158,16 @@ def merge(outs: list[torch.Tensor] | torch.Tensor, lses: list[torch.Tensor] | to
         lse = logsumexp_p(lse_p)          out = sum_p exp(lse_p - lse) * out_p
 
     Parts whose lse is -inf (no keys) get weight 0; rows with no keys anywhere stay 0 / -inf.
+    Returns fp32.
     """
     out_stack = torch.stack(list(outs)) if isinstance(outs, (list, tuple)) else outs
     lse_stack = torch.stack(list(lses)) if isinstance(lses, (list, tuple)) else lses
-    out_stack, lse_stack = out_stack.float(), lse_stack.float()
+    lse_stack = lse_stack.float()
     lse = torch.logsumexp(lse_stack, dim=0)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    weights = torch.exp(lse_stack - safe.unsqueeze(0))  # exp(-inf) = 0 for empty parts
-    out = (weights.unsqueeze(-1) * out_stack).sum(dim=0)
+    # A row with no keys anywhere has lse = -inf; the clamp keeps its weights exp(-inf) = 0
+    # instead of exp(-inf + inf) = nan.
+    weights = torch.exp(lse_stack - lse.clamp(min=torch.finfo(torch.float32).min))
+    out = (weights.unsqueeze(-1) * out_stack.float()).sum(dim=0)
     return out, lse
 
 

@@ -27,7 +27,8 @@ Model = Annotated[Optional[str], typer.Option(
     "folder, or a hub id.")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", "-w", envvar="STARQA_WORKERS", min=1,
-    help="torchrun workers (default: all GPUs, else all CPU cores).")]
+    help="Workers (ingest: all GPUs, else all CPU cores; ask, serve: one with every core "
+         "when model and shards fit in memory, else as ingest).")]
 Nnodes = Annotated[int, typer.Option("--nnodes", envvar="STARQA_NNODES", min=1,
                                      help="torchrun: number of machines.")]
 NodeRank = Annotated[int, typer.Option("--node-rank", envvar="STARQA_NODE_RANK", min=0,
@@ -150,15 +151,21 @@ def ask(
     node_rank: NodeRank = 0,
     rdzv_endpoint: Rdzv = None,
     device: Device = "auto",
+    weights: Weights = None,
+    keepalive: KeepAlive = 300.0,
 ) -> None:
-    """Answer a question from a cached context (Phase 2), streaming tokens."""
+    """Answer a question from a cached context (Phase 2), streaming tokens.
+
+    A cold ask answers in this process when model and shards fit in memory, then leaves a
+    warm group for --keep-alive seconds so the next question needs no load."""
     from starqa import engine
     from starqa.ui import RichUI, answer_json, answer_stats
 
     opts = engine.AskOptions(question=question, context=context, model=model, workers=workers,
                              max_new_tokens=max_new_tokens, beyond_window=beyond_window,
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                             device=device, warm=not cold)
+                             device=device, warm=not cold, weights=weights,
+                             keepalive=keepalive)
     with RichUI(stream=not as_json) as ui:
         answer = engine.ask(opts, ui)
     if as_json:
@@ -278,7 +285,12 @@ def cache(
 
 KeepAlive = Annotated[float, typer.Option(
     "--keep-alive", envvar="STARQA_KEEP_ALIVE",
-    help="Seconds without a question before warm workers exit (0: never).")]
+    help="Seconds without a question before warm workers exit. ask: 0 leaves no warm group; "
+         "chat: 0 stops it when the chat ends; serve: 0 or less, never.")]
+Weights = Annotated[Optional[str], typer.Option(
+    "--weights", envvar="STARQA_WEIGHTS",
+    help="Phase 2 weights: dense (the cache's dtype), int8 or int4 (weight-only, CPU) "
+         "(default: int4 for the embedded models on CPU, else dense).")]
 ContextArg = Annotated[Optional[str], typer.Argument(
     envvar="STARQA_CONTEXT", help="Context name or key (default: the one used last).")]
 
@@ -288,8 +300,9 @@ def serve(
     context: ContextArg = None,
     model: Model = None,
     workers: Workers = None,
-    keepalive: KeepAlive = 900.0,
+    keepalive: KeepAlive = 300.0,
     device: Device = "auto",
+    weights: Weights = None,
 ) -> None:
     """Keep a worker group warm for a context; `ask` and `chat` use it while it runs."""
     from starqa import engine
@@ -298,12 +311,14 @@ def serve(
     def ready(info: dict) -> None:
         ui._stop_status()
         err.print(f"Serving {info['name']} ({info['key']}) on {info['workers']} warm worker"
-                  f"{'s' * (info['workers'] > 1)}; idle exit after {keepalive:.0f} s "
-                  f"(0: never). Ctrl-C or `starqa stop {info['name']}` ends it.")
+                  f"{'s' * (info['workers'] > 1)} ({info['weights']} weights); "
+                  + (f"idle exit after {keepalive:.0f} s" if keepalive > 0 else "no idle exit")
+                  + f". Ctrl-C or `starqa stop {info['name']}` ends it.")
 
     with RichUI() as ui:
         engine.serve(engine.ServeOptions(context=context, model=model, workers=workers,
-                                         keepalive=keepalive, device=device), ui, ready)
+                                         keepalive=keepalive, device=device,
+                                         weights=weights), ui, ready)
 
 
 @app.command()
@@ -356,7 +371,7 @@ def stop(
 def chat(
     context: ContextArg = None,
     workers: Workers = None,
-    keepalive: KeepAlive = 900.0,
+    keepalive: KeepAlive = 300.0,
     max_new_tokens: MaxNewTokens = 256,
 ) -> None:
     """Interactive questions over a cached context, with warm workers."""
@@ -435,6 +450,7 @@ def eval_(
         help="Write the results here (default: $STARQA_HOME/evals/<time>-<model>.json).")] = None,
     dtype: Dtype = None,
     device: Device = "auto",
+    weights: Weights = None,
     block_size: BlockSize = None,
     anchor_size: AnchorSize = None,
     sink_size: SinkSize = None,
@@ -452,7 +468,7 @@ def eval_(
 
     opts = runner.EvalOptions(
         model=model, methods=methods, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
-        json_path=json_path, dtype=dtype, device=device, block_size=block_size,
+        json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
         anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                        "chunk": chunk_size, "positions": positions, "passing": passing_size,

@@ -47,15 +47,40 @@ def find(key: str) -> dict | None:
     return next((info for info in running() if info["key"] == key), None)
 
 
-def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300) -> dict:
+def claim(key: str):
+    """An exclusive hold on context `key`'s group slot (an open file with a lock that the
+    kernel drops when the process ends, however it ends), or None when another process holds
+    it. Use as a context manager; the holder is the group's launcher."""
+    import fcntl
+
+    fh = open(run_dir() / f"{key}.lock", "w")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        return None
+    return fh
+
+
+def spawn(key: str, workers: int | None, keepalive: float,
+          weights: str | None = None) -> subprocess.Popen:
+    """Start `starqa serve` for context `key` in the background, its output in the run
+    folder's `<key>.log`; returns at once."""
+    log = run_dir() / f"{key}.log"
+    cmd = [sys.executable, "-m", "starqa", "serve", key, "--keep-alive", str(keepalive)]
+    cmd += (["--workers", str(workers)] if workers else []) + \
+           (["--weights", weights] if weights else [])
+    with open(log, "w") as fh:
+        return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
+                                start_new_session=True)
+
+
+def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300,
+          weights: str | None = None) -> dict:
     """Start `starqa serve` for context `key` in the background; returns its run info once
     every worker is ready (or raises with the tail of its log)."""
     log = run_dir() / f"{key}.log"
-    cmd = [sys.executable, "-m", "starqa", "serve", key,
-           "--keep-alive", str(keepalive)] + (["--workers", str(workers)] if workers else [])
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
-                                start_new_session=True)
+    proc = spawn(key, workers, keepalive, weights)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if (info := find(key)) is not None:

@@ -88,6 +88,13 @@ def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
     return DistInfo(rank, local_rank, world, dev, group)
 
 
+def local_world(device: str | torch.device = "cpu") -> DistInfo:
+    """A world of one in this process: no process group, every collective a no-op."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return DistInfo(0, 0, 1, torch.device(device), None)
+
+
 def all_gather(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
     """Stack every rank's `tensor` (same shape everywhere): returns [world, *tensor.shape]."""
     if info.group is None:

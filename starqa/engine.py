@@ -271,6 +271,9 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
     }
 
 
+DEFAULT_KEEPALIVE = 300.0  # seconds a warm group waits for the next question (as ollama)
+
+
 @dataclass(frozen=True)
 class AskOptions:
     question: str
@@ -284,6 +287,8 @@ class AskOptions:
     rdzv_endpoint: str | None = None
     device: str = "auto"
     warm: bool = True  # use a running `starqa serve` group for the context when there is one
+    weights: str | None = None  # Phase 2 weight format (models.WEIGHT_FORMATS); None: default
+    keepalive: float = 0.0  # a cold ask leaves a warm group this long; 0: none (CLI: 300 s)
 
 
 @dataclass
@@ -302,6 +307,7 @@ class Answer:
     measures: list[dict] = field(default_factory=list)  # per worker, when measured (bench)
     query_host: bool = True  # False on machines that do not hold the last block
     warm: bool = False  # answered by a running worker group
+    weights: str | None = None  # Phase 2 weight format, where known
 
 
 def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
@@ -328,14 +334,28 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
             f"Context {n:,} + question {m:,} + up to {opts.max_new_tokens:,} answer tokens = "
             f"{n + m + opts.max_new_tokens:,} tokens > {window:,} the model was trained on.",
             hint="lower --max-new-tokens, ingest less, or pass --beyond-window to go on anyway")
-    workers = _phase2_workers(manifest, opts.workers, opts.nnodes, opts.device)
-    return _answer(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
-                   stop_ids(tokenizer, model_path), _launch(opts, workers), ui, started)
+    workers, why = _phase2_workers(manifest, model_path, opts.workers, opts.nnodes, opts.device)
+    weights = models.phase2_weights(opts.weights, manifest["model"]["spec"], opts.device)
+    stops = models.stop_ids(tokenizer, model_path)
+    if workers == 1 and opts.nnodes == 1:
+        answer = _answer_here(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
+                              stops, weights, opts.device, why, ui, started)
+    else:
+        answer = _answer(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
+                         stops, _launch(opts, workers), ui, started, weights=weights)
+    if opts.keepalive > 0 and opts.warm and opts.nnodes == 1:
+        from starqa import client
+
+        # The next question finds this context warm: a group starts in the background
+        # (a second one for the same context refuses to start, see `serve`).
+        client.spawn(manifest["key"], opts.workers, opts.keepalive, opts.weights)
+    return answer
 
 
 def ask_tokens(manifest: dict, query_ids: list[int], *, workers: int | None = None,
                max_new_tokens: int = 16, stop: bool = True, measure: bool = False,
-               allow_over_window: bool = False, device: str = "auto", ui: UI = UI()) -> Answer:
+               allow_over_window: bool = False, device: str = "auto", weights: str | None = None,
+               ui: UI = UI()) -> Answer:
     """Phase 2 for query token ids on a fresh torchrun group (never a warm one): the way in
     for `starqa bench`. stop=False generates exactly `max_new_tokens` (an end-of-turn token
     does not end it); measure: the workers report time and bytes communicated
@@ -350,22 +370,22 @@ def ask_tokens(manifest: dict, query_ids: list[int], *, workers: int | None = No
         raise StarqaError(f"Context {n:,} + query {m:,} + up to {max_new_tokens:,} new tokens "
                           f"= {n + m + max_new_tokens:,} tokens > {window:,} the model was "
                           "trained on.")
-    workers = _phase2_workers(manifest, workers, 1, device)
-    stops = stop_ids(tokenizer, model_path) if stop else set()
+    workers = _phase2_workers(manifest, model_path, workers, 1, device)[0]
+    stops = models.stop_ids(tokenizer, model_path) if stop else set()
     return _answer(manifest, model_path, tokenizer, query_ids, max_new_tokens, stops,
-                   Launch(workers, device=device), ui, started, measure)
+                   Launch(workers, device=device), ui, started, measure,
+                   models.phase2_weights(weights, manifest["model"]["spec"], device))
 
 
 def _answer(manifest: dict, model_path: Path, tokenizer, query_ids: list[int],
             max_new_tokens: int, stops: set[int], launch: Launch, ui: UI, started: float,
-            measure: bool = False) -> Answer:
+            measure: bool = False, weights: str = "dense") -> Answer:
     """Run Phase 2 on a torchrun group, streaming tokens to `ui`."""
     workers = launch.workers
     job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest["dtype"],
-           "context_dir": manifest["_dir"], "query_ids": query_ids,
+           "context_dir": manifest["_dir"], "query_ids": query_ids, "weights": weights,
            "max_new_tokens": max_new_tokens, "stop_ids": sorted(stops), "measure": measure}
-    generated: list[int] = []
-    shown = [""]
+    stream = prompt.TextStream(tokenizer)
     timing: dict[str, Any] = {}
     peaks: dict[int, int] = {}
     measures: dict[int, dict] = {}
@@ -373,11 +393,8 @@ def _answer(manifest: dict, model_path: Path, tokenizer, query_ids: list[int],
     def on_event(event: dict) -> None:
         if event["event"] == "token":
             timing.setdefault("first", time.perf_counter())
-            generated.append(event["id"])
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                ui.token(text[len(shown[0]):])
-                shown[0] = text
+            if piece := stream.add(event["id"]):
+                ui.token(piece)
         elif event["event"] == "done":
             timing["done"] = event
         elif event["event"] == "peak":
@@ -388,12 +405,11 @@ def _answer(manifest: dict, model_path: Path, tokenizer, query_ids: list[int],
     ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
     run_workers(job, launch, on_event)
     store.touch(manifest)
-    text = tokenizer.decode(generated, skip_special_tokens=True)
-    if text != shown[0]:
-        ui.token(text[len(shown[0]):])
+    if piece := stream.finish():
+        ui.token(piece)
     done = timing.get("done", {})
     first = timing.get("first")
-    return Answer(text=text.strip(), token_ids=generated, context=manifest,
+    return Answer(text=stream.text.strip(), token_ids=stream.ids, context=manifest,
                   query_tokens=len(query_ids), workers=workers * launch.nnodes,
                   query_host=launch.node_rank == launch.nnodes - 1,
                   seconds=time.perf_counter() - started,
@@ -401,7 +417,41 @@ def _answer(manifest: dict, model_path: Path, tokenizer, query_ids: list[int],
                   decode_seconds=done.get("decode_s", 0.0), prefill_seconds=done.get("prefill_s"),
                   sources=done.get("sources") or [],
                   peak_bytes=[peaks[r] for r in sorted(peaks)],
-                  measures=[measures[r] for r in sorted(measures)])
+                  measures=[measures[r] for r in sorted(measures)], weights=weights)
+
+
+def _answer_here(manifest: dict, model_path: Path, tokenizer, query_ids: list[int],
+                 max_new_tokens: int, stops: set[int], weights: str, device: str, why: str,
+                 ui: UI, started: float) -> Answer:
+    """Phase 2 as a world of one in this process: no torchrun, no second Python start."""
+    import resource
+
+    from starqa import dist
+    from starqa.answering import Answerer
+
+    ui.waiting(f"Loading model and shards ({why})")
+    answerer = Answerer.from_cache(manifest, dist.local_world(device), model_path, weights)
+    stream = prompt.TextStream(tokenizer)
+    first: list[float] = []
+
+    def on_token(token: int) -> None:
+        first or first.append(time.perf_counter())
+        if piece := stream.add(token):
+            ui.token(piece)
+
+    loaded = time.perf_counter()
+    tokens, top = answerer.answer(query_ids, max_new_tokens, stops, on_token)
+    end = time.perf_counter()
+    store.touch(manifest)
+    if piece := stream.finish():
+        ui.token(piece)
+    return Answer(text=stream.text.strip(), token_ids=tokens, context=manifest,
+                  query_tokens=len(query_ids), workers=1, seconds=end - started,
+                  first_token_seconds=(first[0] - started) if first else None,
+                  decode_seconds=(end - first[0]) if first else 0.0,
+                  prefill_seconds=(first[0] if first else end) - loaded, sources=top or [],
+                  peak_bytes=[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
+                  weights=weights)
 
 
 def _ask_warm(opts: AskOptions, manifest: dict, group: dict, ui: UI, started: float) -> Answer:
@@ -436,45 +486,69 @@ class ServeOptions:
     context: str | None = None
     model: str | None = None
     workers: int | None = None
-    keepalive: float = 900.0  # seconds without a request before the group exits; 0: never
+    keepalive: float = DEFAULT_KEEPALIVE  # idle seconds before the group exits; <= 0: never
     device: str = "auto"
+    weights: str | None = None  # Phase 2 weight format; None: the default
 
 
 def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
-    """Run a warm worker group for a context until stopped or idle for `keepalive`."""
-    from starqa import client
+    """Run a warm worker group for a context until stopped or idle for `keepalive` (<= 0:
+    never). One worker runs in this process; more run on torchrun."""
+    from starqa import client, models
 
     manifest = store.find_context(paths.contexts_dir(), opts.context)
     key = manifest["key"]
-    if client.find(key) is not None:
-        raise StarqaError(f"A worker group for {manifest['name']} ({key}) is already running.",
-                          hint=f"starqa stop {manifest['name']}")
-    with ui.status("Checking model and shards"):
-        model_path = _checked_model(manifest, opts.model)
-    workers = _phase2_workers(manifest, opts.workers, 1, opts.device)
-    run_file = client.run_dir() / f"{key}.json"
-    job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest["dtype"],
-           "context_dir": manifest["_dir"], "keepalive": opts.keepalive,
-           "socket": str(client.run_dir() / f"{key}.sock")}
-    ready: set[int] = set()
+    claim = client.claim(key)  # held while the group lives: one group per context
+    if claim is None or client.find(key) is not None:
+        raise StarqaError(f"A worker group for {manifest['name']} ({key}) is already running "
+                          "or starting.", hint=f"starqa stop {manifest['name']}")
+    with claim:
+        with ui.status("Checking model and shards"):
+            model_path = _checked_model(manifest, opts.model)
+        workers, why = _phase2_workers(manifest, model_path, opts.workers, 1, opts.device)
+        run_file = client.run_dir() / f"{key}.json"
+        job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest["dtype"],
+               "context_dir": manifest["_dir"], "keepalive": opts.keepalive,
+               "socket": str(client.run_dir() / f"{key}.sock"),
+               "weights": models.phase2_weights(opts.weights, manifest["model"]["spec"],
+                                                opts.device)}
+        ready: set[int] = set()
 
-    def on_event(event: dict) -> None:
-        if event["event"] == "ready":
-            ready.add(event["rank"])
-            if len(ready) == workers:
-                info = {"key": key, "name": manifest["name"], "pid": os.getpid(),
-                        "workers": workers, "socket": job["socket"], "started": time.time(),
-                        "keepalive": opts.keepalive, "tokens": manifest["n_tokens"],
-                        "method": manifest["method"]["name"]}
-                store.write_json_atomic(run_file, info)
-                if on_ready:
-                    on_ready(info)
+        def on_event(event: dict) -> None:
+            if event["event"] == "ready":
+                ready.add(event["rank"])
+                if len(ready) == workers:
+                    info = {"key": key, "name": manifest["name"], "pid": os.getpid(),
+                            "workers": workers, "socket": job["socket"],
+                            "started": time.time(), "keepalive": opts.keepalive,
+                            "tokens": manifest["n_tokens"], "weights": job["weights"],
+                            "method": manifest["method"]["name"]}
+                    store.write_json_atomic(run_file, info)
+                    if on_ready:
+                        on_ready(info)
 
-    ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
-    try:
-        run_workers(job, Launch(workers, device=opts.device), on_event)
-    finally:
-        run_file.unlink(missing_ok=True)
+        try:
+            if workers == 1:
+                _serve_here(job, manifest, model_path, opts.device, why, ui,
+                            lambda: on_event({"event": "ready", "rank": 0}))
+            else:
+                ui.waiting(f"Starting {workers} workers (loading model and shards; {why})")
+                run_workers(job, Launch(workers, device=opts.device), on_event)
+        finally:
+            run_file.unlink(missing_ok=True)
+
+
+def _serve_here(job: dict, manifest: dict, model_path: Path, device: str, why: str, ui: UI,
+                on_ready) -> None:
+    """A warm group of one worker: this process (starqa.server's loop, no torchrun)."""
+    from starqa import dist
+    from starqa.answering import Answerer
+    from starqa.server import serve_group
+
+    ui.waiting(f"Loading model and shards ({why})")
+    info = dist.local_world(device)
+    answerer = Answerer.from_cache(manifest, info, model_path, job["weights"])
+    serve_group(job, info, answerer, manifest, on_ready)
 
 
 # ---------------------------------------------------------------------------------------
@@ -488,16 +562,58 @@ def _checked_model(manifest: dict, spec: str | None) -> Path:
     return model_path
 
 
-def _phase2_workers(manifest: dict, requested: int | None, nnodes: int, device: str) -> int:
-    """Workers per machine for Phase 2: never more in all than the context has blocks."""
-    workers = requested or default_workers(device)
+def _phase2_workers(manifest: dict, model_path: Path, requested: int | None, nnodes: int,
+                    device: str) -> tuple[int, str]:
+    """Workers per machine for Phase 2, and why. Star Attention spreads Phase 2 because one
+    host cannot hold every shard; on one machine whose memory holds the model and every
+    shard, one worker with all the cores is fastest (W workers would each run the whole
+    model for every token). Never more workers in all than the context has blocks."""
     n_blocks = len(manifest["blocks"])
-    if nnodes == 1:
-        return min(workers, n_blocks)
-    if workers * nnodes > n_blocks:
-        raise StarqaError(f"{workers * nnodes} workers on {nnodes} machines but the context "
-                          f"has only {n_blocks} blocks.", hint="pass a smaller --workers")
-    return workers
+    if nnodes > 1:
+        workers = requested or default_workers(device)
+        if workers * nnodes > n_blocks:
+            raise StarqaError(f"{workers * nnodes} workers on {nnodes} machines but the "
+                              f"context has only {n_blocks} blocks.",
+                              hint="pass a smaller --workers")
+        return workers, f"{workers} per machine on {nnodes} machines"
+    if requested:
+        workers = min(requested, n_blocks)
+        return workers, f"--workers {requested}" + (f", {n_blocks} blocks" * (workers < requested))
+    need = (store.context_size(manifest) + _weights_bytes(model_path)) * 3 // 2
+    free = _free_memory(device)
+    if free is None or need <= free:
+        return 1, f"1 worker: model and shards fit in {'GPU ' * _is_cuda(device)}memory"
+    workers = min(default_workers(device), n_blocks)
+    return workers, f"{workers} workers: model and shards need {need / 2**30:.1f} GiB, " \
+                    f"{free / 2**30:.1f} GiB free"
+
+
+def _weights_bytes(model_path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+
+
+def _is_cuda(device: str) -> bool:
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
+
+
+def _free_memory(device: str) -> int | None:
+    """Bytes free on `device` (CPU: MemAvailable), or None when unknown."""
+    if _is_cuda(device):
+        import torch
+
+        return torch.cuda.mem_get_info(0)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _config(model_path: Path):
@@ -550,22 +666,6 @@ def manifest_model(manifest: dict, spec: str | None) -> Path:
             f"{manifest['name']!r} was ingested with: {recorded['name']} ({recorded['digest'][:12]}).",
             hint=f"ask with --model {recorded['spec']}, or re-ingest: {manifest['command']}")
     return path
-
-
-def stop_ids(tokenizer, model_path: Path) -> set[int]:
-    from transformers import GenerationConfig
-
-    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    stop.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
-        token = tokenizer.convert_tokens_to_ids(name)
-        if isinstance(token, int) and token != tokenizer.unk_token_id:
-            stop.add(token)
-    return stop
 
 
 def _launch(opts, workers: int) -> Launch:

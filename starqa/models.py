@@ -337,6 +337,33 @@ def _quiet_transformers() -> Iterator[None]:
 # ---------------------------------------------------------------------------- loading
 
 
+# Phase 2's weight format on CPU when --weights is not given, per embedded model, chosen by
+# measurement (README, "Speed"): both GGUFs hold 4-bit blocks of 32 weights at source, which
+# int4 in groups of 32 re-quantises nearly losslessly, and a decode step reads ~4x fewer
+# bytes than bf16. Other models, and CUDA devices (the int kernels are CPU ones), use dense.
+PHASE2_WEIGHTS = {"smollm2-135m": "int4", "qwen2.5-coder-1.5b": "int4"}
+WEIGHT_FORMATS = ("dense", "int8", "int4")
+
+
+def phase2_weights(requested: str | None, spec: str | None, device: Any = "cpu") -> str:
+    """The weight format Phase 2 runs `spec`'s model with: `requested`, else the default."""
+    if requested is not None:
+        if requested not in WEIGHT_FORMATS:
+            raise StarqaError(f"Unknown weight format {requested!r}.",
+                              hint=f"choose one of: {', '.join(WEIGHT_FORMATS)}")
+        return requested
+    if str(device).startswith("cuda") or (device == "auto" and _cuda_available()):
+        return "dense"
+    embedded = embedded_model(spec or DEFAULT_MODEL)
+    return PHASE2_WEIGHTS.get(embedded.name, "dense") if embedded else "dense"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def parse_dtype(name: str | None, device: Any = "cpu") -> torch.dtype:
     """torch dtype for `--dtype`; default bf16 (fp16 on CUDA devices without bf16 support)."""
     import torch
@@ -367,6 +394,24 @@ def load_model(path: Path, *, dtype: torch.dtype, device: Any = "cpu",
             path, dtype=dtype, attn_implementation=attn_implementation
         )
     return model.to(device).eval().requires_grad_(False)
+
+
+def stop_ids(tokenizer, model_path: Path) -> set[int]:
+    """Token ids that end an answer: EOS from tokenizer and generation config, and the
+    end-of-turn tokens of common chat templates."""
+    from transformers import GenerationConfig
+
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        eos = None
+    stop.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
+        token = tokenizer.convert_tokens_to_ids(name)
+        if isinstance(token, int) and token != tokenizer.unk_token_id:
+            stop.add(token)
+    return stop
 
 
 def context_window(config: Any) -> int:

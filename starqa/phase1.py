@@ -131,5 +131,5 @@ def encode_local(model, ids: torch.Tensor, method: MethodConfig, blocks):
 
     if method.name == "ring":
         return encode_dense(model, ids, blocks)
-    info = dist.DistInfo(0, 0, 1, next(model.parameters()).device, None)
+    info = dist.local_world(next(model.parameters()).device)
     return encode(model, ids, method, blocks, range(len(blocks)), info)

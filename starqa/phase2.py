@@ -1,30 +1,36 @@
 """Phase 2: encode the question on every worker against its shards and generate, merging
 partial attentions exactly across workers (one all-gather per layer per step).
 
-Every worker runs all layers on the same query tokens. In each layer worker h computes
-(A_h, lse_h) over its own shard, with no mask (the shard lies wholly before the query). The
-query host (the worker holding the last block) also attends, causally, to the KV of the
-query and the tokens generated so far, which only it keeps. The all-gathered partials are
-merged by LSE, so every worker continues with the same, exact attention output.
+Every worker runs all layers on the same query tokens (starqa.decoder). In each layer
+worker h computes (A_h, lse_h) over its own shard, with no mask (the shard lies wholly
+before the query), in one fused kernel call in the cache's dtype. The query host (the
+worker holding the last block) also attends, causally, to the KV of the question and the
+tokens generated so far, which only it keeps, in buffers allocated once and reused by every
+question. The all-gathered partials are merged by LSE, so every worker continues with the
+same, exact attention output. A world of one is the same code with no collective.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
 
 from starqa import dist
-from starqa.attention import attend, key_mass, merge
+from starqa.attention import attend, fold_gqa, fused_available, merge, partial_chunks
+
+ATTRIBUTION_CHUNK = 128  # shard keys per attribution unit (sources resolve to these spans)
 
 
 class ShardAttention:
-    """AttentionHook for Phase 2 on one worker.
+    """The attention of every layer for Phase 2 on one worker (starqa.decoder calls it).
 
-    shard: per layer (k, v) [1, Hkv, N_h, D] of this worker's blocks, or None for no blocks.
-    While `track` is set, `key_mass` [N_h] accumulates the attention probability each shard
-    key receives from the last query row of every forward (the row that picks the next
-    token), summed over layers and heads: the basis of source attribution.
+    shard: per layer (k, v) [1, Hkv, N_h, D] of this worker's blocks, in the compute dtype,
+    or None for no blocks. While `track` is set, the attention probability that each run of
+    ATTRIBUTION_CHUNK shard keys receives from the last query row of every forward (the row
+    that picks the next token), summed over layers and heads, accumulates in `chunk_mass`:
+    the kernel returns each run's LSE, so this costs no second pass over the keys.
     """
 
     def __init__(self, info: dist.DistInfo, shard: list[tuple[torch.Tensor, torch.Tensor]] | None,
@@ -32,73 +38,135 @@ class ShardAttention:
         self.info = info
         self.shard = shard
         self.query_host = query_host
-        self.own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.n_keys = shard[0][0].shape[2] if shard else 0
         self.track = False
-        n_keys = shard[0][0].shape[2] if shard else 0
-        self.key_mass = torch.zeros(n_keys, dtype=torch.float64)
+        device = shard[0][0].device if shard else info.device
+        self.chunk_mass = torch.zeros(-(-self.n_keys // ATTRIBUTION_CHUNK), dtype=torch.float64,
+                                      device=device)
+        self._own: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [1, Hkv, cap, D]
+        self._capacity = 64
+        self.length = 0  # tokens of the question and answer in the own buffers
 
-    def attention(self, layer, query, key, value, scale):
+    def begin(self, capacity: int) -> None:
+        """A new question of about `capacity` tokens (question + answer): forget the last
+        one's KV. Buffers of that size are allocated once and reused by later questions;
+        they grow if a question needs more."""
+        self.length = 0
+        self.chunk_mass.zero_()
+        if capacity > self._capacity:
+            self._own, self._capacity = [], capacity
+
+    def advance(self, tokens: int) -> None:
+        """The forward that just ran added `tokens` to the question's KV."""
+        if self.query_host:
+            self.length += tokens
+
+    def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
+        # query [1, Hq, M, D]; key, value [1, Hkv, M, D]: this forward's tokens. Also an
+        # AttentionHook (starqa.hooks), so a transformers model can drive it in tests.
+        _, q_heads, m, dim = query.shape
+        kv_heads = key.shape[1]
+        scale = dim**-0.5 if scale is None else scale
+        dtype = self.shard[layer][0].dtype if self.shard is not None else key.dtype
+        # Work in the folded layout [*, Hkv, R = G*M, D]: query heads of a KV head as rows.
+        q = fold_gqa(query, kv_heads, dtype)
         outs, lses = [], []
         if self.shard is not None:
-            out, lse = attend(query, *self.shard[layer], scale)
+            if fused_available(query):
+                out, lse = partial_chunks(q, *self.shard[layer], scale, ATTRIBUTION_CHUNK)
+            else:  # no fused kernel here: one exact part, attribution per shard
+                out, lse = _folded(attend(query, *self.shard[layer], scale), kv_heads)
             outs.append(out), lses.append(lse)
+        n_chunks = outs[0].shape[0] if outs else 0
         if self.query_host:
-            if layer in self.own:
-                key = torch.cat([self.own[layer][0], key], dim=2)
-                value = torch.cat([self.own[layer][1], value], dim=2)
-            self.own[layer] = (key, value)
-            out, lse = attend(query, key, value, scale, causal=True)
+            keys, values = self._append(layer, key, value)
+            if m == 1 and fused_available(query):  # one new token sees every key: no mask
+                out, lse = partial_chunks(q, keys, values, scale, keys.shape[2])
+            else:
+                out, lse = _folded(attend(query, keys, values, scale, causal=True), kv_heads)
             outs.append(out), lses.append(lse)
         if not outs:  # no blocks and not the query host: contribute nothing
-            out, lse = attend(query, key[:, :, :0], value[:, :, :0], scale)
-        else:
-            out, lse = merge(outs, lses)
-        # One collective: [out ‖ lse] as [B, Hq, M, D + 1], gathered to [W, B, Hq, M, D + 1].
-        gathered = dist.all_gather(self.info, torch.cat([out, lse.unsqueeze(-1)], dim=-1))
-        out, total = merge(gathered[..., :-1], gathered[..., -1])
-        if self.track and self.shard is not None:
-            mass = key_mass(query[:, :, -1:], self.shard[layer][0], scale, total[..., -1:])
-            self.key_mass += mass.double().cpu()
-        return out
+            outs, lses = [q.new_zeros(1, *q.shape[1:])], [q.new_full(q.shape[:3], -math.inf)]
+        lse_parts = torch.cat(lses) if len(lses) > 1 else lses[0]  # [P, Hkv, R]
+        out, lse = merge(torch.cat(outs) if len(outs) > 1 else outs[0], lse_parts)
+        if self.info.world_size > 1:
+            # One collective: [out ‖ lse] as [Hkv, R, D + 1], gathered to [W, Hkv, R, D + 1].
+            gathered = dist.all_gather(self.info, torch.cat([out, lse.unsqueeze(-1)], dim=-1))
+            out, lse = merge(gathered[..., :-1], gathered[..., -1])
+        if self.track and n_chunks:
+            # Each chunk's share of the whole attention, for the last query row, summed over
+            # the query heads: rows are (g, m) with m fastest.
+            share = torch.exp(lse_parts[:n_chunks] - lse)  # [C, Hkv, R]
+            self.chunk_mass += share.reshape(n_chunks, -1, m)[..., -1].sum(dim=-1)
+        return out.view(1, q_heads, m, dim)
 
-    def reset(self) -> None:
-        """Forget the question's KV (the cache stays the document's) and the tracked mass."""
-        self.own.clear()
-        self.key_mass.zero_()
+    def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        """Write this forward's KV after the question's so far; returns the filled views."""
+        end = self.length + key.shape[2]
+        if len(self._own) <= layer or self._own[layer][0].shape[2] < end:
+            shape = (1, key.shape[1], max(end, self._capacity), key.shape[3])
+            grown = (key.new_empty(shape), value.new_empty(shape))
+            if len(self._own) > layer:  # keep what this question wrote so far
+                for new, old in zip(grown, self._own[layer]):
+                    new[:, :, :self.length] = old[:, :, :self.length]
+                self._own[layer] = grown
+            else:
+                self._own.append(grown)
+        own_k, own_v = self._own[layer]
+        own_k[:, :, self.length:end] = key
+        own_v[:, :, self.length:end] = value
+        return own_k[:, :, :end], own_v[:, :, :end]
+
+    def key_mass(self) -> torch.Tensor:
+        """[N_h] float64: each shard key's share of the tracked mass (a chunk's mass spread
+        evenly over its keys)."""
+        mass = self.chunk_mass.cpu()
+        sizes = torch.full_like(mass, ATTRIBUTION_CHUNK)
+        if self.n_keys % ATTRIBUTION_CHUNK:
+            sizes[-1] = self.n_keys % ATTRIBUTION_CHUNK
+        return (mass / sizes).repeat_interleave(sizes.long())
+
+
+def _folded(result: tuple[torch.Tensor, torch.Tensor], kv_heads: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend`'s (out [1, Hq, M, D], lse [1, Hq, M]) as one part in the folded layout:
+    ([1, Hkv, G*M, D], [1, Hkv, G*M])."""
+    out, lse = result
+    return (out.reshape(1, kv_heads, -1, out.shape[-1]), lse.reshape(1, kv_heads, -1))
 
 
 @torch.inference_mode()
-def generate(model, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequence[int],
+def generate(decoder, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequence[int],
              start_position: int, max_new_tokens: int, stop_ids: set[int],
              on_token: Callable[[int], None] | None = None,
              should_stop: Callable[[], bool] | None = None) -> list[int]:
     """Greedy generation of up to `max_new_tokens` after `query_ids` (at positions from
     `start_position`). The query host picks each token and broadcasts it; it broadcasts -1
     instead when `should_stop()` (evaluated there only) asks to stop early."""
-    device = info.device
+    device = decoder.device
     src = info.world_size - 1
     ids = torch.tensor(query_ids, device=device)
     positions = torch.arange(start_position, start_position + len(query_ids), device=device)
     generated: list[int] = []
-    hook.reset()
+    hook.begin(len(query_ids) + max_new_tokens)
     hook.track = True
+    choice = torch.zeros(1, dtype=torch.long, device=device)
     try:
         for _ in range(max_new_tokens):
-            hidden = model.model(input_ids=ids[None], position_ids=positions[None], starqa=hook,
-                                 use_cache=False).last_hidden_state
-            choice = torch.zeros(1, dtype=torch.long, device=device)
+            hidden = decoder.forward(ids, positions, hook.attention)
+            hook.advance(len(ids))
             if hook.query_host:
                 stop = should_stop is not None and should_stop()
-                choice[0] = -1 if stop else model.lm_head(hidden[:, -1]).argmax(dim=-1)[0]
+                choice[0] = -1 if stop else decoder.logits(hidden[-1:]).argmax(dim=-1)[0]
             token = int(dist.broadcast(info, choice, src=src)[0])
             if token < 0 or token in stop_ids:
                 break
             generated.append(token)
             if on_token is not None:
                 on_token(token)
-            ids = choice.view(1).to(device)
+            ids = choice.clone()
             positions = positions[-1:] + 1
     finally:
         hook.track = False
-        hook.own.clear()  # only the query host ever held the question's KV; drop it now
     return generated

@@ -72,6 +72,30 @@ def tokenize_query(tokenizer, question: str, history: Sequence[tuple[str, str]] 
                      add_special_tokens=False)["input_ids"]
 
 
+class TextStream:
+    """Generated token ids in, the text to show out, piece by piece: a piece that ends in
+    half a multi-byte character waits for the rest."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""  # shown so far
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.text = text[len(self.text):], text
+        return piece
+
+    def finish(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        piece, self.text = text[len(self.text):], text
+        return piece
+
+
 def tokenize_context(tokenizer, packed: str, spans: list[FileSpan]) -> ContextTokens:
     """Tokenise the context part, mapping each file's span and line starts to tokens through
     the tokenizer's character offsets (spans in the order of `spans`)."""

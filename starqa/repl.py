@@ -37,10 +37,13 @@ class Chat:
     def connect(self, name: str | None) -> None:
         manifest = store.find_context(paths.contexts_dir(), name)
         group = client.find(manifest["key"])
+        self.owns_group = group is None and self.keepalive == 0
         if group is None:
             with self.console.status(f"Starting workers for {manifest['name']} "
                                      "(loading model and shards)"):
-                group = client.start(manifest["key"], self.workers, self.keepalive)
+                # keep-alive 0: no group outlives the chat; it is stopped when the chat ends
+                group = client.start(manifest["key"], self.workers,
+                                     -1 if self.keepalive == 0 else self.keepalive)
         if self.conn is not None:
             self.conn.close()
         self.conn = client.Client(group)
@@ -88,6 +91,8 @@ class Chat:
 
                 print_error(error)
         if self.conn is not None:
+            if self.owns_group:
+                self.conn.stop()
             self.conn.close()
 
     def command(self, text: str) -> bool:

@@ -24,17 +24,41 @@ from pathlib import Path
 HEARTBEAT_S = 20.0  # the other workers wait in a collective; never longer than this
 
 
+def serve_group(job: dict, info, answerer, manifest: dict, on_ready) -> None:
+    """Every rank's loop of a warm group: the query host reads requests from the socket and
+    broadcasts them; every rank answers each `ask` together, until `stop` (or idle)."""
+    from starqa import dist
+
+    server = Server(job, answerer, manifest) if info.is_last else None
+    on_ready()
+    try:
+        while True:
+            request = server.next_request() if server else None
+            request = dist.broadcast_object(info, request, src=info.world_size - 1)
+            if request["op"] == "stop":
+                break
+            if request["op"] == "ask":
+                if server:
+                    server.answer(request)
+                else:
+                    answerer.answer(request["query_ids"], request["max_new_tokens"],
+                                    request["stop_ids"])
+    finally:
+        if server:
+            server.close()
+
+
 class Server:
-    def __init__(self, job: dict, ctx):
-        from starqa import engine
-        from starqa.models import load_tokenizer
+    def __init__(self, job: dict, ctx, manifest: dict):
+        from starqa.models import load_tokenizer, stop_ids
 
         self.ctx = ctx
+        self.manifest = manifest
         self.path = Path(job["socket"])
         self.keepalive = float(job["keepalive"])
         self.tokenizer = load_tokenizer(job["model_path"])
-        self.stop_ids = sorted(engine.stop_ids(self.tokenizer, Path(job["model_path"])))
-        self.window = ctx.manifest["model"]["window"]
+        self.stop_ids = sorted(stop_ids(self.tokenizer, Path(job["model_path"])))
+        self.window = manifest["model"]["window"]
         self.path.unlink(missing_ok=True)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
@@ -56,7 +80,7 @@ class Server:
         """The next request for every worker: ask / stop, or a heartbeat no-op."""
         deadline = time.monotonic() + HEARTBEAT_S
         while time.monotonic() < deadline:
-            if self.keepalive and time.monotonic() - self.last_activity > self.keepalive:
+            if self.keepalive > 0 and time.monotonic() - self.last_activity > self.keepalive:
                 return {"op": "stop"}
             message = self._read(timeout=max(0.0, deadline - time.monotonic()))
             if message is None:
@@ -86,7 +110,7 @@ class Server:
             self._send({"event": "error", "message": "The question is empty."})
             return None
         history = [tuple(turn) for turn in message.get("history", [])]
-        n = self.ctx.manifest["n_tokens"]
+        n = self.manifest["n_tokens"]
         while True:
             ids = prompt.tokenize_query(self.tokenizer, question, history)
             if n + len(ids) + max_new <= self.window or message.get("beyond_window"):
@@ -149,7 +173,7 @@ class Server:
         return self.cancel_seen
 
     def status(self) -> dict:
-        m = self.ctx.manifest
+        m = self.manifest
         return {"context": m["name"], "key": m["key"], "workers": self.ctx.info.world_size,
                 "tokens": m["n_tokens"], "method": m["method"]["name"],
                 "answered": self.answered, "rss_bytes": _rss(), "pid": os.getpid()}

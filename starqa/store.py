@@ -324,19 +324,21 @@ def _fix(manifest: dict) -> str:
     return f"re-ingest to rebuild it: {command}"
 
 
-def load_shard(manifest: dict, indices, device="cpu"):
+def load_shard(manifest: dict, indices, device="cpu", dtype=None):
     """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`)."""
-    return shard_of([load_block(manifest, i, device=device) for i in indices])
+    return shard_of([load_block(manifest, i, device=device) for i in indices], dtype)
 
 
-def shard_of(parts):
+def shard_of(parts, dtype=None):
     """Consecutive blocks' (k, v), each [L, Hkv, T_i, D], as one Phase 2 shard: per layer
-    (k, v), each [1, Hkv, N, D] in fp32 (Phase 2 attends in fp32; converting once here, not
-    per step). None when `parts` is empty."""
+    (k, v), each [1, Hkv, N, D] contiguous, in `dtype` (default: as stored; Phase 2 attends
+    in the cache's dtype, so nothing is converted per step). None when `parts` is empty."""
     import torch
 
     if not parts:
         return None
-    k = torch.cat([p[0] for p in parts], dim=2).float()  # [L, Hkv, N, D]
-    v = torch.cat([p[1] for p in parts], dim=2).float()
+    k = torch.cat([p[0] for p in parts], dim=2)  # [L, Hkv, N, D]
+    v = torch.cat([p[1] for p in parts], dim=2)
+    if dtype is not None:
+        k, v = k.to(dtype), v.to(dtype)
     return [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]

@@ -91,39 +91,20 @@ def flop_counter():
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa})
 
 
-class Phase2Context:
-    """What every Phase 2 worker holds: the model, its contiguous blocks and their shard.
-    In a world of one (starqa.session) that is the whole context."""
+def _answerer(job: dict, info):
+    """This rank's Answerer for the job's context, once every rank has loaded its own."""
+    from starqa import dist, store
+    from starqa.answering import Answerer
 
-    def __init__(self, job: dict, info):
-        from starqa import dist, phase2, store
-
-        self.info = info
-        self.manifest = store.read_manifest(Path(job["context_dir"]))
-        self.blocks = list(dist.split_contiguous(len(self.manifest["blocks"]), info.world_size,
-                                                 info.rank))
-        self.model = _load_model(job, info)
-        shard = store.load_shard(self.manifest, self.blocks, device=info.device)
-        self.hook = phase2.ShardAttention(info, shard, query_host=info.is_last)
-        dist.barrier(info)
-
-    def answer(self, query_ids, max_new_tokens, stop_ids, on_token=None, should_stop=None):
-        """Generate on every worker; returns (tokens, top sources on the query host or None)."""
-        from starqa import dist, phase2, sources
-
-        tokens = phase2.generate(self.model, self.info, self.hook, query_ids,
-                                 self.manifest["query_position"], max_new_tokens, set(stop_ids),
-                                 on_token, should_stop)
-        mine = {}
-        if self.blocks:
-            start = self.manifest["blocks"][self.blocks[0]]["start"]
-            mine = sources.line_mass(self.manifest["files"], start, self.hook.key_mass)
-        parts = dist.gather_object(self.info, mine, dst=self.info.world_size - 1)
-        return tokens, (sources.top_sources(sources.add(parts)) if parts is not None else None)
+    manifest = store.read_manifest(Path(job["context_dir"]))
+    answerer = Answerer.from_cache(manifest, info, Path(job["model_path"]),
+                                   job.get("weights", "dense"))
+    dist.barrier(info)
+    return answerer, manifest
 
 
 def run_ask(job: dict, info) -> None:
-    ctx = Phase2Context(job, info)
+    ctx, _ = _answerer(job, info)
     emit("ready", rank=info.rank, blocks=ctx.blocks)
     started = time.perf_counter()
     first: list[float] = []
@@ -145,27 +126,11 @@ def run_ask(job: dict, info) -> None:
 
 def run_serve(job: dict, info) -> None:
     """Keep model and shards loaded and answer questions from a local socket (starqa.server)."""
-    from starqa import dist
-    from starqa.server import Server
+    from starqa.server import serve_group
 
-    ctx = Phase2Context(job, info)
-    server = Server(job, ctx) if info.is_last else None
-    emit("ready", rank=info.rank, blocks=ctx.blocks)
-    try:
-        while True:
-            request = server.next_request() if server else None
-            request = dist.broadcast_object(info, request, src=info.world_size - 1)
-            if request["op"] == "stop":
-                break
-            if request["op"] == "ask":
-                if server:
-                    server.answer(request)
-                else:
-                    ctx.answer(request["query_ids"], request["max_new_tokens"],
-                               request["stop_ids"])
-    finally:
-        if server:
-            server.close()
+    answerer, manifest = _answerer(job, info)
+    serve_group(job, info, answerer, manifest,
+                lambda: emit("ready", rank=info.rank, blocks=answerer.blocks))
 
 
 def _peak_memory(info) -> int:

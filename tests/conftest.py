@@ -25,6 +25,12 @@ def docs(tmp_path) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True)
+def no_warm_groups_left(monkeypatch):
+    """`starqa ask` run by a test leaves no warm group behind (tests that want one ask for it)."""
+    monkeypatch.setenv("STARQA_KEEP_ALIVE", "0")
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("STARQA_HOME", str(tmp_path / "home"))

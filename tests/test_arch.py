@@ -8,7 +8,8 @@ import threading
 import pytest
 import torch
 
-from starqa import corpus, dist, engine, hooks, phase1, phase2, prompt, pulsar
+from starqa import corpus, dist, engine, hooks, models, phase1, phase2, prompt, pulsar
+from starqa.decoder import load_decoder
 from starqa.methods import method_config, plan_blocks
 from starqa.models import context_window, load_model, load_tokenizer
 from tiny import make_tiny_model
@@ -27,6 +28,12 @@ def qwen_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(qwen_path):
     return load_model(qwen_path, dtype=torch.float32, attn_implementation=hooks.register())
+
+
+@pytest.fixture(scope="module")
+def decoder(qwen_path):
+    """The same weights as Phase 2 runs them (starqa.decoder), fp32."""
+    return load_decoder(qwen_path, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +98,7 @@ def test_tiny_qwen2_is_qwen2_shaped(model, tok, qwen_path):
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
         assert proj.bias is not None and proj.bias.abs().sum() > 0
     assert attn.o_proj.bias is None
-    stops = engine.stop_ids(tok, qwen_path)
+    stops = models.stop_ids(tok, qwen_path)
     assert tok.convert_tokens_to_ids("<|im_end|>") in stops
     assert tok.convert_tokens_to_ids("<|endoftext|>") in stops
 
@@ -272,11 +279,11 @@ def on_workers(blocks_kv, workers, monkeypatch, run):
     return run_ranks(world, rank)
 
 
-def answer_on_workers(model, blocks_kv, query_ids, start, workers, stops, monkeypatch,
+def answer_on_workers(decoder, blocks_kv, query_ids, start, workers, stops, monkeypatch,
                       max_new_tokens=8):
     """Phase 2 greedy generation on `workers` ranks; every rank must agree."""
     results = on_workers(blocks_kv, workers, monkeypatch, lambda info, hook: phase2.generate(
-        model, info, hook, query_ids, start, max_new_tokens, stops))
+        decoder, info, hook, query_ids, start, max_new_tokens, stops))
     assert all(r == results[-1] for r in results)  # every rank generated the same tokens
     return results[-1]
 
@@ -296,16 +303,16 @@ def dense_kv(model, ids):
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_dense_phase2_prefill_equals_one_forward(workers, model, reference, tok, context_ids,
-                                                 monkeypatch):
+def test_dense_phase2_prefill_equals_one_forward(workers, model, decoder, reference, tok,
+                                                 context_ids, monkeypatch):
     """The question's forward over the sharded cache: every query row's final hidden state
     equals transformers' forward over the whole prompt."""
     ids = context_ids
     query = torch.tensor(prompt.tokenize_query(tok, QUESTION))
     positions = torch.arange(len(ids), len(ids) + len(query))
-    hidden = on_workers(dense_kv(model, ids), workers, monkeypatch, lambda info, hook: model.model(
-        input_ids=query[None], position_ids=positions[None], starqa=hook,
-        use_cache=False).last_hidden_state[0])
+    with torch.inference_mode():
+        hidden = on_workers(dense_kv(model, ids), workers, monkeypatch,
+                            lambda info, hook: decoder.forward(query, positions, hook.attention))
     with torch.inference_mode():
         expected = reference.model(torch.cat([ids, query])[None]).last_hidden_state[0]
     for rank_hidden in hidden:  # the merge is all-gathered: every rank holds the same output
@@ -313,20 +320,20 @@ def test_dense_phase2_prefill_equals_one_forward(workers, model, reference, tok,
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_dense_phase2_on_workers_equals_generate(workers, model, reference, tok, qwen_path,
-                                                 context_ids, monkeypatch):
+def test_dense_phase2_on_workers_equals_generate(workers, model, decoder, reference, tok,
+                                                 qwen_path, context_ids, monkeypatch):
     ids = context_ids
     kv = dense_kv(model, ids)
     query = prompt.tokenize_query(tok, QUESTION)
-    stops = engine.stop_ids(tok, qwen_path)
+    stops = models.stop_ids(tok, qwen_path)
     expected = greedy_reference(reference, ids.tolist() + query, stops)
     assert len(expected) >= 3  # the comparison covers several decode steps
-    got = answer_on_workers(model, kv, query, len(ids), workers, stops, monkeypatch)
+    got = answer_on_workers(decoder, kv, query, len(ids), workers, stops, monkeypatch)
     assert got == expected
 
 
 @pytest.mark.parametrize("name", ["star", "ring", "pulsar", "apb"])
-def test_phase2_on_workers_equals_one_worker(name, model, reference, tok, qwen_path,
+def test_phase2_on_workers_equals_one_worker(name, model, decoder, reference, tok, qwen_path,
                                              context_ids, monkeypatch):
     """The LSE merge is exact whatever the blocks hold: 3 ranks answer like a world of one;
     ring (exact) answers like transformers."""
@@ -335,9 +342,9 @@ def test_phase2_on_workers_equals_one_worker(name, model, reference, tok, qwen_p
     blocks = plan_blocks(len(ids), cfg.block_size)
     kv = [(k, v) for _, k, v in phase1.encode_local(model, ids, cfg, blocks)]
     query = prompt.tokenize_query(tok, QUESTION)
-    stops = engine.stop_ids(tok, qwen_path)
-    one = answer_on_workers(model, kv, query, len(ids), 1, stops, monkeypatch)
-    three = answer_on_workers(model, kv, query, len(ids), 3, stops, monkeypatch)
+    stops = models.stop_ids(tok, qwen_path)
+    one = answer_on_workers(decoder, kv, query, len(ids), 1, stops, monkeypatch)
+    three = answer_on_workers(decoder, kv, query, len(ids), 3, stops, monkeypatch)
     assert three == one and len(one) >= 3
     if name == "ring":
         assert one == greedy_reference(reference, ids.tolist() + query, stops)

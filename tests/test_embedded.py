@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from starqa import corpus, engine, prompt
+from starqa import corpus, engine, models, prompt
 from starqa.models import load_model, load_tokenizer
 from starqa.paths import contexts_dir
 
@@ -28,7 +28,7 @@ def test_dense_two_workers_equal_one_transformers_generate(embedded_model, home,
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     reference = [t for t in out[0, len(ids):].tolist()]
-    stop = engine.stop_ids(tok, embedded_model)
+    stop = models.stop_ids(tok, embedded_model)
     reference = reference[:next((i for i, t in enumerate(reference) if t in stop), len(reference))]
     assert answer.token_ids == reference
     assert len(reference) > 3

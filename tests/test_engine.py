@@ -4,6 +4,7 @@ random Llama in fp32, and every error a user can hit."""
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -177,7 +178,8 @@ def test_cli_ingest_and_ask_json(home, docs, tiny_model):
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["context"] == "docs" and data["tokens"]["answer"] <= 4
-    assert data["method"]["name"] == "star" and data["workers"] == 2
+    # Phase 2 on one machine whose memory holds model and shards: one worker, every core
+    assert data["method"]["name"] == "star" and data["workers"] == 1
 
 
 def test_two_machines_on_loopback(home, docs, tiny_model):
@@ -285,3 +287,43 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     assert known.manifest["key"] != m["key"] and params["question"] == QUESTION
     assert params["question_ids"] == load_tokenizer(tiny_model).encode(
         QUESTION, add_special_tokens=False)
+
+
+# --------------------------------------------------------------------------- answer speed
+
+
+def test_one_worker_in_process_equals_torchrun_and_transformers(home, docs, tiny_model):
+    """A cold ask whose model and shards fit answers in this process (a world of one, no
+    torchrun), with the tokens of 2 and 3 torchrun workers and of transformers' generate."""
+    manifest = ingest(docs, tiny_model, method="dense", block_size=50).manifest
+    here = ask()
+    assert here.workers == 1 and here.weights == "dense"  # a local folder: dense weights
+    assert here.token_ids == reference_tokens(tiny_model, manifest, QUESTION, 8)
+    for workers in (2, 3):
+        assert ask(workers=workers).token_ids == here.token_ids
+    assert here.sources and abs(sum(s["share"] for s in here.sources) - 1) < 1e-6
+
+
+def test_a_cold_ask_leaves_a_warm_group(home, docs, tiny_model):
+    """Warm by default: the first ask starts a group in the background (keep-alive), the
+    next ask is answered by it with the same tokens, and `stop` ends it."""
+    from starqa import client
+
+    ingest(docs, tiny_model, method="star", block_size=50)
+    cold = ask(keepalive=60)
+    assert not cold.warm
+    deadline = time.monotonic() + 120
+    while (group := client.find(cold.context["key"])) is None:
+        assert time.monotonic() < deadline, "no warm group appeared"
+        time.sleep(0.2)
+    try:
+        assert group["keepalive"] == 60 and group["workers"] == 1
+        warm = ask()
+        assert warm.warm and warm.token_ids == cold.token_ids
+        # A second group for the same context refuses to start (one group per context).
+        with pytest.raises(StarqaError, match="already running"):
+            engine.serve(engine.ServeOptions(context=cold.context["key"]))
+    finally:
+        conn = client.Client(group)
+        conn.stop()
+        conn.close()

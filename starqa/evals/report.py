@@ -23,7 +23,7 @@ def plan_report(plan: runner.Plan) -> None:
     """What will run, how much of it, and where the results go."""
     lengths = ", ".join(runner.length_label(n) for n in plan.lengths)
     err.print(f"[bold]Evaluating[/] {escape(plan.fingerprint['name'])} (window "
-              f"{plan.window:,}, {plan.dtype} on {plan.device}) · seed {plan.opts.seed}")
+              f"{plan.window:,}, {plan.dtype}, {plan.opts.weights or 'default'} weights on {plan.device}) · seed {plan.opts.seed}")
     err.print(f"{_plural(len(plan.tasks), 'task')} × {_plural(len(plan.lengths), 'length')} "
               f"({lengths}) × {_plural(plan.opts.samples, 'sample')} = "
               f"{_plural(plan.n_samples, 'sample')} × {_plural(len(plan.methods), 'method')} "

@@ -3,7 +3,7 @@
 The model loads once. For each sample (generators.generate) every method encodes the
 context with Phase 1 for all of its blocks here (phase1.encode_local: what the workers
 would store) and answers the question with Phase 2 as a world of one, the query host
-attending to the whole shard (phase2.ShardAttention + phase2.generate, greedy). Dense runs
+attending to the whole shard (answering.Answerer: the Phase 2 path `ask` runs). Dense runs
 first on every sample: it is the reference of retention. The results go to a JSON file
 rewritten atomically after every sample, so an interrupted run keeps what it finished.
 """
@@ -51,6 +51,7 @@ class EvalOptions:
     json_path: str | None = None  # None: $STARQA_HOME/evals/<time>-<model>.json
     dtype: str | None = None
     device: str = "auto"
+    weights: str | None = None  # Phase 2 weight format; None: the default for the model
     block_size: int | None = None
     anchor_size: int | None = None
     method_params: dict | None = None  # method-specific settings given (methods.OPTIONS)
@@ -194,22 +195,26 @@ class Evaluator:
     def __init__(self, plan: Plan):
         import torch
 
-        from starqa import dist, engine, hooks, models
+        from starqa import dist, hooks, models
+        from starqa.decoder import load_decoder
 
         self.device = torch.device(plan.device)
         self.dtype = getattr(torch, plan.dtype)
         self.tokenizer = models.load_tokenizer(plan.model_path)
         self.model = models.load_model(plan.model_path, dtype=self.dtype, device=self.device,
                                        attn_implementation=hooks.register())
-        self.stop_ids = engine.stop_ids(self.tokenizer, plan.model_path)
-        self.info = dist.DistInfo(0, 0, 1, self.device, None)  # a world of one
+        self.weights = models.phase2_weights(plan.opts.weights, plan.opts.model, plan.device)
+        self.decoder = load_decoder(plan.model_path, self.dtype, self.weights, self.device)
+        self.stop_ids = models.stop_ids(self.tokenizer, plan.model_path)
+        self.info = dist.local_world(self.device)
         self.options = {m: method_options(m, plan.opts) for m in plan.methods}
 
     def answer(self, sample: generators.Sample, method: str) -> dict:
         """Phase 1 over all blocks of the sample's context, then Phase 2 for its question."""
         import torch
 
-        from starqa import engine, phase1, phase2
+        from starqa import engine, phase1
+        from starqa.answering import Answerer
 
         n = len(sample.context_ids)
         config = methods_mod.method_config(method, n, **self.options[method])
@@ -218,7 +223,8 @@ class Evaluator:
         encoded = phase1.encode_local(self.model, torch.tensor(sample.context_ids), config,
                                       blocks)
         parts = [(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])]
-        hook = phase2.ShardAttention(self.info, store.shard_of(parts), query_host=True)
+        start = engine.query_position(sample.context_ids, config, blocks)
+        answerer = Answerer(self.info, self.decoder, store.shard_of(parts, self.dtype), start)
         del parts
         encoded_at = time.perf_counter()
         tokens: list[int] = []
@@ -235,9 +241,8 @@ class Evaluator:
                 self._decode(tokens), sample.answers, sample.match)
             return answered[0]
 
-        start = engine.query_position(sample.context_ids, config, blocks)
-        phase2.generate(self.model, self.info, hook, sample.query_ids, start,
-                        sample.max_new_tokens, self.stop_ids, on_token, should_stop)
+        answerer.answer(sample.query_ids, sample.max_new_tokens, self.stop_ids, on_token,
+                        should_stop)
         end = time.perf_counter()
         text = self._decode(tokens).strip()
         stop = ("answer" if answered[0] else
@@ -320,7 +325,7 @@ def _skeleton(plan: Plan, evaluator: Evaluator) -> dict:
         "settings": {
             "model": {"spec": opts.model or models.DEFAULT_MODEL, "path": str(plan.model_path),
                       "window": plan.window, **plan.fingerprint},
-            "dtype": plan.dtype, "device": str(evaluator.device),
+            "dtype": plan.dtype, "weights": evaluator.weights, "device": str(evaluator.device),
             "threads": torch.get_num_threads(),
             "seed": opts.seed, "samples_per_task": opts.samples,
             "lengths": plan.lengths, "methods": plan.methods, "reference": scoring.REFERENCE,

@@ -1,0 +1,58 @@
+"""The one Phase 2 path: a worker's decoder, shard and attention, answering questions.
+
+Every way of answering goes through `Answerer.answer`: a cold `ask` in the launcher's own
+process (a world of one), each rank of a torchrun group (`starqa.worker`), a warm group's
+query host (`starqa.server`), `starqa eval` and `starqa bench`. So a speed-up lands
+everywhere, and eval and bench measure what users run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from starqa import dist, phase2, sources, store
+
+
+class Answerer:
+    """Decoder + this rank's shard of contiguous blocks (+ the files they cover)."""
+
+    def __init__(self, info: dist.DistInfo, decoder, shard, query_position: int,
+                 files: Sequence[dict] = (), token_start: int = 0, blocks: Sequence[int] = ()):
+        self.info = info
+        self.blocks = list(blocks)
+        self.decoder = decoder
+        self.query_position = query_position
+        self.files = list(files)
+        self.token_start = token_start
+        self.hook = phase2.ShardAttention(info, shard, query_host=info.is_last)
+
+    @classmethod
+    def from_cache(cls, manifest: dict, info: dist.DistInfo, model_path: Path,
+                   weights: str = "dense") -> Answerer:
+        """Load the model and this rank's share of the context's blocks (checksums verified)."""
+        from starqa.decoder import load_decoder
+
+        blocks = list(dist.split_contiguous(len(manifest["blocks"]), info.world_size, info.rank))
+        dtype = getattr(torch, manifest["dtype"])
+        decoder = load_decoder(model_path, dtype, weights, info.device)
+        shard = store.load_shard(manifest, blocks, device=info.device, dtype=dtype)
+        start = manifest["blocks"][blocks[0]]["start"] if blocks else 0
+        return cls(info, decoder, shard, manifest["query_position"], manifest["files"], start,
+                   blocks)
+
+    def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
+               on_token: Callable[[int], None] | None = None,
+               should_stop: Callable[[], bool] | None = None
+               ) -> tuple[list[int], list[dict] | None]:
+        """Generate on every rank; returns (tokens, top sources on the query host, else None)."""
+        tokens = phase2.generate(self.decoder, self.info, self.hook, query_ids,
+                                 self.query_position, max_new_tokens, set(stop_ids),
+                                 on_token, should_stop)
+        mine = {}
+        if self.hook.n_keys and self.files:
+            mine = sources.line_mass(self.files, self.token_start, self.hook.key_mass())
+        parts = dist.gather_object(self.info, mine, dst=self.info.world_size - 1)
+        return tokens, (sources.top_sources(sources.add(parts)) if parts is not None else None)

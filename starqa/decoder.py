@@ -1,0 +1,239 @@
+"""Phase 2's model: a lean forward pass for Llama-family decoders (Llama, Mistral, Qwen2),
+over weights read straight from the model folder's safetensors.
+
+Why not transformers' module tree: a decode step is ~20 small kernels per layer, and at one
+token the per-module Python work of `LlamaForCausalLM.forward` costs as much as the math.
+Here q/k/v are one matmul and gate/up another, RoPE is two fused multiply-adds, and nothing
+but tensors flows between layers. transformers stays the reference: `tests/test_decoder.py`
+compares this forward with its logits, and Phase 1 still runs through its attention
+registry (starqa.hooks). No transformers import here, so a cold `ask` does not pay for it.
+
+Shapes (batch 1 throughout, dropped where it would only be noise):
+
+    ids, positions: [M]       hidden: [M, H]        per layer, to `attention`:
+    query [1, Hq, M, D]   key, value [1, Hkv, M, D] (RoPE applied)  →  out [1, Hq, M, D]
+
+Weights are `Linear`s: dense in the compute dtype, or weight-only int8 (per output channel)
+or int4 (groups of 32 along the input, asymmetric), computed by torch's CPU kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from starqa.errors import StarqaError
+from starqa.models import WEIGHT_FORMATS
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+INT4_GROUP = 32  # the GGUF Q4 block: re-quantising a Q4_1/Q4_K tensor in groups of 32 keeps it
+
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    rope_theta: float
+    tied: bool
+
+    @classmethod
+    def read(cls, folder: Path) -> DecoderConfig:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        arch = (config.get("architectures") or ["?"])[0]
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if arch not in ARCHITECTURES or rope_type != "default":
+            raise StarqaError(
+                f"Phase 2 supports {', '.join(ARCHITECTURES)} with plain RoPE; "
+                f"{folder} is {arch} (RoPE {rope_type}).",
+                hint="use an embedded model (--model smollm2-135m or qwen2.5-coder-1.5b)")
+        heads = config["num_attention_heads"]
+        return cls(layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+                   heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                   vocab=config["vocab_size"], eps=config.get("rms_norm_eps", 1e-6),
+                   rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+                   tied=bool(config.get("tie_word_embeddings", False)))
+
+
+class Linear:
+    """y = x Wᵀ (+ b) for x [M, K]; W [N, K] kept dense, or quantised weight-only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+                 dtype: torch.dtype):
+        self.bias = None if bias is None else bias.to(dtype)
+        self.format = fmt if weight.device.type == "cpu" else "dense"  # kernels are CPU ones
+        if self.format == "int8":
+            w = weight.float()
+            scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+            self.weight = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+            self.scale = scale.to(dtype)
+        elif self.format == "int4" and weight.shape[1] % INT4_GROUP == 0:
+            self.weight, self.scale = _int4_pack(weight.float(), dtype)
+        else:
+            self.format = "dense"
+            self.weight = weight.to(dtype).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+        elif self.format == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scale)
+        else:
+            return F.linear(x, self.weight, self.bias)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        extra = self.scale.nbytes if self.format != "dense" else 0
+        return self.weight.nbytes + extra + (self.bias.nbytes if self.bias is not None else 0)
+
+
+def _int4_pack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of INT4_GROUP along K: w ≈ (q - 8) · scale + zero, where
+    zero = min + 8 · scale, so q = 0..15 spans [min, max] of the group. Returns torch's
+    packed CPU layout and scales_and_zeros [K / group, N, 2]."""
+    n, k = w.shape
+    groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k), 1)
+    zero = low + 8 * scale
+    return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: Linear
+    out: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+class Decoder:
+    """The model for Phase 2: `forward` runs every layer, calling `attention` for each."""
+
+    def __init__(self, config: DecoderConfig, embed: torch.Tensor, layers: list[Layer],
+                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, weights: str):
+        self.config, self.embed, self.layers = config, embed, layers
+        self.norm, self.lm_head, self.dtype, self.weights = norm, lm_head, dtype, weights
+        d = config.head_dim
+        # transformers' default RoPE: inv_freq in fp32, angles position · inv_freq in fp32
+        self.inv_freq = 1.0 / (config.rope_theta ** (
+            torch.arange(0, d, 2, dtype=torch.int64).float() / d)).to(embed.device)
+        self.scale = d ** -0.5
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [M, 1, D] in the compute dtype for `positions` [M]."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [M, D/2]
+        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attention: Attention
+                ) -> torch.Tensor:
+        """Hidden states [M, H] after the final norm, for token `ids` [M] at `positions` [M]."""
+        c = self.config
+        m = ids.shape[0]
+        q_size = c.heads * c.head_dim
+        cos, sin = self.rope(positions)
+        hidden = self.embed[ids]  # [M, H]
+        for index, layer in enumerate(self.layers):
+            x = _rms_norm(hidden, layer.attn_norm, c.eps)
+            qkv = layer.qkv(x).view(m, c.heads + 2 * c.kv_heads, c.head_dim)
+            qk = _rotate(qkv[:, :c.heads + c.kv_heads], cos, sin)  # RoPE on q and k at once
+            q, k, v = qk[:, :c.heads], qk[:, c.heads:], qkv[:, c.heads + c.kv_heads:]
+            out = attention(index, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                            v.transpose(0, 1)[None])  # [1, Hq, M, D]
+            hidden = hidden + layer.out(out[0].transpose(0, 1).reshape(m, q_size).to(self.dtype))
+            x = _rms_norm(hidden, layer.mlp_norm, c.eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up)
+        return _rms_norm(hidden, self.norm, c.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, vocab] logits for hidden states [M, H]."""
+        return self.lm_head(hidden)
+
+    def nbytes(self) -> int:
+        linears = [self.lm_head, *(lin for layer in self.layers
+                                   for lin in (layer.qkv, layer.out, layer.gate_up, layer.down))]
+        return self.embed.nbytes + sum(lin.nbytes() for lin in linears)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # One fused kernel (it accumulates in fp32); transformers' LlamaRMSNorm also normalises
+    # in fp32 but rounds to the input dtype before scaling, so bf16 results may differ by
+    # one rounding, fp32 ones not at all.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [M, heads, D] (transformers' rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
+                 device: torch.device | str = "cpu") -> Decoder:
+    """The model in `folder` for Phase 2, with its linear layers in `weights` format."""
+    from safetensors import safe_open
+
+    if weights not in WEIGHT_FORMATS:
+        raise StarqaError(f"Unknown weight format {weights!r}.",
+                          hint=f"choose one of: {', '.join(WEIGHT_FORMATS)}")
+    config = DecoderConfig.read(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+
+    def get(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise StarqaError(f"{folder} has no weight {name}.", hint="is it a complete model?")
+        return tensors.pop(name).to(device)
+
+    def maybe(name: str) -> torch.Tensor | None:
+        return tensors.pop(name).to(device) if name in tensors else None
+
+    def cat(names: list[str], bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = torch.cat([get(n + ".weight") for n in names])
+        b = [maybe(n + ".bias") for n in names] if bias else []
+        return w, (torch.cat(b) if b and all(x is not None for x in b) else None)
+
+    layers = []
+    for i in range(config.layers):
+        p = f"model.layers.{i}."
+        a = [p + f"self_attn.{x}_proj" for x in "qkv"]
+        layers.append(Layer(
+            attn_norm=get(p + "input_layernorm.weight").to(dtype),
+            qkv=Linear(*cat(a, bias=True), weights, dtype),
+            out=Linear(get(p + "self_attn.o_proj.weight"), None, weights, dtype),
+            mlp_norm=get(p + "post_attention_layernorm.weight").to(dtype),
+            gate_up=Linear(*cat([p + "mlp.gate_proj", p + "mlp.up_proj"], bias=False),
+                           weights, dtype),
+            down=Linear(get(p + "mlp.down_proj.weight"), None, weights, dtype)))
+    embed = get("model.embed_tokens.weight").to(dtype)
+    head = embed if config.tied else get("lm_head.weight")
+    return Decoder(config, embed, layers, get("model.norm.weight").to(dtype),
+                   Linear(head, None, weights, dtype), dtype, weights)
