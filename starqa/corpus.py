@@ -81,9 +81,38 @@ class _Globs:
         return False
 
 
+# A folder's own git config is not the user's: a tarball or shared folder can carry a
+# `.git/config` that names programs. Of the keys that run programs, `ls-files`,
+# `check-ignore` and `rev-parse` reach only core.fsmonitor (verified on git 2.39: filters,
+# textconv, diff.external, credential and ssh helpers are not used by them); the others are
+# pinned too, so that a later git, or a later command here, stays safe. Command-line `-c`
+# outranks every config file (includes and worktree config too).
+_GIT_SAFE = ("--no-pager", "--no-optional-locks", "-c", "core.fsmonitor=false",
+             "-c", "core.hooksPath=/dev/null", "-c", "core.pager=cat",
+             "-c", "core.untrackedCache=false", "-c", "diff.external=",
+             "-c", "credential.helper=", "-c", "core.sshCommand=false",
+             "-c", "protocol.allow=never")
+# The user's environment may point git at another repository or index; starqa means the
+# folder's own. GIT_PAGER etc. are neutralised; system and global config stay (they are the
+# user's own, and carry the core.excludesFile that --exclude-standard honours).
+_GIT_ENV_DROP = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR",
+                 "GIT_OBJECT_DIRECTORY", "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_CONFIG",
+                 "GIT_CONFIG_PARAMETERS", "GIT_CONFIG_COUNT", "GIT_EXTERNAL_DIFF")
+
+
+def _git_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _GIT_ENV_DROP and not k.startswith(("GIT_CONFIG_KEY_", "GIT_CONFIG_VALUE_"))}
+    env.update(GIT_PAGER="cat", PAGER="cat", GIT_OPTIONAL_LOCKS="0", GIT_TERMINAL_PROMPT="0",
+               GIT_ASKPASS="false", SSH_ASKPASS="false")
+    return env
+
+
 def _run_git(folder: Path, *args: str) -> subprocess.CompletedProcess[bytes] | None:
+    """Run a read-only git query in `folder` without running anything its config names."""
     try:
-        return subprocess.run(["git", *args], cwd=folder, capture_output=True, check=False)
+        return subprocess.run(["git", *_GIT_SAFE, *args], cwd=folder, env=_git_env(),
+                              stdin=subprocess.DEVNULL, capture_output=True, check=False)
     except OSError:  # git is not installed
         return None
 
