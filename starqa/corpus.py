@@ -155,8 +155,19 @@ def _walk_git(folder: Path) -> Iterator[tuple[str, Path] | Skipped]:
                 yield Skipped(hidden, "hidden")
         elif reason:
             yield Skipped(rel, reason)
-        elif (folder / rel).is_file():  # deleted files and submodules are listed but not files
+        elif (kind := _git_entry_kind(folder / rel)) == "file":
             yield rel, folder / rel
+        elif kind:
+            yield Skipped(rel, kind)
+
+
+def _git_entry_kind(path: Path) -> str:
+    """'file', '' for what git lists that is not a file (deleted files, submodules), or why
+    it cannot be looked at (a tracked file in a folder we may not enter)."""
+    try:
+        return "file" if path.is_file() else ""
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
 
 
 def _ignored(specs: list[tuple[str, pathspec.GitIgnoreSpec]], rel: str, is_dir: bool) -> bool:
@@ -181,17 +192,25 @@ def _kind(entry: os.DirEntry[str]) -> str:
     return "broken symlink" if entry.is_symlink() else "not a regular file"
 
 
+def _with_gitignore(specs: list[tuple[str, pathspec.GitIgnoreSpec]], d: Path,
+                    rel: str) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
+    """`specs` plus the rules of `d/.gitignore` if there is one; OSError if `d` or its
+    .gitignore cannot be read (its rules unknown, nothing in `d` may be taken)."""
+    gitignore = d / ".gitignore"
+    if not gitignore.is_file():
+        return specs
+    lines = gitignore.read_text(encoding="utf-8", errors="replace").splitlines()
+    return [*specs, (rel, pathspec.GitIgnoreSpec.from_lines(lines))]
+
+
 def _walk_plain(folder: Path, exclude: _Globs) -> Iterator[tuple[str, Path] | Skipped]:
     """Walk a folder outside git, honouring `.gitignore`s and following symlinks without looping."""
     seen: set[str] = set()
 
     def visit(d: Path, rel: str, specs: list[tuple[str, pathspec.GitIgnoreSpec]],
               chain: frozenset[str]) -> Iterator[tuple[str, Path] | Skipped]:
-        gitignore = d / ".gitignore"
-        if gitignore.is_file():
-            lines = gitignore.read_text(encoding="utf-8", errors="replace").splitlines()
-            specs = [*specs, (rel, pathspec.GitIgnoreSpec.from_lines(lines))]
-        try:
+        try:  # a folder we may not enter is skipped like an unreadable file, not a crash
+            specs = _with_gitignore(specs, d, rel)
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError as e:
             yield Skipped(rel or ".", f"unreadable ({e.strerror})")
