@@ -182,13 +182,18 @@ def list_(as_json: AsJson = False) -> None:
 
     from starqa import paths, store
 
-    summaries = [store.context_summary(m) for m in store.list_contexts(paths.contexts_dir())]
+    good, damaged = store.scan_contexts(paths.contexts_dir())
+    summaries = [store.context_summary(m) for m in good]
+    damaged_rows = [store.damaged_summary(d) for d in damaged]
+    # A plain `ask` uses the latest context, damaged or not (it then says so): mark that one.
+    latest = max(summaries + damaged_rows, key=lambda s: s["last_used"], default=None)
     if as_json:
-        print(json.dumps([{**s, "default": i == 0} for i, s in enumerate(summaries)], indent=1))
+        print(json.dumps([{**s, "default": s is latest} for s in summaries + damaged_rows],
+                         indent=1))
         return
     from starqa.ui import context_list
 
-    context_list(summaries, time.time())
+    context_list(summaries, time.time(), damaged_rows, latest)
 
 
 @app.command()
@@ -231,7 +236,8 @@ def rm(
         raise StarqaError("Give the names of the contexts to remove, or --all (not both).",
                           hint="starqa list shows the names")
     if all_:
-        targets = store.list_contexts(root)
+        good, damaged = store.scan_contexts(root)
+        targets = [*good, *damaged]
         if not targets:
             print("No contexts to remove.")
             return
@@ -242,10 +248,10 @@ def rm(
             if not typer.confirm(f"Remove all {len(targets)} contexts?"):
                 print("Nothing removed.")
                 raise typer.Exit(1)
-    else:  # resolve every name first, so a typo removes nothing
-        found = (store.find_context(root, name) for name in names)
-        targets = list({m["key"]: m for m in found}.values())  # each context once
-    removed_report([(m, store.remove_context(m)) for m in targets])
+    else:  # resolve every name first, so a typo or an ambiguous prefix removes nothing
+        found = (store.match_context(root, name) for name in names)
+        targets = list({store.context_key(c): c for c in found}.values())  # each context once
+    removed_report([(c, store.remove_context(c)) for c in targets])
 
 
 @app.command()

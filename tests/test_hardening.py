@@ -5,14 +5,22 @@ fake contexts (from test_cache_cmds) where the cache is, and `engine._encode` re
 stand-in that commits shards the way the workers would.
 """
 
+import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from starqa import corpus
+from starqa import corpus, engine, store
+from starqa.cli import app
+from starqa.errors import ShardError, StarqaError
+from test_cache_cmds import contexts, make_context, starqa  # noqa: F401 (a fixture)
+
+runner = CliRunner()
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
 
@@ -95,3 +103,95 @@ def test_unreadable_sub_folder_for_real(tmp_path):
         (root / "locked").chmod(0o755)
     assert [f.path for f in got.files] == ["ok.py"]
     assert {s.path: s.reason for s in got.skipped} == {"locked": "unreadable (Permission denied)"}
+
+
+# ---------------------------------------------------------------------------------------
+# 2. one damaged manifest is named and set aside; it never breaks the other contexts
+
+DAMAGE = {"list": "[]", "null": "null", "no fields": '{"format": 3}',
+          "truncated": '{"format": 3, "ke', "old format": '{"format": 1, "name": "x"}', "not utf-8": b"\xff\xfe{"}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_manifest_is_named_and_set_aside(contexts, home, damage):
+    bad = contexts["docs"]  # the most recently used: what a plain `ask` would take
+    text = DAMAGE[damage]
+    (bad / store.MANIFEST).write_bytes(text if isinstance(text, bytes) else text.encode())
+
+    listed = json.loads(runner.invoke(app, ["list", "--json"]).output)
+    assert [c["name"] for c in listed if not c.get("damaged")] == ["repo", "old"]
+    [shown] = [c for c in listed if c.get("damaged")]
+    assert shown["key"] == bad.name and shown["default"]  # a plain ask means it: it says so
+    table = runner.invoke(app, ["list"])
+    assert table.exit_code == 0 and "damaged" in table.output and bad.name[:8] in table.output
+
+    with pytest.raises(ShardError, match=f"most recently used context \\({bad.name}\\) is "
+                                         "damaged") as error:
+        engine.ask(engine.AskOptions(question="who approved the budget"))
+    assert f"starqa rm {bad.name}" in error.value.hint
+    assert isinstance(runner.invoke(app, ["info"]).exception, ShardError)
+    assert runner.invoke(app, ["info", "repo"]).exit_code == 0  # the others still work
+    assert store.find_context(home / "contexts", "old")["name"] == "old"
+
+    usage = json.loads(runner.invoke(app, ["cache", "--json"]).output)
+    assert usage["n_contexts"] == 2
+    assert [Path(x["path"]).name for x in usage["leftovers"]] == [bad.name]
+    assert usage["leftovers"][0]["state"].startswith("damaged: ")
+
+
+def test_damaged_context_removed_by_rm_and_by_cache_clean(contexts, home):
+    for folder in (contexts["docs"], contexts["repo"]):
+        (folder / store.MANIFEST).write_text("[]")
+    proc = starqa("rm", contexts["docs"].name[:6], home=home)  # by key prefix
+    assert proc.returncode == 0, proc.stderr
+    assert "Removed damaged context" in proc.stdout and "Traceback" not in proc.stderr
+    assert not contexts["docs"].exists()
+    assert runner.invoke(app, ["cache", "--clean"]).exit_code == 0
+    assert not contexts["repo"].exists() and contexts["old"].exists()
+
+
+def test_rm_all_removes_damaged_contexts_too(contexts, home):
+    (contexts["old"] / store.MANIFEST).write_text("null")
+    assert "Removed 3 contexts" in runner.invoke(app, ["rm", "--all", "--yes"]).output
+    assert not any(folder.exists() for folder in contexts.values())
+
+
+def test_manifest_naming_a_file_outside_its_folder_is_damaged(contexts, home):
+    manifest = json.loads((contexts["old"] / store.MANIFEST).read_text())
+    manifest["blocks"][0]["file"] = "../../../../etc/passwd"
+    (contexts["old"] / store.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match="names '../../../../etc/passwd'"):
+        store.find_context(home / "contexts", "01d0")
+
+
+# ---------------------------------------------------------------------------------------
+# 3. `rm`, `info`, `ask` and `stop` never guess which context a name means
+
+
+def test_empty_name_is_an_error_and_removes_nothing(contexts, home):
+    proc = starqa("rm", "", home=home)
+    assert proc.returncode == 1 and "context name is empty" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert all(folder.exists() for folder in contexts.values())
+    with pytest.raises(StarqaError, match="empty"):
+        store.find_context(home / "contexts", " ")
+
+
+@pytest.mark.parametrize("by", ["key prefix", "name"])
+def test_ambiguous_name_lists_the_matches_and_does_nothing(contexts, home, by):
+    now = time.time()
+    twins = [make_context(home, "twin", "abcd1111" + "0" * 8, now - 10),
+             make_context(home, "twin", "abcd2222" + "0" * 8, now - 20, method="dense")]
+    name = "abcd" if by == "key prefix" else "twin"
+    proc = starqa("rm", name, home=home)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "matches 2 contexts" in proc.stderr
+    assert twins[0].name in proc.stderr and twins[1].name in proc.stderr
+    assert all(folder.exists() for folder in [*contexts.values(), *twins])
+    for command in (["info", name], ["stop", name]):
+        assert "matches 2" in str(runner.invoke(app, command).exception)
+    with pytest.raises(StarqaError, match="matches 2"):
+        engine.ask(engine.AskOptions(question="who", context=name))
+    # a longer prefix, or the full key, picks one
+    assert "Removed twin (abcd2222" in runner.invoke(app, ["rm", "abcd2"]).output
+    assert store.find_context(home / "contexts", "twin")["key"] == twins[0].name
