@@ -107,6 +107,11 @@ def ingest(
     force: Annotated[bool, typer.Option("--force", envvar="STARQA_FORCE",
                                         help="Re-encode even on a cache hit.")] = False,
     beyond_window: BeyondWindow = False,
+    reserve: Annotated[Optional[int], typer.Option(
+        envvar="STARQA_RESERVE", min=0,
+        help="Tokens of the window kept free for a question and its answer: the context "
+             "plus this must fit the window (default 512, at most a quarter of the "
+             "window).")] = None,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
     rdzv_endpoint: Rdzv = None,
@@ -120,8 +125,8 @@ def ingest(
         paths=tuple(paths), model=model, method=method, block_size=block_size,
         anchor_size=anchor_size, workers=workers, name=name, dtype=dtype,
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
-        beyond_window=beyond_window, force=force, nnodes=nnodes, node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint, device=device,
+        beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes,
+        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device,
         command="starqa " + shlex.join(sys.argv[1:]),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                 "chunk": chunk_size, "positions": positions, "passing": passing_size,

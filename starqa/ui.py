@@ -154,6 +154,11 @@ def ingest_report(result: IngestResult) -> None:
               f"model {m['model']['name']}, {m['dtype']}")
     per_worker = _blocks_per_worker(m["method"], len(m["blocks"]), result.workers)
     err.print(f"Blocks per worker: {per_worker}")
+    room, window = m["model"]["window"] - m["n_tokens"], m["model"]["window"]
+    err.print(f"Room to ask: {room:,} of the model's {window:,} tokens are left for a question "
+              "and an answer" if room > 0 else
+              f"[yellow]No room to ask[/]: the context fills the model's {window:,}-token "
+              "window; only `ask --beyond-window` can use it")
     err.print(f"Encoded in {result.encode_seconds:.1f} s "
               f"({m['n_tokens'] / max(result.encode_seconds, 1e-9):,.0f} tokens/s); "
               f"total {result.seconds:.1f} s; shards {_size(sum(b['bytes'] for b in m['blocks']))} "
