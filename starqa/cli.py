@@ -7,6 +7,7 @@ Every option can also come from a `STARQA_*` environment variable.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import sys
@@ -71,6 +72,12 @@ ProbeWindow = Annotated[Optional[int], typer.Option(
     help="apb: the block's last tokens whose queries score what to pass (default 64).")]
 
 
+def _rerunnable(command: str) -> str:
+    """`command` as hints quote it: run from the folder it was typed in, so that relative
+    paths (to sources, a model folder) still work when the hint is pasted anywhere."""
+    return f"cd {shlex.quote(os.getcwd())} && {command}"
+
+
 @app.command()
 def ingest(
     paths: Annotated[list[str], typer.Argument(help="Files and folders to pack into one context.")],
@@ -127,7 +134,7 @@ def ingest(
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
         beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes,
         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device,
-        command="starqa " + shlex.join(sys.argv[1:]),
+        command=_rerunnable("starqa " + shlex.join(sys.argv[1:])),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                 "chunk": chunk_size, "positions": positions, "passing": passing_size,
                 "window": probe_window, "question": question})

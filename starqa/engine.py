@@ -110,7 +110,7 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     key = _cache_key(content, fingerprint["digest"], method.as_dict(), dtype)
     root = paths.contexts_dir()
     final = root / key
-    if not opts.force and _intact(final):
+    if not opts.force and _reusable(final):
         manifest = store.read_manifest(final)
         store.touch(manifest)
         return IngestResult(manifest, corpus, True, time.perf_counter() - started)
@@ -279,7 +279,8 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
     return {
         "format": store.FORMAT, "key": key, "name": opts.name or _default_name(opts.paths),
         "created": time.time(), "sources": [str(Path(p).resolve()) for p in opts.paths],
-        "command": opts.command or "starqa ingest " + shlex.join(opts.paths),
+        "command": opts.command or "starqa ingest " + shlex.join(
+            str(Path(p).resolve()) for p in opts.paths),
         "model": {"path": str(model_path), "spec": opts.model or models.DEFAULT_MODEL,
                   "window": window, **fingerprint},
         "reserve": opts.reserve,
@@ -554,13 +555,18 @@ def _cache_key(content: str, model_digest: str, method: dict, dtype: str) -> str
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
-def _intact(folder: Path) -> bool:
-    """A committed context whose shards are all present with their recorded sizes."""
+def _reusable(folder: Path) -> bool:
+    """A committed context that is still what its key (the folder's name) says, so a cache
+    hit may reuse it: its manifest names the same content, model, method and dtype (an
+    edited manifest is rebuilt, not trusted) and every shard matches its checksum (hashes
+    remembered by stat, see store.verify_checksums). Anything else is encoded again."""
     try:
-        store.verify_present(store.read_manifest(folder))
+        manifest = store.read_manifest(folder)
+        store.verify_checksums(manifest)
     except StarqaError:
         return False
-    return True
+    return _cache_key(manifest["content_sha256"], manifest["model"]["digest"],
+                      manifest["method"], manifest["dtype"]) == folder.name
 
 
 def _save_tokens(folder: Path, ids: list[int], node_rank: int) -> Path:

@@ -13,9 +13,11 @@ is there and hashed, so a crash or Ctrl-C mid-ingest leaves the previous cache i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import time
 from collections.abc import Iterable
@@ -72,12 +74,16 @@ def save_block(folder: Path, index: int, k, v, metadata: dict[str, str]) -> Path
 
 def commit(staging: Path, final: Path, manifest: dict) -> None:
     """Hash every block into the manifest, write it, and swap `staging` into `final`."""
+    verified = {}
     for block in manifest["blocks"]:
         path = staging / block["file"]
         if not path.exists():
             raise ShardError(f"worker did not write {block['file']}; nothing was cached")
-        block["bytes"] = path.stat().st_size
+        st = path.stat()
+        block["bytes"] = st.st_size
         block["sha256"] = sha256_file(path)
+        verified[block["file"]] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, block["sha256"]]
+    write_json_atomic(staging / VERIFIED, verified)  # the next cache hit need not re-hash
     write_json_atomic(staging / MANIFEST, manifest)
     old = None
     if final.exists():
@@ -407,6 +413,41 @@ def verify_block(manifest: dict, index: int, checksum: bool = True) -> Path:
     return path
 
 
+VERIFIED = ".verified.json"  # per context: {file: [size, mtime_ns, ctime_ns, sha256]}
+
+
+def verify_checksums(manifest: dict) -> None:
+    """Every shard of the context matches its recorded checksum: what a cache hit must know
+    before it reuses them. A shard's hash is remembered in `.verified.json` with its size,
+    mtime and ctime (a write changes them; ctime cannot be set back), so a repeated check
+    costs one stat per shard and a damaged shard is still caught."""
+    folder = Path(manifest["_dir"])
+    remembered = _read_verified(folder)
+    verified = {}
+    for index, block in enumerate(manifest["blocks"]):
+        path = verify_block(manifest, index, checksum=False)  # present, recorded size
+        st = path.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        entry = remembered.get(block["file"])
+        sha = entry[3] if entry and entry[:3] == stamp else sha256_file(path)
+        if sha != block["sha256"]:
+            raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
+                             hint=_fix(manifest))
+        verified[block["file"]] = [*stamp, sha]
+    if verified != remembered:
+        with contextlib.suppress(OSError):  # a read-only cache is verified, just not remembered
+            write_json_atomic(folder / VERIFIED, verified)
+
+
+def _read_verified(folder: Path) -> dict:
+    """The remembered shard hashes, or {} when there are none or they cannot be read."""
+    try:
+        data = json.loads((folder / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def verify_present(manifest: dict) -> None:
     """Every shard of the context is there with its recorded size (a quick look: the
     workers verify checksums as they load)."""
@@ -434,7 +475,9 @@ def _last_used(folder: Path) -> float:
 
 
 def _fix(manifest: dict) -> str:
-    command = manifest.get("command") or "starqa ingest " + " ".join(manifest.get("sources", ["PATH"]))
+    """A re-ingest command that works when pasted in any folder: the recorded command (which
+    `starqa ingest` prefixes with a `cd` to where it ran), else the absolute sources."""
+    command = manifest.get("command") or "starqa ingest " + shlex.join(manifest["sources"])
     return f"re-ingest to rebuild it: {command}"
 
 

@@ -270,3 +270,102 @@ def test_ask_over_window_suggests_max_new_tokens_only_when_it_helps(home, tiny_m
     else:  # no answer length fits: lowering it cannot help
         assert "--max-new-tokens" not in error.value.hint
         assert "shorter question" in error.value.hint
+
+
+# ---------------------------------------------------------------------------------------
+# 6. a cache hit verifies what it reuses; the re-ingest hint works from any folder
+
+
+@pytest.fixture
+def fake_workers(monkeypatch) -> list[dict]:
+    """torchrun replaced by a stand-in that writes each block's shard as a worker would;
+    returns the jobs it ran (one per encoding)."""
+    import torch
+
+    jobs = []
+
+    def run_workers(job, launch, on_event):
+        jobs.append(job)
+        on_event({"event": "ready", "rank": 0})
+        for i, (start, end) in enumerate(job["blocks"]):
+            kv = torch.arange(start, end, dtype=torch.float32).reshape(1, 1, -1, 1)
+            store.save_block(Path(job["staging"]), i, kv, kv + 1, {})
+            on_event({"event": "block", "tokens": end - start})
+
+    monkeypatch.setattr(engine, "run_workers", run_workers)
+    return jobs
+
+
+def _ingest(docs, model, **kw):
+    return engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model),
+                                              block_size=60, **kw))
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_cache_hit_reencodes_a_shard_with_a_flipped_byte(home, docs, tiny_model, fake_workers):
+    first = _ingest(docs, tiny_model).manifest
+    assert _ingest(docs, tiny_model).cache_hit and len(fake_workers) == 1
+    shard = Path(first["_dir"]) / first["blocks"][1]["file"]
+    _flip_a_byte(shard)  # same size: the old size-only test took it for intact
+    with pytest.raises(ShardError, match="fails its checksum"):
+        store.load_block(store.read_manifest(Path(first["_dir"])), 1)
+
+    again = _ingest(docs, tiny_model)
+    assert not again.cache_hit and len(fake_workers) == 2
+    store.load_block(again.manifest, 1)  # rebuilt: passes its checksum
+    assert _ingest(docs, tiny_model).cache_hit and len(fake_workers) == 2
+
+
+def test_cache_hit_rebuilds_a_manifest_whose_model_digest_was_edited(home, docs, tiny_model,
+                                                                     fake_workers):
+    folder = Path(_ingest(docs, tiny_model).manifest["_dir"])
+    manifest = json.loads((folder / store.MANIFEST).read_text())
+    manifest["model"]["digest"] = "0" * 64
+    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StarqaError, match="does not match the model"):
+        engine.manifest_model(store.read_manifest(folder), None)
+
+    assert not _ingest(docs, tiny_model).cache_hit and len(fake_workers) == 2
+    engine.manifest_model(store.read_manifest(folder), None)  # the suggested fix fixed it
+
+
+def test_cache_hit_does_not_rehash_unchanged_shards(home, docs, tiny_model, fake_workers,
+                                                    monkeypatch):
+    _ingest(docs, tiny_model)
+
+    def no_hashing(path):
+        raise AssertionError(f"{path} was hashed again")
+
+    monkeypatch.setattr(store, "sha256_file", no_hashing)
+    assert _ingest(docs, tiny_model).cache_hit  # sizes and times match what commit hashed
+
+
+def test_rebuild_hint_works_when_pasted_in_another_folder(home, docs, tiny_model, fake_workers,
+                                                          tmp_path, monkeypatch):
+    import shlex
+    import sys
+
+    monkeypatch.chdir(docs.parent)
+    args = ["ingest", docs.name, "--model", str(tiny_model), "--block-size", "60"]
+    monkeypatch.setattr(sys, "argv", ["starqa", *args])
+    assert runner.invoke(app, args).exit_code == 0
+    manifest = store.find_context(home / "contexts", "docs")
+    _flip_a_byte(Path(manifest["_dir"]) / manifest["blocks"][0]["file"])
+    with pytest.raises(ShardError) as error:
+        store.load_block(manifest, 0)
+    hint = error.value.hint.removeprefix("re-ingest to rebuild it: ")
+    assert hint == f"cd {shlex.quote(str(docs.parent))} && starqa {shlex.join(args)}"
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the user pastes it here: `cd DIR && starqa ARGS`
+    cd, command = hint.split(" && ")
+    monkeypatch.chdir(shlex.split(cd)[1])
+    assert runner.invoke(app, shlex.split(command)[1:]).exit_code == 0
+    assert len(fake_workers) == 2
+    store.load_block(store.find_context(home / "contexts", "docs"), 0)
