@@ -7,6 +7,7 @@ Every option can also come from a `STARQA_*` environment variable.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import sys
@@ -72,6 +73,12 @@ ProbeWindow = Annotated[Optional[int], typer.Option(
     help="apb: the block's last tokens whose queries score what to pass (default 64).")]
 
 
+def _rerunnable(command: str) -> str:
+    """`command` as hints quote it: run from the folder it was typed in, so that relative
+    paths (to sources, a model folder) still work when the hint is pasted anywhere."""
+    return f"cd {shlex.quote(os.getcwd())} && {command}"
+
+
 @app.command()
 def ingest(
     paths: Annotated[list[str], typer.Argument(help="Files and folders to pack into one context.")],
@@ -108,6 +115,11 @@ def ingest(
     force: Annotated[bool, typer.Option("--force", envvar="STARQA_FORCE",
                                         help="Re-encode even on a cache hit.")] = False,
     beyond_window: BeyondWindow = False,
+    reserve: Annotated[Optional[int], typer.Option(
+        envvar="STARQA_RESERVE", min=0,
+        help="Tokens of the window kept free for a question and its answer: the context "
+             "plus this must fit the window (default 512, at most a quarter of the "
+             "window).")] = None,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
     rdzv_endpoint: Rdzv = None,
@@ -121,9 +133,9 @@ def ingest(
         paths=tuple(paths), model=model, method=method, block_size=block_size,
         anchor_size=anchor_size, workers=workers, name=name, dtype=dtype,
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
-        beyond_window=beyond_window, force=force, nnodes=nnodes, node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint, device=device,
-        command="starqa " + shlex.join(sys.argv[1:]),
+        beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes,
+        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device,
+        command=_rerunnable("starqa " + shlex.join(sys.argv[1:])),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                 "chunk": chunk_size, "positions": positions, "passing": passing_size,
                 "window": probe_window, "question": question})
@@ -189,13 +201,18 @@ def list_(as_json: AsJson = False) -> None:
 
     from starqa import paths, store
 
-    summaries = [store.context_summary(m) for m in store.list_contexts(paths.contexts_dir())]
+    good, damaged = store.scan_contexts(paths.contexts_dir())
+    summaries = [store.context_summary(m) for m in good]
+    damaged_rows = [store.damaged_summary(d) for d in damaged]
+    # A plain `ask` uses the latest context, damaged or not (it then says so): mark that one.
+    latest = max(summaries + damaged_rows, key=lambda s: s["last_used"], default=None)
     if as_json:
-        print(json.dumps([{**s, "default": i == 0} for i, s in enumerate(summaries)], indent=1))
+        print(json.dumps([{**s, "default": s is latest} for s in summaries + damaged_rows],
+                         indent=1))
         return
     from starqa.ui import context_list
 
-    context_list(summaries, time.time())
+    context_list(summaries, time.time(), damaged_rows, latest)
 
 
 @app.command()
@@ -238,7 +255,8 @@ def rm(
         raise StarqaError("Give the names of the contexts to remove, or --all (not both).",
                           hint="starqa list shows the names")
     if all_:
-        targets = store.list_contexts(root)
+        good, damaged = store.scan_contexts(root)
+        targets = [*good, *damaged]
         if not targets:
             print("No contexts to remove.")
             return
@@ -249,10 +267,10 @@ def rm(
             if not typer.confirm(f"Remove all {len(targets)} contexts?"):
                 print("Nothing removed.")
                 raise typer.Exit(1)
-    else:  # resolve every name first, so a typo removes nothing
-        found = (store.find_context(root, name) for name in names)
-        targets = list({m["key"]: m for m in found}.values())  # each context once
-    removed_report([(m, store.remove_context(m)) for m in targets])
+    else:  # resolve every name first, so a typo or an ambiguous prefix removes nothing
+        found = (store.match_context(root, name) for name in names)
+        targets = list({store.context_key(c): c for c in found}.values())  # each context once
+    removed_report([(c, store.remove_context(c)) for c in targets])
 
 
 @app.command()

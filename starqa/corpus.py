@@ -81,9 +81,38 @@ class _Globs:
         return False
 
 
+# A folder's own git config is not the user's: a tarball or shared folder can carry a
+# `.git/config` that names programs. Of the keys that run programs, `ls-files`,
+# `check-ignore` and `rev-parse` reach only core.fsmonitor (verified on git 2.39: filters,
+# textconv, diff.external, credential and ssh helpers are not used by them); the others are
+# pinned too, so that a later git, or a later command here, stays safe. Command-line `-c`
+# outranks every config file (includes and worktree config too).
+_GIT_SAFE = ("--no-pager", "--no-optional-locks", "-c", "core.fsmonitor=false",
+             "-c", "core.hooksPath=/dev/null", "-c", "core.pager=cat",
+             "-c", "core.untrackedCache=false", "-c", "diff.external=",
+             "-c", "credential.helper=", "-c", "core.sshCommand=false",
+             "-c", "protocol.allow=never")
+# The user's environment may point git at another repository or index; starqa means the
+# folder's own. GIT_PAGER etc. are neutralised; system and global config stay (they are the
+# user's own, and carry the core.excludesFile that --exclude-standard honours).
+_GIT_ENV_DROP = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR",
+                 "GIT_OBJECT_DIRECTORY", "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_CONFIG",
+                 "GIT_CONFIG_PARAMETERS", "GIT_CONFIG_COUNT", "GIT_EXTERNAL_DIFF")
+
+
+def _git_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _GIT_ENV_DROP and not k.startswith(("GIT_CONFIG_KEY_", "GIT_CONFIG_VALUE_"))}
+    env.update(GIT_PAGER="cat", PAGER="cat", GIT_OPTIONAL_LOCKS="0", GIT_TERMINAL_PROMPT="0",
+               GIT_ASKPASS="false", SSH_ASKPASS="false")
+    return env
+
+
 def _run_git(folder: Path, *args: str) -> subprocess.CompletedProcess[bytes] | None:
+    """Run a read-only git query in `folder` without running anything its config names."""
     try:
-        return subprocess.run(["git", *args], cwd=folder, capture_output=True, check=False)
+        return subprocess.run(["git", *_GIT_SAFE, *args], cwd=folder, env=_git_env(),
+                              stdin=subprocess.DEVNULL, capture_output=True, check=False)
     except OSError:  # git is not installed
         return None
 
@@ -126,8 +155,19 @@ def _walk_git(folder: Path) -> Iterator[tuple[str, Path] | Skipped]:
                 yield Skipped(hidden, "hidden")
         elif reason:
             yield Skipped(rel, reason)
-        elif (folder / rel).is_file():  # deleted files and submodules are listed but not files
+        elif (kind := _git_entry_kind(folder / rel)) == "file":
             yield rel, folder / rel
+        elif kind:
+            yield Skipped(rel, kind)
+
+
+def _git_entry_kind(path: Path) -> str:
+    """'file', '' for what git lists that is not a file (deleted files, submodules), or why
+    it cannot be looked at (a tracked file in a folder we may not enter)."""
+    try:
+        return "file" if path.is_file() else ""
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
 
 
 def _ignored(specs: list[tuple[str, pathspec.GitIgnoreSpec]], rel: str, is_dir: bool) -> bool:
@@ -152,17 +192,25 @@ def _kind(entry: os.DirEntry[str]) -> str:
     return "broken symlink" if entry.is_symlink() else "not a regular file"
 
 
+def _with_gitignore(specs: list[tuple[str, pathspec.GitIgnoreSpec]], d: Path,
+                    rel: str) -> list[tuple[str, pathspec.GitIgnoreSpec]]:
+    """`specs` plus the rules of `d/.gitignore` if there is one; OSError if `d` or its
+    .gitignore cannot be read (its rules unknown, nothing in `d` may be taken)."""
+    gitignore = d / ".gitignore"
+    if not gitignore.is_file():
+        return specs
+    lines = gitignore.read_text(encoding="utf-8", errors="replace").splitlines()
+    return [*specs, (rel, pathspec.GitIgnoreSpec.from_lines(lines))]
+
+
 def _walk_plain(folder: Path, exclude: _Globs) -> Iterator[tuple[str, Path] | Skipped]:
     """Walk a folder outside git, honouring `.gitignore`s and following symlinks without looping."""
     seen: set[str] = set()
 
     def visit(d: Path, rel: str, specs: list[tuple[str, pathspec.GitIgnoreSpec]],
               chain: frozenset[str]) -> Iterator[tuple[str, Path] | Skipped]:
-        gitignore = d / ".gitignore"
-        if gitignore.is_file():
-            lines = gitignore.read_text(encoding="utf-8", errors="replace").splitlines()
-            specs = [*specs, (rel, pathspec.GitIgnoreSpec.from_lines(lines))]
-        try:
+        try:  # a folder we may not enter is skipped like an unreadable file, not a crash
+            specs = _with_gitignore(specs, d, rel)
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError as e:
             yield Skipped(rel or ".", f"unreadable ({e.strerror})")

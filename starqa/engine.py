@@ -56,6 +56,7 @@ class IngestOptions:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     beyond_window: bool = False
+    reserve: int | None = None  # tokens kept free to ask (None: default_reserve(window))
     force: bool = False
     nnodes: int = 1
     node_rank: int = 0
@@ -94,10 +95,11 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         tokens = prompt.tokenize_context(tokenizer, packed, spans)
         ids = tokens.ids
     n = len(ids)
-    if n > window and not opts.beyond_window:
-        raise StarqaError(f"The context is {n:,} tokens > {window:,} the model was trained on.",
-                          hint="ingest fewer files (--exclude, a sub-folder), use a model with a "
-                               "longer window (--model), or pass --beyond-window to go on anyway")
+    opts = replace(opts, reserve=default_reserve(window) if opts.reserve is None else opts.reserve)
+    if opts.reserve < 0:
+        raise StarqaError(f"--reserve must be 0 or more tokens (got {opts.reserve}).")
+    if n + opts.reserve > window and not opts.beyond_window:
+        raise _no_room(n, opts.reserve, window)
     method = method_config(opts.method, n, opts.block_size, opts.anchor_size,
                            opts.method_params)
     if method.params.get("question"):  # apb: the question joins every block's anchor
@@ -108,12 +110,52 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     key = _cache_key(content, fingerprint["digest"], method.as_dict(), dtype)
     root = paths.contexts_dir()
     final = root / key
-    if not opts.force and _intact(final):
+    if not opts.force and _reusable(final):
         manifest = store.read_manifest(final)
         store.touch(manifest)
         return IngestResult(manifest, corpus, True, time.perf_counter() - started)
     return _encode(opts, root, key, tokens, corpus, spans, model_path, window, fingerprint, dtype,
                    method, content, started, ui)
+
+
+def default_reserve(window: int) -> int:
+    """Tokens `ingest` keeps free for a question and its answer: 512 (a question and a short
+    answer), but never more than a quarter of a small window."""
+    return min(512, window // 4)
+
+
+def _no_room(n: int, reserve: int, window: int) -> StarqaError:
+    """The over-window error of `ingest`: a context that fills the window leaves no room to
+    ask (issue #11, item 13), so the numbers include the reserve, and the way out names an
+    embedded model whose window would hold it."""
+    from starqa.models import EMBEDDED
+
+    need = f"{n:,} tokens" + (f" + {reserve:,} reserved for a question and an answer = "
+                              f"{n + reserve:,} tokens" if reserve else "")
+    fixes = ["ingest fewer files (--exclude, a sub-folder)"]
+    if reserve and n < window:
+        fixes.append(f"reserve less (--reserve {window - n:,} or lower; now {reserve:,})")
+    fixes += [f"use a model with a longer window (--model {m.name}: {m.window:,} tokens)"
+              for m in EMBEDDED if m.window >= n + reserve]
+    fixes.append("pass --beyond-window to go on anyway")
+    return StarqaError(f"The context is {need} > {window:,} the model was trained on.",
+                       hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
+
+
+def ask_over_window(n: int, m: int, max_new_tokens: int, window: int) -> StarqaError:
+    """The over-window error of `ask`. Lowering --max-new-tokens is offered only when a
+    lower value fits (as the value that does), never when the question alone fills the window."""
+    fixes = []
+    if n + m < window:
+        fixes.append(f"allow a shorter answer (--max-new-tokens {window - n - m:,} or lower)")
+    else:
+        fixes.append("ask a shorter question")
+    fixes += ["re-ingest less (ingest's --reserve, 512 by default, keeps room to ask)",
+              "pass --beyond-window to go on anyway"]
+    return StarqaError(
+        f"Context {n:,} + question {m:,} + up to {max_new_tokens:,} answer tokens = "
+        f"{n + m + max_new_tokens:,} tokens > {window:,} the model was trained on.",
+        hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
 
 
 def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, method: str = "star",
@@ -253,9 +295,11 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
     return {
         "format": store.FORMAT, "key": key, "name": opts.name or _default_name(opts.paths),
         "created": time.time(), "sources": [str(Path(p).resolve()) for p in opts.paths],
-        "command": opts.command or "starqa ingest " + shlex.join(opts.paths),
+        "command": opts.command or "starqa ingest " + shlex.join(
+            str(Path(p).resolve()) for p in opts.paths),
         "model": {"path": str(model_path), "spec": opts.model or models.DEFAULT_MODEL,
                   "window": window, **fingerprint},
+        "reserve": opts.reserve,
         "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
         "n_tokens": len(tokens.ids),
         "query_position": query_position(tokens.ids, method, blocks),
@@ -330,10 +374,7 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
     query_ids = prompt.tokenize_query(tokenizer, opts.question)
     n, m, window = manifest["n_tokens"], len(query_ids), manifest["model"]["window"]
     if n + m + opts.max_new_tokens > window and not opts.beyond_window:
-        raise StarqaError(
-            f"Context {n:,} + question {m:,} + up to {opts.max_new_tokens:,} answer tokens = "
-            f"{n + m + opts.max_new_tokens:,} tokens > {window:,} the model was trained on.",
-            hint="lower --max-new-tokens, ingest less, or pass --beyond-window to go on anyway")
+        raise ask_over_window(n, m, opts.max_new_tokens, window)
     workers, why = _phase2_workers(manifest, model_path, opts.workers, opts.nnodes, opts.device)
     weights = models.phase2_weights(opts.weights, manifest["model"]["spec"], opts.device)
     stops = models.stop_ids(tokenizer, model_path)
@@ -630,13 +671,18 @@ def _cache_key(content: str, model_digest: str, method: dict, dtype: str) -> str
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
-def _intact(folder: Path) -> bool:
-    """A committed context whose shards are all present with their recorded sizes."""
+def _reusable(folder: Path) -> bool:
+    """A committed context that is still what its key (the folder's name) says, so a cache
+    hit may reuse it: its manifest names the same content, model, method and dtype (an
+    edited manifest is rebuilt, not trusted) and every shard matches its checksum (hashes
+    remembered by stat, see store.verify_checksums). Anything else is encoded again."""
     try:
-        store.verify_present(store.read_manifest(folder))
+        manifest = store.read_manifest(folder)
+        store.verify_checksums(manifest)
     except StarqaError:
         return False
-    return True
+    return _cache_key(manifest["content_sha256"], manifest["model"]["digest"],
+                      manifest["method"], manifest["dtype"]) == folder.name
 
 
 def _save_tokens(folder: Path, ids: list[int], node_rank: int) -> Path:

@@ -13,9 +13,11 @@ is there and hashed, so a crash or Ctrl-C mid-ingest leaves the previous cache i
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import time
 from collections.abc import Iterable
@@ -72,12 +74,16 @@ def save_block(folder: Path, index: int, k, v, metadata: dict[str, str]) -> Path
 
 def commit(staging: Path, final: Path, manifest: dict) -> None:
     """Hash every block into the manifest, write it, and swap `staging` into `final`."""
+    verified = {}
     for block in manifest["blocks"]:
         path = staging / block["file"]
         if not path.exists():
             raise ShardError(f"worker did not write {block['file']}; nothing was cached")
-        block["bytes"] = path.stat().st_size
+        st = path.stat()
+        block["bytes"] = st.st_size
         block["sha256"] = sha256_file(path)
+        verified[block["file"]] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, block["sha256"]]
+    write_json_atomic(staging / VERIFIED, verified)  # the next cache hit need not re-hash
     write_json_atomic(staging / MANIFEST, manifest)
     old = None
     if final.exists():
@@ -88,56 +94,154 @@ def commit(staging: Path, final: Path, manifest: dict) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# The fields every command relies on, with their types: a manifest missing one, or of the
+# wrong shape, is damaged (one bad context must never crash `list` or `ask` for the others).
+_FIELDS = {"key": str, "name": str, "created": (int, float), "sources": list, "command": str,
+           "model": dict, "dtype": str, "method": dict, "n_tokens": int, "query_position": int,
+           "blocks": list, "files": list, "skipped": list}
+_MODEL_FIELDS = {"name": str, "digest": str, "path": str, "spec": str, "window": int}
+_METHOD_FIELDS = {"name": str, "block_size": int, "anchor_size": int}
+_BLOCK_FIELDS = {"index": int, "start": int, "end": int, "file": str, "bytes": int,
+                 "sha256": str}
+_FILE_FIELDS = {"path": str, "token_start": int, "token_end": int, "lines": int, "bytes": int}
+_SKIPPED_FIELDS = {"path": str, "reason": str}
+
+
 def read_manifest(folder: Path) -> dict:
+    """The manifest of the context in `folder`, checked for every field the commands use;
+    ShardError naming what is wrong otherwise."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
-        raise ShardError(f"{folder} has no {MANIFEST}") from None
-    except json.JSONDecodeError as err:
+        raise ShardError(f"{folder} has no {MANIFEST}", hint=_remove_hint(folder)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ShardError(f"{folder / MANIFEST} is not valid JSON ({err})",
-                         hint="re-ingest the sources it was made from: starqa ingest PATH") from None
+                         hint=_remove_hint(folder)) from None
+    except OSError as err:
+        raise ShardError(f"{folder / MANIFEST} cannot be read ({err.strerror})",
+                         hint=_remove_hint(folder)) from None
+    if not isinstance(manifest, dict):
+        raise ShardError(f"{folder / MANIFEST} is not a JSON object (it is "
+                         f"{type(manifest).__name__})", hint=_remove_hint(folder))
     if manifest.get("format") != FORMAT:
         raise ShardError(f"{folder} was written by an incompatible starqa (format "
-                         f"{manifest.get('format')}, expected {FORMAT})", hint=_fix(manifest))
+                         f"{manifest.get('format')!r}, expected {FORMAT})",
+                         hint=_remove_hint(folder))
+    if problem := _manifest_problem(manifest, folder.name):
+        raise ShardError(f"{folder / MANIFEST} is damaged: {problem}", hint=_remove_hint(folder))
     manifest["_dir"] = str(folder)
     return manifest
 
 
+def _manifest_problem(manifest: dict, key: str) -> str | None:
+    """What makes a manifest unusable (a missing or mistyped field, a shard name that is not
+    the block's own), or None."""
+    checks = [("", manifest, _FIELDS), ("model.", manifest.get("model"), _MODEL_FIELDS),
+              ("method.", manifest.get("method"), _METHOD_FIELDS)]
+    for list_name, fields in (("blocks", _BLOCK_FIELDS), ("files", _FILE_FIELDS),
+                              ("skipped", _SKIPPED_FIELDS)):
+        items = manifest.get(list_name)
+        checks += [(f"{list_name}[{i}].", item, fields)
+                   for i, item in enumerate(items if isinstance(items, list) else [])]
+    for where, part, fields in checks:
+        if not isinstance(part, dict):
+            return f"{where.rstrip('.')} is not an object"
+        for field, kind in fields.items():
+            value = part.get(field)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                return f"{where}{field} is missing or not a {getattr(kind, '__name__', 'number')}"
+    if manifest["key"] != key:
+        return f"its key {manifest['key']!r} is not its folder's name"
+    for i, block in enumerate(manifest["blocks"]):
+        if block["index"] != i or block["file"] != block_file(i):  # never a path elsewhere
+            return f"blocks[{i}] names {block['file']!r}, not {block_file(i)!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A context folder whose manifest cannot be used: shown by `list`, named by `ask`,
+    removable by `rm KEY` and `cache --clean`."""
+
+    path: Path
+    problem: str
+    last_used: float
+
+    @property
+    def key(self) -> str:
+        return self.path.name
+
+
+def scan_contexts(root: Path) -> tuple[list[dict], list[Damaged]]:
+    """Every context folder under `root`, read once: the usable ones (manifests) and the
+    damaged ones, each newest first (by last use, then creation)."""
+    good, damaged = [], []
+    for folder in sorted(root.iterdir()) if root.is_dir() else ():
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue
+        try:
+            good.append(read_manifest(folder))
+        except ShardError as error:
+            damaged.append(Damaged(folder, str(error), _last_used(folder)))
+    good.sort(key=lambda m: _last_used(Path(m["_dir"])), reverse=True)
+    damaged.sort(key=lambda d: d.last_used, reverse=True)
+    return good, damaged
+
+
 def list_contexts(root: Path) -> list[dict]:
-    """Every committed context, newest first (by last use, then creation)."""
-    found = []
-    if root.is_dir():
-        for folder in root.iterdir():
-            if folder.name.startswith(".") or not (folder / MANIFEST).exists():
-                continue
-            try:
-                found.append(read_manifest(folder))
-            except ShardError:
-                continue
-    return sorted(found, key=lambda m: _last_used(Path(m["_dir"])), reverse=True)
+    """Every usable context, newest first (by last use, then creation)."""
+    return scan_contexts(root)[0]
+
+
+def match_context(root: Path, name: str | None) -> dict | Damaged:
+    """The one context `name` means, damaged or not: a full key, else a context's exact
+    name, else a key prefix; `None` means the latest used. An empty name, an ambiguous one
+    or one that matches nothing is an error that lists what there is; never a guess."""
+    good, damaged = scan_contexts(root)
+    if not good and not damaged:
+        raise StarqaError("No ingested context yet.", hint="run: starqa ingest PATH")
+    if name is None:
+        return max([*good, *damaged], key=lambda c: c.last_used if isinstance(c, Damaged)
+                   else _last_used(Path(c["_dir"])))
+    if not name.strip():
+        raise StarqaError("The context name is empty.",
+                          hint="give a context name or key prefix; `starqa list` shows them")
+    keyed = [*((m["key"], m) for m in good), *((d.key, d) for d in damaged)]
+    matches = ([c for key, c in keyed if key == name]
+               or [m for m in good if m["name"] == name]
+               or [c for key, c in keyed if key.startswith(name)])
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        known = ", ".join(sorted({m["name"] for m in good} | {d.key for d in damaged}))
+        raise StarqaError(f"No context named {name!r}.", hint=f"known contexts: {known}")
+    listed = "; ".join(_label(c) for c in matches)
+    raise StarqaError(f"{name!r} matches {len(matches)} contexts: {listed}. Nothing was done.",
+                      hint="name one by a longer key prefix (`starqa list` shows the keys)")
 
 
 def find_context(root: Path, name: str | None) -> dict:
-    """The context called `name` (its name or a key prefix), or the latest one used."""
-    contexts = list_contexts(root)
-    if not contexts:
-        unreadable = root.is_dir() and any(
-            (folder / MANIFEST).exists() for folder in root.iterdir()
-            if not folder.name.startswith("."))
-        if unreadable:
-            raise StarqaError("No usable context: the cache holds only contexts an older or "
-                              "broken starqa wrote.",
-                              hint="re-ingest them (starqa ingest PATH); `starqa cache --clean` "
-                                   "removes the old ones")
-        raise StarqaError("No ingested context yet.", hint="run: starqa ingest PATH")
-    if name is None:
-        return contexts[0]
-    matches = [m for m in contexts if m["name"] == name] or \
-              [m for m in contexts if m["key"].startswith(name)]
-    if not matches:
-        known = ", ".join(sorted({m["name"] for m in contexts}))
-        raise StarqaError(f"No context named {name!r}.", hint=f"known contexts: {known}")
-    return matches[0]
+    """The usable context `name` means (see `match_context`); a damaged one, or a damaged
+    latest one when no name is given, is an error that names it: never another context."""
+    found = match_context(root, name)
+    if isinstance(found, Damaged):
+        which = "The most recently used context" if name is None else f"Context {name!r}"
+        raise ShardError(f"{which} ({found.key}) is damaged: {found.problem}",
+                         hint=f"remove it with `starqa rm {found.key}` (or `starqa cache "
+                              "--clean`) and re-ingest its sources; `starqa list` shows the "
+                              "others (`starqa ask --context NAME`)")
+    return found
+
+
+def _label(context: dict | Damaged) -> str:
+    if isinstance(context, Damaged):
+        return f"{context.key} (damaged)"
+    return f"{context['name']} ({context['key']}, {context['method']['name']})"
+
+
+def _remove_hint(folder: Path) -> str:
+    return (f"remove it (starqa rm {folder.name}, or starqa cache --clean) and re-ingest the "
+            "sources it was made from: starqa ingest PATH")
 
 
 def touch(manifest: dict) -> None:
@@ -176,12 +280,24 @@ def context_summary(manifest: dict) -> dict:
             "last_used": last_used(manifest), "dir": manifest["_dir"]}
 
 
-def remove_context(manifest: dict) -> int:
-    """Delete a context and return the bytes freed (0 if it was already gone).
+def damaged_summary(damaged: Damaged) -> dict:
+    """What `starqa list` shows for a damaged context (JSON-ready): its key, folder, size
+    and problem; `damaged` is absent from the summaries of usable contexts."""
+    return {"name": None, "key": damaged.key, "damaged": damaged.problem,
+            "bytes": dir_size(damaged.path), "last_used": damaged.last_used,
+            "dir": str(damaged.path)}
+
+
+def context_key(context: dict | Damaged) -> str:
+    return context.key if isinstance(context, Damaged) else context["key"]
+
+
+def remove_context(context: dict | Damaged) -> int:
+    """Delete a context (damaged or not) and return the bytes freed (0 if already gone).
 
     The folder is first renamed to a hidden `.trash-<key>-<pid>` (atomic), so a concurrent
     `list` or `ask` sees either the whole context or none of it, never half a folder."""
-    folder = Path(manifest["_dir"])
+    folder = context.path if isinstance(context, Damaged) else Path(context["_dir"])
     size = dir_size(folder)
     trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
     try:
@@ -202,11 +318,11 @@ LEFTOVER_PREFIXES = (".staging-", ".trash-", ".old-")
 class Leftover:
     """A folder in the contexts root that is not a usable context: an ingest being staged,
     a context being replaced (`.old-`) or removed (`.trash-`), stale when the process that
-    made it is gone; or a context whose manifest this starqa cannot read (old format)."""
+    made it is gone; or a damaged context (a manifest this starqa cannot use)."""
 
     path: Path
     bytes: int
-    pid: int | None  # None: a multi-machine `-shared` staging folder or an unreadable context
+    pid: int | None  # None: a multi-machine `-shared` staging folder or a damaged context
     running: bool  # its process is alive on this machine; never cleaned
     state: str  # why it is here, for people
 
@@ -237,12 +353,10 @@ def find_leftovers(root: Path) -> list[Leftover]:
     for path in sorted(root.iterdir()) if root.is_dir() else ():
         if path.is_dir() and path.name.startswith(LEFTOVER_PREFIXES):
             found.append(_leftover(path))
-        elif not path.name.startswith(".") and (path / MANIFEST).is_file():
-            try:
-                read_manifest(path)
-            except ShardError as error:
-                found.append(Leftover(path, dir_size(path), None, False, f"unreadable: {error}"))
-    return found
+    for damaged in scan_contexts(root)[1]:
+        found.append(Leftover(damaged.path, dir_size(damaged.path), None, False,
+                              f"damaged: {damaged.problem}"))
+    return sorted(found, key=lambda x: x.path)
 
 
 def _leftover(path: Path) -> Leftover:
@@ -258,7 +372,7 @@ def _leftover(path: Path) -> Leftover:
 def clean_leftovers(leftovers: Iterable[Leftover]) -> int:
     """Delete every leftover whose process is not running; returns the bytes freed.
     Multi-machine `-shared` staging folders are deleted too (their owner cannot be checked),
-    and so are unreadable contexts (this starqa could never use them)."""
+    and so are damaged contexts (this starqa could never use them)."""
     freed = 0
     for leftover in leftovers:
         if not leftover.running:
@@ -299,6 +413,41 @@ def verify_block(manifest: dict, index: int, checksum: bool = True) -> Path:
     return path
 
 
+VERIFIED = ".verified.json"  # per context: {file: [size, mtime_ns, ctime_ns, sha256]}
+
+
+def verify_checksums(manifest: dict) -> None:
+    """Every shard of the context matches its recorded checksum: what a cache hit must know
+    before it reuses them. A shard's hash is remembered in `.verified.json` with its size,
+    mtime and ctime (a write changes them; ctime cannot be set back), so a repeated check
+    costs one stat per shard and a damaged shard is still caught."""
+    folder = Path(manifest["_dir"])
+    remembered = _read_verified(folder)
+    verified = {}
+    for index, block in enumerate(manifest["blocks"]):
+        path = verify_block(manifest, index, checksum=False)  # present, recorded size
+        st = path.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        entry = remembered.get(block["file"])
+        sha = entry[3] if entry and entry[:3] == stamp else sha256_file(path)
+        if sha != block["sha256"]:
+            raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
+                             hint=_fix(manifest))
+        verified[block["file"]] = [*stamp, sha]
+    if verified != remembered:
+        with contextlib.suppress(OSError):  # a read-only cache is verified, just not remembered
+            write_json_atomic(folder / VERIFIED, verified)
+
+
+def _read_verified(folder: Path) -> dict:
+    """The remembered shard hashes, or {} when there are none or they cannot be read."""
+    try:
+        data = json.loads((folder / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def verify_present(manifest: dict) -> None:
     """Every shard of the context is there with its recorded size (a quick look: the
     workers verify checksums as they load)."""
@@ -315,12 +464,20 @@ def load_block(manifest: dict, index: int, device="cpu"):
 
 
 def _last_used(folder: Path) -> float:
-    stamp = folder / ".last_used"
-    return stamp.stat().st_mtime if stamp.exists() else (folder / MANIFEST).stat().st_mtime
+    """The mtime of the last-use stamp, else of the manifest, else of the folder (a damaged
+    context may have neither file); 0 when the folder is gone."""
+    for path in (folder / ".last_used", folder / MANIFEST, folder):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
 
 
 def _fix(manifest: dict) -> str:
-    command = manifest.get("command") or "starqa ingest " + " ".join(manifest.get("sources", ["PATH"]))
+    """A re-ingest command that works when pasted in any folder: the recorded command (which
+    `starqa ingest` prefixes with a `cd` to where it ran), else the absolute sources."""
+    command = manifest.get("command") or "starqa ingest " + shlex.join(manifest["sources"])
     return f"re-ingest to rebuild it: {command}"
 
 

@@ -154,6 +154,11 @@ def ingest_report(result: IngestResult) -> None:
               f"model {m['model']['name']}, {m['dtype']}")
     per_worker = _blocks_per_worker(m["method"], len(m["blocks"]), result.workers)
     err.print(f"Blocks per worker: {per_worker}")
+    room, window = m["model"]["window"] - m["n_tokens"], m["model"]["window"]
+    err.print(f"Room to ask: {room:,} of the model's {window:,} tokens are left for a question "
+              "and an answer" if room > 0 else
+              f"[yellow]No room to ask[/]: the context fills the model's {window:,}-token "
+              "window; only `ask --beyond-window` can use it")
     err.print(f"Encoded in {result.encode_seconds:.1f} s "
               f"({m['n_tokens'] / max(result.encode_seconds, 1e-9):,.0f} tokens/s); "
               f"total {result.seconds:.1f} s; shards {_size(sum(b['bytes'] for b in m['blocks']))} "
@@ -219,11 +224,14 @@ def answer_json(answer: Answer) -> dict:
 # cache management: list, info, rm, cache (their output is the command's result: stdout)
 
 
-def context_list(summaries: list[dict], now: float) -> None:
-    """The contexts as a table, most recently used first; `*` marks the one `ask` uses."""
-    if not summaries:
+def context_list(summaries: list[dict], now: float, damaged: list[dict] = (),
+                 latest: dict | None = None) -> None:
+    """The contexts as a table, most recently used first, then the damaged ones (named, so
+    that they can be removed); `*` marks `latest`, the one a plain `ask` uses."""
+    if not summaries and not damaged:
         err.print("No ingested context yet. Run: starqa ingest PATH")
         return
+    latest = latest or (summaries[0] if summaries else None)
     table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1, 0, 0),
                   caption="* the context `starqa ask` uses without --context; "
                           "method: block/anchor tokens", caption_justify="left")
@@ -233,12 +241,19 @@ def context_list(summaries: list[dict], now: float) -> None:
         # Only the sources may wrap; every other column keeps its width.
         table.add_column(column, justify=justify, overflow="fold", no_wrap=column != "sources",
                          min_width=len(column) if column != "sources" else 12)
-    for i, s in enumerate(summaries):
-        table.add_row("*" if i == 0 else "", escape(s["name"]), s["key"][:8],
+    for s in summaries:
+        table.add_row("*" if s is latest else "", escape(s["name"]), s["key"][:8],
                       escape(_sources(s["sources"])), f"{s['n_tokens']:,}",
                       _method_short(s["method"]), escape(s["model"]), _size(s["bytes"]),
                       _ago(now - s["last_used"]))
+    for d in damaged:
+        table.add_row("*" if d is latest else "", "[red]damaged[/]", d["key"][:8],
+                      escape(d["dir"]), "", "", "", _size(d["bytes"]), _ago(now - d["last_used"]))
     out.print(table)
+    for d in damaged:
+        err.print(f"[red]damaged[/] {escape(d['key'])}: {escape(d['damaged'])}")
+    if damaged:
+        err.print("Remove damaged contexts with `starqa rm KEY` or `starqa cache --clean`.")
 
 
 def context_info(manifest: dict, summary: dict, now: float) -> None:
@@ -291,10 +306,12 @@ def context_info(manifest: dict, summary: dict, now: float) -> None:
         out.print(skipped)
 
 
-def removed_report(removed: list[tuple[dict, int]]) -> None:
-    """One line per removed context with the bytes it freed, then the total."""
-    for manifest, freed in removed:
-        out.print(f"Removed {escape(manifest['name'])} ({manifest['key']}), freed {_size(freed)}")
+def removed_report(removed: list[tuple[dict | store.Damaged, int]]) -> None:
+    """One line per removed context (damaged ones by key) with the bytes it freed, then the
+    total."""
+    for context, freed in removed:
+        name = "damaged context" if isinstance(context, store.Damaged) else context["name"]
+        out.print(f"Removed {escape(name)} ({store.context_key(context)}), freed {_size(freed)}")
     if len(removed) > 1:
         out.print(f"Removed {len(removed)} contexts, freed {_size(sum(f for _, f in removed))}")
 

@@ -39,7 +39,7 @@ def make_context(home: Path, name: str, key: str, used: float, block_bytes=(1000
                   "spec": "tiny-llama", "window": 8192},
         "dtype": "bfloat16",
         "method": {"name": method, "block_size": 100, "anchor_size": 100 if method == "star" else 0},
-        "content_sha256": "cd" * 32, "n_tokens": n, "blocks": blocks,
+        "content_sha256": "cd" * 32, "n_tokens": n, "query_position": n, "blocks": blocks,
         "files": [{"path": "a.md", "token_start": 0, "token_end": n - 30, "lines": 12,
                    "bytes": 400, "line_tokens": list(range(0, n - 30, 20))},
                   {"path": "b.py", "token_start": n - 30, "token_end": n, "lines": 3,
@@ -243,7 +243,11 @@ def test_cache_clean_removes_contexts_this_starqa_cannot_read(contexts, home):
     (contexts["old"] / store.MANIFEST).write_text(json.dumps({**manifest, "format": 0}))
     (contexts["repo"] / store.MANIFEST).write_text("{not json")
     size = store.dir_size(contexts["old"]) + store.dir_size(contexts["repo"])
-    assert [c["name"] for c in json.loads(invoke("list", "--json").output)] == ["docs"]
+    listed = json.loads(invoke("list", "--json").output)
+    assert [c["name"] for c in listed if not c.get("damaged")] == ["docs"]
+    # Damaged contexts are listed by key (issue #11: they used to vanish from `list`).
+    assert {c["key"] for c in listed if c.get("damaged")} == \
+        {contexts["old"].name, contexts["repo"].name}
 
     data = json.loads(invoke("cache", "--json").output)
     assert data["n_contexts"] == 1

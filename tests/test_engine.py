@@ -253,7 +253,8 @@ def test_ask_with_only_an_old_format_context(home):
     old = paths.contexts_dir() / "0123456789abcdef"
     old.mkdir(parents=True)
     (old / "manifest.json").write_text(json.dumps({"format": 1, "name": "old"}))
-    with pytest.raises(StarqaError, match="only contexts an older or broken starqa wrote") as err:
+    with pytest.raises(StarqaError, match=r"most recently used context \(0123456789abcdef\) "
+                                          r"is damaged: .*incompatible starqa") as err:
         ask()
     assert "cache --clean" in err.value.hint
 

@@ -1,0 +1,372 @@
+"""Bad inputs and faults from issue #11: each test failed before its fix.
+
+No model downloads and no torchrun: the tiny model of `tiny.py` where a tokenizer is needed,
+fake contexts (from test_cache_cmds) where the cache is, and `engine._encode` replaced by a
+stand-in that commits shards the way the workers would.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from starqa import corpus, engine, store
+from starqa.cli import app
+from starqa.errors import ShardError, StarqaError
+from test_cache_cmds import contexts, make_context, starqa  # noqa: F401 (a fixture)
+
+runner = CliRunner()
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+
+
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+
+
+# ---------------------------------------------------------------------------------------
+# 1. ingesting a folder never runs a program its git config names
+
+
+@needs_git
+@pytest.mark.parametrize("where", ["config", "include"])
+def test_git_config_of_the_folder_runs_nothing(tmp_path, where):
+    repo = tmp_path / "r"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "a.py").write_text("tracked")
+    (repo / "b.py").write_text("untracked")
+    git(repo, "add", "a.py")
+    hook = "touch ../PWNED; echo"
+    if where == "config":
+        git(repo, "config", "core.fsmonitor", hook)
+    else:  # through an included file, which the repository itself can ship
+        (repo / "evil.cfg").write_text(f"[core]\n\tfsmonitor = {hook}\n")
+        git(repo, "config", "include.path", "../evil.cfg")
+    git(repo, "config", "core.hooksPath", str(tmp_path / "hooks"))
+    git(repo, "config", "core.pager", "touch ../PWNED; cat")
+
+    got = corpus.collect([repo])
+
+    assert not (tmp_path / "PWNED").exists()
+    expected = ["a.py", "b.py"] + (["evil.cfg"] if where == "include" else [])
+    assert [f.path for f in got.files] == expected  # git's view still decides what is read
+
+
+# ---------------------------------------------------------------------------------------
+# 6. an unreadable sub-folder is skipped and reported, never a traceback
+
+
+def _plain_tree(tmp_path: Path) -> Path:
+    root = tmp_path / "plain"
+    (root / "locked").mkdir(parents=True)
+    (root / "locked" / "secret.py").write_text("secret")
+    (root / "ok.py").write_text("ok")
+    return root
+
+
+@pytest.mark.parametrize("in_git", [False, pytest.param(True, marks=needs_git)])
+def test_unreadable_sub_folder_is_skipped_and_reported(tmp_path, monkeypatch, in_git):
+    """As root chmod cannot lock a folder, so the OS's refusal is simulated where it struck:
+    checking for the folder's .gitignore (or, in git, whether a tracked path is a file)."""
+    root = _plain_tree(tmp_path)
+    if in_git:
+        git(root, "init", "-q")
+        git(root, "add", ".")
+    real_is_file = Path.is_file
+
+    def is_file(self):
+        if self.parent.name == "locked":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    got = corpus.collect([root])
+    assert [f.path for f in got.files] == ["ok.py"]
+    where = "locked/secret.py" if in_git else "locked"  # git lists files, not folders
+    assert {s.path: s.reason for s in got.skipped} == {where: "unreadable (Permission denied)"}
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root reads folders whatever their mode")
+def test_unreadable_sub_folder_for_real(tmp_path):
+    root = _plain_tree(tmp_path)
+    (root / "locked").chmod(0)
+    try:
+        got = corpus.collect([root])
+    finally:
+        (root / "locked").chmod(0o755)
+    assert [f.path for f in got.files] == ["ok.py"]
+    assert {s.path: s.reason for s in got.skipped} == {"locked": "unreadable (Permission denied)"}
+
+
+# ---------------------------------------------------------------------------------------
+# 2. one damaged manifest is named and set aside; it never breaks the other contexts
+
+DAMAGE = {"list": "[]", "null": "null", "no fields": '{"format": 3}',
+          "truncated": '{"format": 3, "ke', "old format": '{"format": 1, "name": "x"}',
+          "not utf-8": b"\xff\xfe{"}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_manifest_is_named_and_set_aside(contexts, home, damage):
+    bad = contexts["docs"]  # the most recently used: what a plain `ask` would take
+    text = DAMAGE[damage]
+    (bad / store.MANIFEST).write_bytes(text if isinstance(text, bytes) else text.encode())
+
+    listed = json.loads(runner.invoke(app, ["list", "--json"]).output)
+    assert [c["name"] for c in listed if not c.get("damaged")] == ["repo", "old"]
+    [shown] = [c for c in listed if c.get("damaged")]
+    assert shown["key"] == bad.name and shown["default"]  # a plain ask means it: it says so
+    table = runner.invoke(app, ["list"])
+    assert table.exit_code == 0 and "damaged" in table.output and bad.name[:8] in table.output
+
+    with pytest.raises(ShardError, match=f"most recently used context \\({bad.name}\\) is "
+                                         "damaged") as error:
+        engine.ask(engine.AskOptions(question="who approved the budget"))
+    assert f"starqa rm {bad.name}" in error.value.hint
+    assert isinstance(runner.invoke(app, ["info"]).exception, ShardError)
+    assert runner.invoke(app, ["info", "repo"]).exit_code == 0  # the others still work
+    assert store.find_context(home / "contexts", "old")["name"] == "old"
+
+    usage = json.loads(runner.invoke(app, ["cache", "--json"]).output)
+    assert usage["n_contexts"] == 2
+    assert [Path(x["path"]).name for x in usage["leftovers"]] == [bad.name]
+    assert usage["leftovers"][0]["state"].startswith("damaged: ")
+
+
+def test_damaged_context_removed_by_rm_and_by_cache_clean(contexts, home):
+    for folder in (contexts["docs"], contexts["repo"]):
+        (folder / store.MANIFEST).write_text("[]")
+    proc = starqa("rm", contexts["docs"].name[:6], home=home)  # by key prefix
+    assert proc.returncode == 0, proc.stderr
+    assert "Removed damaged context" in proc.stdout and "Traceback" not in proc.stderr
+    assert not contexts["docs"].exists()
+    assert runner.invoke(app, ["cache", "--clean"]).exit_code == 0
+    assert not contexts["repo"].exists() and contexts["old"].exists()
+
+
+def test_rm_all_removes_damaged_contexts_too(contexts, home):
+    (contexts["old"] / store.MANIFEST).write_text("null")
+    assert "Removed 3 contexts" in runner.invoke(app, ["rm", "--all", "--yes"]).output
+    assert not any(folder.exists() for folder in contexts.values())
+
+
+def test_manifest_naming_a_file_outside_its_folder_is_damaged(contexts, home):
+    manifest = json.loads((contexts["old"] / store.MANIFEST).read_text())
+    manifest["blocks"][0]["file"] = "../../../../etc/passwd"
+    (contexts["old"] / store.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match="names '../../../../etc/passwd'"):
+        store.find_context(home / "contexts", "01d0")
+
+
+# ---------------------------------------------------------------------------------------
+# 3. `rm`, `info`, `ask` and `stop` never guess which context a name means
+
+
+def test_empty_name_is_an_error_and_removes_nothing(contexts, home):
+    proc = starqa("rm", "", home=home)
+    assert proc.returncode == 1 and "context name is empty" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert all(folder.exists() for folder in contexts.values())
+    with pytest.raises(StarqaError, match="empty"):
+        store.find_context(home / "contexts", " ")
+
+
+@pytest.mark.parametrize("by", ["key prefix", "name"])
+def test_ambiguous_name_lists_the_matches_and_does_nothing(contexts, home, by):
+    now = time.time()
+    twins = [make_context(home, "twin", "abcd1111" + "0" * 8, now - 10),
+             make_context(home, "twin", "abcd2222" + "0" * 8, now - 20, method="dense")]
+    name = "abcd" if by == "key prefix" else "twin"
+    proc = starqa("rm", name, home=home)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "matches 2 contexts" in proc.stderr
+    assert twins[0].name in proc.stderr and twins[1].name in proc.stderr
+    assert all(folder.exists() for folder in [*contexts.values(), *twins])
+    for command in (["info", name], ["stop", name]):
+        assert "matches 2" in str(runner.invoke(app, command).exception)
+    with pytest.raises(StarqaError, match="matches 2"):
+        engine.ask(engine.AskOptions(question="who", context=name))
+    # a longer prefix, or the full key, picks one
+    assert "Removed twin (abcd2222" in runner.invoke(app, ["rm", "abcd2"]).output
+    assert store.find_context(home / "contexts", "twin")["key"] == twins[0].name
+
+
+# ---------------------------------------------------------------------------------------
+# 5. ingest keeps room to ask; over-window errors offer fixes that can work
+
+
+class Encoded(Exception):
+    """Raised by the stand-in for the workers: the window check let the context through."""
+
+
+def _context_tokens(docs: Path, model: Path) -> int:
+    from starqa import models, prompt
+
+    packed, spans = corpus.pack(corpus.collect([docs]).files)
+    return len(prompt.tokenize_context(models.load_tokenizer(model), packed, spans).ids)
+
+
+def test_ingest_keeps_room_for_a_question_and_an_answer(home, tiny_model, tmp_path,
+                                                        monkeypatch):
+    from tiny import make_tiny_model
+
+    docs = tmp_path / "long"
+    docs.mkdir()
+    (docs / "a.md").write_text("the travel budget was approved by the office . " * 250)
+    n = _context_tokens(docs, tiny_model)
+    assert n > 2048  # so that the reserve is the full 512, not a quarter of the window
+    model = make_tiny_model(tmp_path / "w", window=n + 100)  # fits alone, not with 512 more
+    monkeypatch.setattr(engine, "_encode", lambda *a, **k: (_ for _ in ()).throw(Encoded()))
+    opts = engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32")
+    with pytest.raises(StarqaError) as error:
+        engine.ingest(opts)
+    assert f"{n:,} tokens + 512 reserved for a question and an answer = {n + 512:,} tokens > " \
+           f"{n + 100:,} the model was trained on" in str(error.value)
+    hint = error.value.hint
+    assert "--reserve 100 or lower" in hint and "--beyond-window" in hint
+    assert "--model qwen2.5-coder-1.5b: 32,768 tokens" in hint
+
+    with pytest.raises(Encoded):  # a smaller reserve lets it through, from the option ...
+        engine.ingest(replace(opts, reserve=100))
+    result = runner.invoke(app, ["ingest", str(docs), "--model", str(model)],  # ... or the env
+                           env={"STARQA_RESERVE": "64"})
+    assert isinstance(result.exception, Encoded), result.output
+
+
+def test_small_windows_reserve_a_quarter(home, docs, tiny_model, monkeypatch):
+    """The tiny model's 512-token window holds the 186-token docs with 128 reserved."""
+    monkeypatch.setattr(engine, "_encode", lambda *a, **k: (_ for _ in ()).throw(Encoded()))
+    assert engine.default_reserve(512) == 128 and engine.default_reserve(8192) == 512
+    with pytest.raises(Encoded):
+        engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model)))
+
+
+@pytest.mark.parametrize("room", [10, 0, -5])
+def test_ask_over_window_suggests_max_new_tokens_only_when_it_helps(home, tiny_model, room):
+    """A context made before the reserve, `room` tokens short of holding the question and a
+    64-token answer... or the question alone (room <= 0)."""
+    from starqa import models, prompt
+
+    question = "who approved the travel budget"
+    m = len(prompt.tokenize_query(models.load_tokenizer(tiny_model), question))
+    folder = make_context(home, "full", "f011" + "0" * 12, time.time())
+    manifest = json.loads((folder / store.MANIFEST).read_text())
+    window = manifest["n_tokens"] + m + room
+    manifest["model"] = {**manifest["model"], **models.fingerprint(tiny_model),
+                         "path": str(tiny_model), "window": window}
+    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+
+    with pytest.raises(StarqaError, match=f"> {window:,} the model was trained on") as error:
+        engine.ask(engine.AskOptions(question=question, max_new_tokens=64, warm=False))
+    if room > 0:
+        assert f"--max-new-tokens {room} or lower" in error.value.hint
+    else:  # no answer length fits: lowering it cannot help
+        assert "--max-new-tokens" not in error.value.hint
+        assert "shorter question" in error.value.hint
+
+
+# ---------------------------------------------------------------------------------------
+# 6. a cache hit verifies what it reuses; the re-ingest hint works from any folder
+
+
+@pytest.fixture
+def fake_workers(monkeypatch) -> list[dict]:
+    """torchrun replaced by a stand-in that writes each block's shard as a worker would;
+    returns the jobs it ran (one per encoding)."""
+    import torch
+
+    jobs = []
+
+    def run_workers(job, launch, on_event):
+        jobs.append(job)
+        on_event({"event": "ready", "rank": 0})
+        for i, (start, end) in enumerate(job["blocks"]):
+            kv = torch.arange(start, end, dtype=torch.float32).reshape(1, 1, -1, 1)
+            store.save_block(Path(job["staging"]), i, kv, kv + 1, {})
+            on_event({"event": "block", "tokens": end - start})
+
+    monkeypatch.setattr(engine, "run_workers", run_workers)
+    return jobs
+
+
+def _ingest(docs, model, **kw):
+    return engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model),
+                                              block_size=60, **kw))
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_cache_hit_reencodes_a_shard_with_a_flipped_byte(home, docs, tiny_model, fake_workers):
+    first = _ingest(docs, tiny_model).manifest
+    assert _ingest(docs, tiny_model).cache_hit and len(fake_workers) == 1
+    shard = Path(first["_dir"]) / first["blocks"][1]["file"]
+    _flip_a_byte(shard)  # same size: the old size-only test took it for intact
+    with pytest.raises(ShardError, match="fails its checksum"):
+        store.load_block(store.read_manifest(Path(first["_dir"])), 1)
+
+    again = _ingest(docs, tiny_model)
+    assert not again.cache_hit and len(fake_workers) == 2
+    store.load_block(again.manifest, 1)  # rebuilt: passes its checksum
+    assert _ingest(docs, tiny_model).cache_hit and len(fake_workers) == 2
+
+
+def test_cache_hit_rebuilds_a_manifest_whose_model_digest_was_edited(home, docs, tiny_model,
+                                                                     fake_workers):
+    folder = Path(_ingest(docs, tiny_model).manifest["_dir"])
+    manifest = json.loads((folder / store.MANIFEST).read_text())
+    manifest["model"]["digest"] = "0" * 64
+    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StarqaError, match="does not match the model"):
+        engine.manifest_model(store.read_manifest(folder), None)
+
+    assert not _ingest(docs, tiny_model).cache_hit and len(fake_workers) == 2
+    engine.manifest_model(store.read_manifest(folder), None)  # the suggested fix fixed it
+
+
+def test_cache_hit_does_not_rehash_unchanged_shards(home, docs, tiny_model, fake_workers,
+                                                    monkeypatch):
+    _ingest(docs, tiny_model)
+
+    def no_hashing(path):
+        raise AssertionError(f"{path} was hashed again")
+
+    monkeypatch.setattr(store, "sha256_file", no_hashing)
+    assert _ingest(docs, tiny_model).cache_hit  # sizes and times match what commit hashed
+
+
+def test_rebuild_hint_works_when_pasted_in_another_folder(home, docs, tiny_model, fake_workers,
+                                                          tmp_path, monkeypatch):
+    import shlex
+    import sys
+
+    monkeypatch.chdir(docs.parent)
+    args = ["ingest", docs.name, "--model", str(tiny_model), "--block-size", "60"]
+    monkeypatch.setattr(sys, "argv", ["starqa", *args])
+    assert runner.invoke(app, args).exit_code == 0
+    manifest = store.find_context(home / "contexts", "docs")
+    _flip_a_byte(Path(manifest["_dir"]) / manifest["blocks"][0]["file"])
+    with pytest.raises(ShardError) as error:
+        store.load_block(manifest, 0)
+    hint = error.value.hint.removeprefix("re-ingest to rebuild it: ")
+    assert hint == f"cd {shlex.quote(str(docs.parent))} && starqa {shlex.join(args)}"
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the user pastes it here: `cd DIR && starqa ARGS`
+    cd, command = hint.split(" && ")
+    monkeypatch.chdir(shlex.split(cd)[1])
+    assert runner.invoke(app, shlex.split(command)[1:]).exit_code == 0
+    assert len(fake_workers) == 2
+    store.load_block(store.find_context(home / "contexts", "docs"), 0)
