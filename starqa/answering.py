@@ -27,7 +27,10 @@ class Answerer:
         self.query_position = query_position
         self.files = list(files)
         self.token_start = token_start
-        self.hook = phase2.ShardAttention(info, shard, query_host=info.is_last)
+        # The keys before the first document are no source (see ShardAttention's `head`).
+        first_doc = min((f["token_start"] for f in self.files), default=token_start)
+        self.hook = phase2.ShardAttention(info, shard, query_host=info.is_last,
+                                          head=max(0, first_doc - token_start))
 
     @classmethod
     def from_cache(cls, manifest: dict, info: dist.DistInfo, model_path: Path,

@@ -90,19 +90,25 @@ def fold_gqa(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Te
 
 
 def partial_chunks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                   chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk: int, head: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Unmasked partial attentions of folded queries q [1, Hkv, R, D] over each run of
-    `chunk` consecutive keys of key/value [1, Hkv, N, D] (N >= 1), in the keys' dtype.
+    `chunk` consecutive keys of key/value [1, Hkv, N, D] (N >= 1), in the keys' dtype; with
+    `head`, the first `head` keys are one part of their own and the runs start after them.
 
     The keys are viewed (no copy) as C = N // chunk batch entries [C, Hkv, chunk, D] of one
     fused kernel call, which also spreads a single question's work over every core (a call
     over [1, Hkv, N, D] has only Hkv work items); a last partial chunk is one more call.
-    Returns out [C', Hkv, R, D] (keys' dtype) and lse [C', Hkv, R] fp32, C' = ceil(N / chunk):
+    Returns out [C', Hkv, R, D] (keys' dtype) and lse [C', Hkv, R] fp32, C' = (head > 0) +
+    ceil((N - head) / chunk):
     parts for `merge`, and each chunk's LSE is what source attribution needs.
     """
+    outs, lses = [], []
+    if head:
+        out, lse = _fused(q, key[:, :, :head], value[:, :, :head], scale)
+        outs.append(out), lses.append(lse)
+        key, value = key[:, :, head:], value[:, :, head:]
     kv_heads, n, dim = key.shape[1], key.shape[2], key.shape[3]
     count, full = n // chunk, n // chunk * chunk
-    outs, lses = [], []
     if count:
         k = key[0, :, :full].view(kv_heads, count, chunk, dim).transpose(0, 1)  # [C,Hkv,c,D]
         v = value[0, :, :full].view(kv_heads, count, chunk, dim).transpose(0, 1)

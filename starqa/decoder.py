@@ -21,6 +21,8 @@ or int4 (groups of 32 along the input, asymmetric), computed by torch's CPU kern
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from starqa.errors import StarqaError
-from starqa.models import WEIGHT_FORMATS
+from starqa.models import WEIGHT_FORMATS, weight_files, weights_digest
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 INT4_GROUP = 32  # the GGUF Q4 block: re-quantising a Q4_1/Q4_K tensor in groups of 32 keeps it
@@ -70,22 +72,30 @@ class DecoderConfig:
 
 
 class Linear:
-    """y = x Wᵀ (+ b) for x [M, K]; W [N, K] kept dense, or quantised weight-only."""
+    """y = x Wᵀ (+ b) for x [M, K]: `weight` [N, K] dense, or weight-only int8 (`weight`
+    int8 [N, K], `scale` [N]) or int4 (torch's packed CPU layout, `scale` the scales and
+    zeros [K / 32, N, 2])."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
-                 dtype: torch.dtype):
-        self.bias = None if bias is None else bias.to(dtype)
-        self.format = fmt if weight.device.type == "cpu" else "dense"  # kernels are CPU ones
-        if self.format == "int8":
+    def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
+        self.format, self.weight, self.scale, self.bias = fmt, weight, scale, bias
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+                 dtype: torch.dtype) -> Linear:
+        """`weight` [N, K] in format `fmt`; dense where the CPU kernels do not apply (CUDA,
+        int4 with K not a multiple of 32)."""
+        bias = None if bias is None else bias.to(dtype)
+        if weight.device.type != "cpu" or fmt == "int4" and weight.shape[1] % INT4_GROUP:
+            fmt = "dense"
+        if fmt == "int8":
             w = weight.float()
             scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
-            self.weight = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
-            self.scale = scale.to(dtype)
-        elif self.format == "int4" and weight.shape[1] % INT4_GROUP == 0:
-            self.weight, self.scale = _int4_pack(weight.float(), dtype)
-        else:
-            self.format = "dense"
-            self.weight = weight.to(dtype).contiguous()
+            q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)
+            return cls(fmt, q, scale.to(dtype), bias)
+        if fmt == "int4":
+            return cls(fmt, *_int4_pack(weight.float(), dtype), bias)
+        return cls("dense", weight.to(dtype).contiguous(), None, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.format == "int8":
@@ -96,9 +106,18 @@ class Linear:
             return F.linear(x, self.weight, self.bias)
         return y if self.bias is None else y + self.bias
 
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        found = {"weight": self.weight, "scale": self.scale, "bias": self.bias}
+        return {f"{prefix}.{k}": v for k, v in found.items() if v is not None}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> Linear:
+        weight = tensors[f"{prefix}.weight"]
+        fmt = {torch.uint8: "int4", torch.int8: "int8"}.get(weight.dtype, "dense")
+        return cls(fmt, weight, tensors.get(f"{prefix}.scale"), tensors.get(f"{prefix}.bias"))
+
     def nbytes(self) -> int:
-        extra = self.scale.nbytes if self.format != "dense" else 0
-        return self.weight.nbytes + extra + (self.bias.nbytes if self.bias is not None else 0)
+        return sum(t.nbytes for t in (self.weight, self.scale, self.bias) if t is not None)
 
 
 def _int4_pack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +132,9 @@ def _int4_pack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k), 1)
     zero = low + 8 * scale
     return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+LINEARS = ("qkv", "out", "gate_up", "down")
 
 
 @dataclass
@@ -178,6 +200,27 @@ class Decoder:
                                    for lin in (layer.qkv, layer.out, layer.gate_up, layer.down))]
         return self.embed.nbytes + sum(lin.nbytes() for lin in linears)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every prepared weight by name (what `prepared_cache` saves)."""
+        out = {"embed": self.embed, "norm": self.norm, **self.lm_head.tensors("lm_head")}
+        for i, layer in enumerate(self.layers):
+            out[f"{i}.attn_norm"], out[f"{i}.mlp_norm"] = layer.attn_norm, layer.mlp_norm
+            for name in LINEARS:
+                out.update(getattr(layer, name).tensors(f"{i}.{name}"))
+        if self.lm_head.weight is self.embed:  # tied and dense: one tensor, stored once
+            del out["lm_head.weight"]
+        return out
+
+    @classmethod
+    def from_tensors(cls, config: DecoderConfig, tensors: dict[str, torch.Tensor],
+                     dtype: torch.dtype, weights: str) -> Decoder:
+        tensors.setdefault("lm_head.weight", tensors["embed"])
+        layers = [Layer(attn_norm=tensors[f"{i}.attn_norm"], mlp_norm=tensors[f"{i}.mlp_norm"],
+                        **{n: Linear.from_tensors(tensors, f"{i}.{n}") for n in LINEARS})
+                  for i in range(config.layers)]
+        return cls(config, tensors["embed"], layers, tensors["norm"],
+                   Linear.from_tensors(tensors, "lm_head"), dtype, weights)
+
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # One fused kernel (it accumulates in fp32); transformers' LlamaRMSNorm also normalises
@@ -195,15 +238,56 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
                  device: torch.device | str = "cpu") -> Decoder:
-    """The model in `folder` for Phase 2, with its linear layers in `weights` format."""
-    from safetensors import safe_open
+    """The model in `folder` for Phase 2, with its linear layers in `weights` format.
 
+    Quantised weights are prepared once and kept next to the model, in
+    `.starqa-phase2-<weights>-<dtype>.safetensors` (keyed by the weights' hash and the torch
+    version, whose packed int4 layout may change), so later loads only read them; a folder
+    starqa may not write to is quantised at every load instead."""
     if weights not in WEIGHT_FORMATS:
         raise StarqaError(f"Unknown weight format {weights!r}.",
                           hint=f"choose one of: {', '.join(WEIGHT_FORMATS)}")
     config = DecoderConfig.read(folder)
+    if weights == "dense" or torch.device(device).type != "cpu":
+        return _build(folder, config, dtype, weights, device)
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+
+    cached = Path(folder) / f".starqa-phase2-{weights}-{str(dtype).removeprefix('torch.')}" \
+                            ".safetensors"
+    stamp = {"weights_sha256": weights_digest(folder), "torch": torch.__version__}
+    try:
+        with safe_open(str(cached), framework="pt") as f:
+            if f.metadata() == stamp:
+                return Decoder.from_tensors(config, {k: f.get_tensor(k) for k in f.keys()},
+                                            dtype, weights)
+    except (OSError, ValueError, KeyError, RuntimeError):  # absent, damaged or stale
+        pass
+    decoder = _build(folder, config, dtype, weights, device)
+    try:  # write next to it, then rename: a reader sees the old file or the whole new one
+        fd, tmp = tempfile.mkstemp(prefix=".starqa-phase2-", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            save_file(decoder.tensors(), tmp, metadata=stamp)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, cached)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError:  # read-only model folder: quantise again next time
+        pass
+    return decoder
+
+
+def _build(folder: Path, config: DecoderConfig, dtype: torch.dtype, weights: str,
+           device: torch.device | str) -> Decoder:
+    """The decoder from the model's own safetensors, quantising as `weights` says."""
+    from safetensors import safe_open
+
+
     tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(folder).glob("*.safetensors")):
+    for file in weight_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
@@ -216,24 +300,23 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
     def maybe(name: str) -> torch.Tensor | None:
         return tensors.pop(name).to(device) if name in tensors else None
 
-    def cat(names: list[str], bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        w = torch.cat([get(n + ".weight") for n in names])
-        b = [maybe(n + ".bias") for n in names] if bias else []
-        return w, (torch.cat(b) if b and all(x is not None for x in b) else None)
+    def linear(names: list[str]) -> Linear:
+        weight = torch.cat([get(n + ".weight") for n in names])
+        biases = [maybe(n + ".bias") for n in names]
+        bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        return Linear.quantize(weight, bias, weights, dtype)
 
     layers = []
     for i in range(config.layers):
         p = f"model.layers.{i}."
-        a = [p + f"self_attn.{x}_proj" for x in "qkv"]
         layers.append(Layer(
             attn_norm=get(p + "input_layernorm.weight").to(dtype),
-            qkv=Linear(*cat(a, bias=True), weights, dtype),
-            out=Linear(get(p + "self_attn.o_proj.weight"), None, weights, dtype),
+            qkv=linear([p + f"self_attn.{x}_proj" for x in "qkv"]),
+            out=linear([p + "self_attn.o_proj"]),
             mlp_norm=get(p + "post_attention_layernorm.weight").to(dtype),
-            gate_up=Linear(*cat([p + "mlp.gate_proj", p + "mlp.up_proj"], bias=False),
-                           weights, dtype),
-            down=Linear(get(p + "mlp.down_proj.weight"), None, weights, dtype)))
+            gate_up=linear([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+            down=linear([p + "mlp.down_proj"])))
     embed = get("model.embed_tokens.weight").to(dtype)
     head = embed if config.tied else get("lm_head.weight")
     return Decoder(config, embed, layers, get("model.norm.weight").to(dtype),
-                   Linear(head, None, weights, dtype), dtype, weights)
+                   Linear.quantize(head, None, weights, dtype), dtype, weights)

@@ -115,7 +115,7 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         store.touch(manifest)
         return IngestResult(manifest, corpus, True, time.perf_counter() - started)
     return _encode(opts, root, key, tokens, corpus, spans, model_path, window, fingerprint, dtype,
-                   method, content, started, ui)
+                   method, content, started, ui, query_template=prompt.query_template(tokenizer))
 
 
 def default_reserve(window: int) -> int:
@@ -192,8 +192,8 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, metho
 
 
 def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, model_path, window,
-            fingerprint, dtype, method, content, started, ui: UI, measure: bool = False
-            ) -> IngestResult:
+            fingerprint, dtype, method, content, started, ui: UI, measure: bool = False, *,
+            query_template: dict | None = None) -> IngestResult:
     """Run Phase 1 on a torchrun group and commit the shards under `root / key`."""
     ids = tokens.ids
     n = len(ids)
@@ -237,7 +237,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
             leftover.unlink()
         store.commit(staging, final, _manifest(
             opts, key, model_path, window, fingerprint, dtype, method, content, tokens, blocks,
-            corpus, spans, workers * opts.nnodes, encode_seconds))
+            corpus, spans, workers * opts.nnodes, encode_seconds, query_template))
     except BaseException:
         if opts.node_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -289,7 +289,7 @@ def ingest_worker_count(method: str, n_blocks: int, workers: int) -> int:
 
 
 def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content, tokens,
-              blocks, corpus, spans, workers, encode_seconds) -> dict:
+              blocks, corpus, spans, workers, encode_seconds, query_template) -> dict:
     from starqa import models
 
     return {
@@ -303,6 +303,7 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
         "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
         "n_tokens": len(tokens.ids),
         "query_position": query_position(tokens.ids, method, blocks),
+        "query_template": query_template,
         "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
                    for i, (s, e) in enumerate(blocks)],
         "files": [{"path": sp.path, "token_start": a, "token_end": b, "lines": sp.lines,
@@ -370,8 +371,7 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
             return _ask_warm(opts, manifest, group, ui, started)
     with ui.status("Checking model and shards"):
         model_path = _checked_model(manifest, opts.model)
-        tokenizer = models.load_tokenizer(model_path)
-    query_ids = prompt.tokenize_query(tokenizer, opts.question)
+        tokenizer, query_ids = _question(manifest, model_path, opts.question)
     n, m, window = manifest["n_tokens"], len(query_ids), manifest["model"]["window"]
     if n + m + opts.max_new_tokens > window and not opts.beyond_window:
         raise ask_over_window(n, m, opts.max_new_tokens, window)
@@ -391,6 +391,21 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         # (a second one for the same context refuses to start, see `serve`).
         client.spawn(manifest["key"], opts.workers, opts.keepalive, opts.weights)
     return answer
+
+
+def _question(manifest: dict, model_path: Path, question: str) -> tuple[Any, list[int]]:
+    """(tokenizer, the question's query ids). With the manifest's query template the plain
+    `tokenizers` library does it (no transformers import on a cold ask's way to its first
+    token); without (older caches, templates that reshape the question), transformers."""
+    from starqa import models
+
+    template = manifest.get("query_template")
+    if isinstance(template, dict) and all(isinstance(template.get(k), str)
+                                          for k in ("prefix", "suffix")):
+        if (fast := models.load_fast_tokenizer(model_path)) is not None:
+            return fast, fast.encode(template["prefix"] + question.strip() + template["suffix"])
+    tokenizer = models.load_tokenizer(model_path)
+    return tokenizer, prompt.tokenize_query(tokenizer, question)
 
 
 def ask_tokens(manifest: dict, query_ids: list[int], *, workers: int | None = None,
@@ -630,7 +645,9 @@ def _phase2_workers(manifest: dict, model_path: Path, requested: int | None, nno
 
 
 def _weights_bytes(model_path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    from starqa.models import weight_files
+
+    return sum(f.stat().st_size for f in weight_files(model_path))
 
 
 def _is_cuda(device: str) -> bool:

@@ -231,6 +231,21 @@ def ensure_embedded(model: EmbeddedModel) -> Path:
     return final
 
 
+def fetch_gguf(model: EmbeddedModel, target: Path) -> Path:
+    """The embedded model's GGUF itself at `target` (fetched and checked once), for side by
+    side benchmarks with engines that run GGUFs (benchmarks/vs_llamacpp.py)."""
+    if target.is_file():
+        return target
+    from rich.console import Console
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=target.parent) as tmp:
+        part = Path(tmp) / model.gguf_file
+        _assemble_gguf(model, part, Path(tmp), Console(file=sys.stderr))
+        os.replace(part, target)
+    return target
+
+
 def _readable_by_all(folder: Path) -> None:
     """Files as the umask allows (safetensors writes 0600): a shared cache serves every user."""
     umask = os.umask(0)
@@ -397,21 +412,60 @@ def load_model(path: Path, *, dtype: torch.dtype, device: Any = "cpu",
 
 
 def stop_ids(tokenizer, model_path: Path) -> set[int]:
-    """Token ids that end an answer: EOS from tokenizer and generation config, and the
-    end-of-turn tokens of common chat templates."""
-    from transformers import GenerationConfig
+    """Token ids that end an answer: EOS of the tokenizer and of the generation config, and
+    the end-of-turn tokens of common chat templates. `tokenizer` is a transformers one or a
+    plain `tokenizers.Tokenizer` (`load_fast_tokenizer`); no transformers import here."""
+    def token_id(name: str) -> int | None:
+        if hasattr(tokenizer, "token_to_id"):
+            return tokenizer.token_to_id(name)
+        found = tokenizer.convert_tokens_to_ids(name)
+        return found if isinstance(found, int) and found != tokenizer.unk_token_id else None
 
-    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:
-        eos = None
-    stop.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    stop = set()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None and (name := _json_field(model_path / "tokenizer_config.json", "eos_token")):
+        eos = token_id(name["content"] if isinstance(name, dict) else name)
+    stop.update([eos] if eos is not None else [])
+    generation = _json_field(model_path / "generation_config.json", "eos_token_id")
+    stop.update(generation if isinstance(generation, list) else
+                [generation] if isinstance(generation, int) else [])
     for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
-        token = tokenizer.convert_tokens_to_ids(name)
-        if isinstance(token, int) and token != tokenizer.unk_token_id:
+        if (token := token_id(name)) is not None:
             stop.add(token)
     return stop
+
+
+def _json_field(path: Path, field: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text()).get(field)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_fast_tokenizer(path: Path) -> Any:
+    """The model's `tokenizer.json` with the plain `tokenizers` library (a fraction of a
+    second, against seconds for transformers' AutoTokenizer), wrapped to encode and decode
+    as transformers does with add_special_tokens=False; None when the folder has none."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return FastTokenizer(Tokenizer.from_file(str(file)))
+
+
+class FastTokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
 
 
 def context_window(config: Any) -> int:
@@ -454,8 +508,19 @@ def _display_name(path: Path) -> str:
     return path.resolve().name
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The model's safetensors files, in order; hidden ones are starqa's own derived files
+    (Phase 2's prepared weights), never part of the model."""
+    return sorted(f for f in Path(path).glob("*.safetensors") if not f.name.startswith("."))
+
+
+def weights_digest(path: Path) -> str:
+    """sha256 of a model folder's weights (remembered by file names, sizes and mtimes)."""
+    return _weights_sha256(Path(path))
+
+
 def _weights_sha256(path: Path) -> str:
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     stats = [f.stat() for f in files]
     key = [[f.name, st.st_size, st.st_mtime_ns] for f, st in zip(files, stats)]
     sidecar = path / SIDECAR

@@ -20,7 +20,8 @@ import torch
 from starqa import dist
 from starqa.attention import attend, fold_gqa, fused_available, merge, partial_chunks
 
-ATTRIBUTION_CHUNK = 128  # shard keys per attribution unit (sources resolve to these spans)
+ATTRIBUTION_CHUNK = 128  # shard keys per attribution unit during decode
+REFINED_CHUNKS = 4  # the chunks with the most mass get exact per-key mass after the answer
 
 
 class ShardAttention:
@@ -34,15 +35,21 @@ class ShardAttention:
     """
 
     def __init__(self, info: dist.DistInfo, shard: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                 query_host: bool):
+                 query_host: bool, head: int = 0):
         self.info = info
         self.shard = shard
         self.query_host = query_host
         self.n_keys = shard[0][0].shape[2] if shard else 0
+        # Keys before the first document (template, system prompt: where attention sinks
+        # are) are one part of their own, never attributed; chunks start after them.
+        self.head = min(head, self.n_keys)
         self.track = False
         device = shard[0][0].device if shard else info.device
-        self.chunk_mass = torch.zeros(-(-self.n_keys // ATTRIBUTION_CHUNK), dtype=torch.float64,
-                                      device=device)
+        self.chunk_mass = torch.zeros(-(-(self.n_keys - self.head) // ATTRIBUTION_CHUNK),
+                                      dtype=torch.float64, device=device)
+        # Per layer, each tracked forward's last query row [Hkv, G, D] and its global LSE
+        # [Hkv, G]: enough to recompute exact per-key mass for a few chunks afterwards.
+        self._rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self._own: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [1, Hkv, cap, D]
         self._capacity = 64
         self.length = 0  # tokens of the question and answer in the own buffers
@@ -53,6 +60,7 @@ class ShardAttention:
         they grow if a question needs more."""
         self.length = 0
         self.chunk_mass.zero_()
+        self._rows = [[] for _ in self.shard or ()]
         if capacity > self._capacity:
             self._own, self._capacity = [], capacity
 
@@ -74,11 +82,13 @@ class ShardAttention:
         outs, lses = [], []
         if self.shard is not None:
             if fused_available(query):
-                out, lse = partial_chunks(q, *self.shard[layer], scale, ATTRIBUTION_CHUNK)
+                out, lse = partial_chunks(q, *self.shard[layer], scale, ATTRIBUTION_CHUNK,
+                                          self.head)
             else:  # no fused kernel here: one exact part, attribution per shard
                 out, lse = _folded(attend(query, *self.shard[layer], scale), kv_heads)
             outs.append(out), lses.append(lse)
-        n_chunks = outs[0].shape[0] if outs else 0
+        first = 1 if self.head and outs and outs[0].shape[0] > 1 else 0  # the head's part
+        n_chunks = outs[0].shape[0] - first if outs else 0
         if self.query_host:
             keys, values = self._append(layer, key, value)
             if m == 1 and fused_available(query):  # one new token sees every key: no mask
@@ -97,8 +107,11 @@ class ShardAttention:
         if self.track and n_chunks:
             # Each chunk's share of the whole attention, for the last query row, summed over
             # the query heads: rows are (g, m) with m fastest.
-            share = torch.exp(lse_parts[:n_chunks] - lse)  # [C, Hkv, R]
+            share = torch.exp(lse_parts[first:first + n_chunks] - lse)  # [C, Hkv, R]
             self.chunk_mass += share.reshape(n_chunks, -1, m)[..., -1].sum(dim=-1)
+            self._scale = scale
+            self._rows[layer].append((q.view(kv_heads, -1, m, dim)[:, :, -1],
+                                      lse.view(kv_heads, -1, m)[:, :, -1]))
         return out.view(1, q_heads, m, dim)
 
     def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor):
@@ -119,13 +132,32 @@ class ShardAttention:
         return own_k[:, :, :end], own_v[:, :, :end]
 
     def key_mass(self) -> torch.Tensor:
-        """[N_h] float64: each shard key's share of the tracked mass (a chunk's mass spread
-        evenly over its keys)."""
+        """[N_h] float64: the attention mass each shard key received from the tracked rows.
+
+        Decode only sums each chunk's mass (from the kernel's per-chunk LSE, no second pass
+        over the keys). Afterwards the REFINED_CHUNKS chunks with the most mass get their
+        exact per-key mass from the kept query rows and LSEs (a few small matmuls); every
+        other chunk's mass is spread evenly over its keys, and the head's keys get none."""
         mass = self.chunk_mass.cpu()
         sizes = torch.full_like(mass, ATTRIBUTION_CHUNK)
-        if self.n_keys % ATTRIBUTION_CHUNK:
-            sizes[-1] = self.n_keys % ATTRIBUTION_CHUNK
-        return (mass / sizes).repeat_interleave(sizes.long())
+        if (self.n_keys - self.head) % ATTRIBUTION_CHUNK:
+            sizes[-1] = (self.n_keys - self.head) % ATTRIBUTION_CHUNK
+        per_key = torch.cat([torch.zeros(self.head, dtype=mass.dtype),
+                             (mass / sizes).repeat_interleave(sizes.long())])
+        if not self._rows or not self._rows[0]:
+            return per_key
+        for chunk in mass.topk(min(REFINED_CHUNKS, mass.numel())).indices.tolist():
+            start = self.head + chunk * ATTRIBUTION_CHUNK
+            end = start + int(sizes[chunk])
+            exact = torch.zeros(end - start, dtype=torch.float64)
+            for layer, rows in enumerate(self._rows):
+                queries = torch.stack([r[0] for r in rows]).float()  # [S, Hkv, G, D]
+                lses = torch.stack([r[1] for r in rows]).float()  # [S, Hkv, G]
+                keys = self.shard[layer][0][0, :, start:end].float()  # [Hkv, n, D]
+                scores = torch.einsum("shgd,hnd->shgn", queries, keys) * self._scale
+                exact += torch.exp(scores - lses[..., None]).sum(dim=(0, 1, 2)).double().cpu()
+            per_key[start:end] = exact
+        return per_key
 
 
 def _folded(result: tuple[torch.Tensor, torch.Tensor], kv_heads: int

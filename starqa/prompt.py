@@ -67,6 +67,18 @@ def query_text(tokenizer, question: str, history: Sequence[tuple[str, str]] = ()
     return rendered[rendered.index(_DOCS) + len(_DOCS):]
 
 
+def query_template(tokenizer) -> dict | None:
+    """The query part for a first question as {"prefix", "suffix"} around the question's
+    stripped text, when the chat template renders every question that way (checked with two
+    questions); None otherwise. Kept in the manifest, it lets `ask` tokenise a question with
+    the plain `tokenizers` library instead of importing transformers for the template."""
+    one, two = "\u2063ONE\u2063", "\u2063TWO\u2063"
+    prefix, found, suffix = query_text(tokenizer, one).partition(one)
+    if not found or prefix + two + suffix != query_text(tokenizer, two):
+        return None
+    return {"prefix": prefix, "suffix": suffix}
+
+
 def tokenize_query(tokenizer, question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
     return tokenizer(query_text(tokenizer, question, history),
                      add_special_tokens=False)["input_ids"]

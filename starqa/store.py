@@ -416,15 +416,17 @@ def verify_block(manifest: dict, index: int, checksum: bool = True) -> Path:
 VERIFIED = ".verified.json"  # per context: {file: [size, mtime_ns, ctime_ns, sha256]}
 
 
-def verify_checksums(manifest: dict) -> None:
-    """Every shard of the context matches its recorded checksum: what a cache hit must know
-    before it reuses them. A shard's hash is remembered in `.verified.json` with its size,
-    mtime and ctime (a write changes them; ctime cannot be set back), so a repeated check
-    costs one stat per shard and a damaged shard is still caught."""
+def verify_checksums(manifest: dict, indices=None) -> None:
+    """Every shard of the context (or of blocks `indices`) matches its recorded checksum:
+    what a cache hit must know before it reuses them, and Phase 2 before it loads them. A
+    shard's hash is remembered in `.verified.json` with its size, mtime and ctime (a write
+    changes them; ctime cannot be set back), so a repeated check costs one stat per shard
+    and a damaged shard is still caught."""
     folder = Path(manifest["_dir"])
     remembered = _read_verified(folder)
-    verified = {}
-    for index, block in enumerate(manifest["blocks"]):
+    verified = dict(remembered) if indices is not None else {}
+    for index in range(len(manifest["blocks"])) if indices is None else indices:
+        block = manifest["blocks"][index]
         path = verify_block(manifest, index, checksum=False)  # present, recorded size
         st = path.stat()
         stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
@@ -455,11 +457,13 @@ def verify_present(manifest: dict) -> None:
         verify_block(manifest, index, checksum=False)
 
 
-def load_block(manifest: dict, index: int, device="cpu"):
-    """(k, v) of block `index`, each [L, Hkv, T, D], checksum-verified."""
+def load_block(manifest: dict, index: int, device="cpu", verified: bool = False):
+    """(k, v) of block `index`, each [L, Hkv, T, D], checksum-verified (unless `verified`:
+    the caller just did, with `verify_checksums`)."""
     from safetensors.torch import load_file
 
-    tensors = load_file(str(verify_block(manifest, index)), device=str(device))
+    path = verify_block(manifest, index, checksum=not verified)
+    tensors = load_file(str(path), device=str(device))
     return tensors["k"], tensors["v"]
 
 
@@ -482,8 +486,11 @@ def _fix(manifest: dict) -> str:
 
 
 def load_shard(manifest: dict, indices, device="cpu", dtype=None):
-    """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`)."""
-    return shard_of([load_block(manifest, i, device=device) for i in indices], dtype)
+    """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`),
+    checksum-verified (hashing only shards changed since they were last verified)."""
+    verify_checksums(manifest, indices)
+    return shard_of([load_block(manifest, i, device=device, verified=True) for i in indices],
+                    dtype)
 
 
 def shard_of(parts, dtype=None):

@@ -86,3 +86,42 @@ def test_bf16_inputs_are_computed_in_fp32():
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     ref_out, _ = reference(qb.float(), kb.float(), vb.float())
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+
+
+FUSED_SHAPES = [  # (q_heads, kv_heads, m, n, chunk, head): batch 1, as Phase 2 runs
+    (9, 3, 1, 7 * 128 + 37, 128, 0),   # SmolLM2's GQA, a decode token, a partial last chunk
+    (12, 2, 1, 3 * 64, 64, 21),        # Qwen2.5's GQA, keys before the documents
+    (9, 3, 5, 300, 300, 0),            # one chunk, several query rows (the question)
+    (4, 4, 3, 50, 128, 0),             # fewer keys than one chunk
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,m,n,chunk,head", FUSED_SHAPES)
+def test_fused_chunks_within_the_reference_error(dtype, q_heads, kv_heads, m, n, chunk, head):
+    """The fused kernel over chunks of the keys, merged by LSE, against fp64: its error is
+    bounded by twice that of a plain computation in the same dtype (SDPA's math path, which
+    rounds scores and probabilities as the dtype does), as flash-attention's tests bound it."""
+    from starqa.attention import attend_fused, fold_gqa, partial_chunks
+
+    torch.manual_seed(n)
+    q = torch.randn(1, q_heads, m, 64, dtype=dtype)
+    k, v = torch.randn(1, kv_heads, n, 64, dtype=dtype), torch.randn(1, kv_heads, n, 64, dtype=dtype)
+    want, want_lse = reference(q, k, v)
+    plain = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(q_heads // kv_heads, 1), v.repeat_interleave(q_heads // kv_heads, 1))
+    budget = 2 * (plain.double() - want).abs().max().item() + 1e-6
+    out, lse = attend_fused(q, k, v, chunk=chunk)
+    assert out.dtype == lse.dtype == torch.float32
+    assert (out.double() - want).abs().max().item() <= budget
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-4)
+    # The parts themselves: one per chunk (plus the head), each an exact partial attention.
+    outs, lses = partial_chunks(fold_gqa(q, kv_heads, dtype), k, v, 64 ** -0.5, chunk, head)
+    bounds = ([0, head] if head else [0]) + list(range(head + chunk, n, chunk)) + [n]
+    assert outs.shape[0] == lses.shape[0] == len(bounds) - 1
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        _, part_lse = reference(q, k[:, :, a:b], v[:, :, a:b])
+        torch.testing.assert_close(lses[i].reshape(1, q_heads, m).double(), part_lse,
+                                   rtol=0, atol=1e-4)
+    merged, _ = merge(outs, lses)
+    assert (merged.reshape(1, q_heads, m, 64).double() - want).abs().max().item() <= budget

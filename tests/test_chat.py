@@ -30,7 +30,8 @@ def warm_home(home, docs, tmp_path):
 
 def test_chat_session_in_a_terminal(warm_home):
     # pexpect's terminal answers no cursor-position requests; say so instead of timing out.
-    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1")
+    # The group outlives the chat for its keep-alive (0 would stop it with the chat).
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", STARQA_KEEP_ALIVE="600")
     child = pexpect.spawn(sys.executable, ["-m", "starqa", "chat", "--max-new-tokens", "6000",
                                            "--workers", "2"],
                           encoding="utf-8", timeout=240, dimensions=(40, 120), env=env)
@@ -83,4 +84,18 @@ def test_chat_session_in_a_terminal(warm_home):
                                "--max-new-tokens", "4").stdout)
     assert answer["warm"] is True and answer["sources"]
     assert "Stopped docs" in starqa("stop", "docs").stderr
+    assert json.loads(starqa("ps", "--json").stdout) == []
+
+
+def test_chat_with_keep_alive_zero_leaves_no_group(warm_home):
+    """--keep-alive 0: the group the chat started ends with the chat."""
+    env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1")
+    child = pexpect.spawn(sys.executable, ["-m", "starqa", "chat", "--keep-alive", "0"],
+                          encoding="utf-8", timeout=240, dimensions=(40, 120), env=env)
+    child.expect(r"warm worker")
+    child.expect("›")
+    assert len(json.loads(starqa("ps", "--json").stdout)) == 1
+    child.send("/exit\r")
+    child.expect(pexpect.EOF)
+    child.close()
     assert json.loads(starqa("ps", "--json").stdout) == []

@@ -36,3 +36,22 @@ def test_file_and_line_token_spans(tiny_model):
     lines = tokens.line_tokens[0]
     assert [vocab[tokens.ids[i]] for i in lines] == ["the", "block", "answer"]
     assert vocab[tokens.ids[tokens.line_tokens[1][0]]] == "long"
+
+
+def test_query_template_with_the_plain_tokenizers_library(tmp_path, tiny_model):
+    """A cold ask tokenises the question with `tokenizers` alone, from the template's query
+    part kept in the manifest: the very ids, decoded text and stop ids transformers gives,
+    for the tiny Llama (word level) and the tiny Qwen2 (byte-level BPE, ChatML)."""
+    from starqa import models
+    from tiny import make_tiny_model
+
+    for path in (tiny_model, make_tiny_model(tmp_path / "qwen", arch="qwen2")):
+        tok, fast = load_tokenizer(path), models.load_fast_tokenizer(path)
+        template = prompt.query_template(tok)
+        assert template is not None and template["prefix"].startswith(prompt.QUESTION)
+        for question in ("who approved the travel budget", "  the office ?\n", "a"):
+            ids = prompt.tokenize_query(tok, question)
+            assert fast.encode(template["prefix"] + question.strip() + template["suffix"]) == ids
+            assert fast.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+        assert models.stop_ids(fast, path) == models.stop_ids(tok, path)
+        assert models.stop_ids(fast, path)  # an answer can end

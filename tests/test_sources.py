@@ -48,3 +48,41 @@ def test_key_mass_sums_to_the_shards_share_of_attention():
     right = key_mass(q, k[:, :, 15:], 8 ** -0.5, lse)
     assert left.shape == (15,) and right.shape == (25,)
     torch.testing.assert_close((left.sum() + right.sum()).item(), 6 * 3.0, rtol=1e-5, atol=1e-5)
+
+
+def test_phase2_attribution_equals_the_exact_key_mass():
+    """What Phase 2 tracks while decoding (each chunk's mass from the kernel's per-chunk LSE,
+    then exact per-key mass for the top chunks) against `key_mass` over every key, summed
+    over layers and steps: chunk sums match everywhere, the refined chunks key by key, and
+    the keys before the first document (the head) get nothing."""
+    from starqa import dist, phase2
+
+    torch.manual_seed(0)
+    n, head, layers = 2 * phase2.ATTRIBUTION_CHUNK * 3 + 37, 11, 2
+    shard = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for _ in range(layers)]
+    hook = phase2.ShardAttention(dist.local_world(), shard, query_host=True, head=head)
+    hook.begin(8)
+    hook.track = True
+    expected = torch.zeros(n, dtype=torch.float64)
+    for step in range(3):  # a 4-token question, then two single tokens
+        m = 4 if step == 0 else 1
+        for layer in range(layers):
+            q, k, v = torch.randn(1, 6, m, 8), torch.randn(1, 2, m, 8), torch.randn(1, 2, m, 8)
+            hook.attention(layer, q, k, v)
+            own_k = hook._own[layer][0][:, :, :hook.length + m]
+            own_v = hook._own[layer][1][:, :, :hook.length + m]
+            keys, values = torch.cat([shard[layer][0], own_k], 2), torch.cat([shard[layer][1], own_v], 2)
+            _, lse = attend(q, keys, values, 8 ** -0.5, causal=True)
+            expected += key_mass(q[:, :, -1:], shard[layer][0], 8 ** -0.5, lse[..., -1:]).double()
+        hook.advance(m)
+    got = hook.key_mass()
+    assert got.shape == (n,) and got[:head].abs().sum() == 0
+    chunk = phase2.ATTRIBUTION_CHUNK
+    bounds = list(range(head, n, chunk)) + [n]
+    sums = torch.tensor([got[a:b].sum() for a, b in zip(bounds, bounds[1:])])
+    torch.testing.assert_close(sums, torch.tensor([expected[a:b].sum()
+                                                   for a, b in zip(bounds, bounds[1:])]),
+                               rtol=1e-4, atol=1e-6)
+    for c in sums.topk(phase2.REFINED_CHUNKS).indices.tolist():
+        torch.testing.assert_close(got[bounds[c]:bounds[c + 1]],
+                                   expected[bounds[c]:bounds[c + 1]], rtol=1e-4, atol=1e-6)

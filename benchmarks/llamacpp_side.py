@@ -1,0 +1,71 @@
+"""llama.cpp's side of benchmarks/vs_llamacpp.py; runs in the llama-cpp-python venv (it
+imports nothing of starqa).
+
+    python llamacpp_side.py save    GGUF STATE JOB.json   # context → state file on disk
+    python llamacpp_side.py restore GGUF STATE JOB.json   # fresh process: load, restore, ask
+
+JOB.json: {"context_ids": [...], "query_ids": [...], "new_tokens": N, "threads": T,
+"n_ctx": C}. Prints one JSON line of timings (seconds) and the greedy tokens generated.
+"""
+
+import ctypes
+import json
+import sys
+import time
+
+import llama_cpp
+import numpy as np
+
+
+def load(gguf: str, job: dict) -> llama_cpp.Llama:
+    return llama_cpp.Llama(model_path=gguf, n_ctx=job["n_ctx"], n_batch=512,
+                           n_threads=job["threads"], n_threads_batch=job["threads"],
+                           logits_all=False, verbose=False)
+
+
+def save(gguf: str, state: str, job: dict) -> dict:
+    started = time.perf_counter()
+    llm = load(gguf, job)
+    loaded = time.perf_counter()
+    ids = job["context_ids"]
+    llm.eval(ids)
+    encoded = time.perf_counter()
+    tokens = (llama_cpp.llama_token * len(ids))(*ids)
+    if not llama_cpp.llama_state_save_file(llm.ctx, state.encode(), tokens, len(ids)):
+        raise SystemExit("llama_state_save_file failed")
+    return {"load_s": loaded - started, "prefill_s": encoded - loaded,
+            "save_s": time.perf_counter() - encoded}
+
+
+def restore(gguf: str, state: str, job: dict) -> dict:
+    started = time.perf_counter()
+    llm = load(gguf, job)
+    loaded = time.perf_counter()
+    capacity = job["n_ctx"]
+    tokens = (llama_cpp.llama_token * capacity)()
+    count = ctypes.c_size_t(0)
+    if not llama_cpp.llama_state_load_file(llm.ctx, state.encode(), tokens, capacity,
+                                           ctypes.byref(count)):
+        raise SystemExit("llama_state_load_file failed")
+    llm.n_tokens = count.value
+    llm.input_ids[:count.value] = np.asarray(tokens[:count.value])
+    restored = time.perf_counter()
+    llm.eval(job["query_ids"])
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    first = time.perf_counter()
+    generated = [token]
+    for _ in range(job["new_tokens"] - 1):
+        llm.eval([token])
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        generated.append(token)
+    end = time.perf_counter()
+    return {"load_s": loaded - started, "restore_s": restored - loaded,
+            "question_s": first - restored,
+            "decode_ms_per_token": (end - first) / max(len(generated) - 1, 1) * 1e3,
+            "tokens": generated, "system_info": llama_cpp.llama_print_system_info().decode()}
+
+
+if __name__ == "__main__":
+    mode, gguf, state, job_file = sys.argv[1:5]
+    job = json.loads(open(job_file).read())
+    print(json.dumps({"save": save, "restore": restore}[mode](gguf, state, job)), flush=True)

@@ -1,0 +1,217 @@
+"""starqa against llama.cpp and transformers, side by side in one run, on the same GGUF and
+the same rendered prompt (copies of samples/ as the context, one question).
+
+    python benchmarks/vs_llamacpp.py --llamacpp-python /path/to/llamacpp-venv/bin/python \\
+        [--model smollm2-135m] [--tokens 7500] [--new-tokens 48]
+
+Prints, for this machine's CPU:
+- starqa cold first token: `starqa ask` as a user runs it (a fresh process, the context
+  cached, no warm group), from the command's start to the first byte of the answer;
+- starqa warm first token and decode ms/token: a warm group (`starqa serve`), as the server
+  measures them (question received → first token; first → last token);
+- transformers (bf16, SDPA) with the context's KV kept in memory: question → first token,
+  decode ms/token;
+- llama.cpp on the embedded model's own GGUF: the context evaluated and its state saved to
+  disk once; then a fresh process loads the model, restores the state and asks; load,
+  restore, question → first token, decode ms/token.
+Every engine decodes greedily the same number of tokens (starqa's answer length).
+
+llama-cpp-python is a benchmark-only extra, never a dependency of starqa nor of its CI.
+Build it from source in a virtualenv of its own (about 8 minutes on 2 cores); a native
+build crashed on one of this project's CPUs, hence the explicit flags:
+
+    python3 -m venv /tmp/llamacpp && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON \\
+      -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \\
+      /tmp/llamacpp/bin/pip install llama-cpp-python==0.3.36
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_bench import build_corpus  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = "Who approved the 2026 travel budget, and what does the travel policy say about it?"
+SIDE = Path(__file__).parent / "llamacpp_side.py"
+
+
+def cpu_line() -> str:
+    """The CPU model and the flags that decide which kernels run."""
+    text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    wanted = [f for f in flags if f.startswith("amx") or f in (
+        "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "avx_vnni")]
+    return (f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} cores; "
+            f"flags: {' '.join(wanted) or 'none of note'}")
+
+
+def starqa_cold(name: str, new_tokens: int) -> tuple[float, str]:
+    """Seconds from starting `starqa ask` to the first byte of its answer on stdout."""
+    cmd = [sys.executable, "-m", "starqa", "ask", QUESTION, "--context", name,
+           "--keep-alive", "0", "--max-new-tokens", str(new_tokens)]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    first = time.perf_counter() - started
+    rest = proc.stdout.read()
+    err = proc.stderr.read().decode(errors="replace")
+    if proc.wait() != 0:
+        raise SystemExit(f"starqa ask failed:\n{err}")
+    return first, err.strip().splitlines()[-1] if err.strip() else ""
+
+
+def starqa_warm(key: str, new_tokens: int, runs: int = 3) -> dict:
+    """A warm group's own timings for the question, median of `runs`."""
+    from starqa import client
+
+    group = client.start(key, None, keepalive=600)
+    conn = client.Client(group)
+    try:
+        results = [next(e for e in conn.ask(QUESTION, (), new_tokens) if e["event"] == "done")
+                   for _ in range(runs)]
+    finally:
+        conn.stop()
+        conn.close()
+    tokens = results[-1]["token_ids"]
+    per_token = [r["decode_s"] / max(len(r["token_ids"]) - 1, 1) * 1e3 for r in results]
+    return {"first_token_s": statistics.median(r["first_token_s"] for r in results),
+            "decode_ms_per_token": statistics.median(per_token), "tokens": tokens,
+            "text": results[-1]["text"], "weights": group.get("weights")}
+
+
+def transformers_dense(model_path: Path, context: list[int], query: list[int],
+                       new_tokens: int) -> dict:
+    """The same prompt on transformers (bf16, SDPA), the context's KV kept in memory."""
+    import torch
+
+    from starqa.models import load_model
+
+    model = load_model(model_path, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        cache = model(torch.tensor([context]), use_cache=True).past_key_values
+        started = time.perf_counter()
+        out = model(torch.tensor([query]), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        token = out.logits[0, -1].argmax()
+        first = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            out = model(token.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
+            token = out.logits[0, -1].argmax()
+        end = time.perf_counter()
+    return {"first_token_s": first - started,
+            "decode_ms_per_token": (end - first) / max(new_tokens - 1, 1) * 1e3}
+
+
+def llamacpp(python: str, gguf: Path, context: list[int], query: list[int],
+             new_tokens: int, folder: Path) -> dict:
+    job = folder / "job.json"
+    job.write_text(json.dumps({"context_ids": context, "query_ids": query,
+                               "new_tokens": new_tokens, "threads": os.cpu_count(),
+                               "n_ctx": len(context) + len(query) + new_tokens + 16}))
+    state = folder / "state.bin"
+
+    def side(mode: str) -> dict:
+        proc = subprocess.run([python, str(SIDE), mode, str(gguf), str(state), str(job)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"llama.cpp ({mode}) failed:\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    saved = side("save")
+    restored = side("restore")
+    restored["state_bytes"] = state.stat().st_size
+    restored["prefill_s"] = saved["prefill_s"]
+    return restored
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llamacpp-python", required=True,
+                        help="python of a virtualenv with llama-cpp-python (see above)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=7500, help="context size to build")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    args = parser.parse_args()
+
+    import torch
+
+    from starqa import corpus, engine, models, paths, prompt, store
+
+    embedded = models.embedded_model(args.model)
+    if embedded is None:
+        raise SystemExit("--model must be an embedded model (llama.cpp needs its GGUF)")
+    print(f"CPU: {cpu_line()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; model {embedded.name}")
+    model_path = models.resolve_model(embedded.name)
+    gguf = models.fetch_gguf(embedded, paths.home() / "bench" / "gguf" / embedded.gguf_file)
+    tokenizer = models.load_tokenizer(model_path)
+    name = f"vs-llamacpp-{embedded.name}-{args.tokens}"
+    with tempfile.TemporaryDirectory(prefix="starqa-vs-") as tmp:
+        folder = Path(tmp)
+        build_corpus(tokenizer, args.tokens, folder / name)
+        ingested = engine.ingest(engine.IngestOptions(paths=(str(folder / name),),
+                                                      model=embedded.name, name=name))
+        manifest = ingested.manifest
+        files = corpus.collect([str(folder / name)]).files
+        packed, spans = corpus.pack(files)
+        context = prompt.tokenize_context(tokenizer, packed, spans).ids
+        query = prompt.tokenize_query(tokenizer, QUESTION)
+        assert len(context) == manifest["n_tokens"]
+        print(f"context {len(context):,} tokens ({manifest['method']['name']}, "
+              f"{len(manifest['blocks'])} blocks, {manifest['dtype']}), question "
+              f"{len(query)} tokens", flush=True)
+
+        warm = starqa_warm(manifest["key"], args.new_tokens)
+        n_new = max(len(warm["tokens"]), 2)
+        cold = [starqa_cold(name, n_new) for _ in range(2)]
+        dense = transformers_dense(model_path, context, query, n_new)
+        cpp = llamacpp(args.llamacpp_python, gguf, context, query, n_new, folder)
+        store.remove_context(manifest)
+
+    cpp_cold = cpp["load_s"] + cpp["restore_s"] + cpp["question_s"]
+    rows = [
+        ("starqa cold ask (command start → first byte)", min(c[0] for c in cold), None),
+        (f"starqa warm group ({warm['weights']} weights)", warm["first_token_s"],
+         warm["decode_ms_per_token"]),
+        ("transformers bf16, context KV in memory", dense["first_token_s"],
+         dense["decode_ms_per_token"]),
+        (f"llama.cpp, state restored (load {cpp['load_s']:.2f} s + restore "
+         f"{cpp['restore_s']:.2f} s + question)", cpp["question_s"], cpp["decode_ms_per_token"]),
+    ]
+    print(f"\n{n_new} tokens decoded greedily by each engine\n")
+    print(f"{'system':<72} {'first token':>12} {'decode':>14}")
+    for label, first, decode in rows:
+        dec = f"{decode:.1f} ms/token" if decode is not None else "—"
+        print(f"{label:<72} {first:>10.2f} s {dec:>14}")
+    print("\nTargets (ratios in this run):")
+    print(f"  decode: starqa {warm['decode_ms_per_token']:.1f} / llama.cpp "
+          f"{cpp['decode_ms_per_token']:.1f} ms/token = "
+          f"{warm['decode_ms_per_token'] / cpp['decode_ms_per_token']:.2f} (target ≤ 1)")
+    print(f"  warm first token: starqa {warm['first_token_s']:.2f} s / llama.cpp question "
+          f"{cpp['question_s']:.2f} s = {warm['first_token_s'] / cpp['question_s']:.2f} "
+          "(target ≤ 1)")
+    print(f"  cold first token: starqa {min(c[0] for c in cold):.2f} s / llama.cpp load + "
+          f"restore + question {cpp_cold:.2f} s = {min(c[0] for c in cold) / cpp_cold:.2f} "
+          "(target ≤ 2)")
+    print(f"\nstarqa's answer: {warm['text']!r}")
+    print(f"starqa cold ask's stat line: {cold[-1][1]}")
+    same = sum(a == b for a, b in zip(warm["tokens"], cpp["tokens"]))
+    print(f"greedy tokens equal to llama.cpp's: {same} of {min(len(warm['tokens']), n_new)} "
+          "(different 4-bit kernels round differently)")
+    print(f"llama.cpp: {cpp['system_info'].strip()}; state file {cpp['state_bytes'] / 1e6:.0f} MB,"
+          f" context prefill {cpp['prefill_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
