@@ -23,6 +23,12 @@ def load(gguf: str, job: dict) -> llama_cpp.Llama:
                            logits_all=False, verbose=False)
 
 
+def last_argmax(llm: llama_cpp.Llama) -> int:
+    """Greedy choice from the logits of the last token evaluated."""
+    logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return int(np.argmax(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),))))
+
+
 def save(gguf: str, state: str, job: dict) -> dict:
     started = time.perf_counter()
     llm = load(gguf, job)
@@ -51,12 +57,12 @@ def restore(gguf: str, state: str, job: dict) -> dict:
     llm.input_ids[:count.value] = np.asarray(tokens[:count.value])
     restored = time.perf_counter()
     llm.eval(job["query_ids"])
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = last_argmax(llm)
     first = time.perf_counter()
     generated = [token]
     for _ in range(job["new_tokens"] - 1):
         llm.eval([token])
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = last_argmax(llm)
         generated.append(token)
     end = time.perf_counter()
     return {"load_s": loaded - started, "restore_s": restored - loaded,

@@ -90,7 +90,7 @@ def fold_gqa(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Te
 
 
 def partial_chunks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                   chunk: int, head: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk: int, head: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Unmasked partial attentions of folded queries q [1, Hkv, R, D] over each run of
     `chunk` consecutive keys of key/value [1, Hkv, N, D] (N >= 1), in the keys' dtype; with
     `head`, the first `head` keys are one part of their own and the runs start after them.
@@ -98,9 +98,10 @@ def partial_chunks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scal
     The keys are viewed (no copy) as C = N // chunk batch entries [C, Hkv, chunk, D] of one
     fused kernel call, which also spreads a single question's work over every core (a call
     over [1, Hkv, N, D] has only Hkv work items); a last partial chunk is one more call.
-    Returns out [C', Hkv, R, D] (keys' dtype) and lse [C', Hkv, R] fp32, C' = (head > 0) +
-    ceil((N - head) / chunk):
-    parts for `merge`, and each chunk's LSE is what source attribution needs.
+    Returns the parts as lists (one entry per kernel call, to be concatenated once with the
+    caller's other parts): outs [c_i, Hkv, R, D] in the keys' dtype and lses [c_i, Hkv, R]
+    fp32, in key order, (head > 0) + ceil((N - head) / chunk) parts in all. Each chunk's LSE
+    is what source attribution needs.
     """
     outs, lses = [], []
     if head:
@@ -117,9 +118,7 @@ def partial_chunks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scal
     if full < n:
         out, lse = _fused(q, key[:, :, full:], value[:, :, full:], scale)
         outs.append(out), lses.append(lse)
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs), torch.cat(lses)
+    return outs, lses
 
 
 def attend_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -133,7 +132,8 @@ def attend_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     _, q_heads, m, dim = query.shape
     scale = dim**-0.5 if scale is None else scale
     q = fold_gqa(query, key.shape[1], key.dtype)
-    out, lse = merge(*partial_chunks(q, key, value, scale, chunk or key.shape[2]))
+    outs, lses = partial_chunks(q, key, value, scale, chunk or key.shape[2])
+    out, lse = merge(torch.cat(outs), torch.cat(lses))
     return out.reshape(1, q_heads, m, dim), lse.reshape(1, q_heads, m)
 
 
@@ -164,17 +164,18 @@ def merge(outs: list[torch.Tensor] | torch.Tensor, lses: list[torch.Tensor] | to
         lse = logsumexp_p(lse_p)          out = sum_p exp(lse_p - lse) * out_p
 
     Parts whose lse is -inf (no keys) get weight 0; rows with no keys anywhere stay 0 / -inf.
-    Returns fp32.
+    Returns fp32. (Written out with the running maximum rather than torch.logsumexp: on a
+    decode step this runs once per layer on tiny tensors, where each op's fixed cost rules.)
     """
     out_stack = torch.stack(list(outs)) if isinstance(outs, (list, tuple)) else outs
     lse_stack = torch.stack(list(lses)) if isinstance(lses, (list, tuple)) else lses
-    lse_stack = lse_stack.float()
-    lse = torch.logsumexp(lse_stack, dim=0)
-    # A row with no keys anywhere has lse = -inf; the clamp keeps its weights exp(-inf) = 0
-    # instead of exp(-inf + inf) = nan.
-    weights = torch.exp(lse_stack - lse.clamp(min=torch.finfo(torch.float32).min))
-    out = (weights.unsqueeze(-1) * out_stack.float()).sum(dim=0)
-    return out, lse
+    # A row with no keys anywhere has top = -inf: the clamp keeps its weights exp(-inf) = 0
+    # instead of exp(-inf + inf) = nan; its total is then 0 and its lse log(0) = -inf.
+    top = lse_stack.amax(dim=0).float().clamp_(min=torch.finfo(torch.float32).min)
+    weights = torch.exp(lse_stack - top)  # [P, ..., M], the largest part's weight is 1
+    total = weights.sum(dim=0)
+    out = (weights.unsqueeze(-1) * out_stack).sum(dim=0).div_(total.clamp(min=1e-30).unsqueeze(-1))
+    return out, total.log_().add_(top)
 
 
 def key_mass(query: torch.Tensor, key: torch.Tensor, scale: float, lse: torch.Tensor) -> torch.Tensor:

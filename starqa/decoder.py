@@ -78,15 +78,20 @@ class Linear:
 
     def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None):
+        if fmt != "dense":
+            # The packed kernels read past 64-byte alignment assumptions: a tensor mapped
+            # from a safetensors file at an unaligned offset crashes _weight_int8pack_mm.
+            weight, scale = _aligned(weight), _aligned(scale)
         self.format, self.weight, self.scale, self.bias = fmt, weight, scale, bias
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
                  dtype: torch.dtype) -> Linear:
-        """`weight` [N, K] in format `fmt`; dense where the CPU kernels do not apply (CUDA,
-        int4 with K not a multiple of 32)."""
+        """`weight` [N, K] in format `fmt`; dense where the CPU kernels do not apply (CUDA;
+        int4 needs K a multiple of 32 and N of 16)."""
         bias = None if bias is None else bias.to(dtype)
-        if weight.device.type != "cpu" or fmt == "int4" and weight.shape[1] % INT4_GROUP:
+        n, k = weight.shape
+        if weight.device.type != "cpu" or fmt == "int4" and (k % INT4_GROUP or n % 16):
             fmt = "dense"
         if fmt == "int8":
             w = weight.float()
@@ -118,6 +123,10 @@ class Linear:
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.weight, self.scale, self.bias) if t is not None)
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
 
 
 def _int4_pack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

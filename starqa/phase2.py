@@ -28,10 +28,10 @@ class ShardAttention:
     """The attention of every layer for Phase 2 on one worker (starqa.decoder calls it).
 
     shard: per layer (k, v) [1, Hkv, N_h, D] of this worker's blocks, in the compute dtype,
-    or None for no blocks. While `track` is set, the attention probability that each run of
-    ATTRIBUTION_CHUNK shard keys receives from the last query row of every forward (the row
-    that picks the next token), summed over layers and heads, accumulates in `chunk_mass`:
-    the kernel returns each run's LSE, so this costs no second pass over the keys.
+    or None for no blocks. While `track` is set, it keeps what source attribution needs
+    from the last query row of every forward (the row that picks the next token): the LSE
+    the kernel returns for each run of ATTRIBUTION_CHUNK shard keys, the global LSE and the
+    row itself, so attribution costs no second pass over the keys (see `key_mass`).
     """
 
     def __init__(self, info: dist.DistInfo, shard: list[tuple[torch.Tensor, torch.Tensor]] | None,
@@ -44,12 +44,12 @@ class ShardAttention:
         # are) are one part of their own, never attributed; chunks start after them.
         self.head = min(head, self.n_keys)
         self.track = False
-        device = shard[0][0].device if shard else info.device
-        self.chunk_mass = torch.zeros(-(-(self.n_keys - self.head) // ATTRIBUTION_CHUNK),
-                                      dtype=torch.float64, device=device)
-        # Per layer, each tracked forward's last query row [Hkv, G, D] and its global LSE
-        # [Hkv, G]: enough to recompute exact per-key mass for a few chunks afterwards.
-        self._rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        # Attribution chunks of the shard (none where no fused kernel returns their LSEs).
+        self.fused = shard is not None and fused_available(shard[0][0])
+        self.n_chunks = -(-(self.n_keys - self.head) // ATTRIBUTION_CHUNK) if self.fused else 0
+        # Per layer, each tracked forward's last query row [Hkv, G, D], its global LSE
+        # [Hkv, G] and its chunks' LSEs [C, Hkv, G] (see `key_mass`).
+        self._rows: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
         self._own: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [1, Hkv, cap, D]
         self._capacity = 64
         self.length = 0  # tokens of the question and answer in the own buffers
@@ -59,7 +59,6 @@ class ShardAttention:
         one's KV. Buffers of that size are allocated once and reused by later questions;
         they grow if a question needs more."""
         self.length = 0
-        self.chunk_mass.zero_()
         self._rows = [[] for _ in self.shard or ()]
         if capacity > self._capacity:
             self._own, self._capacity = [], capacity
@@ -81,21 +80,21 @@ class ShardAttention:
         q = fold_gqa(query, kv_heads, dtype)
         outs, lses = [], []
         if self.shard is not None:
-            if fused_available(query):
-                out, lse = partial_chunks(q, *self.shard[layer], scale, ATTRIBUTION_CHUNK,
-                                          self.head)
+            if self.fused:
+                outs, lses = partial_chunks(q, *self.shard[layer], scale, ATTRIBUTION_CHUNK,
+                                            self.head)
             else:  # no fused kernel here: one exact part, attribution per shard
                 out, lse = _folded(attend(query, *self.shard[layer], scale), kv_heads)
-            outs.append(out), lses.append(lse)
-        first = 1 if self.head and outs and outs[0].shape[0] > 1 else 0  # the head's part
-        n_chunks = outs[0].shape[0] - first if outs else 0
+                outs, lses = [out], [lse]
         if self.query_host:
             keys, values = self._append(layer, key, value)
             if m == 1 and fused_available(query):  # one new token sees every key: no mask
-                out, lse = partial_chunks(q, keys, values, scale, keys.shape[2])
+                own_outs, own_lses = partial_chunks(q, keys, values, scale, keys.shape[2])
+                outs += own_outs
+                lses += own_lses
             else:
                 out, lse = _folded(attend(query, keys, values, scale, causal=True), kv_heads)
-            outs.append(out), lses.append(lse)
+                outs.append(out), lses.append(lse)
         if not outs:  # no blocks and not the query host: contribute nothing
             outs, lses = [q.new_zeros(1, *q.shape[1:])], [q.new_full(q.shape[:3], -math.inf)]
         lse_parts = torch.cat(lses) if len(lses) > 1 else lses[0]  # [P, Hkv, R]
@@ -104,14 +103,16 @@ class ShardAttention:
             # One collective: [out ‖ lse] as [Hkv, R, D + 1], gathered to [W, Hkv, R, D + 1].
             gathered = dist.all_gather(self.info, torch.cat([out, lse.unsqueeze(-1)], dim=-1))
             out, lse = merge(gathered[..., :-1], gathered[..., -1])
-        if self.track and n_chunks:
-            # Each chunk's share of the whole attention, for the last query row, summed over
-            # the query heads: rows are (g, m) with m fastest.
-            share = torch.exp(lse_parts[first:first + n_chunks] - lse)  # [C, Hkv, R]
-            self.chunk_mass += share.reshape(n_chunks, -1, m)[..., -1].sum(dim=-1)
+        if self.track and self.n_chunks:
+            # Kept, not computed, here (views, no kernels): the last query row's chunk LSEs,
+            # its global LSE and the row itself; rows are (g, m) with m fastest. key_mass()
+            # turns them into mass once the answer is done.
+            first = 1 if self.head else 0  # the head's part is no source
+            chunks = lse_parts[first:first + self.n_chunks]
             self._scale = scale
             self._rows[layer].append((q.view(kv_heads, -1, m, dim)[:, :, -1],
-                                      lse.view(kv_heads, -1, m)[:, :, -1]))
+                                      lse.view(kv_heads, -1, m)[:, :, -1],
+                                      chunks.view(chunks.shape[0], kv_heads, -1, m)[..., -1]))
         return out.view(1, q_heads, m, dim)
 
     def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor):
@@ -134,18 +135,22 @@ class ShardAttention:
     def key_mass(self) -> torch.Tensor:
         """[N_h] float64: the attention mass each shard key received from the tracked rows.
 
-        Decode only sums each chunk's mass (from the kernel's per-chunk LSE, no second pass
-        over the keys). Afterwards the REFINED_CHUNKS chunks with the most mass get their
-        exact per-key mass from the kept query rows and LSEs (a few small matmuls); every
-        other chunk's mass is spread evenly over its keys, and the head's keys get none."""
-        mass = self.chunk_mass.cpu()
+        Each chunk's mass comes from the kernel's per-chunk LSE (no second pass over the
+        keys while decoding); then the REFINED_CHUNKS chunks with the most mass get their
+        exact per-key mass from the kept query rows and LSEs (a few small matmuls). Every
+        other chunk's mass is spread evenly over its keys; the head's keys get none."""
+        if not self._rows or not self._rows[0]:
+            return torch.zeros(self.n_keys, dtype=torch.float64)
+        mass = torch.zeros(self.n_chunks, dtype=torch.float64)
+        for rows in self._rows:  # per layer: exp(chunk lse - global lse), summed over heads
+            chunk_lse = torch.stack([r[2] for r in rows]).float()  # [S, C, Hkv, G]
+            total = torch.stack([r[1] for r in rows]).float()  # [S, Hkv, G]
+            mass += torch.exp(chunk_lse - total[:, None]).sum(dim=(0, 2, 3)).double().cpu()
         sizes = torch.full_like(mass, ATTRIBUTION_CHUNK)
         if (self.n_keys - self.head) % ATTRIBUTION_CHUNK:
             sizes[-1] = (self.n_keys - self.head) % ATTRIBUTION_CHUNK
         per_key = torch.cat([torch.zeros(self.head, dtype=mass.dtype),
                              (mass / sizes).repeat_interleave(sizes.long())])
-        if not self._rows or not self._rows[0]:
-            return per_key
         for chunk in mass.topk(min(REFINED_CHUNKS, mass.numel())).indices.tolist():
             start = self.head + chunk * ATTRIBUTION_CHUNK
             end = start + int(sizes[chunk])

@@ -117,6 +117,7 @@ def test_fused_chunks_within_the_reference_error(dtype, q_heads, kv_heads, m, n,
     torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-4)
     # The parts themselves: one per chunk (plus the head), each an exact partial attention.
     outs, lses = partial_chunks(fold_gqa(q, kv_heads, dtype), k, v, 64 ** -0.5, chunk, head)
+    outs, lses = torch.cat(outs), torch.cat(lses)
     bounds = ([0, head] if head else [0]) + list(range(head + chunk, n, chunk)) + [n]
     assert outs.shape[0] == lses.shape[0] == len(bounds) - 1
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):

@@ -1,0 +1,102 @@
+"""Phase 2's lean decoder against transformers, and its quantised weights."""
+
+import json
+
+import pytest
+import torch
+
+from starqa import models
+from starqa.attention import attend
+from starqa.decoder import load_decoder
+from starqa.errors import StarqaError
+from starqa.models import load_model
+from tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param)
+
+
+def causal(layer, q, k, v):
+    return attend(q, k, v, causal=True)[0]
+
+
+def logits(decoder, ids):
+    with torch.inference_mode():
+        return decoder.logits(decoder.forward(ids, torch.arange(len(ids)), causal))
+
+
+IDS = torch.tensor([3, 17, 5, 22, 9, 30, 11, 4, 8, 19, 2, 25])
+
+
+def test_dense_fp32_equals_transformers(tiny):
+    """RMSNorm, fused q/k/v (with Qwen2's biases), RoPE on q and k at once, SwiGLU, tied or
+    separate head: the same logits as transformers' own model, fp32."""
+    reference = load_model(tiny, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = reference(IDS[None]).logits[0]
+    got = logits(load_decoder(tiny, torch.float32), IDS)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("weights,bound", [("int8", 0.08), ("int4", 0.5)])
+def test_quantised_weights_are_prepared_once(tiny, weights, bound):
+    """int8/int4 logits stay near the dense ones; the prepared weights are saved beside the
+    model (hidden, so the model's fingerprint does not change) and a second load reads them
+    and gives the very same logits, for several tokens at once too (the packed kernels
+    crashed on weights mapped at an unaligned file offset)."""
+    before = models.fingerprint(tiny)["digest"]
+    dense = logits(load_decoder(tiny, torch.bfloat16), IDS).float()
+    fresh = logits(load_decoder(tiny, torch.bfloat16, weights), IDS).float()
+    prepared = tiny / f".starqa-phase2-{weights}-bfloat16.safetensors"
+    assert prepared.is_file()
+    again = logits(load_decoder(tiny, torch.bfloat16, weights), IDS).float()
+    torch.testing.assert_close(again, fresh, rtol=0, atol=0)
+    assert ((fresh - dense).norm() / dense.norm()).item() < bound
+    assert models.fingerprint(tiny)["digest"] == before
+
+
+def test_stale_prepared_weights_are_rebuilt(tiny, tmp_path):
+    """Prepared weights of other model weights (or another torch) are not used."""
+    decoder = load_decoder(tiny, torch.bfloat16, "int4")
+    prepared = tiny / ".starqa-phase2-int4-bfloat16.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({k: torch.zeros_like(v) for k, v in decoder.tensors().items()}, str(prepared),
+              metadata={"weights_sha256": "0" * 64, "torch": torch.__version__})
+    got = logits(load_decoder(tiny, torch.bfloat16, "int4"), IDS)
+    torch.testing.assert_close(got, logits(decoder, IDS), rtol=0, atol=0)
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny):
+    folder = tmp_path / "other"
+    folder.mkdir()
+    config = json.loads((tiny / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(StarqaError, match="Phase 2 supports LlamaForCausalLM") as err:
+        load_decoder(folder, torch.float32)
+    assert "--model" in err.value.hint
+    with pytest.raises(StarqaError, match="Unknown weight format 'int3'"):
+        load_decoder(tiny, torch.float32, "int3")
+
+
+def test_int4_keeps_weights_that_came_from_4_bit_blocks():
+    """The embedded GGUFs hold blocks of 32 weights on 16 levels (Q4_1, Q4_K): int4 in
+    groups of 32 re-quantises such a tensor without loss, so x Wᵀ through the packed kernel
+    equals the dense product up to bf16 rounding."""
+    from starqa.decoder import Linear
+
+    torch.manual_seed(0)
+    n, k = 64, 128
+    levels = torch.randint(0, 16, (n, k // 32, 32)).float()
+    levels[..., 0], levels[..., 1] = 0, 15  # every block spans its 16 levels, as GGUF's do
+    scale, low = torch.rand(n, k // 32, 1) * 0.1 + 0.01, torch.randn(n, k // 32, 1)
+    weight = (levels * scale + low).view(n, k).bfloat16()
+    x = torch.randn(3, k).bfloat16()
+    packed = Linear.quantize(weight, None, "int4", torch.bfloat16)
+    assert packed.format == "int4" and packed.nbytes() < weight.nbytes / 2
+    expected = x.float() @ weight.float().T
+    dense_bf16 = (x @ weight.T).float()
+    error = (packed(x).float() - expected).abs().max()
+    assert error <= 2 * (dense_bf16 - expected).abs().max() + 1e-3
