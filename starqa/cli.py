@@ -270,6 +270,10 @@ def rm(
     else:  # resolve every name first, so a typo or an ambiguous prefix removes nothing
         found = (store.match_context(root, name) for name in names)
         targets = list({store.context_key(c): c for c in found}.values())  # each context once
+    from starqa import client
+
+    for context in targets:  # a warm group serving a removed context would serve nothing
+        client.stop_group(store.context_key(context))
     removed_report([(c, store.remove_context(c)) for c in targets])
 
 

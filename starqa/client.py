@@ -94,6 +94,19 @@ def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300,
                       f"(log: {log}).")
 
 
+def stop_group(key: str) -> bool:
+    """Stop the warm group serving context `key`, if one runs; True when one was stopped."""
+    group = find(key)
+    if group is None:
+        return False
+    conn = Client(group, timeout=30)
+    try:
+        conn.stop()
+    finally:
+        conn.close()
+    return True
+
+
 class Client:
     """One connection to a group's query host."""
 
@@ -124,7 +137,7 @@ class Client:
                    "max_new_tokens": max_new_tokens, "beyond_window": beyond_window})
         for event in self.events():
             if event["event"] == "error":
-                raise StarqaError(event["message"])
+                raise StarqaError(event["message"], hint=event.get("hint"))
             yield event
             if event["event"] == "done":
                 return

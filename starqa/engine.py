@@ -142,22 +142,6 @@ def _no_room(n: int, reserve: int, window: int) -> StarqaError:
                        hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
 
 
-def ask_over_window(n: int, m: int, max_new_tokens: int, window: int) -> StarqaError:
-    """The over-window error of `ask`. Lowering --max-new-tokens is offered only when a
-    lower value fits (as the value that does), never when the question alone fills the window."""
-    fixes = []
-    if n + m < window:
-        fixes.append(f"allow a shorter answer (--max-new-tokens {window - n - m:,} or lower)")
-    else:
-        fixes.append("ask a shorter question")
-    fixes += ["re-ingest less (ingest's --reserve, 512 by default, keeps room to ask)",
-              "pass --beyond-window to go on anyway"]
-    return StarqaError(
-        f"Context {n:,} + question {m:,} + up to {max_new_tokens:,} answer tokens = "
-        f"{n + m + max_new_tokens:,} tokens > {window:,} the model was trained on.",
-        hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
-
-
 def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, method: str = "star",
                   workers: int | None = None, dtype: str | None = None, name: str = "tokens",
                   measure: bool = False, allow_over_window: bool = False,
@@ -374,7 +358,7 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         tokenizer, query_ids = _question(manifest, model_path, opts.question)
     n, m, window = manifest["n_tokens"], len(query_ids), manifest["model"]["window"]
     if n + m + opts.max_new_tokens > window and not opts.beyond_window:
-        raise ask_over_window(n, m, opts.max_new_tokens, window)
+        raise prompt.over_window(n, m, opts.max_new_tokens, window)
     workers, why = _phase2_workers(manifest, model_path, opts.workers, opts.nnodes, opts.device)
     weights = models.phase2_weights(opts.weights, manifest["model"]["spec"], opts.device)
     stops = models.stop_ids(tokenizer, model_path)

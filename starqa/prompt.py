@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from starqa.corpus import FileSpan
+from starqa.errors import StarqaError
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents provided. Be brief."
 INTRO = "Here are the documents.\n\n"
@@ -142,3 +143,19 @@ def _first_token_ending_after(ends: list[int], char: int) -> int:
         else:
             lo = mid + 1
     return min(lo, max(len(ends) - 1, 0))
+
+
+def over_window(n: int, m: int, max_new_tokens: int, window: int) -> StarqaError:
+    """The over-window error of `ask`. Lowering --max-new-tokens is offered only when a
+    lower value fits (as the value that does), never when the question alone fills the window."""
+    fixes = []
+    if n + m < window:
+        fixes.append(f"allow a shorter answer (--max-new-tokens {window - n - m:,} or lower)")
+    else:
+        fixes.append("ask a shorter question")
+    fixes += ["re-ingest less (ingest's --reserve, 512 by default, keeps room to ask)",
+              "pass --beyond-window to go on anyway"]
+    return StarqaError(
+        f"Context {n:,} + question {m:,} + up to {max_new_tokens:,} answer tokens = "
+        f"{n + m + max_new_tokens:,} tokens > {window:,} the model was trained on.",
+        hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])

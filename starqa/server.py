@@ -101,24 +101,34 @@ class Server:
         return {"op": "noop"}
 
     def _prepare(self, message: dict) -> dict | None:
-        """Tokenise the question with as many earlier turns as fit the window."""
+        """Check the request, then tokenise the question with as many earlier turns as fit
+        the window. A malformed request gets an error event; the group keeps serving."""
         from starqa import prompt
 
-        question = str(message.get("question", "")).strip()
-        max_new = int(message.get("max_new_tokens", 256))
-        if not question:
-            self._send({"event": "error", "message": "The question is empty."})
+        question = message.get("question", "")
+        max_new = message.get("max_new_tokens", 256)
+        history = message.get("history", [])
+        problem = (
+            "the question is empty" if not isinstance(question, str) or not question.strip()
+            else "max_new_tokens must be a positive integer"
+            if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1
+            else "history must be a list of [question, answer] pairs of text"
+            if not isinstance(history, list) or not all(
+                isinstance(turn, list) and len(turn) == 2 and all(isinstance(x, str) for x in turn)
+                for turn in history)
+            else None)
+        if problem:
+            self._send({"event": "error", "message": f"Bad request: {problem}."})
             return None
-        history = [tuple(turn) for turn in message.get("history", [])]
+        history = [tuple(turn) for turn in history]
         n = self.manifest["n_tokens"]
         while True:
             ids = prompt.tokenize_query(self.tokenizer, question, history)
             if n + len(ids) + max_new <= self.window or message.get("beyond_window"):
                 break
             if not history:
-                self._send({"event": "error", "message":
-                            f"Context {n:,} + question {len(ids):,} + up to {max_new:,} answer "
-                            f"tokens > {self.window:,} the model was trained on."})
+                error = prompt.over_window(n, len(ids), max_new, self.window)
+                self._send({"event": "error", "message": str(error), "hint": error.hint})
                 return None
             history.pop(0)  # oldest turn first
         return {"op": "ask", "query_ids": ids, "max_new_tokens": max_new,
@@ -212,10 +222,13 @@ class Server:
             line, self.buffers[sock] = buffer.split(b"\n", 1)
             self.conn = sock
             try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                self._send({"event": "error", "message": "bad request (not JSON)"})
-                return None
+                message = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                message = None
+            if isinstance(message, dict):
+                return message
+            self._send({"event": "error", "message": "Bad request: not a JSON object."})
+            return None  # answered; the next line may be a good one
         return None
 
     def _send(self, event: dict) -> None:

@@ -370,3 +370,52 @@ def test_rebuild_hint_works_when_pasted_in_another_folder(home, docs, tiny_model
     assert runner.invoke(app, shlex.split(command)[1:]).exit_code == 0
     assert len(fake_workers) == 2
     store.load_block(store.find_context(home / "contexts", "docs"), 0)
+
+
+# ---------------------------------------------------------------------------------------
+# 7, 8. a warm group: malformed requests get an error and it keeps serving; rm stops it
+
+
+@pytest.fixture
+def warm_group(home, docs, tiny_model):
+    """A real warm group of one worker (`starqa serve` in the background) on the tiny model."""
+    from starqa import client
+
+    manifest = engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model),
+                                                  dtype="fp32", block_size=60)).manifest
+    group = client.start(manifest["key"], None, keepalive=120)
+    yield manifest, group
+    client.stop_group(manifest["key"])
+
+
+def test_malformed_requests_get_an_error_and_the_group_keeps_serving(warm_group):
+    from starqa import client
+
+    manifest, group = warm_group
+    conn = client.Client(group)
+    try:
+        for bad in (b"[]", b"null", b"not json",
+                    json.dumps({"op": "ask", "question": "who", "max_new_tokens": "x"}).encode(),
+                    json.dumps({"op": "ask", "question": 5}).encode(),
+                    json.dumps({"op": "ask", "question": "who", "history": [[1]]}).encode(),
+                    json.dumps({"op": "ask", "question": "who", "max_new_tokens": 0}).encode()):
+            conn.sock.sendall(bad + b"\n")
+            event = next(conn.events())
+            assert event["event"] == "error" and "Bad request" in event["message"], (bad, event)
+        done = [e for e in conn.ask("who approved the travel budget", (), 4)][-1]
+        assert done["event"] == "done" and done["token_ids"]
+    finally:
+        conn.close()
+
+
+def test_rm_of_a_served_context_stops_its_group(warm_group):
+    from starqa import client
+
+    manifest, group = warm_group
+    result = runner.invoke(app, ["rm", manifest["key"]])
+    assert result.exit_code == 0, result.output
+    deadline = time.monotonic() + 30
+    while client.find(manifest["key"]) is not None:
+        assert time.monotonic() < deadline, "the group still runs after rm"
+        time.sleep(0.2)
+    assert not Path(manifest["_dir"]).exists()
