@@ -351,7 +351,8 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
     if opts.warm and opts.nnodes == 1 and opts.model is None:
         from starqa import client
 
-        if (group := client.find(manifest["key"])) is not None:
+        group = client.find(manifest["key"])
+        if group is not None and opts.weights in (None, group.get("weights")):
             return _ask_warm(opts, manifest, group, ui, started)
     with ui.status("Checking model and shards"):
         model_path = _checked_model(manifest, opts.model)
@@ -518,7 +519,7 @@ def _ask_warm(opts: AskOptions, manifest: dict, group: dict, ui: UI, started: fl
                   seconds=time.perf_counter() - started,
                   first_token_seconds=(first - started) if first else None,
                   decode_seconds=done["decode_s"], prefill_seconds=done["first_token_s"],
-                  sources=done["sources"] or [], warm=True)
+                  sources=done["sources"] or [], warm=True, weights=group.get("weights"))
 
 
 @dataclass(frozen=True)

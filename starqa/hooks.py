@@ -6,6 +6,8 @@ The phase that is running passes its state object through the forward keyword ar
 `starqa=`; transformers forwards unknown kwargs down to the attention function. The object
 implements the `AttentionHook` protocol below and decides what each layer attends to.
 Without one, the function is plain causal attention, so the model still works as usual.
+Phase 1 encodes through this bridge; Phase 2 runs `starqa.decoder` (a lean forward with no
+per-module overhead), whose attention callback is the same kind of hook object.
 """
 
 from __future__ import annotations

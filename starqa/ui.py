@@ -199,7 +199,8 @@ def answer_stats(answer: Answer) -> None:
     ttft = answer.first_token_seconds
     rate = (n_new - 1) / answer.decode_seconds if answer.decode_seconds and n_new > 1 else 0.0
     prefill = answer.query_tokens / answer.prefill_seconds if answer.prefill_seconds else 0.0
-    workers = f"{answer.workers} {'warm ' * answer.warm}worker{'s' * (answer.workers > 1)}"
+    workers = f"{answer.workers} {'warm ' * answer.warm}worker{'s' * (answer.workers > 1)}" + \
+        (f" ({answer.weights})" if answer.weights else "")
     err.print(f"[dim]{answer.context['name']} · {answer.context['method']['name']} · "
               f"{answer.context['n_tokens']:,} cached + {answer.query_tokens} question tokens · "
               f"{workers} · first token {ttft:.2f} s · prefill {prefill:,.0f} tok/s · "
@@ -214,7 +215,8 @@ def answer_json(answer: Answer) -> dict:
             "method": ctx["method"], "model": ctx["model"]["name"],
             "tokens": {"context": ctx["n_tokens"], "question": answer.query_tokens,
                        "answer": len(answer.token_ids)},
-            "workers": answer.workers, "warm": answer.warm, "sources": answer.sources,
+            "workers": answer.workers, "warm": answer.warm, "weights": answer.weights,
+            "sources": answer.sources,
             "timings": {"first_token_s": answer.first_token_seconds,
                         "prefill_s": answer.prefill_seconds, "decode_s": answer.decode_seconds,
                         "total_s": answer.seconds}}
