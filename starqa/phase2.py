@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from starqa import dist
-from starqa.attention import attend, fold_gqa, fused_available, merge, partial_chunks
+from starqa.attention import (attend, fold_gqa, fused_available, merge, partial_chunks,
+                              partial_slots, slot_layout)
 
-ATTRIBUTION_CHUNK = 128  # shard keys per attribution unit during decode
+ATTRIBUTION_CHUNK = 256  # shard keys per attribution unit during decode
 REFINED_CHUNKS = 4  # the chunks with the most mass get exact per-key mass after the answer
 
 
@@ -47,6 +48,15 @@ class ShardAttention:
         # Attribution chunks of the shard (none where no fused kernel returns their LSEs).
         self.fused = shard is not None and fused_available(shard[0][0])
         self.n_chunks = -(-(self.n_keys - self.head) // ATTRIBUTION_CHUNK) if self.fused else 0
+        self.first = 1 if self.head else 0  # parts before the first attribution chunk
+        self.slots, self.mask = None, None
+        if self.fused and shard[0][0].device.type == "cpu":
+            # One kernel call per layer over padded slots (attention.slot_layout) instead of
+            # views plus a head and a tail call; the original layout is dropped.
+            laid = [slot_layout(k, v, ATTRIBUTION_CHUNK, self.head) for k, v in shard]
+            self.slots, self.mask = [(k, v) for k, v, _ in laid], laid[0][2]
+            self.first = -(-self.head // ATTRIBUTION_CHUNK)
+            self.shard = None
         # Per layer, each tracked forward's last query row [Hkv, G, D], its global LSE
         # [Hkv, G] and its chunks' LSEs [C, Hkv, G] (see `key_mass`).
         self._rows: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
@@ -59,7 +69,7 @@ class ShardAttention:
         one's KV. Buffers of that size are allocated once and reused by later questions;
         they grow if a question needs more."""
         self.length = 0
-        self._rows = [[] for _ in self.shard or ()]
+        self._rows = [[] for _ in self.slots or self.shard or ()]
         if capacity > self._capacity:
             self._own, self._capacity = [], capacity
 
@@ -75,11 +85,15 @@ class ShardAttention:
         _, q_heads, m, dim = query.shape
         kv_heads = key.shape[1]
         scale = dim**-0.5 if scale is None else scale
-        dtype = self.shard[layer][0].dtype if self.shard is not None else key.dtype
+        stored = self.slots or self.shard
+        dtype = stored[layer][0].dtype if stored is not None else key.dtype
         # Work in the folded layout [*, Hkv, R = G*M, D]: query heads of a KV head as rows.
         q = fold_gqa(query, kv_heads, dtype)
         outs, lses = [], []
-        if self.shard is not None:
+        if self.slots is not None:
+            out, lse = partial_slots(q, *self.slots[layer], self.mask, scale)
+            outs, lses = [out], [lse]
+        elif self.shard is not None:
             if self.fused:
                 outs, lses = partial_chunks(q, *self.shard[layer], scale, ATTRIBUTION_CHUNK,
                                             self.head)
@@ -107,8 +121,7 @@ class ShardAttention:
             # Kept, not computed, here (views, no kernels): the last query row's chunk LSEs,
             # its global LSE and the row itself; rows are (g, m) with m fastest. key_mass()
             # turns them into mass once the answer is done.
-            first = 1 if self.head else 0  # the head's part is no source
-            chunks = lse_parts[first:first + self.n_chunks]
+            chunks = lse_parts[self.first:self.first + self.n_chunks]  # the head is no source
             self._scale = scale
             self._rows[layer].append((q.view(kv_heads, -1, m, dim)[:, :, -1],
                                       lse.view(kv_heads, -1, m)[:, :, -1],
@@ -158,7 +171,9 @@ class ShardAttention:
             for layer, rows in enumerate(self._rows):
                 queries = torch.stack([r[0] for r in rows]).float()  # [S, Hkv, G, D]
                 lses = torch.stack([r[1] for r in rows]).float()  # [S, Hkv, G]
-                keys = self.shard[layer][0][0, :, start:end].float()  # [Hkv, n, D]
+                keys = (self.slots[layer][0][self.first + chunk, :, :end - start]
+                        if self.slots is not None else self.shard[layer][0][0, :, start:end])
+                keys = keys.float()  # [Hkv, n, D]
                 scores = torch.einsum("shgd,hnd->shgn", queries, keys) * self._scale
                 exact += torch.exp(scores - lses[..., None]).sum(dim=(0, 1, 2)).double().cpu()
             per_key[start:end] = exact

@@ -126,3 +126,16 @@ def test_fused_chunks_within_the_reference_error(dtype, q_heads, kv_heads, m, n,
                                    rtol=0, atol=1e-4)
     merged, _ = merge(outs, lses)
     assert (merged.reshape(1, q_heads, m, 64).double() - want).abs().max().item() <= budget
+    # The CPU layout: the same parts from one call over padded, masked slots.
+    from starqa.attention import partial_slots, slot_layout
+
+    k_slots, v_slots, mask = slot_layout(k, v, chunk, head)
+    assert k_slots.shape[0] == len(bounds) - 1 + (head > chunk) * (-(-head // chunk) - 1)
+    slot_outs, slot_lses = partial_slots(fold_gqa(q, kv_heads, dtype), k_slots, v_slots, mask,
+                                         64 ** -0.5)
+    if head <= chunk:  # one slot per part: the very same LSEs
+        torch.testing.assert_close(slot_lses, lses, rtol=0, atol=1e-4)
+    merged, merged_lse = merge(slot_outs, slot_lses)
+    assert (merged.reshape(1, q_heads, m, 64).double() - want).abs().max().item() <= budget
+    torch.testing.assert_close(merged_lse.reshape(1, q_heads, m).double(), want_lse, rtol=0,
+                               atol=1e-4)
