@@ -21,7 +21,7 @@ from starqa import dist
 from starqa.attention import (attend, fold_gqa, fused_available, merge, partial_chunks,
                               partial_slots, slot_layout)
 
-ATTRIBUTION_CHUNK = 256  # shard keys per attribution unit during decode
+ATTRIBUTION_CHUNK = 128  # shard keys per attribution unit during decode
 REFINED_CHUNKS = 4  # the chunks with the most mass get exact per-key mass after the answer
 
 
