@@ -11,36 +11,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from starqa.attention import causal_attention
+from starqa.blockwise import Recorder, forward
 from starqa.methods import MethodConfig
-
-
-class _Recorder:
-    """AttentionHook for one forward: causal self-attention over the input (optionally after
-    `past` KV from earlier blocks), keeping the KV of the last `keep` tokens per layer."""
-
-    def __init__(self, keep: int, past: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
-        self.keep = keep
-        self.past = past
-        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def attention(self, layer, query, key, value, scale):
-        # key, value: [1, Hkv, T, D] of this forward's tokens
-        self.kept.append((key[:, :, -self.keep:], value[:, :, -self.keep:]))
-        if self.past:
-            key = torch.cat([self.past[layer][0], key], dim=2)
-            value = torch.cat([self.past[layer][1], value], dim=2)
-        return causal_attention(query, key, value, scale)
-
-    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.stack([k[0] for k, _ in self.kept])  # [L, Hkv, keep, D]
-        v = torch.stack([v[0] for _, v in self.kept])
-        return k, v
-
-
-def _forward(model, ids: torch.Tensor, positions: torch.Tensor, hook) -> None:
-    # The base model only: Phase 1 needs the KV, not the logits.
-    model.model(input_ids=ids[None], position_ids=positions[None], starqa=hook, use_cache=False)
 
 
 @torch.inference_mode()
@@ -57,8 +29,8 @@ def encode_star(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]], ind
         anchor = min(anchor_size, start)  # never reaches into the block itself
         tokens = torch.cat([ids[:anchor], ids[start:end]]).to(device)
         positions = torch.cat([torch.arange(anchor), torch.arange(start, end)]).to(device)
-        hook = _Recorder(keep=end - start)
-        _forward(model, tokens, positions, hook)
+        hook = Recorder(keep=end - start)
+        forward(model, tokens, positions, hook)
         yield (i, *hook.stacked())
 
 
@@ -73,8 +45,8 @@ def encode_dense(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]]
     device = next(model.parameters()).device
     past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     for i, (start, end) in enumerate(blocks):
-        hook = _Recorder(keep=end - start, past=past)
-        _forward(model, ids[start:end].to(device), torch.arange(start, end, device=device), hook)
+        hook = Recorder(keep=end - start, past=past)
+        forward(model, ids[start:end].to(device), torch.arange(start, end, device=device), hook)
         if past is None:
             past = [(k, v) for k, v in hook.kept]
         else:

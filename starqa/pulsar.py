@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from starqa.errors import StarqaError
-from starqa.phase1 import _forward, _Recorder
+from starqa.blockwise import Recorder, forward
 
 HEURISTICS = ("max-idf", "tfidf", "bm25", "entropy", "even")
 POSITIONS = ("sparse", "contiguous")
@@ -190,6 +190,6 @@ def encode_pulsar(model, ids: torch.Tensor, blocks: Blocks, indices: Sequence[in
                               budget_frac=budget_frac, chunk=chunk)
     for i in indices:
         tokens, pos, keep = assemble(ids, blocks, i, summaries, sink=sink, positions=positions)
-        hook = _Recorder(keep=keep)
-        _forward(model, tokens.to(device), pos.to(device), hook)
+        hook = Recorder(keep=keep)
+        forward(model, tokens.to(device), pos.to(device), hook)
         yield (i, *hook.stacked())

@@ -1,0 +1,63 @@
+"""Phase 2 decode speed of every compute dtype and weight format, on this machine's CPU:
+the numbers behind `--weights` and `--dtype` defaults (README, "Weights and dtype").
+
+    python benchmarks/phase2_formats.py [--model smollm2-135m] [--tokens 7480] [--new 32]
+
+A shard of `--tokens` random keys per layer stands in for a cached context (decode cost
+depends on its size, not its content); the question is 21 tokens. Prints time to first
+token (the question's prefill) and ms per generated token, each format in turn.
+"""
+
+import argparse
+import time
+
+import torch
+
+from starqa import dist, models, phase2
+from starqa.decoder import load_decoder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=7480)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--weights", default="dense,int8,int4")
+    args = parser.parse_args()
+    import subprocess
+
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(
+        ["lscpu"], capture_output=True, text=True).stdout.splitlines()
+        if line.startswith("Model name")), "?")
+    path = models.resolve_model(args.model)
+    info = dist.local_world()
+    print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"{args.model}, shard {args.tokens:,} tokens")
+    print(f"{'dtype':<10}{'weights':<8}{'load s':>8}{'first token s':>15}{'ms/token':>10}"
+          f"{'weights MB':>12}")
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        for weights in args.weights.split(","):
+            load_decoder(path, dtype, weights)  # prepare once, outside the timing
+            started = time.perf_counter()
+            decoder = load_decoder(path, dtype, weights)
+            loaded = time.perf_counter() - started
+            c = decoder.config
+            shard = [(torch.randn(1, c.kv_heads, args.tokens, c.head_dim, dtype=dtype),
+                      torch.randn(1, c.kv_heads, args.tokens, c.head_dim, dtype=dtype))
+                     for _ in range(c.layers)]
+            hook = phase2.ShardAttention(info, shard, query_host=True)
+            question = list(range(100, 121))
+            phase2.generate(decoder, info, hook, question, args.tokens, 3, set())  # warm-up
+            first: list[float] = []
+            started = time.perf_counter()
+            tokens = phase2.generate(decoder, info, hook, question, args.tokens, args.new,
+                                     set(), lambda _: first or first.append(time.perf_counter()))
+            end = time.perf_counter()
+            print(f"{str(dtype).removeprefix('torch.'):<10}{weights:<8}{loaded:>8.2f}"
+                  f"{first[0] - started:>15.3f}{(end - first[0]) / (len(tokens) - 1) * 1e3:>10.1f}"
+                  f"{decoder.nbytes() / 1e6:>12.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
