@@ -5,7 +5,9 @@ the numbers behind `--weights` and `--dtype` defaults (README, "Weights and dtyp
 
 A shard of `--tokens` random keys per layer stands in for a cached context (decode cost
 depends on its size, not its content); the question is 21 tokens. Prints time to first
-token (the question's prefill) and ms per generated token, each format in turn.
+token (the question's prefill), ms per generated token, each format in turn, and what
+source attribution costs: its per-layer bookkeeping is part of every decode step; after
+the answer, `key_mass` turns it into per-key mass (shown as a share of the decode time).
 """
 
 import argparse
@@ -35,7 +37,7 @@ def main() -> None:
     print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{args.model}, shard {args.tokens:,} tokens")
     print(f"{'dtype':<10}{'weights':<8}{'load s':>8}{'first token s':>15}{'ms/token':>10}"
-          f"{'weights MB':>12}")
+          f"{'weights MB':>12}{'sources ms':>12}{'of decode':>10}")
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for weights in args.weights.split(","):
             load_decoder(path, dtype, weights)  # prepare once, outside the timing
@@ -54,9 +56,12 @@ def main() -> None:
             tokens = phase2.generate(decoder, info, hook, question, args.tokens, args.new,
                                      set(), lambda _: first or first.append(time.perf_counter()))
             end = time.perf_counter()
+            hook.key_mass()
+            attributed = time.perf_counter() - end
             print(f"{str(dtype).removeprefix('torch.'):<10}{weights:<8}{loaded:>8.2f}"
                   f"{first[0] - started:>15.3f}{(end - first[0]) / (len(tokens) - 1) * 1e3:>10.1f}"
-                  f"{decoder.nbytes() / 1e6:>12.0f}", flush=True)
+                  f"{decoder.nbytes() / 1e6:>12.0f}{attributed * 1e3:>12.1f}"
+                  f"{attributed / (end - first[0]):>10.1%}", flush=True)
 
 
 if __name__ == "__main__":

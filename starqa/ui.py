@@ -404,15 +404,16 @@ def groups_table(groups: list[dict]) -> None:
         err.print("No worker group is running.")
         return
     table = Table(box=None)
-    for column in ("context", "key", "workers", "pid", "up", "answered", "RSS (query host)",
-                   "keep-alive"):
+    for column in ("context", "key", "workers", "weights", "pid", "up", "answered",
+                   "RSS (query host)", "keep-alive"):
         table.add_column(column)
     now = time.time()
     for g in groups:
         rss = f"{g['rss_bytes'] / 2**20:,.0f} MB" if "rss_bytes" in g else "?"
-        table.add_row(g["name"], g["key"], str(g["workers"]), str(g["pid"]),
-                      _ago(now - g["started"]).removesuffix(" ago"), str(g.get("answered", "?")),
-                      rss, f"{g['keepalive']:.0f} s" if g["keepalive"] else "never")
+        table.add_row(g["name"], g["key"], str(g["workers"]), g.get("weights", "?"),
+                      str(g["pid"]), _ago(now - g["started"]).removesuffix(" ago"),
+                      str(g.get("answered", "?")), rss,
+                      f"{g['keepalive']:.0f} s" if g["keepalive"] > 0 else "never")
     out.print(table)
 
 
