@@ -533,3 +533,75 @@ def test_sources_add_takes_lines_gathered_as_json():
     assert parts == [{"a.py": {"2": 0.5, "7": 0.25}}]  # as across ranks
     assert sources.add(parts + [{"a.py": {2: 0.5}}]) == {"a.py": {2: 1.0, 7: 0.25}}
     assert sources.top_sources(sources.add(parts))[0]["lines"] == [2, 2]
+
+
+# ---------------------------------------------------------------- 9: concurrent commits
+
+def _commit_many(root: str, key: str, template: str, n: int, replace_existing: bool) -> list[str]:
+    """`n` commits of context `key` from copies of `template`, in this (forked) process."""
+    errors = []
+    for _ in range(n):
+        try:
+            staging = store.staging_dir(Path(root), key)
+            shutil.copytree(template, staging, dirs_exist_ok=True)
+            manifest = json.loads((staging / store.MANIFEST).read_text())
+            store.commit(staging, Path(root) / key, manifest, replace_existing=replace_existing)
+        except Exception as error:  # noqa: BLE001 (the test reports every one)
+            errors.append(repr(error))
+    return errors
+
+
+@pytest.mark.parametrize("replace_existing", [False, True], ids=["keep", "replace"])
+def test_concurrent_commits_of_one_context(home, tmp_path, replace_existing):
+    """8 processes x 20 commits of the same key: no error, one intact context, no leftovers
+    (before the lock, the two renames of one commit interleaved with another's: OSError)."""
+    import multiprocessing
+
+    key = "c0ffee" + "0" * 10
+    template = make_context(home, "docs", key, time.time())
+    shutil.move(template, tmp_path / "template")
+    root = home / "contexts"
+    with multiprocessing.get_context("fork").Pool(8) as pool:
+        results = pool.starmap(_commit_many, [(str(root), key, str(tmp_path / "template"), 20,
+                                               replace_existing)] * 8, chunksize=1)
+    assert [e for errors in results for e in errors] == []
+    manifest = store.read_manifest(root / key)
+    store.verify_checksums(manifest)  # every shard matches the hash committed with it
+    assert sorted(p.name for p in (root / key).iterdir() if p.name.startswith("block_")) == \
+        [store.block_file(0), store.block_file(1)]
+    assert store.find_leftovers(root) == []
+    assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == [key]
+
+
+def test_second_identical_ingest_waits_and_is_a_cache_hit(home, docs, tiny_model,
+                                                          fake_workers, monkeypatch):
+    """Two ingests of the same input at once: the second waits for the first's lock and
+    reuses its context instead of encoding everything again."""
+    import threading
+
+    encode = engine.run_workers
+
+    def slow_workers(job, launch, on_event):
+        time.sleep(1.0)  # the second ingest arrives while the first encodes
+        encode(job, launch, on_event)
+
+    monkeypatch.setattr(engine, "run_workers", slow_workers)
+    results, errors = [], []
+
+    def one():
+        try:
+            results.append(_ingest(docs, tiny_model))
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert len(fake_workers) == 1
+    assert sorted(r.cache_hit for r in results) == [False, True]
+    assert results[0].manifest["key"] == results[1].manifest["key"]
+    store.verify_checksums(store.read_manifest(Path(results[1].manifest["_dir"])))
