@@ -605,3 +605,77 @@ def test_second_identical_ingest_waits_and_is_a_cache_hit(home, docs, tiny_model
     assert sorted(r.cache_hit for r in results) == [False, True]
     assert results[0].manifest["key"] == results[1].manifest["key"]
     store.verify_checksums(store.read_manifest(Path(results[1].manifest["_dir"])))
+
+
+# ---------------------------------------------------------------- 4: workers die with it
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process we can read in /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError, IndexError):
+            continue
+        if state == "Z":  # exited, not yet reaped
+            continue
+        found[int(entry.name)] = (int(ppid), cmdline)
+    return found
+
+
+def _descendants(root: int) -> dict[int, str]:
+    procs = _processes()
+    out, frontier = {}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, cmdline) in procs.items():
+            if ppid == parent and pid not in out:
+                out[pid] = cmdline
+                frontier.append(pid)
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists() or os.uname().sysname != "Linux",
+                    reason="parent-death signals are Linux's")
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_killing_the_launcher_takes_torchrun_and_the_workers_down(home, docs, tiny_model, how):
+    """`kill -9` of `starqa ingest` (no chance to clean up) and SIGTERM (handled as Ctrl-C):
+    within a few seconds no torchrun or worker of that run is left."""
+    import contextlib
+    import signal
+    import sys
+
+    env = {**os.environ, "STARQA_HOME": str(home), "STARQA_SLOW": "60", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "starqa", "ingest", str(docs), "--model",
+                             str(tiny_model), "--dtype", "fp32", "--workers", "2"],
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    seen: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # until both workers run (they sleep in STARQA_SLOW before encoding)
+            seen = _descendants(proc.pid)
+            if sum("starqa.worker" in c for c in seen.values()) >= 3:  # torchrun + 2 workers
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, f"workers did not start: {seen}"
+            time.sleep(0.3)
+        time.sleep(1.0)  # past the workers' start-up
+        proc.send_signal(getattr(signal, how))
+        proc.wait(timeout=30)
+        # With the parent-death signals they are gone in well under a second here; without
+        # them they outlived the launcher by 4 s or more (until torchrun next wrote to its
+        # closed pipe), and in the issue's runs until their next block.
+        deadline = time.monotonic() + 2
+        while alive := {p: c for p, c in seen.items() if p in _processes()}:
+            assert time.monotonic() < deadline, f"survived the launcher: {alive}"
+            time.sleep(0.2)
+    finally:
+        for pid in list(seen) + [proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    if how == "SIGTERM":
+        assert proc.returncode == 130  # as after Ctrl-C
