@@ -510,9 +510,14 @@ def eval_(
         sys.exit(130)  # not typer.Exit(130): main would take it for an unreported Ctrl-C
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     from starqa.errors import StarqaError
 
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops as Ctrl-C does
     try:
         # Without standalone mode, typer hands back typer.Exit's code, and Ctrl-C as 130,
         # instead of raising them.

@@ -8,8 +8,8 @@ with no process group, so the phases run unchanged in-process (tests, single wor
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -24,7 +24,8 @@ class Traffic:
     Counted as if every collective were plain transfers of its payload between ranks:
     all_gather sends this rank's tensor to each of the W-1 others and receives theirs;
     broadcast sends the tensor from `src` to W-1 ranks, each receiving it once; ring_shift
-    sends one tensor and receives one. Object collectives count their pickled size.
+    sends one tensor and receives one. Object collectives count their JSON payload (UTF-8
+    bytes, without padding).
     Not counted: the backend's own routing (gloo's rings and trees), headers, the size
     messages of object collectives, barriers. A world of one moves nothing. Summed over the
     ranks of a group, bytes sent equal bytes received.
@@ -99,12 +100,9 @@ def all_gather(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
     """Stack every rank's `tensor` (same shape everywhere): returns [world, *tensor.shape]."""
     if info.group is None:
         return tensor.unsqueeze(0)
-    flat = tensor.contiguous().view(-1)
-    out = flat.new_empty(info.world_size * flat.numel())
-    dist.all_gather_single(out, flat, group=info.group)
-    others = (info.world_size - 1) * _nbytes(flat)
+    others = (info.world_size - 1) * _nbytes(tensor)
     info.traffic.add("all_gather", others, others)
-    return out.view(info.world_size, *tensor.shape)
+    return _all_gather(info, tensor)
 
 
 def broadcast(info: DistInfo, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -135,31 +133,54 @@ def ring_shift(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gather_object(info: DistInfo, obj, dst: int) -> list | None:
-    """Every rank's picklable `obj`, as a list on rank `dst` (None elsewhere)."""
+    """Every rank's JSON-able `obj`, as a list on rank `dst` (None elsewhere).
+
+    Sent as UTF-8 JSON in a uint8 tensor, never pickled: what arrives is parsed, not run.
+    As JSON does, dict keys come back as strings (also in a world of one, so callers see
+    the same values however many workers there are)."""
+    payload = _to_json(obj)
     if info.group is None:
-        return [obj]
-    out = [None] * info.world_size if info.rank == dst else None
-    dist.gather_object(obj, out, dst=dst, group=info.group)
-    if info.rank == dst:
-        info.traffic.add("gather_object", 0, sum(_pickled(o) for r, o in enumerate(out)
-                                                  if r != dst))
-    else:
-        info.traffic.add("gather_object", _pickled(obj), 0)
-    return out
+        return [json.loads(payload)]
+    # lengths: [world] int64 on every rank, so every rank pads to the same size
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=info.device)
+    lengths = _all_gather(info, length).view(-1).tolist()
+    width = max(lengths)
+    mine = _byte_tensor(payload, width, info.device)
+    out = [torch.empty(width, dtype=torch.uint8, device=info.device)
+           for _ in range(info.world_size)] if info.rank == dst else None
+    dist.gather(mine, out, dst=dst, group=info.group)
+    if info.rank != dst:
+        info.traffic.add("gather_object", len(payload), 0)
+        return None
+    info.traffic.add("gather_object", 0, sum(n for r, n in enumerate(lengths) if r != dst))
+    return [json.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(out, lengths)]
 
 
 def broadcast_object(info: DistInfo, obj, src: int):
-    """Rank `src`'s picklable `obj` on every rank."""
+    """Rank `src`'s JSON-able `obj` on every rank (UTF-8 JSON in a uint8 tensor, never
+    pickled; dict keys come back as strings, in a world of one too)."""
     if info.group is None:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=info.group)
-    size = _pickled(box[0])
+        return json.loads(_to_json(obj))
+    payload = _to_json(obj) if info.rank == src else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=info.device)
+    dist.broadcast(length, src=src, group=info.group)
+    n = int(length.item())
+    data = (_byte_tensor(payload, n, info.device) if info.rank == src
+            else torch.empty(n, dtype=torch.uint8, device=info.device))
+    dist.broadcast(data, src=src, group=info.group)
     if info.rank == src:
-        info.traffic.add("broadcast_object", (info.world_size - 1) * size, 0)
-    else:
-        info.traffic.add("broadcast_object", 0, size)
-    return box[0]
+        info.traffic.add("broadcast_object", (info.world_size - 1) * n, 0)
+        return json.loads(payload)
+    info.traffic.add("broadcast_object", 0, n)
+    return json.loads(data.cpu().numpy().tobytes())
+
+
+def _all_gather(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
+    """all_gather without counting traffic (also the object collectives' size messages)."""
+    flat = tensor.contiguous().view(-1)
+    out = flat.new_empty(info.world_size * flat.numel())
+    dist.all_gather_single(out, flat, group=info.group)
+    return out.view(info.world_size, *tensor.shape)
 
 
 def barrier(info: DistInfo) -> None:
@@ -171,8 +192,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _pickled(obj) -> int:
-    return len(pickle.dumps(obj))
+def _to_json(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _byte_tensor(payload: bytes, width: int, device: torch.device) -> torch.Tensor:
+    """`payload` as a [width] uint8 tensor, zero-padded."""
+    out = torch.zeros(width, dtype=torch.uint8)
+    if payload:
+        out[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return out.to(device)
 
 
 def split_contiguous(n_items: int, world: int, rank: int) -> range:

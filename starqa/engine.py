@@ -110,12 +110,20 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     key = _cache_key(content, fingerprint["digest"], method.as_dict(), dtype)
     root = paths.contexts_dir()
     final = root / key
-    if not opts.force and _reusable(final):
-        manifest = store.read_manifest(final)
-        store.touch(manifest)
-        return IngestResult(manifest, corpus, True, time.perf_counter() - started)
-    return _encode(opts, root, key, tokens, corpus, spans, model_path, window, fingerprint, dtype,
-                   method, content, started, ui, query_template=prompt.query_template(tokenizer))
+    # One ingest of a key at a time, from the cache check through the commit: a second
+    # ingest of the same input waits, then is a cache hit (issue #11, item 9). Only node 0
+    # locks: the other machines' launchers must join its torchrun group, never wait on it.
+    lock = (store.context_lock(root, key, on_wait=lambda: ui.waiting(
+                "Waiting for another ingest of the same context")) if opts.node_rank == 0
+            else contextlib.nullcontext())
+    with lock:
+        if not opts.force and _reusable(final):
+            manifest = store.read_manifest(final)
+            store.touch(manifest)
+            return IngestResult(manifest, corpus, True, time.perf_counter() - started)
+        return _encode(opts, root, key, tokens, corpus, spans, model_path, window, fingerprint,
+                       dtype, method, content, started, ui,
+                       query_template=prompt.query_template(tokenizer), lock_held=True)
 
 
 def default_reserve(window: int) -> int:
@@ -177,8 +185,9 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, metho
 
 def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, model_path, window,
             fingerprint, dtype, method, content, started, ui: UI, measure: bool = False, *,
-            query_template: dict | None = None) -> IngestResult:
-    """Run Phase 1 on a torchrun group and commit the shards under `root / key`."""
+            query_template: dict | None = None, lock_held: bool = False) -> IngestResult:
+    """Run Phase 1 on a torchrun group and commit the shards under `root / key` (under the
+    context's lock; `lock_held`: the caller holds it already)."""
     ids = tokens.ids
     n = len(ids)
     final = root / key
@@ -221,7 +230,8 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
             leftover.unlink()
         store.commit(staging, final, _manifest(
             opts, key, model_path, window, fingerprint, dtype, method, content, tokens, blocks,
-            corpus, spans, workers * opts.nnodes, encode_seconds, query_template))
+            corpus, spans, workers * opts.nnodes, encode_seconds, query_template),
+            replace_existing=True, held=lock_held)  # ingest found it not reusable, or forced
     except BaseException:
         if opts.node_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from starqa.errors import ShardError, StarqaError, WorkerError
-from starqa.worker import EVENT_PREFIX
+from starqa.worker import EVENT_PREFIX, parent_death_signal
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,11 @@ def run_workers(job: dict, launch: Launch, on_event: Callable[[dict], None]) -> 
 
 
 def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:
+    # torchrun runs in its own session (a Ctrl-C reaches it through _kill, once), and dies
+    # with this process even when it is killed outright (parent-death signal).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            text=True, bufsize=1, start_new_session=True)
+                            text=True, bufsize=1, start_new_session=True,
+                            preexec_fn=parent_death_signal())
     tail: collections.deque[str] = collections.deque(maxlen=200)
     reader = threading.Thread(target=lambda: tail.extend(proc.stderr), daemon=True)
     reader.start()

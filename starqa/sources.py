@@ -31,12 +31,14 @@ def line_mass(files: list[dict], token_start: int, mass: torch.Tensor) -> dict[s
     return out
 
 
-def add(parts: list[dict[str, dict[int, float]]]) -> dict[str, dict[int, float]]:
+def add(parts: list[dict[str, dict[int | str, float]]]) -> dict[str, dict[int, float]]:
+    """Sum per-line mass over workers' parts. Lines may arrive as strings (parts gathered as
+    JSON, see dist.gather_object); the sum has int lines."""
     total: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for part in parts:
         for path, lines in part.items():
             for line, m in lines.items():
-                total[path][line] += m
+                total[path][int(line)] += m
     return {p: dict(lines) for p, lines in total.items()}
 
 

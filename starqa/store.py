@@ -6,6 +6,7 @@ Layout under `$STARQA_HOME/contexts/`:
     <key>/block_00000.safetensors   k, v: [L, Hkv, T, D] contiguous, RoPE applied
     .staging-<key>-<pid>/           a context being written (never read)
     .old-<key>-<pid>/, .trash-<key>-<pid>/   a context being replaced or removed
+    .<key>.lock                     flock held while the context is checked, built, committed
 
 A context is written into a staging folder and renamed into place only when every shard
 is there and hashed, so a crash or Ctrl-C mid-ingest leaves the previous cache intact.
@@ -14,13 +15,14 @@ is there and hashed, so a crash or Ctrl-C mid-ingest leaves the previous cache i
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shlex
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +74,36 @@ def save_block(folder: Path, index: int, k, v, metadata: dict[str, str]) -> Path
     return path
 
 
-def commit(staging: Path, final: Path, manifest: dict) -> None:
-    """Hash every block into the manifest, write it, and swap `staging` into `final`."""
+@contextlib.contextmanager
+def context_lock(root: Path, key: str, on_wait: Callable[[], None] | None = None):
+    """Hold the lock of context `key`: an exclusive `fcntl.flock` on `<root>/.<key>.lock`
+    (issue #11, item 9). Commits hold it around their two renames, which are not atomic
+    together; `engine.ingest` holds it from its cache check through the commit, so a second
+    ingest of the same input waits and is then a cache hit. Not re-entrant (each call opens
+    the file anew). `on_wait` is called once if another process holds it. The lock file
+    stays (removing it would let a third process lock a fresh file beside a held one)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def commit(staging: Path, final: Path, manifest: dict, *, replace_existing: bool = False,
+           held: bool = False) -> None:
+    """Hash every block into the manifest, write it, and swap `staging` into `final`, under
+    the context's lock (`held`: the caller holds it already).
+
+    A complete context already at `final` (its manifest reads and its shards match their
+    checksums) is kept and `staging` discarded, unless `replace_existing`: it is the same
+    key, so the same content, model, method and dtype, committed by a concurrent ingest."""
     verified = {}
     for block in manifest["blocks"]:
         path = staging / block["file"]
@@ -85,13 +115,29 @@ def commit(staging: Path, final: Path, manifest: dict) -> None:
         verified[block["file"]] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, block["sha256"]]
     write_json_atomic(staging / VERIFIED, verified)  # the next cache hit need not re-hash
     write_json_atomic(staging / MANIFEST, manifest)
-    old = None
-    if final.exists():
-        old = final.with_name(f".old-{final.name}-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(staging, final)
+    lock = contextlib.nullcontext() if held else context_lock(final.parent, final.name)
+    with lock:
+        if not replace_existing and _complete(final):
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        old = None
+        if final.exists():
+            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            os.replace(final, old)
+        os.replace(staging, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _complete(folder: Path) -> bool:
+    """A committed context whose manifest reads and whose shards match their checksums."""
+    if not folder.is_dir():
+        return False
+    try:
+        verify_checksums(read_manifest(folder))
+    except StarqaError:
+        return False
+    return True
 
 
 # The fields every command relies on, with their types: a manifest missing one, or of the

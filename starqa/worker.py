@@ -12,9 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 EVENT_PREFIX = "@@starqa "
@@ -51,6 +53,7 @@ def run_ingest(job: dict, info) -> None:
     mine = phase1.assignment(method, len(blocks), info.world_size, info.rank)
     emit("ready", rank=info.rank, blocks=mine)
     _fault("ingest", info.rank)
+    _slow("ingest")
     measure = job.get("measure", False)
     if measure:
         dist.barrier(info)  # every rank starts its clock together, after the model loaded
@@ -144,6 +147,31 @@ def _peak_memory(info) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A function that asks the kernel to send `sig` to the calling process when its parent
+    exits (Linux `prctl(PR_SET_PDEATHSIG)`; a no-op elsewhere), so a `kill -9` of the
+    launcher takes torchrun down, and torchrun's death its workers (issue #11, item 4).
+    libc is looked up here, so the returned function is safe as a `preexec_fn` (no dlopen
+    between fork and exec). The setting survives exec."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    PR_SET_PDEATHSIG = 1
+
+    def set_it() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+    return set_it
+
+
+def _slow(phase: str) -> None:
+    """Test-only: STARQA_SLOW=seconds makes every worker wait here, alive, before encoding."""
+    if phase == "ingest" and (seconds := os.environ.get("STARQA_SLOW")):
+        time.sleep(float(seconds))
+
+
 def _fault(phase: str, rank: int) -> None:
     """Test-only fault injection: STARQA_FAULT=phase:rank makes that worker die here."""
     if os.environ.get("STARQA_FAULT") == f"{phase}:{rank}":
@@ -155,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     from starqa import dist
     from starqa.errors import StarqaError
 
+    parent = os.getppid()
+    parent_death_signal()()  # torchrun gone (even by SIGKILL): this worker goes too
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
     argv = sys.argv[1:] if argv is None else argv
     job = json.loads(open(argv[0]).read())
     info = dist.init(job.get("device", "auto"))

@@ -3,7 +3,6 @@ the worker, a whole bench through torchrun on the tiny model, and every input er
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 import textwrap
@@ -60,8 +59,11 @@ def test_two_ranks_count_each_collective(tmp_path):
     ranks = {int(ln.split(" ")[1]): json.loads(ln.split(" ", 2)[2])
              for ln in proc.stdout.splitlines() if ln.startswith("TRAFFIC ")}
     r0, r1 = ranks[0], ranks[1]
-    obj0, obj1 = len(pickle.dumps({"rank": 0})), len(pickle.dumps({"rank": 1}))
-    listed = len(pickle.dumps(["from", "rank", 0]))
+    def payload(obj):  # objects cross as compact UTF-8 JSON (dist._to_json), not pickles
+        return len(json.dumps(obj, separators=(",", ":")).encode())
+
+    obj0, obj1 = payload({"rank": 0}), payload({"rank": 1})
+    listed = payload(["from", "rank", 0])
     assert r0["by_op"] == {
         "all_gather": {"calls": 1, "sent": 48, "received": 48},
         "broadcast": {"calls": 1, "sent": 0, "received": 40},
