@@ -11,6 +11,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,12 +68,16 @@ def run_workers(job: dict, launch: Launch, on_event: Callable[[dict], None]) -> 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "STARQA_THREADS": str(threads),
            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "TRANSFORMERS_VERBOSITY": "error"}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="starqa-job-", delete=False) as fh:
+    # One temp folder per run holds the job file and is torchrun's TMPDIR (its
+    # `torchelastic_*` folders land there): removed when the run ends, however it ends.
+    run_tmp = tempfile.mkdtemp(prefix="starqa-run-")
+    job_file = os.path.join(run_tmp, "job.json")
+    with open(job_file, "w") as fh:
         json.dump({**job, "device": launch.device}, fh)
     try:
-        _run(torchrun_command(launch, fh.name), env, on_event)
+        _run(torchrun_command(launch, job_file), {**env, "TMPDIR": run_tmp}, on_event)
     finally:
-        os.unlink(fh.name)
+        shutil.rmtree(run_tmp, ignore_errors=True)
 
 
 def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:

@@ -679,3 +679,15 @@ def test_killing_the_launcher_takes_torchrun_and_the_workers_down(home, docs, ti
                 os.kill(pid, signal.SIGKILL)
     if how == "SIGTERM":
         assert proc.returncode == 130  # as after Ctrl-C
+
+
+def test_a_run_leaves_nothing_in_the_temp_folder(home, docs, tiny_model, tmp_path, monkeypatch):
+    """torchrun's `torchelastic_*` folders and the job file live in one folder per run,
+    removed when the run ends (issue #11, item 4)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model), dtype="fp32",
+                                       workers=2, block_size=60))
+    assert list(tmp.iterdir()) == []
