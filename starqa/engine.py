@@ -119,6 +119,8 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     with lock:
         if not opts.force and _reusable(final):
             manifest = store.read_manifest(final)
+            if opts.name and opts.name != manifest["name"]:  # --name applies to a hit too
+                manifest = store.rename_context(manifest, opts.name)
             store.touch(manifest)
             return IngestResult(manifest, corpus, True, time.perf_counter() - started)
         return _encode(opts, root, key, tokens, corpus, spans, model_path, window, fingerprint,

@@ -50,6 +50,14 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def rename_context(manifest: dict, name: str) -> dict:
+    """The context under a new name (its manifest rewritten atomically); returns it."""
+    renamed = {**manifest, "name": name}
+    write_json_atomic(Path(manifest["_dir"]) / MANIFEST,
+                      {k: v for k, v in renamed.items() if k != "_dir"})
+    return renamed
+
+
 def staging_dir(root: Path, key: str, shared: bool = False) -> Path:
     """A fresh folder for this process's ingest, or (`shared`, a multi-machine ingest) the
     one folder every machine's workers write into."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from starqa import corpus, engine, store
+from starqa import corpus, engine, paths, store
 from starqa.cli import app
 from starqa.errors import ShardError, StarqaError
 from test_cache_cmds import contexts, make_context, starqa  # noqa: F401 (a fixture)
@@ -691,3 +691,14 @@ def test_a_run_leaves_nothing_in_the_temp_folder(home, docs, tiny_model, tmp_pat
     engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model), dtype="fp32",
                                        workers=2, block_size=60))
     assert list(tmp.iterdir()) == []
+
+
+def test_name_given_on_a_cache_hit_renames_the_context(home, docs, tiny_model, fake_workers):
+    """`--name` is not ignored when the input is already cached (issue #11, item 10)."""
+    first = _ingest(docs, tiny_model, name="first")
+    hit = _ingest(docs, tiny_model, name="second")
+    assert hit.cache_hit and hit.manifest["key"] == first.manifest["key"]
+    assert hit.manifest["name"] == "second"
+    assert store.read_manifest(Path(hit.manifest["_dir"]))["name"] == "second"
+    assert store.find_context(paths.contexts_dir(), "second")["key"] == first.manifest["key"]
+    assert _ingest(docs, tiny_model).manifest["name"] == "second"  # no --name: kept
