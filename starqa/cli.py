@@ -312,7 +312,7 @@ KeepAlive = Annotated[float, typer.Option(
 Weights = Annotated[Optional[str], typer.Option(
     "--weights", envvar="STARQA_WEIGHTS",
     help="Phase 2 weights: dense (the cache's dtype), int8 or int4 (weight-only, CPU) "
-         "(default on CPU: int8 for smollm2-135m, int4 for qwen2.5-coder-1.5b; else dense).")]
+         "(default: int4 for the embedded models on CPU, else dense).")]
 ContextArg = Annotated[Optional[str], typer.Argument(
     envvar="STARQA_CONTEXT", help="Context name or key (default: the one used last).")]
 
