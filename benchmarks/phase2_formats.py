@@ -7,7 +7,8 @@ A shard of `--tokens` random keys per layer stands in for a cached context (deco
 depends on its size, not its content); the question is 21 tokens. Prints time to first
 token (the question's prefill), ms per generated token, each format in turn, and what
 source attribution costs: its per-layer bookkeeping is part of every decode step; after
-the answer, `key_mass` turns it into per-key mass (shown as a share of the decode time).
+the answer, `key_mass` turns it into per-key mass (shown as a share of the decode time);
+the last column is the same decode with attribution off.
 """
 
 import argparse
@@ -37,7 +38,7 @@ def main() -> None:
     print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{args.model}, shard {args.tokens:,} tokens")
     print(f"{'dtype':<10}{'weights':<8}{'load s':>8}{'first token s':>15}{'ms/token':>10}"
-          f"{'weights MB':>12}{'sources ms':>12}{'of decode':>10}")
+          f"{'weights MB':>12}{'sources ms':>12}{'of decode':>10}{'no-sources ms/token':>21}")
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for weights in args.weights.split(","):
             load_decoder(path, dtype, weights)  # prepare once, outside the timing
@@ -58,10 +59,17 @@ def main() -> None:
             end = time.perf_counter()
             hook.key_mass()
             attributed = time.perf_counter() - end
+            chunks, hook.n_chunks = hook.n_chunks, 0  # the same decode without attribution
+            bare_first: list[float] = []
+            untracked = phase2.generate(decoder, info, hook, question, args.tokens, args.new,
+                                        set(), lambda _: bare_first or bare_first.append(
+                                            time.perf_counter()))
+            bare = (time.perf_counter() - bare_first[0]) / (len(untracked) - 1)
+            hook.n_chunks = chunks
             print(f"{str(dtype).removeprefix('torch.'):<10}{weights:<8}{loaded:>8.2f}"
                   f"{first[0] - started:>15.3f}{(end - first[0]) / (len(tokens) - 1) * 1e3:>10.1f}"
                   f"{decoder.nbytes() / 1e6:>12.0f}{attributed * 1e3:>12.1f}"
-                  f"{attributed / (end - first[0]):>10.1%}", flush=True)
+                  f"{attributed / (end - first[0]):>10.1%}{bare * 1e3:>21.1f}", flush=True)
 
 
 if __name__ == "__main__":
