@@ -135,24 +135,22 @@ class Server:
                 "stop_ids": self.stop_ids, "turns_used": len(history)}
 
     def answer(self, request: dict) -> None:
+        from starqa.prompt import TextStream
+
         started = time.perf_counter()
         first: list[float] = []
-        generated: list[int] = []
-        shown = [""]
+        stream = TextStream(self.tokenizer)
 
         def on_token(token: int) -> None:
             first or first.append(time.perf_counter())
-            generated.append(token)
-            text = self.tokenizer.decode(generated, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):
-                self._send({"event": "token", "text": text[len(shown[0]):]})
-                shown[0] = text
+            if piece := stream.add(token):
+                self._send({"event": "token", "text": piece})
 
         tokens, top = self.ctx.answer(request["query_ids"], request["max_new_tokens"],
                                       request["stop_ids"], on_token, self._cancelled)
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        if text != shown[0]:
-            self._send({"event": "token", "text": text[len(shown[0]):]})
+        if piece := stream.finish():
+            self._send({"event": "token", "text": piece})
+        text = stream.text
         end = time.perf_counter()
         self.answered += 1
         self.last_activity = time.monotonic()
