@@ -204,7 +204,8 @@ def merge(outs: list[torch.Tensor] | torch.Tensor, lses: list[torch.Tensor] | to
     top = lse_stack.amax(dim=0).float().clamp_(min=torch.finfo(torch.float32).min)
     weights = torch.exp(lse_stack - top)  # [P, ..., M], the largest part's weight is 1
     total = weights.sum(dim=0)
-    out = (weights.unsqueeze(-1) * out_stack).sum(dim=0).div_(total.clamp(min=1e-30).unsqueeze(-1))
+    out = (weights.unsqueeze(-1) * out_stack).sum(dim=0)
+    out.div_(total.clamp(min=1e-30).unsqueeze(-1))
     return out, total.log_().add_(top)
 
 

@@ -164,19 +164,20 @@ class ShardAttention:
             sizes[-1] = (self.n_keys - self.head) % ATTRIBUTION_CHUNK
         per_key = torch.cat([torch.zeros(self.head, dtype=mass.dtype),
                              (mass / sizes).repeat_interleave(sizes.long())])
-        for chunk in mass.topk(min(REFINED_CHUNKS, mass.numel())).indices.tolist():
-            start = self.head + chunk * ATTRIBUTION_CHUNK
-            end = start + int(sizes[chunk])
-            exact = torch.zeros(end - start, dtype=torch.float64)
-            for layer, rows in enumerate(self._rows):
-                queries = torch.stack([r[0] for r in rows]).float()  # [S, Hkv, G, D]
-                lses = torch.stack([r[1] for r in rows]).float()  # [S, Hkv, G]
+        refined = mass.topk(min(REFINED_CHUNKS, mass.numel())).indices.tolist()
+        spans = {c: (self.head + c * ATTRIBUTION_CHUNK,
+                     self.head + c * ATTRIBUTION_CHUNK + int(sizes[c])) for c in refined}
+        for start, end in spans.values():
+            per_key[start:end] = 0
+        for layer, rows in enumerate(self._rows):
+            queries = torch.stack([r[0] for r in rows]).float()  # [S, Hkv, G, D]
+            lses = torch.stack([r[1] for r in rows]).float()  # [S, Hkv, G]
+            for chunk, (start, end) in spans.items():
                 keys = (self.slots[layer][0][self.first + chunk, :, :end - start]
                         if self.slots is not None else self.shard[layer][0][0, :, start:end])
-                keys = keys.float()  # [Hkv, n, D]
-                scores = torch.einsum("shgd,hnd->shgn", queries, keys) * self._scale
-                exact += torch.exp(scores - lses[..., None]).sum(dim=(0, 1, 2)).double().cpu()
-            per_key[start:end] = exact
+                scores = torch.einsum("shgd,hnd->shgn", queries, keys.float()) * self._scale
+                per_key[start:end] += torch.exp(scores - lses[..., None]).sum(
+                    dim=(0, 1, 2)).double().cpu()
         return per_key
 
 
