@@ -42,7 +42,9 @@ _TWO_RANKS = textwrap.dedent("""
     dist.ring_shift(info, torch.zeros(2, 5, dtype=torch.bfloat16))  # 20 bytes each way
     dist.gather_object(info, {"rank": r}, dst=1)
     dist.broadcast_object(info, ["from", "rank", 0], src=0)
-    print(f"TRAFFIC {r} " + json.dumps(info.traffic.as_dict()), flush=True)
+    # One file per rank: two ranks printing to one pipe can interleave their lines.
+    with open(os.environ["TRAFFIC_PREFIX"] + str(r), "w") as fh:
+        json.dump(info.traffic.as_dict(), fh)
     dist.barrier(info)
     os._exit(0)  # as worker.main: no gloo teardown, which now and then aborts the process
 """)
@@ -51,14 +53,13 @@ _TWO_RANKS = textwrap.dedent("""
 def test_two_ranks_count_each_collective(tmp_path):
     script = tmp_path / "collectives.py"
     script.write_text(_TWO_RANKS)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1",
+           "TRAFFIC_PREFIX": str(tmp_path / "traffic-")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node=2", str(script)], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    ranks = {int(ln.split(" ")[1]): json.loads(ln.split(" ", 2)[2])
-             for ln in proc.stdout.splitlines() if ln.startswith("TRAFFIC ")}
-    r0, r1 = ranks[0], ranks[1]
+    r0, r1 = (json.loads((tmp_path / f"traffic-{r}").read_text()) for r in (0, 1))
     def payload(obj):  # objects cross as compact UTF-8 JSON (dist._to_json), not pickles
         return len(json.dumps(obj, separators=(",", ":")).encode())
 
