@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--weights", default="dense,int8,int4")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (dense weights only)")
     args = parser.parse_args()
     import subprocess
 
@@ -34,20 +35,23 @@ def main() -> None:
         ["lscpu"], capture_output=True, text=True).stdout.splitlines()
         if line.startswith("Model name")), "?")
     path = models.resolve_model(args.model)
-    info = dist.local_world()
+    info = dist.local_world(args.device)
+    if info.device.type == "cuda":
+        cpu = f"{torch.cuda.get_device_name()} (host: {cpu})"
     print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"{args.model}, shard {args.tokens:,} tokens")
     print(f"{'dtype':<10}{'weights':<8}{'load s':>8}{'first token s':>15}{'ms/token':>10}"
           f"{'weights MB':>12}{'sources ms':>12}{'of decode':>10}{'no-sources ms/token':>21}")
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for weights in args.weights.split(","):
-            load_decoder(path, dtype, weights)  # prepare once, outside the timing
+            load_decoder(path, dtype, weights, info.device)  # prepare once, outside the timing
             started = time.perf_counter()
-            decoder = load_decoder(path, dtype, weights)
+            decoder = load_decoder(path, dtype, weights, info.device)
             loaded = time.perf_counter() - started
             c = decoder.config
-            shard = [(torch.randn(1, c.kv_heads, args.tokens, c.head_dim, dtype=dtype),
-                      torch.randn(1, c.kv_heads, args.tokens, c.head_dim, dtype=dtype))
+            shape = (1, c.kv_heads, args.tokens, c.head_dim)
+            shard = [(torch.randn(shape, dtype=dtype, device=info.device),
+                      torch.randn(shape, dtype=dtype, device=info.device))
                      for _ in range(c.layers)]
             hook = phase2.ShardAttention(info, shard, query_host=True)
             question = list(range(100, 121))

@@ -168,21 +168,33 @@ def attend_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def fused_available(query: torch.Tensor) -> bool:
-    """Whether `partial_chunks` has a fused kernel for tensors like `query`."""
-    if query.is_cuda:
-        return query.dtype in (torch.float16, torch.bfloat16) and _flash_attn_func() is not None
-    return query.device.type == "cpu"
+    """Whether `partial_chunks` has a fused kernel for tensors like `query` (CPU and CUDA:
+    always, by torch's own kernels where flash-attn is missing)."""
+    return query.device.type in ("cpu", "cuda")
 
 
 def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fused non-causal attention call, [B, H, M, D] over [B, H, N, D] (same H), with
-    its LSE [B, H, M] fp32."""
-    if q.is_cuda:
-        return _attend_flash(_flash_attn_func(), q, k, v, scale, False)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, scale=scale)[:2]
-    return out, lse
+    its LSE [B, H, M] fp32 (natural log).
+
+    CPU: torch's flash kernel. CUDA: flash-attn when installed, else torch's flash kernel
+    (fp16/bf16, head dim <= 256), else torch's memory-efficient kernel (any dtype), each of
+    which returns its LSE."""
+    if not q.is_cuda:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, scale=scale)[:2]
+        return out, lse
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    flash = _flash_attn_func() if half else None
+    if flash is not None:
+        return _attend_flash(flash, q, k, v, scale, False)
+    if half and q.shape[-1] <= 256:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+        return out, lse
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, scale=scale)[:2]
+    return out, lse[..., :q.shape[2]]  # the kernel pads its LSE's rows to a multiple of 32
 
 
 def merge(outs: list[torch.Tensor] | torch.Tensor, lses: list[torch.Tensor] | torch.Tensor

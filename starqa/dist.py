@@ -178,8 +178,11 @@ def broadcast_object(info: DistInfo, obj, src: int):
 def _all_gather(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
     """all_gather without counting traffic (also the object collectives' size messages)."""
     flat = tensor.contiguous().view(-1)
-    out = flat.new_empty(info.world_size * flat.numel())
-    dist.all_gather_single(out, flat, group=info.group)
+    out = flat.new_empty(info.world_size, flat.numel())
+    if hasattr(dist, "all_gather_single"):  # torch >= 2.13: one call into one buffer
+        dist.all_gather_single(out.view(-1), flat, group=info.group)
+    else:  # older torch: the same buffer, filled row by row
+        dist.all_gather(list(out.unbind()), flat, group=info.group)
     return out.view(info.world_size, *tensor.shape)
 
 

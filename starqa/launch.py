@@ -51,6 +51,23 @@ def default_workers(device: str = "auto") -> int:
     return cpu_count()
 
 
+def check_gpus(device: str, workers: int) -> None:
+    """On CUDA each worker of a host takes a GPU of its own (nccl runs one rank per GPU):
+    more workers than GPUs is an error that names the fix, before anything starts."""
+    if device not in ("auto", "cuda") and not device.startswith("cuda"):
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0 and device != "auto":
+        raise StarqaError("--device cuda was asked for, but torch sees no CUDA GPU here.",
+                          hint="run on the CPU: add --device cpu")
+    if 0 < gpus < workers:
+        raise StarqaError(f"{workers} workers on this host need {workers} GPUs (one each), "
+                          f"and it has {gpus}.",
+                          hint=f"use --workers {gpus}, or run on the CPU with --device cpu")
+
+
 def torchrun_command(launch: Launch, job_file: str) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launch.workers}"]
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
@@ -64,6 +81,7 @@ def torchrun_command(launch: Launch, job_file: str) -> list[str]:
 
 def run_workers(job: dict, launch: Launch, on_event: Callable[[dict], None]) -> None:
     """Run the job on a torchrun group; calls `on_event` for each event line, in order."""
+    check_gpus(launch.device, launch.workers)
     threads = max(1, cpu_count() // launch.workers)  # N workers on C cores: C/N threads each
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "STARQA_THREADS": str(threads),
            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",

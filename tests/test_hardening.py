@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from starqa import corpus, engine, paths, store
@@ -702,3 +703,15 @@ def test_name_given_on_a_cache_hit_renames_the_context(home, docs, tiny_model, f
     assert store.read_manifest(Path(hit.manifest["_dir"]))["name"] == "second"
     assert store.find_context(paths.contexts_dir(), "second")["key"] == first.manifest["key"]
     assert _ingest(docs, tiny_model).manifest["name"] == "second"  # no --name: kept
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_names_the_cpu_fix(home, docs, tiny_model):
+    """`--device cuda` where torch sees no GPU: a clear error before any worker starts."""
+    from starqa.launch import check_gpus
+
+    with pytest.raises(StarqaError, match="no CUDA GPU") as err:
+        check_gpus("cuda", 2)
+    assert "--device cpu" in err.value.hint
+    check_gpus("auto", 2)  # auto falls back to the CPU quietly
+    check_gpus("cpu", 2)
