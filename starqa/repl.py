@@ -7,6 +7,9 @@ Ctrl-D or /exit leaves (the workers stay warm until their keep-alive runs out).
 
 from __future__ import annotations
 
+import contextlib
+import signal
+
 from starqa import client, paths, store
 from starqa.errors import StarqaError
 
@@ -128,25 +131,41 @@ class Chat:
 
         write = stream_writer()
         conn = self.conn
-        conn.send({"op": "ask", "question": question, "max_new_tokens": self.max_new_tokens,
-                   "history": [list(t) for t in self.history]})
-        cancelled = False
+        # Ctrl-C while the answer streams asks the group to stop and the answer ends as
+        # usual. The handler raises nothing: a KeyboardInterrupt raised inside the socket
+        # read could drop a half-read event line, and with it the stream's framing.
+        # A Ctrl-C before the question is sent cancels it right after (a cancel that
+        # arrived first would be ignored as late, and the whole answer would run).
+        interrupted: list[bool] = []
+        sent: list[bool] = []
+
+        def on_interrupt(signum, frame):
+            if not interrupted:
+                interrupted.append(True)
+                if sent:
+                    with contextlib.suppress(OSError):
+                        conn.cancel()
+
+        previous = signal.signal(signal.SIGINT, on_interrupt)
         done = None
-        while done is None:
-            try:
-                for event in conn.events():
-                    if event["event"] == "token":
-                        write(event["text"])
-                    elif event["event"] == "error":
-                        write(None)
-                        raise StarqaError(event["message"])
-                    elif event["event"] == "done":
-                        done = event
-                        break
-            except KeyboardInterrupt:
-                if not cancelled:
-                    conn.cancel()
-                    cancelled = True
+        try:
+            conn.send({"op": "ask", "question": question, "max_new_tokens": self.max_new_tokens,
+                       "history": [list(t) for t in self.history]})
+            sent.append(True)
+            if interrupted:
+                conn.cancel()
+            for event in conn.events():
+                if event["event"] == "token":
+                    write(event["text"])
+                elif event["event"] == "error":
+                    write(None)
+                    raise StarqaError(event["message"])
+                elif event["event"] == "done":
+                    done = event
+                    break
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        cancelled = bool(interrupted)
         write(None)
         if cancelled or done.get("cancelled"):
             self.console.print("[dim](stopped)[/]")

@@ -55,10 +55,12 @@ def test_chat_session_in_a_terminal(warm_home):
 
     # A long answer, interrupted: the session goes on.
     child.send("what is the retry limit of the long context code document\r")
-    child.expect("document")
-    # The answer (6,000 tokens, tens of seconds) is streaming by now; the prompt has long
-    # returned the terminal to cooked mode, so ^C is a SIGINT to the REPL.
-    time.sleep(3)
+    # ^C once the answer streams: after the prompt has let the terminal go (bracketed paste
+    # off, then cooked mode again, so ^C is a SIGINT to the REPL) and the answer's first
+    # word has shown, with thousands of tokens to go. (The REPL asks the group to stop.)
+    child.expect(r"\?2004l")
+    child.expect(r"[a-z]{2,}")
+    time.sleep(0.3)
     child.sendintr()
     child.expect(r"\(stopped\)")
     child.expect("›")
