@@ -202,7 +202,7 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
     import torch
     import transformers
 
-    from starqa import models
+    from starqa import dist, models
 
     opts = plan.opts
     tokenizer = models.load_tokenizer(plan.model_path)
@@ -210,7 +210,8 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
     result = {"environment": {
         "cores": plan.cores, "torch": torch.__version__, "transformers": transformers.__version__,
         "model": plan.model_name, "model_path": str(plan.model_path), "window": plan.window,
-        "dtype": str(models.parse_dtype(opts.dtype)).removeprefix("torch."),
+        "dtype": str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
+                     ).removeprefix("torch."),
         "device": opts.device, "new_tokens": opts.new_tokens, "query_tokens": len(query_ids),
         "started": time.time()}, "notes": list(plan.notes), "rows": [], "ratios": []}
     scratch = None

@@ -79,7 +79,7 @@ class IngestResult:
 
 
 def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
-    from starqa import models
+    from starqa import dist, models
 
     started = time.perf_counter()
     with ui.status("Reading files"):
@@ -105,7 +105,8 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     if method.params.get("question"):  # apb: the question joins every block's anchor
         question_ids = tokenizer.encode(method.params["question"], add_special_tokens=False)
         method = replace(method, params={**method.params, "question_ids": question_ids})
-    dtype = str(models.parse_dtype(opts.dtype)).removeprefix("torch.")
+    dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
+                ).removeprefix("torch.")
     content = corpus_mod.content_hash(corpus.files)
     key = _cache_key(content, fingerprint["digest"], method.as_dict(), dtype)
     root = paths.contexts_dir()
@@ -165,7 +166,7 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, metho
     timing only, where answers do not matter; `ingest` never passes it (users have
     --beyond-window, which says what it does).
     """
-    from starqa import models
+    from starqa import dist, models
 
     started = time.perf_counter()
     model_path = models.resolve_model(model)
@@ -175,7 +176,7 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, metho
         raise StarqaError(f"The context is {len(ids):,} tokens > {window:,} the model was "
                           "trained on.", hint="use fewer tokens or a model with a longer window")
     config = method_config(method, len(ids))
-    dtype = str(models.parse_dtype(dtype)).removeprefix("torch.")
+    dtype = str(models.parse_dtype(dtype, dist.resolve_device(device))).removeprefix("torch.")
     content = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
     key = _cache_key(content, fingerprint["digest"], config.as_dict(), dtype)
     opts = IngestOptions(paths=(), model=model, method=method, workers=workers, name=name,

@@ -705,6 +705,18 @@ def test_name_given_on_a_cache_hit_renames_the_context(home, docs, tiny_model, f
     assert _ingest(docs, tiny_model).manifest["name"] == "second"  # no --name: kept
 
 
+def test_ingest_on_a_gpu_without_bf16_encodes_in_fp16(home, docs, tiny_model, fake_workers,
+                                                       monkeypatch):
+    """The default dtype is chosen for the device ingest runs on (`auto`: the GPU torch
+    sees), so a GPU without bf16 gets fp16; it was chosen for the CPU, so such GPUs got bf16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    gpu = _ingest(docs, tiny_model, workers=1).manifest
+    assert fake_workers[0]["dtype"] == gpu["dtype"] == "float16"
+    cpu = _ingest(docs, tiny_model, workers=1, device="cpu").manifest
+    assert fake_workers[1]["dtype"] == cpu["dtype"] == "bfloat16" and cpu["key"] != gpu["key"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_device_cuda_without_a_gpu_names_the_cpu_fix(home, docs, tiny_model):
     """`--device cuda` where torch sees no GPU: a clear error before any worker starts."""

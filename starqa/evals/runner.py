@@ -150,10 +150,9 @@ def method_options(name: str, opts: EvalOptions) -> dict:
 
 def plan(opts: EvalOptions) -> Plan:
     """Check every option (cheap errors first), resolve the model, size the work."""
-    import torch
     from transformers import AutoConfig
 
-    from starqa import models
+    from starqa import dist, models
 
     tasks = generators.resolve_tasks(opts.tasks)
     methods, notes = parse_methods(opts.methods)
@@ -167,9 +166,7 @@ def plan(opts: EvalOptions) -> Plan:
                               f"{' or '.join(owners)}, which --methods leaves out.")
     for name in methods:  # the methods' own checks, before any model is loaded
         methods_mod.method_config(name, 1024, **method_options(name, opts))
-    device = opts.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = dist.resolve_device(opts.device)
     dtype = str(models.parse_dtype(opts.dtype, device)).removeprefix("torch.")
     model_path = models.resolve_model(opts.model)
     window = models.context_window(AutoConfig.from_pretrained(model_path))
