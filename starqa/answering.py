@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from starqa import dist, phase2, sources, store
+from starqa import dist, phase2, sources
+from starqa.shards import load_shard
 
 
 class Answerer:
@@ -41,7 +42,7 @@ class Answerer:
         blocks = list(dist.split_contiguous(len(manifest["blocks"]), info.world_size, info.rank))
         dtype = getattr(torch, manifest["dtype"])
         decoder = load_decoder(model_path, dtype, weights, info.device)
-        shard = store.load_shard(manifest, blocks, device=info.device, dtype=dtype)
+        shard = load_shard(manifest, blocks, device=info.device, dtype=dtype)
         start = manifest["blocks"][blocks[0]]["start"] if blocks else 0
         return cls(info, decoder, shard, manifest["query_position"], manifest["files"], start,
                    blocks)

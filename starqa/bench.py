@@ -24,6 +24,7 @@ from pathlib import Path
 from starqa import engine, prompt, store
 from starqa.errors import StarqaError
 from starqa.launch import cpu_count
+from starqa.manifest import write_json_atomic
 from starqa.methods import METHODS, method_config, plan_blocks
 
 DEFAULT_LENGTHS = "2k,4k,8k,16k,32k"
@@ -246,7 +247,7 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
             result["ratios"] = ratios(result["rows"], opts)
             result["environment"]["seconds"] = time.time() - result["environment"]["started"]
             if json_path is not None:
-                store.write_json_atomic(json_path, result)
+                write_json_atomic(json_path, result)
             report(f"[{i}/{len(plan.runs)}] {_describe(row)}")
     finally:
         if scratch is not None:

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from starqa import corpus as corpus_mod
-from starqa import paths, prompt, store
+from starqa import paths, prompt, shards, store
 from starqa.errors import StarqaError
 from starqa.launch import Launch, default_workers, run_workers
+from starqa.manifest import FORMAT, block_file, read_manifest, write_json_atomic
 from starqa.methods import method_config, plan_blocks
 
 
@@ -119,7 +120,7 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
             else contextlib.nullcontext())
     with lock:
         if not opts.force and _reusable(final):
-            manifest = store.read_manifest(final)
+            manifest = read_manifest(final)
             if opts.name and opts.name != manifest["name"]:  # --name applies to a hit too
                 manifest = store.rename_context(manifest, opts.name)
             store.touch(manifest)
@@ -239,7 +240,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
         if opts.node_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest = store.read_manifest(final)
+    manifest = read_manifest(final)
     store.touch(manifest)
     return IngestResult(manifest, corpus, False, time.perf_counter() - started,
                         workers * opts.nnodes, encode_seconds, **per_rank)
@@ -290,7 +291,7 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
     from starqa import models
 
     return {
-        "format": store.FORMAT, "key": key, "name": opts.name or _default_name(opts.paths),
+        "format": FORMAT, "key": key, "name": opts.name or _default_name(opts.paths),
         "created": time.time(), "sources": [str(Path(p).resolve()) for p in opts.paths],
         "command": opts.command or "starqa ingest " + shlex.join(
             str(Path(p).resolve()) for p in opts.paths),
@@ -301,7 +302,7 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
         "n_tokens": len(tokens.ids),
         "query_position": query_position(tokens.ids, method, blocks),
         "query_template": query_template,
-        "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
+        "blocks": [{"index": i, "start": s, "end": e, "file": block_file(i)}
                    for i, (s, e) in enumerate(blocks)],
         "files": [{"path": sp.path, "token_start": a, "token_end": b, "lines": sp.lines,
                    "bytes": f.size, "line_tokens": lines}
@@ -577,7 +578,7 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
                             "started": time.time(), "keepalive": opts.keepalive,
                             "tokens": manifest["n_tokens"], "weights": job["weights"],
                             "method": manifest["method"]["name"]}
-                    store.write_json_atomic(run_file, info)
+                    write_json_atomic(run_file, info)
                     if on_ready:
                         on_ready(info)
 
@@ -612,7 +613,7 @@ def _checked_model(manifest: dict, spec: str | None) -> Path:
     """The manifest's model, verified, with every shard present at its recorded size (the
     workers verify checksums as they load)."""
     model_path = manifest_model(manifest, spec)
-    store.verify_present(manifest)
+    shards.verify_present(manifest)
     return model_path
 
 
@@ -679,7 +680,7 @@ def _config(model_path: Path):
 
 
 def _cache_key(content: str, model_digest: str, method: dict, dtype: str) -> str:
-    material = json.dumps({"format": store.FORMAT, "content": content, "model": model_digest,
+    material = json.dumps({"format": FORMAT, "content": content, "model": model_digest,
                            "method": method, "dtype": dtype,
                            "prompt": [prompt.SYSTEM, prompt.INTRO, prompt.QUESTION]},
                           sort_keys=True)
@@ -690,10 +691,10 @@ def _reusable(folder: Path) -> bool:
     """A committed context that is still what its key (the folder's name) says, so a cache
     hit may reuse it: its manifest names the same content, model, method and dtype (an
     edited manifest is rebuilt, not trusted) and every shard matches its checksum (hashes
-    remembered by stat, see store.verify_checksums). Anything else is encoded again."""
+    remembered by stat, see shards.verify_checksums). Anything else is encoded again."""
     try:
-        manifest = store.read_manifest(folder)
-        store.verify_checksums(manifest)
+        manifest = read_manifest(folder)
+        shards.verify_checksums(manifest)
     except StarqaError:
         return False
     return _cache_key(manifest["content_sha256"], manifest["model"]["digest"],

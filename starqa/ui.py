@@ -18,7 +18,7 @@ from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from starqa import store
+from starqa import shards, store
 from starqa.engine import UI, Answer, IngestResult
 from starqa.errors import ShardError
 
@@ -285,7 +285,7 @@ def context_info(manifest: dict, summary: dict, now: float) -> None:
                     ("size", "right"), ("shard", "left"))
     for b in m["blocks"]:
         try:
-            store.verify_block(m, b["index"], checksum=False)
+            shards.verify_block(m, b["index"], checksum=False)
             state = b["file"]
         except ShardError:
             state = f"[red]{b['file']} missing or wrong size[/]"

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from starqa import store
 from starqa.cli import app
 from starqa.errors import StarqaError
+from starqa.manifest import FORMAT, MANIFEST, block_file, read_manifest
 
 runner = CliRunner()
 
@@ -28,12 +29,12 @@ def make_context(home: Path, name: str, key: str, used: float, block_bytes=(1000
     folder.mkdir(parents=True)
     blocks = []
     for i, size in enumerate(block_bytes):
-        (folder / store.block_file(i)).write_bytes(b"\0" * size)
+        (folder / block_file(i)).write_bytes(b"\0" * size)
         blocks.append({"index": i, "start": 100 * i, "end": 100 * (i + 1),
-                       "file": store.block_file(i), "bytes": size, "sha256": "0" * 64})
+                       "file": block_file(i), "bytes": size, "sha256": "0" * 64})
     n = 100 * len(block_bytes)
     manifest = {
-        "format": store.FORMAT, "key": key, "name": name, "created": used - 3600,
+        "format": FORMAT, "key": key, "name": name, "created": used - 3600,
         "sources": [f"/data/{name}"], "command": f"starqa ingest /data/{name}",
         "model": {"name": "tiny-llama", "digest": "ab" * 32, "path": "/models/tiny-llama",
                   "spec": "tiny-llama", "window": 8192},
@@ -47,7 +48,7 @@ def make_context(home: Path, name: str, key: str, used: float, block_bytes=(1000
         "skipped": [{"path": "logo.png", "reason": "binary"}],
         "ingest": {"workers": 2, "encode_seconds": 1.5, "tokens_per_second": n / 1.5},
     }
-    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+    (folder / MANIFEST).write_text(json.dumps(manifest))
     (folder / ".last_used").write_text(str(used))
     os.utime(folder / ".last_used", (used, used))
     return folder
@@ -126,7 +127,7 @@ def test_info_shows_manifest_facts(contexts):
 
 
 def test_info_defaults_to_the_latest_and_flags_missing_shards(contexts):
-    (contexts["docs"] / store.block_file(1)).unlink()
+    (contexts["docs"] / block_file(1)).unlink()
     out = invoke("info").output
     assert "d0c5" + "0" * 12 in out
     assert "missing" in out
@@ -134,7 +135,7 @@ def test_info_defaults_to_the_latest_and_flags_missing_shards(contexts):
 
 def test_info_json_is_the_manifest(contexts):
     data = json.loads(invoke("info", "--json", "old").output)
-    on_disk = json.loads((contexts["old"] / store.MANIFEST).read_text())
+    on_disk = json.loads((contexts["old"] / MANIFEST).read_text())
     assert {k: v for k, v in data.items() if k != "dir"} == on_disk
     assert data["dir"] == str(contexts["old"])
 
@@ -184,7 +185,7 @@ def test_rm_needs_names_or_all(contexts):
 
 
 def test_remove_context_twice_frees_nothing(contexts):
-    manifest = store.read_manifest(contexts["old"])
+    manifest = read_manifest(contexts["old"])
     size = store.dir_size(contexts["old"])
     assert store.remove_context(manifest) == size > 1600
     assert not contexts["old"].exists()
@@ -239,9 +240,9 @@ def test_cache_clean_removes_stale_leftovers_only(contexts, home):
 
 
 def test_cache_clean_removes_contexts_this_starqa_cannot_read(contexts, home):
-    manifest = json.loads((contexts["old"] / store.MANIFEST).read_text())
-    (contexts["old"] / store.MANIFEST).write_text(json.dumps({**manifest, "format": 0}))
-    (contexts["repo"] / store.MANIFEST).write_text("{not json")
+    manifest = json.loads((contexts["old"] / MANIFEST).read_text())
+    (contexts["old"] / MANIFEST).write_text(json.dumps({**manifest, "format": 0}))
+    (contexts["repo"] / MANIFEST).write_text("{not json")
     size = store.dir_size(contexts["old"]) + store.dir_size(contexts["repo"])
     listed = json.loads(invoke("list", "--json").output)
     assert [c["name"] for c in listed if not c.get("damaged")] == ["docs"]

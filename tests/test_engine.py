@@ -222,7 +222,7 @@ def test_cli_usage_error_is_not_a_traceback(home):
 
 def test_ring_two_workers_equals_dense(home, docs, tiny_model):
     """Ring Attention is exact: its shards match dense's and so do the greedy tokens."""
-    from starqa.store import load_block
+    from starqa.shards import load_block
 
     ring = ingest(docs, tiny_model, method="ring", workers=2, block_size=50, name="ring")
     dense = ingest(docs, tiny_model, method="dense", block_size=50, name="dense")
@@ -265,7 +265,7 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     process, and ask answers from them."""
     from starqa import hooks, phase1
     from starqa.methods import MethodConfig
-    from starqa.store import load_block
+    from starqa.shards import load_block
 
     result = ingest(docs, tiny_model, method="apb", workers=2, block_size=40,
                     method_params={"passing": 6, "window": 8})

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starqa import methods as methods_mod
-from starqa import paths, store
+from starqa import paths
 from starqa.errors import StarqaError
 from starqa.evals import generators, scoring
+from starqa.manifest import write_json_atomic
+from starqa.shards import shard_of
 
 FORMAT = "starqa-eval/1"
 DEFAULT_SAMPLES = 4
@@ -221,7 +223,7 @@ class Evaluator:
                                       blocks)
         parts = [(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])]
         start = engine.query_position(sample.context_ids, config, blocks)
-        answerer = Answerer(self.info, self.decoder, store.shard_of(parts, self.dtype), start)
+        answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start)
         del parts
         encoded_at = time.perf_counter()
         tokens: list[int] = []
@@ -270,7 +272,7 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
         results["seconds"] = round(time.perf_counter() - started, 2)
         results["runs_done"] = sum(len(s["results"]) for s in results["samples"])
         results["summary"] = scoring.summarize(results["samples"], plan.methods)
-        store.write_json_atomic(plan.json_path, results)
+        write_json_atomic(plan.json_path, results)
 
     progress.start(plan)
     try:
