@@ -3,8 +3,8 @@
     <context>/block_00000.safetensors   k, v: [L, Hkv, T, D] contiguous, RoPE applied
     <context>/.verified.json            {file: [size, mtime_ns, ctime_ns, sha256]}
 
-A block's size and sha256 are recorded in the manifest (`starqa.manifest`); every load
-checks them. `.verified.json` remembers the hashes by stat, so a repeated check of an
+A block's size and sha256 are recorded in the manifest (`starqa.manifest.Block`); every
+load checks them. `.verified.json` remembers the hashes by stat, so a repeated check of an
 unchanged shard costs one stat instead of a hash. Where contexts live and how they are
 committed, found and removed is `starqa.store`'s.
 """
@@ -16,10 +16,11 @@ import hashlib
 import json
 import os
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
 
 from starqa.errors import ShardError
-from starqa.manifest import block_file, write_json_atomic
+from starqa.manifest import Block, Manifest, block_file, write_json_atomic
 
 VERIFIED = ".verified.json"  # per context: {file: [size, mtime_ns, ctime_ns, sha256]}
 
@@ -43,42 +44,59 @@ def save_block(folder: Path, index: int, k, v, metadata: dict[str, str]) -> Path
     return path
 
 
-def verify_block(manifest: dict, index: int, checksum: bool = True) -> Path:
+def hash_blocks(folder: Path, ranges: Iterable[tuple[int, int]]) -> tuple[Block, ...]:
+    """The manifest entries of the blocks [start, end) the workers wrote into `folder`, each
+    file sized and hashed (and remembered in `.verified.json`, so the next cache hit need
+    not hash again); ShardError if a worker did not write one."""
+    blocks, verified = [], {}
+    for index, (start, end) in enumerate(ranges):
+        path = folder / block_file(index)
+        if not path.exists():
+            raise ShardError(f"worker did not write {path.name}; nothing was cached")
+        st = path.stat()
+        sha = sha256_file(path)
+        blocks.append(Block(index=index, start=start, end=end, file=path.name,
+                            bytes=st.st_size, sha256=sha))
+        verified[path.name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha]
+    write_json_atomic(folder / VERIFIED, verified)
+    return tuple(blocks)
+
+
+def verify_block(manifest: Manifest, index: int, checksum: bool = True) -> Path:
     """Path of block `index` after checking it exists, has its size and (unless
     `checksum=False`, a quick look) matches its checksum."""
-    block = manifest["blocks"][index]
-    path = Path(manifest["_dir"]) / block["file"]
+    block = manifest.blocks[index]
+    path = manifest.folder / block.file
     if not path.exists():
         raise ShardError(f"Shard {path} is missing.", hint=_fix(manifest))
-    if path.stat().st_size != block["bytes"] or (checksum and sha256_file(path) != block["sha256"]):
+    if path.stat().st_size != block.bytes or (checksum and sha256_file(path) != block.sha256):
         raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
                          hint=_fix(manifest))
     return path
 
 
-def verify_checksums(manifest: dict, indices=None) -> None:
+def verify_checksums(manifest: Manifest, indices=None) -> None:
     """Every shard of the context (or of blocks `indices`) matches its recorded checksum:
     what a cache hit must know before it reuses them, and Phase 2 before it loads them. A
     shard's hash is remembered in `.verified.json` with its size, mtime and ctime (a write
     changes them; ctime cannot be set back), so a repeated check costs one stat per shard
     and a damaged shard is still caught."""
-    folder = Path(manifest["_dir"])
-    remembered = _read_verified(folder)
+    remembered = _read_verified(manifest.folder)
     verified = dict(remembered) if indices is not None else {}
-    for index in range(len(manifest["blocks"])) if indices is None else indices:
-        block = manifest["blocks"][index]
+    for index in range(len(manifest.blocks)) if indices is None else indices:
+        block = manifest.blocks[index]
         path = verify_block(manifest, index, checksum=False)  # present, recorded size
         st = path.stat()
         stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-        entry = remembered.get(block["file"])
+        entry = remembered.get(block.file)
         sha = entry[3] if entry and entry[:3] == stamp else sha256_file(path)
-        if sha != block["sha256"]:
+        if sha != block.sha256:
             raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
                              hint=_fix(manifest))
-        verified[block["file"]] = [*stamp, sha]
+        verified[block.file] = [*stamp, sha]
     if verified != remembered:
         with contextlib.suppress(OSError):  # a read-only cache is verified, just not remembered
-            write_json_atomic(folder / VERIFIED, verified)
+            write_json_atomic(manifest.folder / VERIFIED, verified)
 
 
 def _read_verified(folder: Path) -> dict:
@@ -90,14 +108,14 @@ def _read_verified(folder: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def verify_present(manifest: dict) -> None:
+def verify_present(manifest: Manifest) -> None:
     """Every shard of the context is there with its recorded size (a quick look: the
     workers verify checksums as they load)."""
-    for index in range(len(manifest["blocks"])):
+    for index in range(len(manifest.blocks)):
         verify_block(manifest, index, checksum=False)
 
 
-def load_block(manifest: dict, index: int, device="cpu", verified: bool = False):
+def load_block(manifest: Manifest, index: int, device="cpu", verified: bool = False):
     """(k, v) of block `index`, each [L, Hkv, T, D], checksum-verified (unless `verified`:
     the caller just did, with `verify_checksums`)."""
     from safetensors.torch import load_file
@@ -107,14 +125,14 @@ def load_block(manifest: dict, index: int, device="cpu", verified: bool = False)
     return tensors["k"], tensors["v"]
 
 
-def _fix(manifest: dict) -> str:
+def _fix(manifest: Manifest) -> str:
     """A re-ingest command that works when pasted in any folder: the recorded command (which
     `starqa ingest` prefixes with a `cd` to where it ran), else the absolute sources."""
-    command = manifest.get("command") or "starqa ingest " + shlex.join(manifest["sources"])
+    command = manifest.command or "starqa ingest " + shlex.join(manifest.sources)
     return f"re-ingest to rebuild it: {command}"
 
 
-def load_shard(manifest: dict, indices, device="cpu", dtype=None):
+def load_shard(manifest: Manifest, indices, device="cpu", dtype=None):
     """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`),
     checksum-verified (hashing only shards changed since they were last verified)."""
     verify_checksums(manifest, indices)

@@ -21,19 +21,17 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from starqa.errors import ShardError, StarqaError
-from starqa.manifest import MANIFEST, read_manifest, write_json_atomic, write_manifest
-from starqa.shards import VERIFIED, sha256_file, verify_checksums
+from starqa.manifest import MANIFEST, Manifest, read_manifest, write_manifest
+from starqa.shards import verify_checksums
 
 
-def rename_context(manifest: dict, name: str) -> dict:
+def rename_context(manifest: Manifest, name: str) -> Manifest:
     """The context under a new name (its manifest rewritten atomically); returns it."""
-    renamed = {**manifest, "name": name}
-    write_manifest(Path(manifest["_dir"]), renamed)
-    return renamed
+    return write_manifest(manifest.folder, replace(manifest, name=name))
 
 
 def staging_dir(root: Path, key: str, shared: bool = False) -> Path:
@@ -71,24 +69,14 @@ def context_lock(root: Path, key: str, on_wait: Callable[[], None] | None = None
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def commit(staging: Path, final: Path, manifest: dict, *, replace_existing: bool = False,
+def commit(staging: Path, final: Path, manifest: Manifest, *, replace_existing: bool = False,
            held: bool = False) -> None:
-    """Hash every block into the manifest, write it, and swap `staging` into `final`, under
-    the context's lock (`held`: the caller holds it already).
+    """Write the manifest (its blocks hashed: `shards.hash_blocks`) into `staging` and swap
+    `staging` into `final`, under the context's lock (`held`: the caller holds it already).
 
     A complete context already at `final` (its manifest reads and its shards match their
     checksums) is kept and `staging` discarded, unless `replace_existing`: it is the same
     key, so the same content, model, method and dtype, committed by a concurrent ingest."""
-    verified = {}
-    for block in manifest["blocks"]:
-        path = staging / block["file"]
-        if not path.exists():
-            raise ShardError(f"worker did not write {block['file']}; nothing was cached")
-        st = path.stat()
-        block["bytes"] = st.st_size
-        block["sha256"] = sha256_file(path)
-        verified[block["file"]] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, block["sha256"]]
-    write_json_atomic(staging / VERIFIED, verified)  # the next cache hit need not re-hash
     write_manifest(staging, manifest)
     lock = contextlib.nullcontext() if held else context_lock(final.parent, final.name)
     with lock:
@@ -123,13 +111,14 @@ class Damaged:
     path: Path
     problem: str
     last_used: float
+    hint: str  # the reader's: how to remove and rebuild it
 
     @property
     def key(self) -> str:
         return self.path.name
 
 
-def scan_contexts(root: Path) -> tuple[list[dict], list[Damaged]]:
+def scan_contexts(root: Path) -> tuple[list[Manifest], list[Damaged]]:
     """Every context folder under `root`, read once: the usable ones (manifests) and the
     damaged ones, each newest first (by last use, then creation)."""
     good, damaged = [], []
@@ -139,18 +128,18 @@ def scan_contexts(root: Path) -> tuple[list[dict], list[Damaged]]:
         try:
             good.append(read_manifest(folder))
         except ShardError as error:
-            damaged.append(Damaged(folder, str(error), _last_used(folder)))
-    good.sort(key=lambda m: _last_used(Path(m["_dir"])), reverse=True)
+            damaged.append(Damaged(folder, str(error), _last_used(folder), error.hint))
+    good.sort(key=last_used, reverse=True)
     damaged.sort(key=lambda d: d.last_used, reverse=True)
     return good, damaged
 
 
-def list_contexts(root: Path) -> list[dict]:
+def list_contexts(root: Path) -> list[Manifest]:
     """Every usable context, newest first (by last use, then creation)."""
     return scan_contexts(root)[0]
 
 
-def match_context(root: Path, name: str | None) -> dict | Damaged:
+def match_context(root: Path, name: str | None) -> Manifest | Damaged:
     """The one context `name` means, damaged or not: a full key, else a context's exact
     name, else a key prefix; `None` means the latest used. An empty name, an ambiguous one
     or one that matches nothing is an error that lists what there is; never a guess."""
@@ -159,51 +148,51 @@ def match_context(root: Path, name: str | None) -> dict | Damaged:
         raise StarqaError("No ingested context yet.", hint="run: starqa ingest PATH")
     if name is None:
         return max([*good, *damaged], key=lambda c: c.last_used if isinstance(c, Damaged)
-                   else _last_used(Path(c["_dir"])))
+                   else last_used(c))
     if not name.strip():
         raise StarqaError("The context name is empty.",
                           hint="give a context name or key prefix; `starqa list` shows them")
-    keyed = [*((m["key"], m) for m in good), *((d.key, d) for d in damaged)]
-    matches = ([c for key, c in keyed if key == name]
-               or [m for m in good if m["name"] == name]
-               or [c for key, c in keyed if key.startswith(name)])
+    every = [*good, *damaged]
+    matches = ([c for c in every if c.key == name]
+               or [m for m in good if m.name == name]
+               or [c for c in every if c.key.startswith(name)])
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        known = ", ".join(sorted({m["name"] for m in good} | {d.key for d in damaged}))
+        known = ", ".join(sorted({m.name for m in good} | {d.key for d in damaged}))
         raise StarqaError(f"No context named {name!r}.", hint=f"known contexts: {known}")
     listed = "; ".join(_label(c) for c in matches)
     raise StarqaError(f"{name!r} matches {len(matches)} contexts: {listed}. Nothing was done.",
                       hint="name one by a longer key prefix (`starqa list` shows the keys)")
 
 
-def find_context(root: Path, name: str | None) -> dict:
+def find_context(root: Path, name: str | None) -> Manifest:
     """The usable context `name` means (see `match_context`); a damaged one, or a damaged
     latest one when no name is given, is an error that names it: never another context."""
     found = match_context(root, name)
     if isinstance(found, Damaged):
         which = "The most recently used context" if name is None else f"Context {name!r}"
         raise ShardError(f"{which} ({found.key}) is damaged: {found.problem}",
-                         hint=f"remove it with `starqa rm {found.key}` (or `starqa cache "
-                              "--clean`) and re-ingest its sources; `starqa list` shows the "
-                              "others (`starqa ask --context NAME`)")
+                         hint=f"{found.hint} (`starqa cache --clean` removes every damaged "
+                              "context); `starqa list` shows the others (`starqa ask "
+                              "--context NAME`)")
     return found
 
 
-def _label(context: dict | Damaged) -> str:
+def _label(context: Manifest | Damaged) -> str:
     if isinstance(context, Damaged):
         return f"{context.key} (damaged)"
-    return f"{context['name']} ({context['key']}, {context['method']['name']})"
+    return f"{context.name} ({context.key}, {context.method.name})"
 
 
-def touch(manifest: dict) -> None:
+def touch(manifest: Manifest) -> None:
     """Mark a context as used now, so `ask` without --context picks it next time."""
-    (Path(manifest["_dir"]) / ".last_used").write_text(str(time.time()))
+    (manifest.folder / ".last_used").write_text(str(time.time()))
 
 
-def last_used(manifest: dict) -> float:
+def last_used(manifest: Manifest) -> float:
     """When the context was last used (or created), as a Unix time."""
-    return _last_used(Path(manifest["_dir"]))
+    return _last_used(manifest.folder)
 
 
 def dir_size(folder: Path) -> int:
@@ -218,18 +207,18 @@ def dir_size(folder: Path) -> int:
     return total
 
 
-def context_size(manifest: dict) -> int:
+def context_size(manifest: Manifest) -> int:
     """Bytes the context takes on disk: its shards, manifest and stamps."""
-    return dir_size(Path(manifest["_dir"]))
+    return dir_size(manifest.folder)
 
 
-def context_summary(manifest: dict) -> dict:
+def context_summary(manifest: Manifest) -> dict:
     """The facts `starqa list` shows for one context (JSON-ready)."""
-    return {"name": manifest["name"], "key": manifest["key"], "sources": manifest["sources"],
-            "n_tokens": manifest["n_tokens"], "method": manifest["method"],
-            "model": manifest["model"]["name"], "dtype": manifest["dtype"],
-            "bytes": context_size(manifest), "created": manifest["created"],
-            "last_used": last_used(manifest), "dir": manifest["_dir"]}
+    return {"name": manifest.name, "key": manifest.key, "sources": list(manifest.sources),
+            "n_tokens": manifest.n_tokens, "method": manifest.method.as_dict(),
+            "model": manifest.model.name, "dtype": manifest.dtype,
+            "bytes": context_size(manifest), "created": manifest.created,
+            "last_used": last_used(manifest), "dir": str(manifest.folder)}
 
 
 def damaged_summary(damaged: Damaged) -> dict:
@@ -240,16 +229,12 @@ def damaged_summary(damaged: Damaged) -> dict:
             "dir": str(damaged.path)}
 
 
-def context_key(context: dict | Damaged) -> str:
-    return context.key if isinstance(context, Damaged) else context["key"]
-
-
-def remove_context(context: dict | Damaged) -> int:
+def remove_context(context: Manifest | Damaged) -> int:
     """Delete a context (damaged or not) and return the bytes freed (0 if already gone).
 
     The folder is first renamed to a hidden `.trash-<key>-<pid>` (atomic), so a concurrent
     `list` or `ask` sees either the whole context or none of it, never half a folder."""
-    folder = context.path if isinstance(context, Damaged) else Path(context["_dir"])
+    folder = context.path if isinstance(context, Damaged) else context.folder
     size = dir_size(folder)
     trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
     try:

@@ -131,9 +131,8 @@ def test_bench_on_the_tiny_model(tiny_model, tmp_path):
         assert p2["first_token_seconds"] > 0 and p2["seconds_per_token"] > 0
         assert p2["peak_bytes"] > 2**20
         manifest = read_manifest(contexts / row["context_key"])
-        on_disk = sum((Path(manifest["_dir"]) / b["file"]).stat().st_size
-                      for b in manifest["blocks"])
-        assert row["shard_bytes"] == on_disk == sum(b["bytes"] for b in manifest["blocks"])
+        on_disk = sum((manifest.folder / b.file).stat().st_size for b in manifest.blocks)
+        assert row["shard_bytes"] == on_disk == sum(b.bytes for b in manifest.blocks)
         kv = 2 * 2 * 2 * 600 * 16 * 4  # k and v, 2 layers, 2 KV heads, 600 tokens, D 16, fp32
         assert kv < row["shard_bytes"] < kv + 4 * 1024  # plus 4 small safetensors headers
     star1, star2, dense = rows["star", 1], rows["star", 2], rows["dense", 1]
