@@ -44,8 +44,8 @@ def main() -> None:
                          "correct": ok, "seconds": round(time.perf_counter() - started, 2)})
         results[method] = rows
         print(f"{method}: {sum(r['correct'] for r in rows)}/{len(rows)} correct "
-              f"({ingested.manifest['n_tokens']:,} context tokens, "
-              f"{len(ingested.manifest['blocks'])} blocks)", flush=True)
+              f"({ingested.manifest.n_tokens:,} context tokens, "
+              f"{len(ingested.manifest.blocks)} blocks)", flush=True)
 
     print()
     print("| question | " + " | ".join(args.methods) + " |")

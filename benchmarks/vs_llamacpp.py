@@ -169,12 +169,12 @@ def main() -> None:
         packed, spans = corpus.pack(files)
         context = prompt.tokenize_context(tokenizer, packed, spans).ids
         query = prompt.tokenize_query(tokenizer, QUESTION)
-        assert len(context) == manifest["n_tokens"]
-        print(f"context {len(context):,} tokens ({manifest['method']['name']}, "
-              f"{len(manifest['blocks'])} blocks, {manifest['dtype']}), question "
+        assert len(context) == manifest.n_tokens
+        print(f"context {len(context):,} tokens ({manifest.method.name}, "
+              f"{len(manifest.blocks)} blocks, {manifest.dtype}), question "
               f"{len(query)} tokens", flush=True)
 
-        warm = starqa_warm(manifest["key"], args.new_tokens)
+        warm = starqa_warm(manifest.key, args.new_tokens)
         n_new = max(len(warm["tokens"]), 2)
         cold = [starqa_cold(name, n_new) for _ in range(2)]
         dense = transformers_dense(model_path, context, query, n_new)

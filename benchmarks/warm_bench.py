@@ -40,7 +40,7 @@ def main() -> None:
     manifest = engine.ingest(engine.IngestOptions(
         paths=(str(home / "corpus"),), model=str(model_path), workers=args.workers)).manifest
     try:
-        group = client.start(manifest["key"], args.workers, keepalive=0)
+        group = client.start(manifest.key, args.workers, keepalive=0)
         conn = client.Client(group)
 
         def ask(question: str, max_new_tokens: int) -> dict:
@@ -61,8 +61,8 @@ def main() -> None:
                 dense.append(time.perf_counter() - started)
         del model
 
-        print(f"context {manifest['n_tokens']:,} tokens ({manifest['method']['name']}, "
-              f"{len(manifest['blocks'])} blocks), {args.workers} warm workers, "
+        print(f"context {manifest.n_tokens:,} tokens ({manifest.method.name}, "
+              f"{len(manifest.blocks)} blocks), {args.workers} warm workers, "
               f"{os.cpu_count()} cores, prompt {full.shape[1]:,} tokens")
         print(f"  warm time to first token (median of 5):      {statistics.median(warm):7.3f} s")
         print(f"  dense forward over the full prompt (best of 2): {min(dense):7.3f} s")

@@ -30,7 +30,7 @@ def main() -> None:
 
     import torch
 
-    from starqa import dist, engine, hooks, methods, models, phase1, store
+    from starqa import dist, engine, hooks, methods, models, phase1, shards
     from starqa.answering import Answerer
     from starqa.decoder import load_decoder
     from starqa.evals import generators, runner, scoring
@@ -63,7 +63,7 @@ def main() -> None:
                 blocks = methods.plan_blocks(n, config.block_size)
                 encoded = phase1.encode_local(encoder, torch.tensor(sample.context_ids), config,
                                               blocks)
-                shard = store.shard_of([(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])],
+                shard = shards.shard_of([(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])],
                                        dtype)
                 start = engine.query_position(sample.context_ids, config, blocks)
                 answers = {}

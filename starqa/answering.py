@@ -13,14 +13,17 @@ from pathlib import Path
 
 import torch
 
-from starqa import dist, phase2, sources, store
+from starqa import dist, phase2, sources
+from starqa.manifest import Manifest, SourceFile
+from starqa.shards import load_shard
 
 
 class Answerer:
     """Decoder + this rank's shard of contiguous blocks (+ the files they cover)."""
 
     def __init__(self, info: dist.DistInfo, decoder, shard, query_position: int,
-                 files: Sequence[dict] = (), token_start: int = 0, blocks: Sequence[int] = ()):
+                 files: Sequence[SourceFile] = (), token_start: int = 0,
+                 blocks: Sequence[int] = ()):
         self.info = info
         self.blocks = list(blocks)
         self.decoder = decoder
@@ -28,23 +31,22 @@ class Answerer:
         self.files = list(files)
         self.token_start = token_start
         # The keys before the first document are no source (see ShardAttention's `head`).
-        first_doc = min((f["token_start"] for f in self.files), default=token_start)
+        first_doc = min((f.token_start for f in self.files), default=token_start)
         self.hook = phase2.ShardAttention(info, shard, query_host=info.is_last,
                                           head=max(0, first_doc - token_start))
 
     @classmethod
-    def from_cache(cls, manifest: dict, info: dist.DistInfo, model_path: Path,
+    def from_cache(cls, manifest: Manifest, info: dist.DistInfo, model_path: Path,
                    weights: str = "dense") -> Answerer:
         """Load the model and this rank's share of the context's blocks (checksums verified)."""
         from starqa.decoder import load_decoder
 
-        blocks = list(dist.split_contiguous(len(manifest["blocks"]), info.world_size, info.rank))
-        dtype = getattr(torch, manifest["dtype"])
+        blocks = list(dist.split_contiguous(len(manifest.blocks), info.world_size, info.rank))
+        dtype = getattr(torch, manifest.dtype)
         decoder = load_decoder(model_path, dtype, weights, info.device)
-        shard = store.load_shard(manifest, blocks, device=info.device, dtype=dtype)
-        start = manifest["blocks"][blocks[0]]["start"] if blocks else 0
-        return cls(info, decoder, shard, manifest["query_position"], manifest["files"], start,
-                   blocks)
+        shard = load_shard(manifest, blocks, device=info.device, dtype=dtype)
+        start = manifest.blocks[blocks[0]].start if blocks else 0
+        return cls(info, decoder, shard, manifest.query_position, manifest.files, start, blocks)
 
     def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
                on_token: Callable[[int], None] | None = None,

@@ -24,6 +24,7 @@ from pathlib import Path
 from starqa import engine, prompt, store
 from starqa.errors import StarqaError
 from starqa.launch import cpu_count
+from starqa.manifest import Manifest, write_json_atomic
 from starqa.methods import METHODS, method_config, plan_blocks
 
 DEFAULT_LENGTHS = "2k,4k,8k,16k,32k"
@@ -202,7 +203,7 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
     import torch
     import transformers
 
-    from starqa import models
+    from starqa import dist, models
 
     opts = plan.opts
     tokenizer = models.load_tokenizer(plan.model_path)
@@ -210,7 +211,8 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
     result = {"environment": {
         "cores": plan.cores, "torch": torch.__version__, "transformers": transformers.__version__,
         "model": plan.model_name, "model_path": str(plan.model_path), "window": plan.window,
-        "dtype": str(models.parse_dtype(opts.dtype)).removeprefix("torch."),
+        "dtype": str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
+                     ).removeprefix("torch."),
         "device": opts.device, "new_tokens": opts.new_tokens, "query_tokens": len(query_ids),
         "started": time.time()}, "notes": list(plan.notes), "rows": [], "ratios": []}
     scratch = None
@@ -230,8 +232,7 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
                     dtype=opts.dtype, name=f"bench-{r.method}-{r.tokens}", measure=True,
                     allow_over_window=True, device=opts.device, ui=ui)
             manifest = ingested.manifest
-            shard_bytes = sum((Path(manifest["_dir"]) / b["file"]).stat().st_size
-                              for b in manifest["blocks"])
+            shard_bytes = sum((manifest.folder / b.file).stat().st_size for b in manifest.blocks)
             with new_ui() as ui:
                 answer = engine.ask_tokens(manifest, query_ids, workers=r.workers,
                                            max_new_tokens=opts.new_tokens, stop=False,
@@ -245,7 +246,7 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
             result["ratios"] = ratios(result["rows"], opts)
             result["environment"]["seconds"] = time.time() - result["environment"]["started"]
             if json_path is not None:
-                store.write_json_atomic(json_path, result)
+                write_json_atomic(json_path, result)
             report(f"[{i}/{len(plan.runs)}] {_describe(row)}")
     finally:
         if scratch is not None:
@@ -253,7 +254,7 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
     return result
 
 
-def _row(r: Run, manifest: dict, ingested, answer, shard_bytes: int, seconds: float) -> dict:
+def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds: float) -> dict:
     """One run's numbers: Phase 1 per worker and its critical path (the slowest worker),
     the shards on disk, Phase 2 latencies."""
     p1 = [{"rank": m["rank"], "tokens": m["tokens"], "seconds": m["seconds"],
@@ -269,8 +270,8 @@ def _row(r: Run, manifest: dict, ingested, answer, shard_bytes: int, seconds: fl
     new = len(answer.token_ids)
     return {
         "method": r.method, "tokens": r.tokens, "workers": r.workers,
-        "requested_workers": list(r.requested), "blocks": len(manifest["blocks"]),
-        "method_settings": manifest["method"], "context_key": manifest["key"],
+        "requested_workers": list(r.requested), "blocks": len(manifest.blocks),
+        "method_settings": manifest.method.as_dict(), "context_key": manifest.key,
         "seconds": seconds,
         "phase1": {
             "seconds": wall, "tokens_per_second": r.tokens / wall,

@@ -230,8 +230,7 @@ def info(
 
     manifest = store.find_context(paths.contexts_dir(), name)
     if as_json:
-        print(json.dumps({**{k: v for k, v in manifest.items() if k != "_dir"},
-                          "dir": manifest["_dir"]}, indent=1))
+        print(json.dumps({**manifest.to_json(), "dir": str(manifest.folder)}, indent=1))
         return
     from starqa.ui import context_info
 
@@ -269,11 +268,11 @@ def rm(
                 raise typer.Exit(1)
     else:  # resolve every name first, so a typo or an ambiguous prefix removes nothing
         found = (store.match_context(root, name) for name in names)
-        targets = list({store.context_key(c): c for c in found}.values())  # each context once
+        targets = list({c.key: c for c in found}.values())  # each context once
     from starqa import client
 
     for context in targets:  # a warm group serving a removed context would serve nothing
-        client.stop_group(store.context_key(context))
+        client.stop_group(context.key)
     removed_report([(c, store.remove_context(c)) for c in targets])
 
 
@@ -378,7 +377,7 @@ def stop(
         if not contexts:
             raise StarqaError("Name the contexts whose workers to stop, or pass --all.",
                               hint="starqa ps shows them")
-        keys = {store.find_context(paths.contexts_dir(), name)["key"] for name in contexts}
+        keys = {store.find_context(paths.contexts_dir(), name).key for name in contexts}
         groups = [g for g in groups if g["key"] in keys]
     if not groups:
         err.print("No matching worker group is running.")

@@ -73,8 +73,7 @@ def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
     dev = torch.device(f"cuda:{local_rank}" if device == "cuda" else device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -91,9 +90,14 @@ def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
 
 def local_world(device: str | torch.device = "cpu") -> DistInfo:
     """A world of one in this process: no process group, every collective a no-op."""
+    return DistInfo(0, 0, 1, torch.device(resolve_device(device)), None)
+
+
+def resolve_device(device: str | torch.device) -> str | torch.device:
+    """`--device auto`: the GPU when torch sees one, else the CPU; any other as given."""
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return DistInfo(0, 0, 1, torch.device(device), None)
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
 
 
 def all_gather(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:

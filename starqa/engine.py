@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from starqa import corpus as corpus_mod
-from starqa import paths, prompt, store
+from starqa import paths, prompt, shards, store
 from starqa.errors import StarqaError
 from starqa.launch import Launch, default_workers, run_workers
+from starqa.manifest import (FORMAT, IngestRun, Manifest, ModelIdentity, Skipped, SourceFile,
+                             read_manifest, write_json_atomic)
 from starqa.methods import method_config, plan_blocks
 
 
@@ -68,7 +70,7 @@ class IngestOptions:
 
 @dataclass
 class IngestResult:
-    manifest: dict | None  # None on machines other than node 0, which commits
+    manifest: Manifest | None  # None on machines other than node 0, which commits
     corpus: corpus_mod.Corpus
     cache_hit: bool
     seconds: float
@@ -79,7 +81,7 @@ class IngestResult:
 
 
 def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
-    from starqa import models
+    from starqa import dist, models
 
     started = time.perf_counter()
     with ui.status("Reading files"):
@@ -89,7 +91,8 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         model_path = models.resolve_model(opts.model)
         tokenizer = models.load_tokenizer(model_path)
         window = models.context_window(_config(model_path))
-        fingerprint = models.fingerprint(model_path)
+        model = ModelIdentity.of(model_path, opts.model or models.DEFAULT_MODEL, window,
+                                 models.fingerprint(model_path))
     with ui.status("Tokenising"):
         packed, spans = corpus_mod.pack(corpus.files)
         tokens = prompt.tokenize_context(tokenizer, packed, spans)
@@ -105,9 +108,10 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     if method.params.get("question"):  # apb: the question joins every block's anchor
         question_ids = tokenizer.encode(method.params["question"], add_special_tokens=False)
         method = replace(method, params={**method.params, "question_ids": question_ids})
-    dtype = str(models.parse_dtype(opts.dtype)).removeprefix("torch.")
+    dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
+                ).removeprefix("torch.")
     content = corpus_mod.content_hash(corpus.files)
-    key = _cache_key(content, fingerprint["digest"], method.as_dict(), dtype)
+    key = _cache_key(content, model.digest, method.as_dict(), dtype)
     root = paths.contexts_dir()
     final = root / key
     # One ingest of a key at a time, from the cache check through the commit: a second
@@ -118,13 +122,13 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
             else contextlib.nullcontext())
     with lock:
         if not opts.force and _reusable(final):
-            manifest = store.read_manifest(final)
-            if opts.name and opts.name != manifest["name"]:  # --name applies to a hit too
+            manifest = read_manifest(final)
+            if opts.name and opts.name != manifest.name:  # --name applies to a hit too
                 manifest = store.rename_context(manifest, opts.name)
             store.touch(manifest)
             return IngestResult(manifest, corpus, True, time.perf_counter() - started)
-        return _encode(opts, root, key, tokens, corpus, spans, model_path, window, fingerprint,
-                       dtype, method, content, started, ui,
+        return _encode(opts, root, key, tokens, corpus, spans, model, dtype, method, content,
+                       started, ui,
                        query_template=prompt.query_template(tokenizer), lock_held=True)
 
 
@@ -165,29 +169,30 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, metho
     timing only, where answers do not matter; `ingest` never passes it (users have
     --beyond-window, which says what it does).
     """
-    from starqa import models
+    from starqa import dist, models
 
     started = time.perf_counter()
     model_path = models.resolve_model(model)
     window = models.context_window(_config(model_path))
-    fingerprint = models.fingerprint(model_path)
+    identity = ModelIdentity.of(model_path, model or models.DEFAULT_MODEL, window,
+                                models.fingerprint(model_path))
     if len(ids) > window and not allow_over_window:
         raise StarqaError(f"The context is {len(ids):,} tokens > {window:,} the model was "
                           "trained on.", hint="use fewer tokens or a model with a longer window")
     config = method_config(method, len(ids))
-    dtype = str(models.parse_dtype(dtype)).removeprefix("torch.")
+    dtype = str(models.parse_dtype(dtype, dist.resolve_device(device))).removeprefix("torch.")
     content = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
-    key = _cache_key(content, fingerprint["digest"], config.as_dict(), dtype)
+    key = _cache_key(content, identity.digest, config.as_dict(), dtype)
     opts = IngestOptions(paths=(), model=model, method=method, workers=workers, name=name,
                          dtype=dtype, device=device, command=f"starqa bench ({name})")
     return _encode(opts, root, key, prompt.ContextTokens(list(ids), [], []),
-                   corpus_mod.Corpus((), (), ()), [], model_path, window, fingerprint, dtype,
-                   config, content, started, ui, measure)
+                   corpus_mod.Corpus((), (), ()), [], identity, dtype, config, content, started,
+                   ui, measure)
 
 
-def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, model_path, window,
-            fingerprint, dtype, method, content, started, ui: UI, measure: bool = False, *,
-            query_template: dict | None = None, lock_held: bool = False) -> IngestResult:
+def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
+            model: ModelIdentity, dtype, method, content, started, ui: UI, measure: bool = False,
+            *, query_template: dict | None = None, lock_held: bool = False) -> IngestResult:
     """Run Phase 1 on a torchrun group and commit the shards under `root / key` (under the
     context's lock; `lock_held`: the caller holds it already)."""
     ids = tokens.ids
@@ -201,7 +206,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
     staging = store.staging_dir(root, key, shared=multinode)
     try:
         tokens_file = _save_tokens(staging, ids, opts.node_rank)
-        job = {"phase": "ingest", "model_path": str(model_path), "dtype": dtype,
+        job = {"phase": "ingest", "model_path": model.path, "dtype": dtype,
                "method": method.as_dict(), "blocks": blocks, "staging": str(staging),
                "tokens_file": str(tokens_file), "measure": measure}
         encode_started: list[float] = []
@@ -230,15 +235,25 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
                                 encode_seconds, **per_rank)
         for leftover in staging.glob("tokens-node*.safetensors"):
             leftover.unlink()
-        store.commit(staging, final, _manifest(
-            opts, key, model_path, window, fingerprint, dtype, method, content, tokens, blocks,
-            corpus, spans, workers * opts.nnodes, encode_seconds, query_template),
+        sources = tuple(str(Path(p).resolve()) for p in opts.paths)
+        store.commit(staging, final, Manifest(
+            key=key, name=opts.name or _default_name(opts.paths), created=time.time(),
+            sources=sources, command=opts.command or "starqa ingest " + shlex.join(sources),
+            model=model, reserve=opts.reserve, dtype=dtype, method=method,
+            content_sha256=content, n_tokens=n, query_position=query_position(ids, method, blocks),
+            query_template=query_template, blocks=shards.hash_blocks(staging, blocks),
+            files=tuple(SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
+                                   bytes=f.size, line_tokens=tuple(lines))
+                        for sp, (a, b), lines, f in zip(spans, tokens.file_tokens,
+                                                        tokens.line_tokens, corpus.files)),
+            skipped=tuple(Skipped(path=s.path, reason=s.reason) for s in corpus.skipped),
+            ingest=IngestRun.timed(workers * opts.nnodes, encode_seconds, n)),
             replace_existing=True, held=lock_held)  # ingest found it not reusable, or forced
     except BaseException:
         if opts.node_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest = store.read_manifest(final)
+    manifest = read_manifest(final)
     store.touch(manifest)
     return IngestResult(manifest, corpus, False, time.perf_counter() - started,
                         workers * opts.nnodes, encode_seconds, **per_rank)
@@ -284,34 +299,6 @@ def ingest_worker_count(method: str, n_blocks: int, workers: int) -> int:
     return _ingest_workers(IngestOptions(paths=(), workers=workers), method, n_blocks)
 
 
-def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content, tokens,
-              blocks, corpus, spans, workers, encode_seconds, query_template) -> dict:
-    from starqa import models
-
-    return {
-        "format": store.FORMAT, "key": key, "name": opts.name or _default_name(opts.paths),
-        "created": time.time(), "sources": [str(Path(p).resolve()) for p in opts.paths],
-        "command": opts.command or "starqa ingest " + shlex.join(
-            str(Path(p).resolve()) for p in opts.paths),
-        "model": {"path": str(model_path), "spec": opts.model or models.DEFAULT_MODEL,
-                  "window": window, **fingerprint},
-        "reserve": opts.reserve,
-        "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
-        "n_tokens": len(tokens.ids),
-        "query_position": query_position(tokens.ids, method, blocks),
-        "query_template": query_template,
-        "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
-                   for i, (s, e) in enumerate(blocks)],
-        "files": [{"path": sp.path, "token_start": a, "token_end": b, "lines": sp.lines,
-                   "bytes": f.size, "line_tokens": lines}
-                  for sp, (a, b), lines, f in zip(spans, tokens.file_tokens, tokens.line_tokens,
-                                                  corpus.files)],
-        "skipped": [{"path": s.path, "reason": s.reason} for s in corpus.skipped],
-        "ingest": {"workers": workers, "encode_seconds": round(encode_seconds, 3),
-                   "tokens_per_second": round(len(tokens.ids) / max(encode_seconds, 1e-9), 1)},
-    }
-
-
 DEFAULT_KEEPALIVE = 300.0  # seconds a warm group waits for the next question (as ollama)
 
 
@@ -336,7 +323,7 @@ class AskOptions:
 class Answer:
     text: str
     token_ids: list[int]
-    context: dict
+    context: Manifest
     query_tokens: int
     workers: int
     seconds: float
@@ -363,17 +350,17 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
     if opts.warm and opts.nnodes == 1 and opts.model is None:
         from starqa import client
 
-        group = client.find(manifest["key"])
+        group = client.find(manifest.key)
         if group is not None and opts.weights in (None, group.get("weights")):
             return _ask_warm(opts, manifest, group, ui, started)
     with ui.status("Checking model and shards"):
         model_path = _checked_model(manifest, opts.model)
         tokenizer, query_ids = _question(manifest, model_path, opts.question)
-    n, m, window = manifest["n_tokens"], len(query_ids), manifest["model"]["window"]
+    n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
     if n + m + opts.max_new_tokens > window and not opts.beyond_window:
         raise prompt.over_window(n, m, opts.max_new_tokens, window)
     workers, why = _phase2_workers(manifest, model_path, opts.workers, opts.nnodes, opts.device)
-    weights = models.phase2_weights(opts.weights, manifest["model"]["spec"], opts.device)
+    weights = models.phase2_weights(opts.weights, manifest.model.spec, opts.device)
     stops = models.stop_ids(tokenizer, model_path)
     if workers == 1 and opts.nnodes == 1:
         answer = _answer_here(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
@@ -386,17 +373,17 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
 
         # The next question finds this context warm: a group starts in the background
         # (a second one for the same context refuses to start, see `serve`).
-        client.spawn(manifest["key"], opts.workers, opts.keepalive, opts.weights)
+        client.spawn(manifest.key, opts.workers, opts.keepalive, opts.weights)
     return answer
 
 
-def _question(manifest: dict, model_path: Path, question: str) -> tuple[Any, list[int]]:
+def _question(manifest: Manifest, model_path: Path, question: str) -> tuple[Any, list[int]]:
     """(tokenizer, the question's query ids). With the manifest's query template the plain
     `tokenizers` library does it (no transformers import on a cold ask's way to its first
     token); without (older caches, templates that reshape the question), transformers."""
     from starqa import models
 
-    template = manifest.get("query_template")
+    template = manifest.query_template
     if isinstance(template, dict) and all(isinstance(template.get(k), str)
                                           for k in ("prefix", "suffix")):
         if (fast := models.load_fast_tokenizer(model_path)) is not None:
@@ -405,7 +392,7 @@ def _question(manifest: dict, model_path: Path, question: str) -> tuple[Any, lis
     return tokenizer, prompt.tokenize_query(tokenizer, question)
 
 
-def ask_tokens(manifest: dict, query_ids: list[int], *, workers: int | None = None,
+def ask_tokens(manifest: Manifest, query_ids: list[int], *, workers: int | None = None,
                max_new_tokens: int = 16, stop: bool = True, measure: bool = False,
                allow_over_window: bool = False, device: str = "auto", weights: str | None = None,
                ui: UI = UI()) -> Answer:
@@ -418,7 +405,7 @@ def ask_tokens(manifest: dict, query_ids: list[int], *, workers: int | None = No
     started = time.perf_counter()
     model_path = _checked_model(manifest, None)
     tokenizer = models.load_tokenizer(model_path)
-    n, m, window = manifest["n_tokens"], len(query_ids), manifest["model"]["window"]
+    n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
     if n + m + max_new_tokens > window and not allow_over_window:
         raise StarqaError(f"Context {n:,} + query {m:,} + up to {max_new_tokens:,} new tokens "
                           f"= {n + m + max_new_tokens:,} tokens > {window:,} the model was "
@@ -427,16 +414,16 @@ def ask_tokens(manifest: dict, query_ids: list[int], *, workers: int | None = No
     stops = models.stop_ids(tokenizer, model_path) if stop else set()
     return _answer(manifest, model_path, tokenizer, query_ids, max_new_tokens, stops,
                    Launch(workers, device=device), ui, started, measure,
-                   models.phase2_weights(weights, manifest["model"]["spec"], device))
+                   models.phase2_weights(weights, manifest.model.spec, device))
 
 
-def _answer(manifest: dict, model_path: Path, tokenizer, query_ids: list[int],
+def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int],
             max_new_tokens: int, stops: set[int], launch: Launch, ui: UI, started: float,
             measure: bool = False, weights: str = "dense") -> Answer:
     """Run Phase 2 on a torchrun group, streaming tokens to `ui`."""
     workers = launch.workers
-    job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest["dtype"],
-           "context_dir": manifest["_dir"], "query_ids": query_ids, "weights": weights,
+    job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest.dtype,
+           "context_dir": str(manifest.folder), "query_ids": query_ids, "weights": weights,
            "max_new_tokens": max_new_tokens, "stop_ids": sorted(stops), "measure": measure}
     stream = prompt.TextStream(tokenizer)
     timing: dict[str, Any] = {}
@@ -473,7 +460,7 @@ def _answer(manifest: dict, model_path: Path, tokenizer, query_ids: list[int],
                   measures=[measures[r] for r in sorted(measures)], weights=weights)
 
 
-def _answer_here(manifest: dict, model_path: Path, tokenizer, query_ids: list[int],
+def _answer_here(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int],
                  max_new_tokens: int, stops: set[int], weights: str, device: str, why: str,
                  ui: UI, started: float) -> Answer:
     """Phase 2 as a world of one in this process: no torchrun, no second Python start."""
@@ -507,7 +494,7 @@ def _answer_here(manifest: dict, model_path: Path, tokenizer, query_ids: list[in
                   weights=weights)
 
 
-def _ask_warm(opts: AskOptions, manifest: dict, group: dict, ui: UI, started: float) -> Answer:
+def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started: float) -> Answer:
     """Ask a running worker group over its socket (no model load, no torch import here)."""
     from starqa.client import Client
 
@@ -550,20 +537,20 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
     from starqa import client, models
 
     manifest = store.find_context(paths.contexts_dir(), opts.context)
-    key = manifest["key"]
+    key = manifest.key
     claim = client.claim(key)  # held while the group lives: one group per context
     if claim is None or client.find(key) is not None:
-        raise StarqaError(f"A worker group for {manifest['name']} ({key}) is already running "
-                          "or starting.", hint=f"starqa stop {manifest['name']}")
+        raise StarqaError(f"A worker group for {manifest.name} ({key}) is already running "
+                          "or starting.", hint=f"starqa stop {manifest.name}")
     with claim:
         with ui.status("Checking model and shards"):
             model_path = _checked_model(manifest, opts.model)
         workers, why = _phase2_workers(manifest, model_path, opts.workers, 1, opts.device)
         run_file = client.run_dir() / f"{key}.json"
-        job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest["dtype"],
-               "context_dir": manifest["_dir"], "keepalive": opts.keepalive,
+        job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest.dtype,
+               "context_dir": str(manifest.folder), "keepalive": opts.keepalive,
                "socket": str(client.run_dir() / f"{key}.sock"),
-               "weights": models.phase2_weights(opts.weights, manifest["model"]["spec"],
+               "weights": models.phase2_weights(opts.weights, manifest.model.spec,
                                                 opts.device)}
         ready: set[int] = set()
 
@@ -571,12 +558,12 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
             if event["event"] == "ready":
                 ready.add(event["rank"])
                 if len(ready) == workers:
-                    info = {"key": key, "name": manifest["name"], "pid": os.getpid(),
+                    info = {"key": key, "name": manifest.name, "pid": os.getpid(),
                             "workers": workers, "socket": job["socket"],
                             "started": time.time(), "keepalive": opts.keepalive,
-                            "tokens": manifest["n_tokens"], "weights": job["weights"],
-                            "method": manifest["method"]["name"]}
-                    store.write_json_atomic(run_file, info)
+                            "tokens": manifest.n_tokens, "weights": job["weights"],
+                            "method": manifest.method.name}
+                    write_json_atomic(run_file, info)
                     if on_ready:
                         on_ready(info)
 
@@ -591,7 +578,7 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
             run_file.unlink(missing_ok=True)
 
 
-def _serve_here(job: dict, manifest: dict, model_path: Path, device: str, why: str, ui: UI,
+def _serve_here(job: dict, manifest: Manifest, model_path: Path, device: str, why: str, ui: UI,
                 on_ready) -> None:
     """A warm group of one worker: this process (starqa.server's loop, no torchrun)."""
     from starqa import dist
@@ -607,21 +594,21 @@ def _serve_here(job: dict, manifest: dict, model_path: Path, device: str, why: s
 # ---------------------------------------------------------------------------------------
 
 
-def _checked_model(manifest: dict, spec: str | None) -> Path:
+def _checked_model(manifest: Manifest, spec: str | None) -> Path:
     """The manifest's model, verified, with every shard present at its recorded size (the
     workers verify checksums as they load)."""
     model_path = manifest_model(manifest, spec)
-    store.verify_present(manifest)
+    shards.verify_present(manifest)
     return model_path
 
 
-def _phase2_workers(manifest: dict, model_path: Path, requested: int | None, nnodes: int,
+def _phase2_workers(manifest: Manifest, model_path: Path, requested: int | None, nnodes: int,
                     device: str) -> tuple[int, str]:
     """Workers per machine for Phase 2, and why. Star Attention spreads Phase 2 because one
     host cannot hold every shard; on one machine whose memory holds the model and every
     shard, one worker with all the cores is fastest (W workers would each run the whole
     model for every token). Never more workers in all than the context has blocks."""
-    n_blocks = len(manifest["blocks"])
+    n_blocks = len(manifest.blocks)
     if nnodes > 1:
         workers = requested or default_workers(device)
         if workers * nnodes > n_blocks:
@@ -678,7 +665,7 @@ def _config(model_path: Path):
 
 
 def _cache_key(content: str, model_digest: str, method: dict, dtype: str) -> str:
-    material = json.dumps({"format": store.FORMAT, "content": content, "model": model_digest,
+    material = json.dumps({"format": FORMAT, "content": content, "model": model_digest,
                            "method": method, "dtype": dtype,
                            "prompt": [prompt.SYSTEM, prompt.INTRO, prompt.QUESTION]},
                           sort_keys=True)
@@ -689,14 +676,14 @@ def _reusable(folder: Path) -> bool:
     """A committed context that is still what its key (the folder's name) says, so a cache
     hit may reuse it: its manifest names the same content, model, method and dtype (an
     edited manifest is rebuilt, not trusted) and every shard matches its checksum (hashes
-    remembered by stat, see store.verify_checksums). Anything else is encoded again."""
+    remembered by stat, see shards.verify_checksums). Anything else is encoded again."""
     try:
-        manifest = store.read_manifest(folder)
-        store.verify_checksums(manifest)
+        manifest = read_manifest(folder)
+        shards.verify_checksums(manifest)
     except StarqaError:
         return False
-    return _cache_key(manifest["content_sha256"], manifest["model"]["digest"],
-                      manifest["method"], manifest["dtype"]) == folder.name
+    return _cache_key(manifest.content_sha256, manifest.model.digest,
+                      manifest.method.as_dict(), manifest.dtype) == folder.name
 
 
 def _save_tokens(folder: Path, ids: list[int], node_rank: int) -> Path:
@@ -709,22 +696,22 @@ def _save_tokens(folder: Path, ids: list[int], node_rank: int) -> Path:
     return path
 
 
-def manifest_model(manifest: dict, spec: str | None) -> Path:
+def manifest_model(manifest: Manifest, spec: str | None) -> Path:
     """The model the context was made with; a different one is an error, never a silent mix."""
     from starqa import models
 
-    recorded = manifest["model"]
-    path = Path(recorded["path"])
+    recorded = manifest.model
+    path = Path(recorded.path)
     if spec is not None:
         path = models.resolve_model(spec)
     elif not (path / "config.json").exists():
-        path = models.resolve_model(recorded["spec"])  # e.g. the embedded model was deleted
+        path = models.resolve_model(recorded.spec)  # e.g. the embedded model was deleted
     actual = models.fingerprint(path)
-    if actual["digest"] != recorded["digest"]:
+    if actual["digest"] != recorded.digest:
         raise StarqaError(
             f"Model {actual['name']} ({actual['digest'][:12]}) does not match the model context "
-            f"{manifest['name']!r} was ingested with: {recorded['name']} ({recorded['digest'][:12]}).",
-            hint=f"ask with --model {recorded['spec']}, or re-ingest: {manifest['command']}")
+            f"{manifest.name!r} was ingested with: {recorded.name} ({recorded.digest[:12]}).",
+            hint=f"ask with --model {recorded.spec}, or re-ingest: {manifest.command}")
     return path
 
 

@@ -39,13 +39,13 @@ class Chat:
 
     def connect(self, name: str | None) -> None:
         manifest = store.find_context(paths.contexts_dir(), name)
-        group = client.find(manifest["key"])
+        group = client.find(manifest.key)
         self.owns_group = group is None and self.keepalive == 0
         if group is None:
-            with self.console.status(f"Starting workers for {manifest['name']} "
+            with self.console.status(f"Starting workers for {manifest.name} "
                                      "(loading model and shards)"):
                 # keep-alive 0: no group outlives the chat; it is stopped when the chat ends
-                group = client.start(manifest["key"], self.workers,
+                group = client.start(manifest.key, self.workers,
                                      -1 if self.keepalive == 0 else self.keepalive)
         if self.conn is not None:
             self.conn.close()
@@ -53,8 +53,8 @@ class Chat:
         self.group, self.manifest = group, manifest
         self.history.clear()
         self.console.print(
-            f"[bold]{manifest['name']}[/] · {manifest['n_tokens']:,} tokens · "
-            f"{manifest['method']['name']} · {group['workers']} warm worker"
+            f"[bold]{manifest.name}[/] · {manifest.n_tokens:,} tokens · "
+            f"{manifest.method.name} · {group['workers']} warm worker"
             f"{'s' * (group['workers'] > 1)} · /help for commands")
 
     def run(self) -> None:

@@ -21,10 +21,12 @@ import socket
 import time
 from pathlib import Path
 
+from starqa.manifest import Manifest
+
 HEARTBEAT_S = 20.0  # the other workers wait in a collective; never longer than this
 
 
-def serve_group(job: dict, info, answerer, manifest: dict, on_ready) -> None:
+def serve_group(job: dict, info, answerer, manifest: Manifest, on_ready) -> None:
     """Every rank's loop of a warm group: the query host reads requests from the socket and
     broadcasts them; every rank answers each `ask` together, until `stop` (or idle)."""
     from starqa import dist
@@ -49,7 +51,7 @@ def serve_group(job: dict, info, answerer, manifest: dict, on_ready) -> None:
 
 
 class Server:
-    def __init__(self, job: dict, ctx, manifest: dict):
+    def __init__(self, job: dict, ctx, manifest: Manifest):
         from starqa.models import load_tokenizer, stop_ids
 
         self.ctx = ctx
@@ -58,7 +60,7 @@ class Server:
         self.keepalive = float(job["keepalive"])
         self.tokenizer = load_tokenizer(job["model_path"])
         self.stop_ids = sorted(stop_ids(self.tokenizer, Path(job["model_path"])))
-        self.window = manifest["model"]["window"]
+        self.window = manifest.model.window
         self.path.unlink(missing_ok=True)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)
@@ -121,7 +123,7 @@ class Server:
             self._send({"event": "error", "message": f"Bad request: {problem}."})
             return None
         history = [tuple(turn) for turn in history]
-        n = self.manifest["n_tokens"]
+        n = self.manifest.n_tokens
         while True:
             ids = prompt.tokenize_query(self.tokenizer, question, history)
             if n + len(ids) + max_new <= self.window or message.get("beyond_window"):
@@ -182,8 +184,8 @@ class Server:
 
     def status(self) -> dict:
         m = self.manifest
-        return {"context": m["name"], "key": m["key"], "workers": self.ctx.info.world_size,
-                "tokens": m["n_tokens"], "method": m["method"]["name"],
+        return {"context": m.name, "key": m.key, "workers": self.ctx.info.world_size,
+                "tokens": m.n_tokens, "method": m.method.name,
                 "answered": self.answered, "rss_bytes": _rss(), "pid": os.getpid()}
 
     # -- socket plumbing ----------------------------------------------------------------

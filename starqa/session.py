@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starqa import dist, prompt
+from starqa.manifest import Manifest
 
 
 @dataclass
@@ -22,7 +23,7 @@ class LocalAnswer:
 
 
 class LocalSession:
-    def __init__(self, manifest: dict, model_path: Path | None = None, device: str = "cpu",
+    def __init__(self, manifest: Manifest, model_path: Path | None = None, device: str = "cpu",
                  weights: str | None = None):
         from starqa import engine, models
         from starqa.answering import Answerer
@@ -30,7 +31,7 @@ class LocalSession:
         path = model_path or engine.manifest_model(manifest, None)
         self.tokenizer = models.load_tokenizer(path)
         self.stop_ids = models.stop_ids(self.tokenizer, path)
-        self.weights = models.phase2_weights(weights, manifest["model"]["spec"], device)
+        self.weights = models.phase2_weights(weights, manifest.model.spec, device)
         self.context = Answerer.from_cache(manifest, dist.local_world(device), path,
                                            self.weights)
 

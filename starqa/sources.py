@@ -9,25 +9,29 @@ so each worker turns its vector into per-line mass; the query host adds them up 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 
+from starqa.manifest import SourceFile
 
-def line_mass(files: list[dict], token_start: int, mass: torch.Tensor) -> dict[str, dict[int, float]]:
+
+def line_mass(files: Sequence[SourceFile], token_start: int,
+              mass: torch.Tensor) -> dict[str, dict[int, float]]:
     """Mass per (file, 1-based line) for keys at positions token_start .. token_start+len(mass).
     Tokens of a document's header count towards its first line."""
     end = token_start + mass.numel()
     out: dict[str, dict[int, float]] = {}
     for f in files:
-        a, b = max(f["token_start"], token_start), min(f["token_end"], end)
+        a, b = max(f.token_start, token_start), min(f.token_end, end)
         if a >= b:
             continue
-        starts = torch.tensor(f["line_tokens"] or [f["token_start"]])
+        starts = torch.tensor(f.line_tokens or [f.token_start])
         line = (torch.searchsorted(starts, torch.arange(a, b), right=True) - 1).clamp_(min=0)
         per_line = torch.zeros(len(starts), dtype=torch.float64).index_add_(
             0, line, mass[a - token_start:b - token_start].double())
         nonzero = per_line.nonzero().flatten().tolist()
-        out[f["path"]] = {i + 1: float(per_line[i]) for i in nonzero}
+        out[f.path] = {i + 1: float(per_line[i]) for i in nonzero}
     return out
 
 

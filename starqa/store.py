@@ -1,61 +1,37 @@
-"""The shard store: one safetensors file per block, a JSON manifest, atomic commits.
+"""The contexts folder's housekeeping: commit, lock, find by name, list, rename, remove, sizes.
 
 Layout under `$STARQA_HOME/contexts/`:
 
-    <key>/manifest.json             model fingerprint, method + settings, hashes, spans
-    <key>/block_00000.safetensors   k, v: [L, Hkv, T, D] contiguous, RoPE applied
+    <key>/                          a context: manifest.json (starqa.manifest) and its
+                                    shards (starqa.shards)
     .staging-<key>-<pid>/           a context being written (never read)
     .old-<key>-<pid>/, .trash-<key>-<pid>/   a context being replaced or removed
     .<key>.lock                     flock held while the context is checked, built, committed
 
 A context is written into a staging folder and renamed into place only when every shard
 is there and hashed, so a crash or Ctrl-C mid-ingest leaves the previous cache intact.
+A folder whose manifest cannot be read is `Damaged`: listed by key, never used, removable.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import json
 import os
-import shlex
 import shutil
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from starqa.errors import ShardError, StarqaError
-
-MANIFEST = "manifest.json"
-FORMAT = 3  # 2: files carry line_tokens (sources); 3: query_position
-
-
-def block_file(index: int) -> str:
-    return f"block_{index:05d}.safetensors"
+from starqa.manifest import MANIFEST, Manifest, read_manifest, write_manifest
+from starqa.shards import verify_checksums
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False))
-    os.replace(tmp, path)
-
-
-def rename_context(manifest: dict, name: str) -> dict:
+def rename_context(manifest: Manifest, name: str) -> Manifest:
     """The context under a new name (its manifest rewritten atomically); returns it."""
-    renamed = {**manifest, "name": name}
-    write_json_atomic(Path(manifest["_dir"]) / MANIFEST,
-                      {k: v for k, v in renamed.items() if k != "_dir"})
-    return renamed
+    return write_manifest(manifest.folder, replace(manifest, name=name))
 
 
 def staging_dir(root: Path, key: str, shared: bool = False) -> Path:
@@ -68,17 +44,6 @@ def staging_dir(root: Path, key: str, shared: bool = False) -> Path:
     path = root / f".staging-{key}-{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
-    return path
-
-
-def save_block(folder: Path, index: int, k, v, metadata: dict[str, str]) -> Path:
-    """Write one block's KV ([L, Hkv, T, D] each) as safetensors; returns the file."""
-    from safetensors.torch import save_file
-
-    path = folder / block_file(index)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({"k": k.contiguous(), "v": v.contiguous()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
     return path
 
 
@@ -104,25 +69,15 @@ def context_lock(root: Path, key: str, on_wait: Callable[[], None] | None = None
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def commit(staging: Path, final: Path, manifest: dict, *, replace_existing: bool = False,
+def commit(staging: Path, final: Path, manifest: Manifest, *, replace_existing: bool = False,
            held: bool = False) -> None:
-    """Hash every block into the manifest, write it, and swap `staging` into `final`, under
-    the context's lock (`held`: the caller holds it already).
+    """Write the manifest (its blocks hashed: `shards.hash_blocks`) into `staging` and swap
+    `staging` into `final`, under the context's lock (`held`: the caller holds it already).
 
     A complete context already at `final` (its manifest reads and its shards match their
     checksums) is kept and `staging` discarded, unless `replace_existing`: it is the same
     key, so the same content, model, method and dtype, committed by a concurrent ingest."""
-    verified = {}
-    for block in manifest["blocks"]:
-        path = staging / block["file"]
-        if not path.exists():
-            raise ShardError(f"worker did not write {block['file']}; nothing was cached")
-        st = path.stat()
-        block["bytes"] = st.st_size
-        block["sha256"] = sha256_file(path)
-        verified[block["file"]] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, block["sha256"]]
-    write_json_atomic(staging / VERIFIED, verified)  # the next cache hit need not re-hash
-    write_json_atomic(staging / MANIFEST, manifest)
+    write_manifest(staging, manifest)
     lock = contextlib.nullcontext() if held else context_lock(final.parent, final.name)
     with lock:
         if not replace_existing and _complete(final):
@@ -148,70 +103,6 @@ def _complete(folder: Path) -> bool:
     return True
 
 
-# The fields every command relies on, with their types: a manifest missing one, or of the
-# wrong shape, is damaged (one bad context must never crash `list` or `ask` for the others).
-_FIELDS = {"key": str, "name": str, "created": (int, float), "sources": list, "command": str,
-           "model": dict, "dtype": str, "method": dict, "n_tokens": int, "query_position": int,
-           "blocks": list, "files": list, "skipped": list}
-_MODEL_FIELDS = {"name": str, "digest": str, "path": str, "spec": str, "window": int}
-_METHOD_FIELDS = {"name": str, "block_size": int, "anchor_size": int}
-_BLOCK_FIELDS = {"index": int, "start": int, "end": int, "file": str, "bytes": int,
-                 "sha256": str}
-_FILE_FIELDS = {"path": str, "token_start": int, "token_end": int, "lines": int, "bytes": int}
-_SKIPPED_FIELDS = {"path": str, "reason": str}
-
-
-def read_manifest(folder: Path) -> dict:
-    """The manifest of the context in `folder`, checked for every field the commands use;
-    ShardError naming what is wrong otherwise."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise ShardError(f"{folder} has no {MANIFEST}", hint=_remove_hint(folder)) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ShardError(f"{folder / MANIFEST} is not valid JSON ({err})",
-                         hint=_remove_hint(folder)) from None
-    except OSError as err:
-        raise ShardError(f"{folder / MANIFEST} cannot be read ({err.strerror})",
-                         hint=_remove_hint(folder)) from None
-    if not isinstance(manifest, dict):
-        raise ShardError(f"{folder / MANIFEST} is not a JSON object (it is "
-                         f"{type(manifest).__name__})", hint=_remove_hint(folder))
-    if manifest.get("format") != FORMAT:
-        raise ShardError(f"{folder} was written by an incompatible starqa (format "
-                         f"{manifest.get('format')!r}, expected {FORMAT})",
-                         hint=_remove_hint(folder))
-    if problem := _manifest_problem(manifest, folder.name):
-        raise ShardError(f"{folder / MANIFEST} is damaged: {problem}", hint=_remove_hint(folder))
-    manifest["_dir"] = str(folder)
-    return manifest
-
-
-def _manifest_problem(manifest: dict, key: str) -> str | None:
-    """What makes a manifest unusable (a missing or mistyped field, a shard name that is not
-    the block's own), or None."""
-    checks = [("", manifest, _FIELDS), ("model.", manifest.get("model"), _MODEL_FIELDS),
-              ("method.", manifest.get("method"), _METHOD_FIELDS)]
-    for list_name, fields in (("blocks", _BLOCK_FIELDS), ("files", _FILE_FIELDS),
-                              ("skipped", _SKIPPED_FIELDS)):
-        items = manifest.get(list_name)
-        checks += [(f"{list_name}[{i}].", item, fields)
-                   for i, item in enumerate(items if isinstance(items, list) else [])]
-    for where, part, fields in checks:
-        if not isinstance(part, dict):
-            return f"{where.rstrip('.')} is not an object"
-        for field, kind in fields.items():
-            value = part.get(field)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                return f"{where}{field} is missing or not a {getattr(kind, '__name__', 'number')}"
-    if manifest["key"] != key:
-        return f"its key {manifest['key']!r} is not its folder's name"
-    for i, block in enumerate(manifest["blocks"]):
-        if block["index"] != i or block["file"] != block_file(i):  # never a path elsewhere
-            return f"blocks[{i}] names {block['file']!r}, not {block_file(i)!r}"
-    return None
-
-
 @dataclass(frozen=True)
 class Damaged:
     """A context folder whose manifest cannot be used: shown by `list`, named by `ask`,
@@ -220,13 +111,14 @@ class Damaged:
     path: Path
     problem: str
     last_used: float
+    hint: str  # the reader's: how to remove and rebuild it
 
     @property
     def key(self) -> str:
         return self.path.name
 
 
-def scan_contexts(root: Path) -> tuple[list[dict], list[Damaged]]:
+def scan_contexts(root: Path) -> tuple[list[Manifest], list[Damaged]]:
     """Every context folder under `root`, read once: the usable ones (manifests) and the
     damaged ones, each newest first (by last use, then creation)."""
     good, damaged = [], []
@@ -236,18 +128,18 @@ def scan_contexts(root: Path) -> tuple[list[dict], list[Damaged]]:
         try:
             good.append(read_manifest(folder))
         except ShardError as error:
-            damaged.append(Damaged(folder, str(error), _last_used(folder)))
-    good.sort(key=lambda m: _last_used(Path(m["_dir"])), reverse=True)
+            damaged.append(Damaged(folder, str(error), _last_used(folder), error.hint))
+    good.sort(key=last_used, reverse=True)
     damaged.sort(key=lambda d: d.last_used, reverse=True)
     return good, damaged
 
 
-def list_contexts(root: Path) -> list[dict]:
+def list_contexts(root: Path) -> list[Manifest]:
     """Every usable context, newest first (by last use, then creation)."""
     return scan_contexts(root)[0]
 
 
-def match_context(root: Path, name: str | None) -> dict | Damaged:
+def match_context(root: Path, name: str | None) -> Manifest | Damaged:
     """The one context `name` means, damaged or not: a full key, else a context's exact
     name, else a key prefix; `None` means the latest used. An empty name, an ambiguous one
     or one that matches nothing is an error that lists what there is; never a guess."""
@@ -256,56 +148,51 @@ def match_context(root: Path, name: str | None) -> dict | Damaged:
         raise StarqaError("No ingested context yet.", hint="run: starqa ingest PATH")
     if name is None:
         return max([*good, *damaged], key=lambda c: c.last_used if isinstance(c, Damaged)
-                   else _last_used(Path(c["_dir"])))
+                   else last_used(c))
     if not name.strip():
         raise StarqaError("The context name is empty.",
                           hint="give a context name or key prefix; `starqa list` shows them")
-    keyed = [*((m["key"], m) for m in good), *((d.key, d) for d in damaged)]
-    matches = ([c for key, c in keyed if key == name]
-               or [m for m in good if m["name"] == name]
-               or [c for key, c in keyed if key.startswith(name)])
+    every = [*good, *damaged]
+    matches = ([c for c in every if c.key == name]
+               or [m for m in good if m.name == name]
+               or [c for c in every if c.key.startswith(name)])
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        known = ", ".join(sorted({m["name"] for m in good} | {d.key for d in damaged}))
+        known = ", ".join(sorted({m.name for m in good} | {d.key for d in damaged}))
         raise StarqaError(f"No context named {name!r}.", hint=f"known contexts: {known}")
     listed = "; ".join(_label(c) for c in matches)
     raise StarqaError(f"{name!r} matches {len(matches)} contexts: {listed}. Nothing was done.",
                       hint="name one by a longer key prefix (`starqa list` shows the keys)")
 
 
-def find_context(root: Path, name: str | None) -> dict:
+def find_context(root: Path, name: str | None) -> Manifest:
     """The usable context `name` means (see `match_context`); a damaged one, or a damaged
     latest one when no name is given, is an error that names it: never another context."""
     found = match_context(root, name)
     if isinstance(found, Damaged):
         which = "The most recently used context" if name is None else f"Context {name!r}"
         raise ShardError(f"{which} ({found.key}) is damaged: {found.problem}",
-                         hint=f"remove it with `starqa rm {found.key}` (or `starqa cache "
-                              "--clean`) and re-ingest its sources; `starqa list` shows the "
-                              "others (`starqa ask --context NAME`)")
+                         hint=f"{found.hint} (`starqa cache --clean` removes every damaged "
+                              "context); `starqa list` shows the others (`starqa ask "
+                              "--context NAME`)")
     return found
 
 
-def _label(context: dict | Damaged) -> str:
+def _label(context: Manifest | Damaged) -> str:
     if isinstance(context, Damaged):
         return f"{context.key} (damaged)"
-    return f"{context['name']} ({context['key']}, {context['method']['name']})"
+    return f"{context.name} ({context.key}, {context.method.name})"
 
 
-def _remove_hint(folder: Path) -> str:
-    return (f"remove it (starqa rm {folder.name}, or starqa cache --clean) and re-ingest the "
-            "sources it was made from: starqa ingest PATH")
-
-
-def touch(manifest: dict) -> None:
+def touch(manifest: Manifest) -> None:
     """Mark a context as used now, so `ask` without --context picks it next time."""
-    (Path(manifest["_dir"]) / ".last_used").write_text(str(time.time()))
+    (manifest.folder / ".last_used").write_text(str(time.time()))
 
 
-def last_used(manifest: dict) -> float:
+def last_used(manifest: Manifest) -> float:
     """When the context was last used (or created), as a Unix time."""
-    return _last_used(Path(manifest["_dir"]))
+    return _last_used(manifest.folder)
 
 
 def dir_size(folder: Path) -> int:
@@ -320,18 +207,18 @@ def dir_size(folder: Path) -> int:
     return total
 
 
-def context_size(manifest: dict) -> int:
+def context_size(manifest: Manifest) -> int:
     """Bytes the context takes on disk: its shards, manifest and stamps."""
-    return dir_size(Path(manifest["_dir"]))
+    return dir_size(manifest.folder)
 
 
-def context_summary(manifest: dict) -> dict:
+def context_summary(manifest: Manifest) -> dict:
     """The facts `starqa list` shows for one context (JSON-ready)."""
-    return {"name": manifest["name"], "key": manifest["key"], "sources": manifest["sources"],
-            "n_tokens": manifest["n_tokens"], "method": manifest["method"],
-            "model": manifest["model"]["name"], "dtype": manifest["dtype"],
-            "bytes": context_size(manifest), "created": manifest["created"],
-            "last_used": last_used(manifest), "dir": manifest["_dir"]}
+    return {"name": manifest.name, "key": manifest.key, "sources": list(manifest.sources),
+            "n_tokens": manifest.n_tokens, "method": manifest.method.as_dict(),
+            "model": manifest.model.name, "dtype": manifest.dtype,
+            "bytes": context_size(manifest), "created": manifest.created,
+            "last_used": last_used(manifest), "dir": str(manifest.folder)}
 
 
 def damaged_summary(damaged: Damaged) -> dict:
@@ -342,16 +229,12 @@ def damaged_summary(damaged: Damaged) -> dict:
             "dir": str(damaged.path)}
 
 
-def context_key(context: dict | Damaged) -> str:
-    return context.key if isinstance(context, Damaged) else context["key"]
-
-
-def remove_context(context: dict | Damaged) -> int:
+def remove_context(context: Manifest | Damaged) -> int:
     """Delete a context (damaged or not) and return the bytes freed (0 if already gone).
 
     The folder is first renamed to a hidden `.trash-<key>-<pid>` (atomic), so a concurrent
     `list` or `ask` sees either the whole context or none of it, never half a folder."""
-    folder = context.path if isinstance(context, Damaged) else Path(context["_dir"])
+    folder = context.path if isinstance(context, Damaged) else context.folder
     size = dir_size(folder)
     trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
     try:
@@ -360,6 +243,17 @@ def remove_context(context: dict | Damaged) -> int:
         return 0
     shutil.rmtree(trash, ignore_errors=True)
     return size
+
+
+def _last_used(folder: Path) -> float:
+    """The mtime of the last-use stamp, else of the manifest, else of the folder (a damaged
+    context may have neither file); 0 when the folder is gone."""
+    for path in (folder / ".last_used", folder / MANIFEST, folder):
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -452,111 +346,3 @@ def process_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
-
-
-def verify_block(manifest: dict, index: int, checksum: bool = True) -> Path:
-    """Path of block `index` after checking it exists, has its size and (unless
-    `checksum=False`, a quick look) matches its checksum."""
-    block = manifest["blocks"][index]
-    path = Path(manifest["_dir"]) / block["file"]
-    if not path.exists():
-        raise ShardError(f"Shard {path} is missing.", hint=_fix(manifest))
-    if path.stat().st_size != block["bytes"] or (checksum and sha256_file(path) != block["sha256"]):
-        raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
-                         hint=_fix(manifest))
-    return path
-
-
-VERIFIED = ".verified.json"  # per context: {file: [size, mtime_ns, ctime_ns, sha256]}
-
-
-def verify_checksums(manifest: dict, indices=None) -> None:
-    """Every shard of the context (or of blocks `indices`) matches its recorded checksum:
-    what a cache hit must know before it reuses them, and Phase 2 before it loads them. A
-    shard's hash is remembered in `.verified.json` with its size, mtime and ctime (a write
-    changes them; ctime cannot be set back), so a repeated check costs one stat per shard
-    and a damaged shard is still caught."""
-    folder = Path(manifest["_dir"])
-    remembered = _read_verified(folder)
-    verified = dict(remembered) if indices is not None else {}
-    for index in range(len(manifest["blocks"])) if indices is None else indices:
-        block = manifest["blocks"][index]
-        path = verify_block(manifest, index, checksum=False)  # present, recorded size
-        st = path.stat()
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-        entry = remembered.get(block["file"])
-        sha = entry[3] if entry and entry[:3] == stamp else sha256_file(path)
-        if sha != block["sha256"]:
-            raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
-                             hint=_fix(manifest))
-        verified[block["file"]] = [*stamp, sha]
-    if verified != remembered:
-        with contextlib.suppress(OSError):  # a read-only cache is verified, just not remembered
-            write_json_atomic(folder / VERIFIED, verified)
-
-
-def _read_verified(folder: Path) -> dict:
-    """The remembered shard hashes, or {} when there are none or they cannot be read."""
-    try:
-        data = json.loads((folder / VERIFIED).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def verify_present(manifest: dict) -> None:
-    """Every shard of the context is there with its recorded size (a quick look: the
-    workers verify checksums as they load)."""
-    for index in range(len(manifest["blocks"])):
-        verify_block(manifest, index, checksum=False)
-
-
-def load_block(manifest: dict, index: int, device="cpu", verified: bool = False):
-    """(k, v) of block `index`, each [L, Hkv, T, D], checksum-verified (unless `verified`:
-    the caller just did, with `verify_checksums`)."""
-    from safetensors.torch import load_file
-
-    path = verify_block(manifest, index, checksum=not verified)
-    tensors = load_file(str(path), device=str(device))
-    return tensors["k"], tensors["v"]
-
-
-def _last_used(folder: Path) -> float:
-    """The mtime of the last-use stamp, else of the manifest, else of the folder (a damaged
-    context may have neither file); 0 when the folder is gone."""
-    for path in (folder / ".last_used", folder / MANIFEST, folder):
-        try:
-            return path.stat().st_mtime
-        except OSError:
-            continue
-    return 0.0
-
-
-def _fix(manifest: dict) -> str:
-    """A re-ingest command that works when pasted in any folder: the recorded command (which
-    `starqa ingest` prefixes with a `cd` to where it ran), else the absolute sources."""
-    command = manifest.get("command") or "starqa ingest " + shlex.join(manifest["sources"])
-    return f"re-ingest to rebuild it: {command}"
-
-
-def load_shard(manifest: dict, indices, device="cpu", dtype=None):
-    """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`),
-    checksum-verified (hashing only shards changed since they were last verified)."""
-    verify_checksums(manifest, indices)
-    return shard_of([load_block(manifest, i, device=device, verified=True) for i in indices],
-                    dtype)
-
-
-def shard_of(parts, dtype=None):
-    """Consecutive blocks' (k, v), each [L, Hkv, T_i, D], as one Phase 2 shard: per layer
-    (k, v), each [1, Hkv, N, D] contiguous, in `dtype` (default: as stored; Phase 2 attends
-    in the cache's dtype, so nothing is converted per step). None when `parts` is empty."""
-    import torch
-
-    if not parts:
-        return None
-    k = torch.cat([p[0] for p in parts], dim=2)  # [L, Hkv, N, D]
-    v = torch.cat([p[1] for p in parts], dim=2)
-    if dtype is not None:
-        k, v = k.to(dtype), v.to(dtype)
-    return [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]

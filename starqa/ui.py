@@ -18,9 +18,11 @@ from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from starqa import store
+from starqa import shards, store
 from starqa.engine import UI, Answer, IngestResult
 from starqa.errors import ShardError
+from starqa.manifest import Manifest
+from starqa.methods import MethodConfig
 
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)  # a command's own result (answers, tables): stdout
@@ -142,44 +144,43 @@ def ingest_report(result: IngestResult) -> None:
         err.print(f"This machine's {result.workers} workers encoded their blocks in "
                   f"{result.encode_seconds:.1f} s; node 0 commits the context.")
         return
-    files = sorted(m["files"], key=lambda f: f["token_end"] - f["token_start"], reverse=True)
+    files = sorted(m.files, key=lambda f: f.token_end - f.token_start, reverse=True)
     if result.cache_hit:
-        err.print(f"[green]Cache hit[/]: {m['name']} ({m['key']}) is already encoded with "
-                  f"{_method(m['method'])} on {m['model']['name']}; nothing to do "
+        err.print(f"[green]Cache hit[/]: {m.name} ({m.key}) is already encoded with "
+                  f"{_method(m.method)} on {m.model.name}; nothing to do "
                   f"({result.seconds:.1f} s). Use --force to re-encode.")
         return
-    err.print(f"[bold]Ingested[/] {m['name']} ({m['key']}): {len(m['files'])} files, "
-              f"{m['n_tokens']:,} tokens, {len(m['blocks'])} blocks on {result.workers} "
-              f"worker{'s' * (result.workers > 1)}, method {_method(m['method'])}, "
-              f"model {m['model']['name']}, {m['dtype']}")
-    per_worker = _blocks_per_worker(m["method"], len(m["blocks"]), result.workers)
+    err.print(f"[bold]Ingested[/] {m.name} ({m.key}): {len(m.files)} files, "
+              f"{m.n_tokens:,} tokens, {len(m.blocks)} blocks on {result.workers} "
+              f"worker{'s' * (result.workers > 1)}, method {_method(m.method)}, "
+              f"model {m.model.name}, {m.dtype}")
+    per_worker = _blocks_per_worker(m.method, len(m.blocks), result.workers)
     err.print(f"Blocks per worker: {per_worker}")
-    room, window = m["model"]["window"] - m["n_tokens"], m["model"]["window"]
+    room, window = m.model.window - m.n_tokens, m.model.window
     err.print(f"Room to ask: {room:,} of the model's {window:,} tokens are left for a question "
               "and an answer" if room > 0 else
               f"[yellow]No room to ask[/]: the context fills the model's {window:,}-token "
               "window; only `ask --beyond-window` can use it")
     err.print(f"Encoded in {result.encode_seconds:.1f} s "
-              f"({m['n_tokens'] / max(result.encode_seconds, 1e-9):,.0f} tokens/s); "
-              f"total {result.seconds:.1f} s; shards {_size(sum(b['bytes'] for b in m['blocks']))} "
-              f"in {m['_dir']}")
+              f"({m.n_tokens / max(result.encode_seconds, 1e-9):,.0f} tokens/s); "
+              f"total {result.seconds:.1f} s; shards {_size(sum(b.bytes for b in m.blocks))} "
+              f"in {m.folder}")
     table = Table(title="Largest files", box=None, title_justify="left")
     table.add_column("file")
     table.add_column("tokens", justify="right")
     table.add_column("lines", justify="right")
     for f in files[:5]:
-        table.add_row(f["path"], f"{f['token_end'] - f['token_start']:,}", f"{f['lines']:,}")
+        table.add_row(f.path, f"{f.token_end - f.token_start:,}", f"{f.lines:,}")
     err.print(table)
-    if m["skipped"]:
-        err.print(f"Skipped {len(m['skipped'])}:")
-        for s in m["skipped"][:20]:
-            err.print(f"  {s['path']}: {s['reason']}")
-        if len(m["skipped"]) > 20:
-            err.print(f"  … and {len(m['skipped']) - 20} more")
+    if m.skipped:
+        err.print(f"Skipped {len(m.skipped)}:")
+        for s in m.skipped[:20]:
+            err.print(f"  {s.path}: {s.reason}")
+        if len(m.skipped) > 20:
+            err.print(f"  … and {len(m.skipped) - 20} more")
 
 
-def _blocks_per_worker(method: dict, n_blocks: int, workers: int) -> str:
-    from starqa.methods import MethodConfig
+def _blocks_per_worker(method: MethodConfig, n_blocks: int, workers: int) -> str:
     from starqa.phase1 import assignment
 
     def span(mine: list[int]) -> str:
@@ -187,7 +188,7 @@ def _blocks_per_worker(method: dict, n_blocks: int, workers: int) -> str:
             return f"{mine[0]}-{mine[-1]}"
         return ",".join(map(str, mine)) or "none"
 
-    return ", ".join(f"worker {r}: " + span(assignment(MethodConfig(**method), n_blocks, workers, r))
+    return ", ".join(f"worker {r}: " + span(assignment(method, n_blocks, workers, r))
                      for r in range(workers))
 
 
@@ -201,8 +202,8 @@ def answer_stats(answer: Answer) -> None:
     prefill = answer.query_tokens / answer.prefill_seconds if answer.prefill_seconds else 0.0
     workers = f"{answer.workers} {'warm ' * answer.warm}worker{'s' * (answer.workers > 1)}" + \
         (f" ({answer.weights})" if answer.weights else "")
-    err.print(f"[dim]{answer.context['name']} · {answer.context['method']['name']} · "
-              f"{answer.context['n_tokens']:,} cached + {answer.query_tokens} question tokens · "
+    err.print(f"[dim]{answer.context.name} · {answer.context.method.name} · "
+              f"{answer.context.n_tokens:,} cached + {answer.query_tokens} question tokens · "
               f"{workers} · first token {ttft:.2f} s · prefill {prefill:,.0f} tok/s · "
               f"decode {rate:.1f} tok/s ({n_new} tokens) · total {answer.seconds:.1f} s[/]"
               if ttft is not None else f"[dim]no answer tokens ({answer.seconds:.1f} s)[/]")
@@ -211,9 +212,9 @@ def answer_stats(answer: Answer) -> None:
 
 def answer_json(answer: Answer) -> dict:
     ctx = answer.context
-    return {"answer": answer.text, "context": ctx["name"], "key": ctx["key"],
-            "method": ctx["method"], "model": ctx["model"]["name"],
-            "tokens": {"context": ctx["n_tokens"], "question": answer.query_tokens,
+    return {"answer": answer.text, "context": ctx.name, "key": ctx.key,
+            "method": ctx.method.as_dict(), "model": ctx.model.name,
+            "tokens": {"context": ctx.n_tokens, "question": answer.query_tokens,
                        "answer": len(answer.token_ids)},
             "workers": answer.workers, "warm": answer.warm, "weights": answer.weights,
             "sources": answer.sources,
@@ -258,62 +259,62 @@ def context_list(summaries: list[dict], now: float, damaged: list[dict] = (),
         err.print("Remove damaged contexts with `starqa rm KEY` or `starqa cache --clean`.")
 
 
-def context_info(manifest: dict, summary: dict, now: float) -> None:
+def context_info(manifest: Manifest, summary: dict, now: float) -> None:
     """Everything useful in a context's manifest: identity, model, method, blocks, files."""
-    m, model, run = manifest, manifest["model"], manifest.get("ingest", {})
-    model_text = (f"{model['name']} (digest {model['digest'][:12]}, window {model['window']:,}, "
-                  f"from {model['spec']})")
-    created = time.strftime("%Y-%m-%d %H:%M", time.localtime(m["created"]))
-    ingest_text = (f"{run.get('workers', '?')} workers, {run.get('encode_seconds', 0):.1f} s "
-                   f"encoding, {run.get('tokens_per_second', 0):,.0f} tokens/s")
+    m, model, run = manifest, manifest.model, manifest.ingest
+    model_text = (f"{model.name} (digest {model.digest[:12]}, window {model.window:,}, "
+                  f"from {model.spec})")
+    created = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.created))
+    ingest_text = (f"{run.workers} workers, {run.encode_seconds:.1f} s encoding, "
+                   f"{run.tokens_per_second:,.0f} tokens/s")
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
     facts.add_column(overflow="fold")
     for label, value in (
-            ("name", m["name"]), ("key", m["key"]), ("folder", m["_dir"]),
-            ("sources", "\n".join(m["sources"])), ("command", m["command"]),
-            ("model", model_text), ("model path", model["path"]),
-            ("method", _method(m["method"])), ("dtype", m["dtype"]),
-            ("tokens", f"{m['n_tokens']:,} in {len(m['blocks'])} blocks, {len(m['files'])} files"),
+            ("name", m.name), ("key", m.key), ("folder", m.folder),
+            ("sources", "\n".join(m.sources)), ("command", m.command),
+            ("model", model_text), ("model path", model.path),
+            ("method", _method(m.method)), ("dtype", m.dtype),
+            ("tokens", f"{m.n_tokens:,} in {len(m.blocks)} blocks, {len(m.files)} files"),
             ("size", _size(summary["bytes"])),
-            ("created", f"{created} ({_ago(now - m['created'])})"),
+            ("created", f"{created} ({_ago(now - m.created)})"),
             ("last used", _ago(now - summary["last_used"])), ("ingest", ingest_text)):
         facts.add_row(label, escape(str(value)))
     out.print(facts)
     out.print()
     blocks = _table("Blocks", ("block", "right"), ("tokens", "right"), ("range", "right"),
                     ("size", "right"), ("shard", "left"))
-    for b in m["blocks"]:
+    for b in m.blocks:
         try:
-            store.verify_block(m, b["index"], checksum=False)
-            state = b["file"]
+            shards.verify_block(m, b.index, checksum=False)
+            state = b.file
         except ShardError:
-            state = f"[red]{b['file']} missing or wrong size[/]"
-        blocks.add_row(str(b["index"]), f"{b['end'] - b['start']:,}",
-                       f"{b['start']:,}–{b['end']:,}", _size(b["bytes"]), state)
+            state = f"[red]{b.file} missing or wrong size[/]"
+        blocks.add_row(str(b.index), f"{b.end - b.start:,}",
+                       f"{b.start:,}–{b.end:,}", _size(b.bytes), state)
     out.print(blocks)
     out.print()
     files = _table("Files", ("file", "left"), ("tokens", "right"), ("range", "right"),
                    ("lines", "right"), ("bytes", "right"))
-    for f in m["files"]:
-        files.add_row(escape(f["path"]), f"{f['token_end'] - f['token_start']:,}",
-                      f"{f['token_start']:,}–{f['token_end']:,}", f"{f['lines']:,}",
-                      _size(f["bytes"]))
+    for f in m.files:
+        files.add_row(escape(f.path), f"{f.token_end - f.token_start:,}",
+                      f"{f.token_start:,}–{f.token_end:,}", f"{f.lines:,}",
+                      _size(f.bytes))
     out.print(files)
-    if m["skipped"]:
+    if m.skipped:
         out.print()
-        skipped = _table(f"Skipped ({len(m['skipped'])})", ("file", "left"), ("reason", "left"))
-        for s in m["skipped"]:
-            skipped.add_row(escape(s["path"]), escape(s["reason"]))
+        skipped = _table(f"Skipped ({len(m.skipped)})", ("file", "left"), ("reason", "left"))
+        for s in m.skipped:
+            skipped.add_row(escape(s.path), escape(s.reason))
         out.print(skipped)
 
 
-def removed_report(removed: list[tuple[dict | store.Damaged, int]]) -> None:
+def removed_report(removed: list[tuple[Manifest | store.Damaged, int]]) -> None:
     """One line per removed context (damaged ones by key) with the bytes it freed, then the
     total."""
     for context, freed in removed:
-        name = "damaged context" if isinstance(context, store.Damaged) else context["name"]
-        out.print(f"Removed {escape(name)} ({store.context_key(context)}), freed {_size(freed)}")
+        name = "damaged context" if isinstance(context, store.Damaged) else context.name
+        out.print(f"Removed {escape(name)} ({context.key}), freed {_size(freed)}")
     if len(removed) > 1:
         out.print(f"Removed {len(removed)} contexts, freed {_size(sum(f for _, f in removed))}")
 
@@ -349,16 +350,16 @@ def _table(title: str, *columns: tuple[str, str]) -> Table:
     return table
 
 
-def _method(method: dict) -> str:
+def _method(method: MethodConfig) -> str:
     """`apb (block 1,024, anchor 256, passing 128, window 64)`: every setting but token ids."""
-    settings = [f"block {method['block_size']:,}"]
-    if method["name"] in ("star", "apb"):
-        settings.append(f"anchor {method['anchor_size']:,}")
-    for key, value in method.get("params", {}).items():
+    settings = [f"block {method.block_size:,}"]
+    if method.name in ("star", "apb"):
+        settings.append(f"anchor {method.anchor_size:,}")
+    for key, value in method.params.items():
         if value is not None and key != "question_ids":
             text = str(value)
             settings.append(f"{key} {text if len(text) <= 40 else text[:39] + '…'}")
-    return f"{method['name']} ({', '.join(settings)})"
+    return f"{method.name} ({', '.join(settings)})"
 
 
 def _method_short(method: dict) -> str:

@@ -42,7 +42,7 @@ def _load_model(job: dict, info):
 def run_ingest(job: dict, info) -> None:
     from safetensors.torch import load_file
 
-    from starqa import dist, phase1, store
+    from starqa import dist, phase1, shards
     from starqa.methods import MethodConfig
 
     method = MethodConfig(**job["method"])
@@ -62,7 +62,7 @@ def run_ingest(job: dict, info) -> None:
     with counter:
         for index, k, v in phase1.encode(model, ids, method, blocks, mine, info):
             start, end = blocks[index]
-            store.save_block(folder, index, k.cpu(), v.cpu(), {
+            shards.save_block(folder, index, k.cpu(), v.cpu(), {
                 "index": str(index), "start": str(start), "end": str(end), "method": method.name})
             emit("block", rank=info.rank, index=index, tokens=end - start)
     if measure:
@@ -96,10 +96,11 @@ def flop_counter():
 
 def _answerer(job: dict, info):
     """This rank's Answerer for the job's context, once every rank has loaded its own."""
-    from starqa import dist, store
+    from starqa import dist
     from starqa.answering import Answerer
+    from starqa.manifest import read_manifest
 
-    manifest = store.read_manifest(Path(job["context_dir"]))
+    manifest = read_manifest(Path(job["context_dir"]))
     answerer = Answerer.from_cache(manifest, info, Path(job["model_path"]),
                                    job.get("weights", "dense"))
     dist.barrier(info)

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from starqa import bench, dist, engine, hooks, phase1, store
+from starqa import bench, dist, engine, hooks, phase1
 from starqa.errors import StarqaError
+from starqa.manifest import read_manifest
 from starqa.methods import METHODS
 from starqa.models import load_model
 from starqa.worker import flop_counter
@@ -129,10 +130,9 @@ def test_bench_on_the_tiny_model(tiny_model, tmp_path):
         assert p2["new_tokens"] == 3 and p2["query_tokens"] > 0
         assert p2["first_token_seconds"] > 0 and p2["seconds_per_token"] > 0
         assert p2["peak_bytes"] > 2**20
-        manifest = store.read_manifest(contexts / row["context_key"])
-        on_disk = sum((Path(manifest["_dir"]) / b["file"]).stat().st_size
-                      for b in manifest["blocks"])
-        assert row["shard_bytes"] == on_disk == sum(b["bytes"] for b in manifest["blocks"])
+        manifest = read_manifest(contexts / row["context_key"])
+        on_disk = sum((manifest.folder / b.file).stat().st_size for b in manifest.blocks)
+        assert row["shard_bytes"] == on_disk == sum(b.bytes for b in manifest.blocks)
         kv = 2 * 2 * 2 * 600 * 16 * 4  # k and v, 2 layers, 2 KV heads, 600 tokens, D 16, fp32
         assert kv < row["shard_bytes"] < kv + 4 * 1024  # plus 4 small safetensors headers
     star1, star2, dense = rows["star", 1], rows["star", 2], rows["dense", 1]

@@ -1,7 +1,7 @@
 """`starqa list / info / rm / cache` on fake contexts written straight into a tmp cache.
 
-No model and no torchrun: a context here is a manifest shaped like engine._manifest's and
-dummy block files of known sizes.
+No model and no torchrun: a context here is dummy block files of known sizes and a
+manifest written by the real writer.
 """
 
 import json
@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from starqa import store
+from starqa import shards, store
 from starqa.cli import app
 from starqa.errors import StarqaError
+from starqa.manifest import (MANIFEST, IngestRun, Manifest, ModelIdentity, Skipped, SourceFile,
+                             block_file, read_manifest, write_manifest)
+from starqa.methods import MethodConfig
 
 runner = CliRunner()
 
@@ -26,28 +29,25 @@ def make_context(home: Path, name: str, key: str, used: float, block_bytes=(1000
     """A committed context with len(block_bytes) blocks of 100 tokens, last used at `used`."""
     folder = home / "contexts" / key
     folder.mkdir(parents=True)
-    blocks = []
     for i, size in enumerate(block_bytes):
-        (folder / store.block_file(i)).write_bytes(b"\0" * size)
-        blocks.append({"index": i, "start": 100 * i, "end": 100 * (i + 1),
-                       "file": store.block_file(i), "bytes": size, "sha256": "0" * 64})
+        (folder / block_file(i)).write_bytes(b"\0" * size)
     n = 100 * len(block_bytes)
-    manifest = {
-        "format": store.FORMAT, "key": key, "name": name, "created": used - 3600,
-        "sources": [f"/data/{name}"], "command": f"starqa ingest /data/{name}",
-        "model": {"name": "tiny-llama", "digest": "ab" * 32, "path": "/models/tiny-llama",
-                  "spec": "tiny-llama", "window": 8192},
-        "dtype": "bfloat16",
-        "method": {"name": method, "block_size": 100, "anchor_size": 100 if method == "star" else 0},
-        "content_sha256": "cd" * 32, "n_tokens": n, "query_position": n, "blocks": blocks,
-        "files": [{"path": "a.md", "token_start": 0, "token_end": n - 30, "lines": 12,
-                   "bytes": 400, "line_tokens": list(range(0, n - 30, 20))},
-                  {"path": "b.py", "token_start": n - 30, "token_end": n, "lines": 3,
-                   "bytes": 90, "line_tokens": [n - 30, n - 20, n - 10]}],
-        "skipped": [{"path": "logo.png", "reason": "binary"}],
-        "ingest": {"workers": 2, "encode_seconds": 1.5, "tokens_per_second": n / 1.5},
-    }
-    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+    write_manifest(folder, Manifest(
+        key=key, name=name, created=used - 3600, sources=(f"/data/{name}",),
+        command=f"starqa ingest /data/{name}",
+        model=ModelIdentity(path="/models/tiny-llama", spec="tiny-llama", window=8192,
+                            name="tiny-llama", config_sha256="c" * 64, weights_sha256="e" * 64,
+                            tokenizer_sha256="f" * 64, digest="ab" * 32),
+        dtype="bfloat16", method=MethodConfig(method, 100, 100 if method == "star" else 0),
+        content_sha256="cd" * 32, n_tokens=n, query_position=n,
+        blocks=shards.hash_blocks(folder, [(100 * i, 100 * (i + 1))
+                                           for i in range(len(block_bytes))]),
+        files=(SourceFile(path="a.md", token_start=0, token_end=n - 30, lines=12, bytes=400,
+                          line_tokens=tuple(range(0, n - 30, 20))),
+               SourceFile(path="b.py", token_start=n - 30, token_end=n, lines=3, bytes=90,
+                          line_tokens=(n - 30, n - 20, n - 10))),
+        skipped=(Skipped(path="logo.png", reason="binary"),),
+        ingest=IngestRun(workers=2, encode_seconds=1.5, tokens_per_second=n / 1.5)))
     (folder / ".last_used").write_text(str(used))
     os.utime(folder / ".last_used", (used, used))
     return folder
@@ -100,7 +100,7 @@ def test_list_json(contexts):
     assert [c["default"] for c in data] == [True, False, False]
     docs = data[0]
     assert docs["key"] == "d0c5" + "0" * 12 and docs["n_tokens"] == 200
-    assert docs["method"] == {"name": "star", "block_size": 100, "anchor_size": 100}
+    assert docs["method"] == {"name": "star", "block_size": 100, "anchor_size": 100, "params": {}}
     assert docs["model"] == "tiny-llama" and docs["sources"] == ["/data/docs"]
     assert docs["bytes"] == store.dir_size(contexts["docs"]) > 1600
     assert docs["last_used"] > docs["created"]
@@ -126,7 +126,7 @@ def test_info_shows_manifest_facts(contexts):
 
 
 def test_info_defaults_to_the_latest_and_flags_missing_shards(contexts):
-    (contexts["docs"] / store.block_file(1)).unlink()
+    (contexts["docs"] / block_file(1)).unlink()
     out = invoke("info").output
     assert "d0c5" + "0" * 12 in out
     assert "missing" in out
@@ -134,7 +134,7 @@ def test_info_defaults_to_the_latest_and_flags_missing_shards(contexts):
 
 def test_info_json_is_the_manifest(contexts):
     data = json.loads(invoke("info", "--json", "old").output)
-    on_disk = json.loads((contexts["old"] / store.MANIFEST).read_text())
+    on_disk = json.loads((contexts["old"] / MANIFEST).read_text())
     assert {k: v for k, v in data.items() if k != "dir"} == on_disk
     assert data["dir"] == str(contexts["old"])
 
@@ -184,7 +184,7 @@ def test_rm_needs_names_or_all(contexts):
 
 
 def test_remove_context_twice_frees_nothing(contexts):
-    manifest = store.read_manifest(contexts["old"])
+    manifest = read_manifest(contexts["old"])
     size = store.dir_size(contexts["old"])
     assert store.remove_context(manifest) == size > 1600
     assert not contexts["old"].exists()
@@ -239,9 +239,9 @@ def test_cache_clean_removes_stale_leftovers_only(contexts, home):
 
 
 def test_cache_clean_removes_contexts_this_starqa_cannot_read(contexts, home):
-    manifest = json.loads((contexts["old"] / store.MANIFEST).read_text())
-    (contexts["old"] / store.MANIFEST).write_text(json.dumps({**manifest, "format": 0}))
-    (contexts["repo"] / store.MANIFEST).write_text("{not json")
+    manifest = json.loads((contexts["old"] / MANIFEST).read_text())
+    (contexts["old"] / MANIFEST).write_text(json.dumps({**manifest, "format": 0}))
+    (contexts["repo"] / MANIFEST).write_text("{not json")
     size = store.dir_size(contexts["old"]) + store.dir_size(contexts["repo"])
     listed = json.loads(invoke("list", "--json").output)
     assert [c["name"] for c in listed if not c.get("damaged")] == ["docs"]

@@ -17,7 +17,7 @@ def test_dense_two_workers_equal_one_transformers_generate(embedded_model, home,
     manifest = engine.ingest(engine.IngestOptions(
         paths=(str(samples),), model=str(embedded_model), method="dense", dtype="fp32",
         block_size=1024)).manifest
-    assert len(manifest["blocks"]) >= 4
+    assert len(manifest.blocks) >= 4
     answer = engine.ask(engine.AskOptions(QUESTION, workers=2, max_new_tokens=12))
 
     tok = load_tokenizer(embedded_model)

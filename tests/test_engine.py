@@ -43,17 +43,17 @@ def _context_ids(model_path, manifest):
     from starqa import corpus
 
     tok = load_tokenizer(model_path)
-    files = corpus.collect(manifest["sources"]).files
+    files = corpus.collect(manifest.sources).files
     packed, spans = corpus.pack(files)
     ids = prompt.tokenize_context(tok, packed, spans).ids
-    assert len(ids) == manifest["n_tokens"]
+    assert len(ids) == manifest.n_tokens
     return ids
 
 
 def test_dense_ingest_two_worker_ask_equals_transformers_generate(home, docs, tiny_model):
     result = ingest(docs, tiny_model, method="dense", block_size=50)
     manifest = result.manifest
-    assert not result.cache_hit and len(manifest["blocks"]) >= 3
+    assert not result.cache_hit and len(manifest.blocks) >= 3
     answer = ask(workers=2)
     assert answer.workers == 2
     assert answer.token_ids == reference_tokens(tiny_model, manifest, QUESTION, 8)
@@ -63,26 +63,26 @@ def test_dense_ingest_two_worker_ask_equals_transformers_generate(home, docs, ti
 def test_star_two_workers_through_torchrun(home, docs, tiny_model):
     result = ingest(docs, tiny_model, method="star", workers=2, block_size=40)
     m = result.manifest
-    assert result.workers == 2 and m["method"] == {"name": "star", "block_size": 40,
-                                                    "anchor_size": 40, "params": {}}
-    assert [b["end"] - b["start"] for b in m["blocks"]][:-1] == [40] * (len(m["blocks"]) - 1)
-    assert {f["path"] for f in m["files"]} == {"code.py", "policy/leave.md", "policy/travel.md"}
-    spans = sorted((f["token_start"], f["token_end"]) for f in m["files"])
-    assert all(a < b for a, b in spans) and spans[-1][1] <= m["n_tokens"]
-    for block in m["blocks"]:
-        assert len(block["sha256"]) == 64 and block["bytes"] > 0
+    assert result.workers == 2 and m.method.as_dict() == {"name": "star", "block_size": 40,
+                                                           "anchor_size": 40, "params": {}}
+    assert [b.end - b.start for b in m.blocks][:-1] == [40] * (len(m.blocks) - 1)
+    assert {f.path for f in m.files} == {"code.py", "policy/leave.md", "policy/travel.md"}
+    spans = sorted((f.token_start, f.token_end) for f in m.files)
+    assert all(a < b for a, b in spans) and spans[-1][1] <= m.n_tokens
+    for block in m.blocks:
+        assert len(block.sha256) == 64 and block.bytes > 0
     # The merge is exact whatever the partition: 1 and 2 workers give the same tokens.
     two, one = ask(workers=2), ask(workers=1)
     assert two.token_ids == one.token_ids and two.workers == 2 and one.workers == 1
     # Unchanged input, same model and settings: a cache hit, no workers started.
     again = ingest(docs, tiny_model, method="star", workers=2, block_size=40)
-    assert again.cache_hit and again.manifest["key"] == m["key"]
+    assert again.cache_hit and again.manifest.key == m.key
 
 
 def test_star_single_block_answers_like_dense(home, docs, tiny_model):
     star = ingest(docs, tiny_model, method="star", block_size=10_000, name="star1")
     dense = ingest(docs, tiny_model, method="dense", block_size=10_000, name="dense1")
-    assert star.manifest["key"] != dense.manifest["key"]
+    assert star.manifest.key != dense.manifest.key
     assert ask(context="star1").token_ids == ask(context="dense1").token_ids
 
 
@@ -124,7 +124,7 @@ def test_ask_unknown_context_name(home, docs, tiny_model):
 @pytest.mark.parametrize("damage", ["delete", "corrupt"])
 def test_missing_or_corrupt_shard_is_named(home, docs, tiny_model, damage):
     m = ingest(docs, tiny_model, method="dense", block_size=60).manifest
-    shard = store.Path(m["_dir"]) / m["blocks"][1]["file"]
+    shard = m.folder / m.blocks[1].file
     if damage == "delete":
         shard.unlink()
     else:
@@ -145,13 +145,13 @@ def test_model_that_does_not_match_the_manifest(home, docs, tiny_model, tmp_path
 
 def test_worker_death_shows_stderr_and_keeps_previous_cache(home, docs, tiny_model, monkeypatch):
     first = ingest(docs, tiny_model, method="star", workers=2, block_size=40).manifest
-    before = sorted(p.name for p in store.Path(first["_dir"]).iterdir())
+    before = sorted(p.name for p in first.folder.iterdir())
     monkeypatch.setenv("STARQA_FAULT", "ingest:1")
     with pytest.raises(WorkerError, match="injected fault in ingest on rank 1"):
         ingest(docs, tiny_model, method="star", workers=2, block_size=40, force=True)
     root = paths.contexts_dir()
     assert not [p for p in root.iterdir() if p.name.startswith(".staging")]  # no partial cache
-    assert sorted(p.name for p in store.Path(first["_dir"]).iterdir()) == before
+    assert sorted(p.name for p in first.folder.iterdir()) == before
     monkeypatch.delenv("STARQA_FAULT")
     assert len(ask().token_ids) > 0  # the previous cache still answers
 
@@ -203,7 +203,7 @@ def test_two_machines_on_loopback(home, docs, tiny_model):
     assert [p.returncode for p in nodes] == [0, 0], outs
     assert "Ingested docs" in outs[0][1] and "node 0 commits" in outs[1][1]
     manifest = store.find_context(paths.contexts_dir(), "docs")
-    assert manifest["ingest"]["workers"] == 2
+    assert manifest.ingest.workers == 2
 
     port += 1
     nodes = [run("ask", rank, QUESTION, "--max-new-tokens", "6") for rank in (0, 1)]
@@ -222,12 +222,12 @@ def test_cli_usage_error_is_not_a_traceback(home):
 
 def test_ring_two_workers_equals_dense(home, docs, tiny_model):
     """Ring Attention is exact: its shards match dense's and so do the greedy tokens."""
-    from starqa.store import load_block
+    from starqa.shards import load_block
 
     ring = ingest(docs, tiny_model, method="ring", workers=2, block_size=50, name="ring")
     dense = ingest(docs, tiny_model, method="dense", block_size=50, name="dense")
-    assert ring.workers == 2 and ring.manifest["method"]["name"] == "ring"
-    for i in range(len(dense.manifest["blocks"])):
+    assert ring.workers == 2 and ring.manifest.method.name == "ring"
+    for i in range(len(dense.manifest.blocks)):
         for r, d in zip(load_block(ring.manifest, i), load_block(dense.manifest, i)):
             torch.testing.assert_close(r, d, rtol=1e-4, atol=1e-4)
     assert ask(context="ring", workers=2).token_ids == ask(context="dense", workers=2).token_ids
@@ -238,9 +238,9 @@ def test_pulsar_two_workers_through_torchrun(home, docs, tiny_model):
                     method_params={"sink": 8, "chunk": 4, "budget_frac": 0.25,
                             "positions": "contiguous", "heuristic": "bm25"})
     m = result.manifest
-    assert m["method"]["params"] == {"sink": 8, "heuristic": "bm25", "budget_frac": 0.25,
+    assert m.method.params == {"sink": 8, "heuristic": "bm25", "budget_frac": 0.25,
                                      "chunk": 4, "positions": "contiguous"}
-    assert 50 < m["query_position"] < m["n_tokens"]  # after the longest assembled block
+    assert 50 < m.query_position < m.n_tokens  # after the longest assembled block
     two, one = ask(workers=2), ask(workers=1)
     assert two.token_ids == one.token_ids and len(two.token_ids) > 0
     with pytest.raises(StarqaError, match="--heuristic only applies to --method pulsar"):
@@ -264,19 +264,18 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     worker in a short last round); the shards equal encoding the blocks in order in one
     process, and ask answers from them."""
     from starqa import hooks, phase1
-    from starqa.methods import MethodConfig
-    from starqa.store import load_block
+    from starqa.shards import load_block
 
     result = ingest(docs, tiny_model, method="apb", workers=2, block_size=40,
                     method_params={"passing": 6, "window": 8})
     m = result.manifest
-    assert result.workers == 2 and len(m["blocks"]) % 2 == 1  # a short last round
-    assert m["method"] == {"name": "apb", "block_size": 40, "anchor_size": 10,
-                           "params": {"passing": 6, "window": 8, "question": None}}
+    assert result.workers == 2 and len(m.blocks) % 2 == 1  # a short last round
+    assert m.method.as_dict() == {"name": "apb", "block_size": 40, "anchor_size": 10,
+                                  "params": {"passing": 6, "window": 8, "question": None}}
     model = load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
     ids = torch.tensor(_context_ids(tiny_model, m))
-    blocks = [(b["start"], b["end"]) for b in m["blocks"]]
-    for i, k, v in phase1.encode_local(model, ids, MethodConfig(**m["method"]), blocks):
+    blocks = [(b.start, b.end) for b in m.blocks]
+    for i, k, v in phase1.encode_local(model, ids, m.method, blocks):
         stored_k, stored_v = load_block(m, i)
         torch.testing.assert_close(stored_k, k, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(stored_v, v, rtol=1e-4, atol=1e-4)
@@ -284,8 +283,8 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     # A question known at encoding time joins the anchor: another cache, ids recorded.
     known = ingest(docs, tiny_model, method="apb", workers=2, block_size=40,
                    method_params={"question": QUESTION}, name="known")
-    params = known.manifest["method"]["params"]
-    assert known.manifest["key"] != m["key"] and params["question"] == QUESTION
+    params = known.manifest.method.params
+    assert known.manifest.key != m.key and params["question"] == QUESTION
     assert params["question_ids"] == load_tokenizer(tiny_model).encode(
         QUESTION, add_special_tokens=False)
 
@@ -314,7 +313,7 @@ def test_a_cold_ask_leaves_a_warm_group(home, docs, tiny_model):
     cold = ask(keepalive=60)
     assert not cold.warm
     deadline = time.monotonic() + 120
-    while (group := client.find(cold.context["key"])) is None:
+    while (group := client.find(cold.context.key)) is None:
         assert time.monotonic() < deadline, "no warm group appeared"
         time.sleep(0.2)
     try:
@@ -323,7 +322,7 @@ def test_a_cold_ask_leaves_a_warm_group(home, docs, tiny_model):
         assert warm.warm and warm.token_ids == cold.token_ids
         # A second group for the same context refuses to start (one group per context).
         with pytest.raises(StarqaError, match="already running"):
-            engine.serve(engine.ServeOptions(context=cold.context["key"]))
+            engine.serve(engine.ServeOptions(context=cold.context.key))
     finally:
         conn = client.Client(group)
         conn.stop()

@@ -17,9 +17,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from starqa import corpus, engine, paths, store
+from starqa import corpus, engine, paths, shards, store
 from starqa.cli import app
 from starqa.errors import ShardError, StarqaError
+from starqa.manifest import MANIFEST, ModelIdentity, block_file, read_manifest, write_manifest
 from test_cache_cmds import contexts, make_context, starqa  # noqa: F401 (a fixture)
 
 runner = CliRunner()
@@ -119,7 +120,7 @@ DAMAGE = {"list": "[]", "null": "null", "no fields": '{"format": 3}',
 def test_damaged_manifest_is_named_and_set_aside(contexts, home, damage):
     bad = contexts["docs"]  # the most recently used: what a plain `ask` would take
     text = DAMAGE[damage]
-    (bad / store.MANIFEST).write_bytes(text if isinstance(text, bytes) else text.encode())
+    (bad / MANIFEST).write_bytes(text if isinstance(text, bytes) else text.encode())
 
     listed = json.loads(runner.invoke(app, ["list", "--json"]).output)
     assert [c["name"] for c in listed if not c.get("damaged")] == ["repo", "old"]
@@ -134,7 +135,7 @@ def test_damaged_manifest_is_named_and_set_aside(contexts, home, damage):
     assert f"starqa rm {bad.name}" in error.value.hint
     assert isinstance(runner.invoke(app, ["info"]).exception, ShardError)
     assert runner.invoke(app, ["info", "repo"]).exit_code == 0  # the others still work
-    assert store.find_context(home / "contexts", "old")["name"] == "old"
+    assert store.find_context(home / "contexts", "old").name == "old"
 
     usage = json.loads(runner.invoke(app, ["cache", "--json"]).output)
     assert usage["n_contexts"] == 2
@@ -144,7 +145,7 @@ def test_damaged_manifest_is_named_and_set_aside(contexts, home, damage):
 
 def test_damaged_context_removed_by_rm_and_by_cache_clean(contexts, home):
     for folder in (contexts["docs"], contexts["repo"]):
-        (folder / store.MANIFEST).write_text("[]")
+        (folder / MANIFEST).write_text("[]")
     proc = starqa("rm", contexts["docs"].name[:6], home=home)  # by key prefix
     assert proc.returncode == 0, proc.stderr
     assert "Removed damaged context" in proc.stdout and "Traceback" not in proc.stderr
@@ -154,15 +155,15 @@ def test_damaged_context_removed_by_rm_and_by_cache_clean(contexts, home):
 
 
 def test_rm_all_removes_damaged_contexts_too(contexts, home):
-    (contexts["old"] / store.MANIFEST).write_text("null")
+    (contexts["old"] / MANIFEST).write_text("null")
     assert "Removed 3 contexts" in runner.invoke(app, ["rm", "--all", "--yes"]).output
     assert not any(folder.exists() for folder in contexts.values())
 
 
 def test_manifest_naming_a_file_outside_its_folder_is_damaged(contexts, home):
-    manifest = json.loads((contexts["old"] / store.MANIFEST).read_text())
+    manifest = json.loads((contexts["old"] / MANIFEST).read_text())
     manifest["blocks"][0]["file"] = "../../../../etc/passwd"
-    (contexts["old"] / store.MANIFEST).write_text(json.dumps(manifest))
+    (contexts["old"] / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(ShardError, match="names '../../../../etc/passwd'"):
         store.find_context(home / "contexts", "01d0")
 
@@ -197,7 +198,7 @@ def test_ambiguous_name_lists_the_matches_and_does_nothing(contexts, home, by):
         engine.ask(engine.AskOptions(question="who", context=name))
     # a longer prefix, or the full key, picks one
     assert "Removed twin (abcd2222" in runner.invoke(app, ["rm", "abcd2"]).output
-    assert store.find_context(home / "contexts", "twin")["key"] == twins[0].name
+    assert store.find_context(home / "contexts", "twin").key == twins[0].name
 
 
 # ---------------------------------------------------------------------------------------
@@ -259,11 +260,10 @@ def test_ask_over_window_suggests_max_new_tokens_only_when_it_helps(home, tiny_m
     question = "who approved the travel budget"
     m = len(prompt.tokenize_query(models.load_tokenizer(tiny_model), question))
     folder = make_context(home, "full", "f011" + "0" * 12, time.time())
-    manifest = json.loads((folder / store.MANIFEST).read_text())
-    window = manifest["n_tokens"] + m + room
-    manifest["model"] = {**manifest["model"], **models.fingerprint(tiny_model),
-                         "path": str(tiny_model), "window": window}
-    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+    manifest = read_manifest(folder)
+    window = manifest.n_tokens + m + room
+    write_manifest(folder, replace(manifest, model=ModelIdentity.of(
+        tiny_model, manifest.model.spec, window, models.fingerprint(tiny_model))))
 
     with pytest.raises(StarqaError, match=f"> {window:,} the model was trained on") as error:
         engine.ask(engine.AskOptions(question=question, max_new_tokens=64, warm=False))
@@ -291,7 +291,7 @@ def fake_workers(monkeypatch) -> list[dict]:
         on_event({"event": "ready", "rank": 0})
         for i, (start, end) in enumerate(job["blocks"]):
             kv = torch.arange(start, end, dtype=torch.float32).reshape(1, 1, -1, 1)
-            store.save_block(Path(job["staging"]), i, kv, kv + 1, {})
+            shards.save_block(Path(job["staging"]), i, kv, kv + 1, {})
             on_event({"event": "block", "tokens": end - start})
 
     monkeypatch.setattr(engine, "run_workers", run_workers)
@@ -312,28 +312,28 @@ def _flip_a_byte(path: Path) -> None:
 def test_cache_hit_reencodes_a_shard_with_a_flipped_byte(home, docs, tiny_model, fake_workers):
     first = _ingest(docs, tiny_model).manifest
     assert _ingest(docs, tiny_model).cache_hit and len(fake_workers) == 1
-    shard = Path(first["_dir"]) / first["blocks"][1]["file"]
+    shard = first.folder / first.blocks[1].file
     _flip_a_byte(shard)  # same size: the old size-only test took it for intact
     with pytest.raises(ShardError, match="fails its checksum"):
-        store.load_block(store.read_manifest(Path(first["_dir"])), 1)
+        shards.load_block(read_manifest(first.folder), 1)
 
     again = _ingest(docs, tiny_model)
     assert not again.cache_hit and len(fake_workers) == 2
-    store.load_block(again.manifest, 1)  # rebuilt: passes its checksum
+    shards.load_block(again.manifest, 1)  # rebuilt: passes its checksum
     assert _ingest(docs, tiny_model).cache_hit and len(fake_workers) == 2
 
 
 def test_cache_hit_rebuilds_a_manifest_whose_model_digest_was_edited(home, docs, tiny_model,
                                                                      fake_workers):
-    folder = Path(_ingest(docs, tiny_model).manifest["_dir"])
-    manifest = json.loads((folder / store.MANIFEST).read_text())
+    folder = _ingest(docs, tiny_model).manifest.folder
+    manifest = json.loads((folder / MANIFEST).read_text())
     manifest["model"]["digest"] = "0" * 64
-    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+    (folder / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(StarqaError, match="does not match the model"):
-        engine.manifest_model(store.read_manifest(folder), None)
+        engine.manifest_model(read_manifest(folder), None)
 
     assert not _ingest(docs, tiny_model).cache_hit and len(fake_workers) == 2
-    engine.manifest_model(store.read_manifest(folder), None)  # the suggested fix fixed it
+    engine.manifest_model(read_manifest(folder), None)  # the suggested fix fixed it
 
 
 def test_cache_hit_does_not_rehash_unchanged_shards(home, docs, tiny_model, fake_workers,
@@ -343,7 +343,7 @@ def test_cache_hit_does_not_rehash_unchanged_shards(home, docs, tiny_model, fake
     def no_hashing(path):
         raise AssertionError(f"{path} was hashed again")
 
-    monkeypatch.setattr(store, "sha256_file", no_hashing)
+    monkeypatch.setattr(shards, "sha256_file", no_hashing)
     assert _ingest(docs, tiny_model).cache_hit  # sizes and times match what commit hashed
 
 
@@ -357,9 +357,9 @@ def test_rebuild_hint_works_when_pasted_in_another_folder(home, docs, tiny_model
     monkeypatch.setattr(sys, "argv", ["starqa", *args])
     assert runner.invoke(app, args).exit_code == 0
     manifest = store.find_context(home / "contexts", "docs")
-    _flip_a_byte(Path(manifest["_dir"]) / manifest["blocks"][0]["file"])
+    _flip_a_byte(manifest.folder / manifest.blocks[0].file)
     with pytest.raises(ShardError) as error:
-        store.load_block(manifest, 0)
+        shards.load_block(manifest, 0)
     hint = error.value.hint.removeprefix("re-ingest to rebuild it: ")
     assert hint == f"cd {shlex.quote(str(docs.parent))} && starqa {shlex.join(args)}"
 
@@ -370,7 +370,7 @@ def test_rebuild_hint_works_when_pasted_in_another_folder(home, docs, tiny_model
     monkeypatch.chdir(shlex.split(cd)[1])
     assert runner.invoke(app, shlex.split(command)[1:]).exit_code == 0
     assert len(fake_workers) == 2
-    store.load_block(store.find_context(home / "contexts", "docs"), 0)
+    shards.load_block(store.find_context(home / "contexts", "docs"), 0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -384,9 +384,9 @@ def warm_group(home, docs, tiny_model):
 
     manifest = engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model),
                                                   dtype="fp32", block_size=60)).manifest
-    group = client.start(manifest["key"], None, keepalive=120)
+    group = client.start(manifest.key, None, keepalive=120)
     yield manifest, group
-    client.stop_group(manifest["key"])
+    client.stop_group(manifest.key)
 
 
 def test_malformed_requests_get_an_error_and_the_group_keeps_serving(warm_group):
@@ -413,13 +413,13 @@ def test_rm_of_a_served_context_stops_its_group(warm_group):
     from starqa import client
 
     manifest, group = warm_group
-    result = runner.invoke(app, ["rm", manifest["key"]])
+    result = runner.invoke(app, ["rm", manifest.key])
     assert result.exit_code == 0, result.output
     deadline = time.monotonic() + 30
-    while client.find(manifest["key"]) is not None:
+    while client.find(manifest.key) is not None:
         assert time.monotonic() < deadline, "the group still runs after rm"
         time.sleep(0.2)
-    assert not Path(manifest["_dir"]).exists()
+    assert not manifest.folder.exists()
 
 
 # ---------------------------------------------------------------- 11: no pickle on the wire
@@ -538,14 +538,15 @@ def test_sources_add_takes_lines_gathered_as_json():
 
 # ---------------------------------------------------------------- 9: concurrent commits
 
-def _commit_many(root: str, key: str, template: str, n: int, replace_existing: bool) -> list[str]:
-    """`n` commits of context `key` from copies of `template`, in this (forked) process."""
+def _commit_many(root: str, key: str, template: str, manifest, n: int,
+                 replace_existing: bool) -> list[str]:
+    """`n` commits of context `key` (`manifest`) from copies of the folder `template`, in this
+    (forked) process."""
     errors = []
     for _ in range(n):
         try:
             staging = store.staging_dir(Path(root), key)
             shutil.copytree(template, staging, dirs_exist_ok=True)
-            manifest = json.loads((staging / store.MANIFEST).read_text())
             store.commit(staging, Path(root) / key, manifest, replace_existing=replace_existing)
         except Exception as error:  # noqa: BLE001 (the test reports every one)
             errors.append(repr(error))
@@ -560,16 +561,17 @@ def test_concurrent_commits_of_one_context(home, tmp_path, replace_existing):
 
     key = "c0ffee" + "0" * 10
     template = make_context(home, "docs", key, time.time())
+    manifest = read_manifest(template)
     shutil.move(template, tmp_path / "template")
     root = home / "contexts"
     with multiprocessing.get_context("fork").Pool(8) as pool:
-        results = pool.starmap(_commit_many, [(str(root), key, str(tmp_path / "template"), 20,
-                                               replace_existing)] * 8, chunksize=1)
+        results = pool.starmap(_commit_many, [(str(root), key, str(tmp_path / "template"),
+                                               manifest, 20, replace_existing)] * 8, chunksize=1)
     assert [e for errors in results for e in errors] == []
-    manifest = store.read_manifest(root / key)
-    store.verify_checksums(manifest)  # every shard matches the hash committed with it
+    manifest = read_manifest(root / key)
+    shards.verify_checksums(manifest)  # every shard matches the hash committed with it
     assert sorted(p.name for p in (root / key).iterdir() if p.name.startswith("block_")) == \
-        [store.block_file(0), store.block_file(1)]
+        [block_file(0), block_file(1)]
     assert store.find_leftovers(root) == []
     assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == [key]
 
@@ -604,8 +606,8 @@ def test_second_identical_ingest_waits_and_is_a_cache_hit(home, docs, tiny_model
     assert errors == []
     assert len(fake_workers) == 1
     assert sorted(r.cache_hit for r in results) == [False, True]
-    assert results[0].manifest["key"] == results[1].manifest["key"]
-    store.verify_checksums(store.read_manifest(Path(results[1].manifest["_dir"])))
+    assert results[0].manifest.key == results[1].manifest.key
+    shards.verify_checksums(read_manifest(results[1].manifest.folder))
 
 
 # ---------------------------------------------------------------- 4: workers die with it
@@ -698,11 +700,23 @@ def test_name_given_on_a_cache_hit_renames_the_context(home, docs, tiny_model, f
     """`--name` is not ignored when the input is already cached (issue #11, item 10)."""
     first = _ingest(docs, tiny_model, name="first")
     hit = _ingest(docs, tiny_model, name="second")
-    assert hit.cache_hit and hit.manifest["key"] == first.manifest["key"]
-    assert hit.manifest["name"] == "second"
-    assert store.read_manifest(Path(hit.manifest["_dir"]))["name"] == "second"
-    assert store.find_context(paths.contexts_dir(), "second")["key"] == first.manifest["key"]
-    assert _ingest(docs, tiny_model).manifest["name"] == "second"  # no --name: kept
+    assert hit.cache_hit and hit.manifest.key == first.manifest.key
+    assert hit.manifest.name == "second"
+    assert read_manifest(hit.manifest.folder).name == "second"
+    assert store.find_context(paths.contexts_dir(), "second").key == first.manifest.key
+    assert _ingest(docs, tiny_model).manifest.name == "second"  # no --name: kept
+
+
+def test_ingest_on_a_gpu_without_bf16_encodes_in_fp16(home, docs, tiny_model, fake_workers,
+                                                       monkeypatch):
+    """The default dtype is chosen for the device ingest runs on (`auto`: the GPU torch
+    sees), so a GPU without bf16 gets fp16; it was chosen for the CPU, so such GPUs got bf16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    gpu = _ingest(docs, tiny_model, workers=1).manifest
+    assert fake_workers[0]["dtype"] == gpu.dtype == "float16"
+    cpu = _ingest(docs, tiny_model, workers=1, device="cpu").manifest
+    assert fake_workers[1]["dtype"] == cpu.dtype == "bfloat16" and cpu.key != gpu.key
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -96,6 +96,14 @@ def test_parse_dtype(name: str | None, dtype: torch.dtype) -> None:
     assert models.parse_dtype(name, "cpu") == dtype
 
 
+def test_parse_dtype_falls_back_to_fp16_on_a_gpu_without_bf16(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert models.parse_dtype(None, "cuda") == torch.float16
+    assert models.parse_dtype(None, "cuda:1") == torch.float16
+    assert models.parse_dtype(None, "cpu") == torch.bfloat16
+    assert models.parse_dtype("bf16", "cuda") == torch.bfloat16  # asked for: kept
+
+
 def test_parse_dtype_bad() -> None:
     with pytest.raises(StarqaError, match="int8") as info:
         models.parse_dtype("int8", "cpu")

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starqa import methods as methods_mod
-from starqa import paths, store
+from starqa import paths
 from starqa.errors import StarqaError
 from starqa.evals import generators, scoring
+from starqa.manifest import write_json_atomic
+from starqa.shards import shard_of
 
 FORMAT = "starqa-eval/1"
 DEFAULT_SAMPLES = 4
@@ -150,10 +152,9 @@ def method_options(name: str, opts: EvalOptions) -> dict:
 
 def plan(opts: EvalOptions) -> Plan:
     """Check every option (cheap errors first), resolve the model, size the work."""
-    import torch
     from transformers import AutoConfig
 
-    from starqa import models
+    from starqa import dist, models
 
     tasks = generators.resolve_tasks(opts.tasks)
     methods, notes = parse_methods(opts.methods)
@@ -167,9 +168,7 @@ def plan(opts: EvalOptions) -> Plan:
                               f"{' or '.join(owners)}, which --methods leaves out.")
     for name in methods:  # the methods' own checks, before any model is loaded
         methods_mod.method_config(name, 1024, **method_options(name, opts))
-    device = opts.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = dist.resolve_device(opts.device)
     dtype = str(models.parse_dtype(opts.dtype, device)).removeprefix("torch.")
     model_path = models.resolve_model(opts.model)
     window = models.context_window(AutoConfig.from_pretrained(model_path))
@@ -224,7 +223,7 @@ class Evaluator:
                                       blocks)
         parts = [(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])]
         start = engine.query_position(sample.context_ids, config, blocks)
-        answerer = Answerer(self.info, self.decoder, store.shard_of(parts, self.dtype), start)
+        answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start)
         del parts
         encoded_at = time.perf_counter()
         tokens: list[int] = []
@@ -273,7 +272,7 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
         results["seconds"] = round(time.perf_counter() - started, 2)
         results["runs_done"] = sum(len(s["results"]) for s in results["samples"])
         results["summary"] = scoring.summarize(results["samples"], plan.methods)
-        store.write_json_atomic(plan.json_path, results)
+        write_json_atomic(plan.json_path, results)
 
     progress.start(plan)
     try:

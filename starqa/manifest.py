@@ -1,0 +1,293 @@
+"""A context's manifest: its typed, frozen schema, and its one reader and one writer.
+
+Every context folder holds `manifest.json` beside its shards (see `starqa.shards`):
+
+    format 3, key, name, created, sources, command,
+    model           the model's identity (`ModelIdentity`: path, spec, window, fingerprint)
+    reserve         tokens `ingest` kept free to ask (absent in older format-3 manifests)
+    dtype, method   the cache's dtype and the method's settings (`methods.MethodConfig`)
+    content_sha256, n_tokens, query_position,
+    query_template  how `ask` tokenises a question without transformers (absent in older ones)
+    blocks          one `Block` per shard: token range, file, size, sha256
+    files, skipped  the files packed (`SourceFile`: token span, line starts) and those left out
+    ingest          how the encoding ran (`IngestRun`)
+
+`write_manifest` writes exactly this JSON, in this order, atomically; `read_manifest` reads
+it back and refuses (ShardError naming the file, the problem and the rebuild command) a
+manifest that is missing, not JSON, of another format, or missing or mistyping a field. Keys
+this starqa does not know are ignored. The folder a manifest lives in is not part of it:
+`Manifest.folder` carries it (None for a manifest not read from disk).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shlex
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from starqa.errors import ShardError
+from starqa.methods import MethodConfig
+
+MANIFEST = "manifest.json"
+FORMAT = 3  # 2: files carry line_tokens (sources); 3: query_position
+
+_NOT_JSON = {"json": False}  # field metadata: not written to (or read from) the file
+
+
+def block_file(index: int) -> str:
+    """The shard file of block `index`, the only name a manifest's block may give."""
+    return f"block_{index:05d}.safetensors"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelIdentity:
+    """The model a context was encoded with: where it was, how it was named on the command
+    line (`spec`), its trained window and its fingerprint (`models.fingerprint`)."""
+
+    path: str
+    spec: str
+    window: int
+    name: str
+    config_sha256: str
+    weights_sha256: str
+    tokenizer_sha256: str
+    digest: str  # of the three hashes: the identity a cache key uses
+
+    @classmethod
+    def of(cls, path: Path, spec: str, window: int, fingerprint: dict[str, str]) -> ModelIdentity:
+        return cls(path=str(path), spec=spec, window=window, **fingerprint)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Block:
+    """One shard: tokens [start, end) of the context, in `file`, of `bytes` and `sha256`."""
+
+    index: int
+    start: int
+    end: int
+    file: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceFile:
+    """A packed file: its tokens [token_start, token_end) and the token each line starts at."""
+
+    path: str
+    token_start: int
+    token_end: int
+    lines: int
+    bytes: int
+    line_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Skipped:
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngestRun:
+    workers: int
+    encode_seconds: float
+    tokens_per_second: float
+
+    @classmethod
+    def timed(cls, workers: int, encode_seconds: float, n_tokens: int) -> IngestRun:
+        return cls(workers=workers, encode_seconds=round(encode_seconds, 3),
+                   tokens_per_second=round(n_tokens / max(encode_seconds, 1e-9), 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """A context's manifest; fields in the order of the file."""
+
+    key: str  # the context's folder name: a hash of content, model, method, dtype, prompt
+    name: str
+    created: float
+    sources: tuple[str, ...]
+    command: str  # how it was made, pasteable: the hint that rebuilds it
+    model: ModelIdentity
+    reserve: int | None = None
+    dtype: str
+    method: MethodConfig
+    content_sha256: str
+    n_tokens: int
+    query_position: int
+    query_template: dict | None = None
+    blocks: tuple[Block, ...]
+    files: tuple[SourceFile, ...]
+    skipped: tuple[Skipped, ...]
+    ingest: IngestRun
+    folder: Path | None = field(default=None, compare=False, metadata=_NOT_JSON)
+    # Optional keys the file lacked (older format-3 manifests): left out when written back,
+    # so a rewrite (a rename) changes nothing else.
+    absent: frozenset[str] = field(default=frozenset(), compare=False, repr=False,
+                                   metadata=_NOT_JSON)
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as `manifest.json` holds it (without its folder)."""
+        data = {"format": FORMAT, **_to_json(self)}
+        for key in self.absent:
+            if data.get(key) is None:
+                del data[key]
+        return data
+
+
+# ---------------------------------------------------------------------------------------
+# writer
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write `data` as JSON to `path` through a temporary file and a rename, so a reader sees
+    the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=False))
+    os.replace(tmp, path)
+
+
+def write_manifest(folder: Path, manifest: Manifest) -> Manifest:
+    """Write `manifest` as `folder/manifest.json` (atomically); returns it, with its folder.
+    A manifest the reader would refuse is never written (ValueError)."""
+    data = manifest.to_json()
+    try:
+        _check(data)
+    except _Damage as damage:
+        raise ValueError(f"refusing to write a bad manifest to {folder}: {damage}") from None
+    write_json_atomic(folder / MANIFEST, data)
+    return replace(manifest, folder=folder)
+
+
+# ---------------------------------------------------------------------------------------
+# reader
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """The manifest of the context in `folder`, every field checked; ShardError naming the
+    file and what is wrong otherwise, with the commands that rebuild the context."""
+    path = folder / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ShardError(f"{path} is missing", hint=_rebuild_hint(folder, None)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ShardError(f"{path} is not valid JSON ({err})",
+                         hint=_rebuild_hint(folder, None)) from None
+    except OSError as err:
+        raise ShardError(f"{path} cannot be read ({err.strerror})",
+                         hint=_rebuild_hint(folder, None)) from None
+    if not isinstance(data, dict):
+        raise ShardError(f"{path} is not a JSON object (it is {type(data).__name__})",
+                         hint=_rebuild_hint(folder, None))
+    if data.get("format") != FORMAT:
+        raise ShardError(f"{path} was written by an incompatible starqa (format "
+                         f"{data.get('format')!r}, expected {FORMAT})",
+                         hint=_rebuild_hint(folder, data))
+    try:
+        manifest = _check(data)
+        if manifest.key != folder.name:
+            raise _Damage(f"its key {manifest.key!r} is not its folder's name")
+    except _Damage as damage:
+        raise ShardError(f"{path} is damaged: {damage}", hint=_rebuild_hint(folder, data)) from None
+    absent = frozenset(f.name for f in fields(Manifest) if f.name not in data
+                       and f.metadata.get("json", True))
+    return replace(manifest, folder=folder, absent=absent)
+
+
+class _Damage(Exception):
+    """What makes a manifest's JSON unusable (a missing or mistyped field, a bad shard name)."""
+
+
+def _check(data: dict) -> Manifest:
+    """The Manifest `data` holds; _Damage naming the first problem otherwise."""
+    manifest = _from_json(Manifest, data, "")
+    for i, block in enumerate(manifest.blocks):
+        if block.index != i or block.file != block_file(i):  # never a path elsewhere
+            raise _Damage(f"blocks[{i}] names {block.file!r}, not {block_file(i)!r}")
+    return manifest
+
+
+def _rebuild_hint(folder: Path, data: dict | None) -> str:
+    """Commands that remove the context and rebuild it, pasteable: its recorded command
+    (which starts with a `cd` to where it ran), else an ingest of its recorded sources."""
+    remove = f"starqa rm {folder.name}"
+    data = data or {}
+    command, sources = data.get("command"), data.get("sources")
+    if not (isinstance(command, str) and command) and isinstance(sources, list) and sources \
+            and all(isinstance(s, str) for s in sources):
+        command = "starqa ingest " + shlex.join(sources)
+    if isinstance(command, str) and command:
+        return f"remove it and re-ingest: {remove} && {command}"
+    return f"remove it ({remove}) and ingest the sources it was made from again: starqa ingest PATH"
+
+
+# ---------------------------------------------------------------------------------------
+# the mapping between the dataclasses and JSON, from their field types
+
+
+def _to_json(record: Any) -> Any:
+    if isinstance(record, MethodConfig):
+        return record.as_dict()
+    if is_dataclass(record):
+        return {f.name: _to_json(getattr(record, f.name)) for f in fields(record)
+                if f.metadata.get("json", True)}
+    if isinstance(record, tuple):
+        return [_to_json(item) for item in record]
+    return record
+
+
+@functools.cache
+def _types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _from_json(cls: type, data: Any, where: str) -> Any:
+    """An instance of the dataclass `cls` from the JSON object `data`, every field of it
+    present and of its type (a field with a default may be absent); `where` prefixes the
+    field names in messages ("blocks[2].")."""
+    if not isinstance(data, dict):
+        raise _Damage(f"{where.rstrip('.') or 'the manifest'} is not an object")
+    values = {}
+    for f in fields(cls):
+        if not f.metadata.get("json", True):
+            continue
+        if f.name not in data and (f.default is not MISSING or f.default_factory is not MISSING):
+            continue
+        values[f.name] = _value(_types(cls)[f.name], data.get(f.name), where + f.name)
+    return cls(**values)
+
+
+_NAMES = {str: "str", int: "int", float: "number", dict: "dict", list: "list"}
+
+
+def _value(kind: Any, value: Any, where: str) -> Any:
+    args = typing.get_args(kind)
+    if type(None) in args:  # `T | None`: null, or a T
+        return None if value is None else _value(args[0], value, where)
+    if typing.get_origin(kind) is tuple:  # `tuple[T, ...]`: a JSON list
+        if not isinstance(value, list):
+            raise _Damage(f"{where} is missing or not a list")
+        if args[0] in _NAMES:  # plain values (line_tokens: thousands): one pass
+            if all(_is(args[0], item) for item in value):
+                return tuple(value)
+            bad = next(i for i, item in enumerate(value) if not _is(args[0], item))
+            raise _Damage(f"{where}[{bad}] is not a {_NAMES[args[0]]}")
+        return tuple(_value(args[0], item, f"{where}[{i}]") for i, item in enumerate(value))
+    if is_dataclass(kind):
+        return _from_json(kind, value, where + ".")
+    if not _is(kind, value):
+        raise _Damage(f"{where} is missing or not a {_NAMES[kind]}")
+    return value
+
+
+def _is(kind: type, value: Any) -> bool:
+    """`value` is a JSON value of `kind` (a number for float; never a bool for a number)."""
+    return isinstance(value, (int, float) if kind is float else kind) \
+        and not isinstance(value, bool)

@@ -1,0 +1,155 @@
+"""The shard files: one safetensors file per block, written, hashed, verified and loaded.
+
+    <context>/block_00000.safetensors   k, v: [L, Hkv, T, D] contiguous, RoPE applied
+    <context>/.verified.json            {file: [size, mtime_ns, ctime_ns, sha256]}
+
+A block's size and sha256 are recorded in the manifest (`starqa.manifest.Block`); every
+load checks them. `.verified.json` remembers the hashes by stat, so a repeated check of an
+unchanged shard costs one stat instead of a hash. Where contexts live and how they are
+committed, found and removed is `starqa.store`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+from collections.abc import Iterable
+from pathlib import Path
+
+from starqa.errors import ShardError
+from starqa.manifest import Block, Manifest, block_file, write_json_atomic
+
+VERIFIED = ".verified.json"  # per context: {file: [size, mtime_ns, ctime_ns, sha256]}
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_block(folder: Path, index: int, k, v, metadata: dict[str, str]) -> Path:
+    """Write one block's KV ([L, Hkv, T, D] each) as safetensors; returns the file."""
+    from safetensors.torch import save_file
+
+    path = folder / block_file(index)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"k": k.contiguous(), "v": v.contiguous()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+    return path
+
+
+def hash_blocks(folder: Path, ranges: Iterable[tuple[int, int]]) -> tuple[Block, ...]:
+    """The manifest entries of the blocks [start, end) the workers wrote into `folder`, each
+    file sized and hashed (and remembered in `.verified.json`, so the next cache hit need
+    not hash again); ShardError if a worker did not write one."""
+    blocks, verified = [], {}
+    for index, (start, end) in enumerate(ranges):
+        path = folder / block_file(index)
+        if not path.exists():
+            raise ShardError(f"worker did not write {path.name}; nothing was cached")
+        st = path.stat()
+        sha = sha256_file(path)
+        blocks.append(Block(index=index, start=start, end=end, file=path.name,
+                            bytes=st.st_size, sha256=sha))
+        verified[path.name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha]
+    write_json_atomic(folder / VERIFIED, verified)
+    return tuple(blocks)
+
+
+def verify_block(manifest: Manifest, index: int, checksum: bool = True) -> Path:
+    """Path of block `index` after checking it exists, has its size and (unless
+    `checksum=False`, a quick look) matches its checksum."""
+    block = manifest.blocks[index]
+    path = manifest.folder / block.file
+    if not path.exists():
+        raise ShardError(f"Shard {path} is missing.", hint=_fix(manifest))
+    if path.stat().st_size != block.bytes or (checksum and sha256_file(path) != block.sha256):
+        raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
+                         hint=_fix(manifest))
+    return path
+
+
+def verify_checksums(manifest: Manifest, indices=None) -> None:
+    """Every shard of the context (or of blocks `indices`) matches its recorded checksum:
+    what a cache hit must know before it reuses them, and Phase 2 before it loads them. A
+    shard's hash is remembered in `.verified.json` with its size, mtime and ctime (a write
+    changes them; ctime cannot be set back), so a repeated check costs one stat per shard
+    and a damaged shard is still caught."""
+    remembered = _read_verified(manifest.folder)
+    verified = dict(remembered) if indices is not None else {}
+    for index in range(len(manifest.blocks)) if indices is None else indices:
+        block = manifest.blocks[index]
+        path = verify_block(manifest, index, checksum=False)  # present, recorded size
+        st = path.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+        entry = remembered.get(block.file)
+        sha = entry[3] if entry and entry[:3] == stamp else sha256_file(path)
+        if sha != block.sha256:
+            raise ShardError(f"Shard {path} fails its checksum (corrupt or modified).",
+                             hint=_fix(manifest))
+        verified[block.file] = [*stamp, sha]
+    if verified != remembered:
+        with contextlib.suppress(OSError):  # a read-only cache is verified, just not remembered
+            write_json_atomic(manifest.folder / VERIFIED, verified)
+
+
+def _read_verified(folder: Path) -> dict:
+    """The remembered shard hashes, or {} when there are none or they cannot be read."""
+    try:
+        data = json.loads((folder / VERIFIED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def verify_present(manifest: Manifest) -> None:
+    """Every shard of the context is there with its recorded size (a quick look: the
+    workers verify checksums as they load)."""
+    for index in range(len(manifest.blocks)):
+        verify_block(manifest, index, checksum=False)
+
+
+def load_block(manifest: Manifest, index: int, device="cpu", verified: bool = False):
+    """(k, v) of block `index`, each [L, Hkv, T, D], checksum-verified (unless `verified`:
+    the caller just did, with `verify_checksums`)."""
+    from safetensors.torch import load_file
+
+    path = verify_block(manifest, index, checksum=not verified)
+    tensors = load_file(str(path), device=str(device))
+    return tensors["k"], tensors["v"]
+
+
+def _fix(manifest: Manifest) -> str:
+    """A re-ingest command that works when pasted in any folder: the recorded command (which
+    `starqa ingest` prefixes with a `cd` to where it ran), else the absolute sources."""
+    command = manifest.command or "starqa ingest " + shlex.join(manifest.sources)
+    return f"re-ingest to rebuild it: {command}"
+
+
+def load_shard(manifest: Manifest, indices, device="cpu", dtype=None):
+    """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`),
+    checksum-verified (hashing only shards changed since they were last verified)."""
+    verify_checksums(manifest, indices)
+    return shard_of([load_block(manifest, i, device=device, verified=True) for i in indices],
+                    dtype)
+
+
+def shard_of(parts, dtype=None):
+    """Consecutive blocks' (k, v), each [L, Hkv, T_i, D], as one Phase 2 shard: per layer
+    (k, v), each [1, Hkv, N, D] contiguous, in `dtype` (default: as stored; Phase 2 attends
+    in the cache's dtype, so nothing is converted per step). None when `parts` is empty."""
+    import torch
+
+    if not parts:
+        return None
+    k = torch.cat([p[0] for p in parts], dim=2)  # [L, Hkv, N, D]
+    v = torch.cat([p[1] for p in parts], dim=2)
+    if dtype is not None:
+        k, v = k.to(dtype), v.to(dtype)
+    return [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]
