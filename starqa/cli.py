@@ -514,7 +514,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def main() -> None:
-    from starqa.errors import StarqaError
+    from starqa.errors import StarqaError, disk_full
 
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops as Ctrl-C does
     try:
@@ -529,6 +529,13 @@ def main() -> None:
     except KeyboardInterrupt:
         print("\ninterrupted; nothing was changed on disk", file=sys.stderr)
         sys.exit(130)
+    except OSError as err:
+        if (known := disk_full(err, "starqa")) is None:
+            raise
+        from starqa.ui import print_error
+
+        print_error(known)
+        sys.exit(1)
     except typer.Exit as exit_:
         sys.exit(exit_.exit_code)
     except typer.Abort:

@@ -702,6 +702,13 @@ def manifest_model(manifest: Manifest, spec: str | None) -> Path:
 
     recorded = manifest.model
     path = Path(recorded.path)
+    asked, made = models.embedded_model(spec or ""), models.embedded_model(recorded.spec)
+    if asked and made and asked.name != made.name:  # known before any download or conversion
+        raise StarqaError(
+            f"Context {manifest.name!r} was ingested with {made.name}; --model asks for "
+            f"{asked.name}. A context is answered by the model that encoded it.",
+            hint=f"ask with --model {made.name}, or re-ingest with the other model: "
+                 f"{manifest.command} --model {asked.name}")
     if spec is not None:
         path = models.resolve_model(spec)
     elif not (path / "config.json").exists():

@@ -128,11 +128,28 @@ def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:
         kind = {"ShardError": ShardError}.get(errors[0].get("kind"), StarqaError)
         raise kind(errors[0]["message"], hint=errors[0].get("hint"))
     if proc.returncode != 0:
-        raise WorkerError(f"A worker died (torchrun exit code {proc.returncode}).\n"
-                          + worker_stderr_tail(list(tail)))
+        lines = list(tail)
+        raise WorkerError(
+            f"A worker died ({_death(lines, proc.returncode)}). Nothing of this run was kept; "
+            "the cache is as it was before. The workers' last lines:\n"
+            + worker_stderr_tail(lines),
+            hint="run the command again; if a worker dies again, its lines above say why "
+                 "(killed for memory: try fewer --workers, or a smaller --block-size)")
 
 
 _TORCHRUN_SUMMARY = re.compile(r"torch[./]distributed[./]elastic|ChildFailedError")
+
+
+def _death(lines: list[str], returncode: int) -> str:
+    """How the first worker died, from torchrun's summary (`exitcode : -9` is a signal)."""
+    codes = [int(m.group(1)) for line in lines
+             if (m := re.search(r"exitcode\s*:\s*(-?\d+)", line))]
+    code = codes[0] if codes else returncode
+    if code == -signal.SIGKILL:
+        return "killed by SIGKILL, most often the kernel's out-of-memory killer"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def worker_stderr_tail(lines: list[str], keep: int = 25) -> str:

@@ -10,6 +10,7 @@ communicated in a `measure` event; other jobs pay nothing for it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -18,6 +19,8 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+
+from starqa.errors import StarqaError, disk_full
 
 EVENT_PREFIX = "@@starqa "
 
@@ -174,15 +177,18 @@ def _slow(phase: str) -> None:
 
 
 def _fault(phase: str, rank: int) -> None:
-    """Test-only fault injection: STARQA_FAULT=phase:rank makes that worker die here."""
-    if os.environ.get("STARQA_FAULT") == f"{phase}:{rank}":
+    """Test-only fault injection: STARQA_FAULT=phase:rank makes that worker die here;
+    STARQA_FAULT=phase:rank:disk-full makes its writes fail as on a full disk."""
+    fault = os.environ.get("STARQA_FAULT", "")
+    if fault == f"{phase}:{rank}":
         print(f"injected fault in {phase} on rank {rank}", file=sys.stderr, flush=True)
         os._exit(3)
+    if fault == f"{phase}:{rank}:disk-full":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "injected")
 
 
 def main(argv: list[str] | None = None) -> int:
     from starqa import dist
-    from starqa.errors import StarqaError
 
     parent = os.getppid()
     parent_death_signal()()  # torchrun gone (even by SIGKILL): this worker goes too
@@ -197,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier(info)  # every rank is done with the group
     except StarqaError as err:
         emit("error", rank=info.rank, kind=type(err).__name__, message=str(err), hint=err.hint)
+        return 1
+    except OSError as err:
+        if (known := disk_full(err, f"Worker {info.rank}")) is None:
+            traceback.print_exc()
+        else:
+            emit("error", rank=info.rank, kind="StarqaError", message=str(known), hint=known.hint)
         return 1
     except Exception:
         traceback.print_exc()

@@ -729,3 +729,47 @@ def test_device_cuda_without_a_gpu_names_the_cpu_fix(home, docs, tiny_model):
     assert "--device cpu" in err.value.hint
     check_gpus("auto", 2)  # auto falls back to the CPU quietly
     check_gpus("cpu", 2)
+
+
+def test_asking_with_another_embedded_model_fails_before_fetching_it(home, monkeypatch):
+    """A context made with one embedded model, asked with another: the error comes from the
+    manifest's recorded model name, before the other model is downloaded and converted."""
+    from starqa import manifest as manifest_mod
+    from starqa import models
+
+    folder = make_context(home, "notes", "k" * 16, time.time())
+    recorded = manifest_mod.read_manifest(folder)
+    made = replace(recorded, model=replace(recorded.model, spec="smollm2-135m", name="smollm2-135m"))
+    manifest_mod.write_manifest(folder, made)
+
+    def no_download(model):
+        raise AssertionError(f"{model.name} was fetched")
+
+    monkeypatch.setattr(models, "ensure_embedded", no_download)
+    with pytest.raises(StarqaError, match="ingested with smollm2-135m; --model asks for "
+                                          "qwen2.5-coder-1.5b") as err:
+        engine.manifest_model(manifest_mod.read_manifest(folder), "qwen2.5-coder-1.5b")
+    assert "--model smollm2-135m" in err.value.hint
+
+
+def test_a_full_disk_says_what_happened_and_keeps_the_cache(home, docs, tiny_model, monkeypatch):
+    """A worker whose writes fail for want of space: a message that says so, what was kept
+    (nothing of this run; the previous cache answers) and what to do; no traceback."""
+    first = engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model),
+                                               dtype="fp32", workers=2, block_size=40)).manifest
+    monkeypatch.setenv("STARQA_FAULT", "ingest:1:disk-full")
+    with pytest.raises(StarqaError, match="Worker 1 ran out of disk space") as err:
+        engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model),
+                                           dtype="fp32", workers=2, block_size=40, force=True))
+    assert "Nothing of this run was kept" in str(err.value)
+    assert "starqa cache --clean" in err.value.hint and "Traceback" not in str(err.value)
+    assert store.find_context(paths.contexts_dir(), first.key).key == first.key
+
+
+def test_a_killed_worker_is_named_as_such():
+    from starqa.launch import _death
+
+    summary = ["  exitcode  : -9 (pid: 5774)", "  exitcode  : 1 (pid: 5775)"]
+    assert "out-of-memory" in _death(summary, 1)
+    assert _death(["  exitcode  : -15 (pid: 1)"], 1) == "killed by SIGTERM"
+    assert _death([], 3) == "exit code 3"
