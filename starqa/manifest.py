@@ -132,6 +132,13 @@ class Manifest:
     absent: frozenset[str] = field(default=frozenset(), compare=False, repr=False,
                                    metadata=_NOT_JSON)
 
+    @property
+    def past_window(self) -> bool:
+        """Built with `--beyond-window`: the context leaves less than its reserve (older
+        manifests: not one token) of the model's window for a question and an answer, so
+        only `ask --beyond-window` answers from it."""
+        return self.n_tokens + max(self.reserve or 0, 1) > self.model.window
+
     def to_json(self) -> dict[str, Any]:
         """The manifest as `manifest.json` holds it (without its folder)."""
         data = {"format": FORMAT, **_to_json(self)}

@@ -216,7 +216,8 @@ def context_summary(manifest: Manifest) -> dict:
     """The facts `starqa list` shows for one context (JSON-ready)."""
     return {"name": manifest.name, "key": manifest.key, "sources": list(manifest.sources),
             "n_tokens": manifest.n_tokens, "method": manifest.method.as_dict(),
-            "model": manifest.model.name, "dtype": manifest.dtype,
+            "model": manifest.model.name, "window": manifest.model.window,
+            "past_window": manifest.past_window, "dtype": manifest.dtype,
             "bytes": context_size(manifest), "created": manifest.created,
             "last_used": last_used(manifest), "dir": str(manifest.folder)}
 

@@ -235,9 +235,12 @@ def context_list(summaries: list[dict], now: float, damaged: list[dict] = (),
         err.print("No ingested context yet. Run: starqa ingest PATH")
         return
     latest = latest or (summaries[0] if summaries else None)
+    caption = "* the context `starqa ask` uses without --context; method: block/anchor tokens"
+    if any(s["past_window"] for s in summaries):
+        caption += ("\n! past the model's window (ingested with --beyond-window): only "
+                    "`ask --beyond-window` answers from it")
     table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1, 0, 0),
-                  caption="* the context `starqa ask` uses without --context; "
-                          "method: block/anchor tokens", caption_justify="left")
+                  caption=caption, caption_justify="left")
     for column, justify in (("", "left"), ("name", "left"), ("key", "left"),
                             ("sources", "left"), ("tokens", "right"), ("method", "left"),
                             ("model", "left"), ("size", "right"), ("last used", "right")):
@@ -246,7 +249,8 @@ def context_list(summaries: list[dict], now: float, damaged: list[dict] = (),
                          min_width=len(column) if column != "sources" else 12)
     for s in summaries:
         table.add_row("*" if s is latest else "", escape(s["name"]), s["key"][:8],
-                      escape(_sources(s["sources"])), f"{s['n_tokens']:,}",
+                      escape(_sources(s["sources"])),
+                      f"[yellow]{s['n_tokens']:,} ![/]" if s["past_window"] else f"{s['n_tokens']:,}",
                       _method_short(s["method"]), escape(s["model"]), _size(s["bytes"]),
                       _ago(now - s["last_used"]))
     for d in damaged:
@@ -275,7 +279,9 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
             ("sources", "\n".join(m.sources)), ("command", m.command),
             ("model", model_text), ("model path", model.path),
             ("method", _method(m.method)), ("dtype", m.dtype),
-            ("tokens", f"{m.n_tokens:,} in {len(m.blocks)} blocks, {len(m.files)} files"),
+            ("tokens", f"{m.n_tokens:,} in {len(m.blocks)} blocks, {len(m.files)} files"
+                       + (f" (past the model's {model.window:,}-token window: only `ask "
+                          "--beyond-window` answers from it)" if m.past_window else "")),
             ("size", _size(summary["bytes"])),
             ("created", f"{created} ({_ago(now - m.created)})"),
             ("last used", _ago(now - summary["last_used"])), ("ingest", ingest_text)):

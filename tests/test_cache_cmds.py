@@ -259,3 +259,27 @@ def test_cache_clean_removes_contexts_this_starqa_cannot_read(contexts, home):
     assert json.loads(invoke("cache", "--clean", "--json").output)["cleaned_bytes"] == size
     assert not contexts["old"].exists() and not contexts["repo"].exists()
     assert contexts["docs"].exists()
+
+
+def test_contexts_past_the_window_are_marked_in_list_and_info(home):
+    """A context built with --beyond-window (here: 300 tokens in a 256-token window) is marked
+    in `list` (its tokens, a caption saying what the mark means, `past_window` in --json) and
+    in `info`; one that fits is not."""
+    from dataclasses import replace
+
+    from starqa.manifest import read_manifest
+
+    now = time.time()
+    fits = make_context(home, "fits", "f175" + "0" * 12, now - 60)
+    over = make_context(home, "over", "0e7e" + "0" * 12, now - 120, (1000, 600, 600))
+    manifest = read_manifest(over)
+    write_manifest(over, replace(manifest, model=replace(manifest.model, window=256)))
+    lines = invoke("list").output.splitlines()
+    assert "300 !" in next(line for line in lines if "over" in line)
+    assert "!" not in next(line for line in lines if "fits" in line and "tiny-llama" in line)
+    assert any("past the model's window" in line for line in lines)
+    data = {c["name"]: c for c in json.loads(invoke("list", "--json").output)}
+    assert data["over"]["past_window"] and not data["fits"]["past_window"]
+    assert "past the model's 256-token window" in invoke("info", "over").output
+    assert "past the model's" not in invoke("info", "fits").output
+    assert fits.exists()
