@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from starqa import dist
 from starqa.attention import causal_attention
+from starqa.blockwise import stack_layers
 
 Blocks = Sequence[tuple[int, int]]
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -121,10 +122,6 @@ class _ApbHook:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=query.shape[1] != key.shape[1])
 
-    def stacked(self) -> KV:
-        return (torch.stack([k[0] for k, _ in self.kept]),
-                torch.stack([v[0] for _, v in self.kept]))
-
 
 def _encode_block(model, ids: torch.Tensor, blocks: Blocks, i: int, anchor: int,
                   question: torch.Tensor, passing: int, window: int, pool: int,
@@ -144,7 +141,7 @@ def _encode_block(model, ids: torch.Tensor, blocks: Blocks, i: int, anchor: int,
         probe = slice(max(a, len(tokens) - window), None)
     hook = _ApbHook(a, probe, passing, pool, exchange)
     model.model(input_ids=tokens[None], position_ids=positions[None], starqa=hook, use_cache=False)
-    return hook.stacked()
+    return stack_layers(hook.kept)
 
 
 class _RoundExchange:
