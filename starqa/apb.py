@@ -1,4 +1,4 @@
-"""APB Phase 1 (METHODS.md section 4): a small anchor, and compressed KV passed between hosts.
+"""APB Phase 1 (docs/methods.md §4): a small anchor, and compressed KV passed between hosts.
 
 Block 0 is encoded alone. Block i > 0 is encoded as [A ‖ B_i] with the anchor
 A = [question ‖ c[:l_a]] at positions 0..|A|-1 and B_i at its own positions. In every layer

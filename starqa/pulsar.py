@@ -1,5 +1,5 @@
 """Pulsar Attention Phase 1: each block is encoded after the sink and the summaries of the
-blocks before it, instead of Star's anchor (METHODS.md §3).
+blocks before it, instead of Star's anchor (docs/methods.md §3).
 
 The summaries are chosen from the token ids alone (an IDF table over the blocks, then the
 top-scoring chunks of each block), so every worker computes the same layout with no

@@ -1,4 +1,4 @@
-"""Ring Attention Phase 1 (METHODS.md section 5): exact distributed prefill, the baseline the
+"""Ring Attention Phase 1 (docs/methods.md §5): exact distributed prefill, the baseline the
 Star paper measures against.
 
 Each worker holds one contiguous chunk of the context (its blocks, back to back) and runs
