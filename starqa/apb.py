@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from starqa import dist
 from starqa.attention import causal_attention
 from starqa.blockwise import stack_layers
+from starqa.methods.blocks import round_robin
 
 Blocks = Sequence[tuple[int, int]]
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -41,14 +42,9 @@ KV = tuple[torch.Tensor, torch.Tensor]
 Exchange = Callable[[int, torch.Tensor, torch.Tensor], KV]
 
 
-def default_anchor(block_size: int) -> int:
-    """l_a = b/4, the larger of the paper's two settings (b/4, b/8)."""
-    return max(1, block_size // 4)
-
-
 def assignment(n_blocks: int, world: int, rank: int) -> list[int]:
     """Blocks of `rank`, round-robin: block i on worker i % world, in round i // world."""
-    return list(range(rank, n_blocks, world))
+    return round_robin(n_blocks, world, rank)
 
 
 # ------------------------------------------------------------------------- pure pieces

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from starqa import corpus as corpus_mod
-from starqa import paths, prompt, store
+from starqa import methods, paths, prompt, store
 from starqa.errors import StarqaError
 from starqa.launch import Launch, default_workers, run_workers
 from starqa.methods import method_config, plan_blocks
@@ -46,7 +46,7 @@ class UI:
 class IngestOptions:
     paths: tuple[str, ...]
     model: str | None = None
-    method: str = "star"
+    method: str = methods.DEFAULT
     block_size: int | None = None
     anchor_size: int | None = None
     workers: int | None = None
@@ -152,7 +152,8 @@ def _no_room(n: int, reserve: int, window: int) -> StarqaError:
                        hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
 
 
-def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, method: str = "star",
+def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
+                  method: str = methods.DEFAULT,
                   workers: int | None = None, dtype: str | None = None, name: str = "tokens",
                   measure: bool = False, allow_over_window: bool = False,
                   device: str = "auto", ui: UI = UI()) -> IngestResult:
@@ -195,6 +196,8 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
     final = root / key
     blocks = plan_blocks(n, method.block_size)
     workers = _ingest_workers(opts, method.name, len(blocks))
+    # computed once here, for every worker and the manifest (pulsar: the summaries)
+    prepared = methods.get(method.name).prepare(ids, method, blocks)
     # Across machines every node's workers write into one staging folder on the shared
     # cache, and node 0 commits it; on one machine the folder is this process's own.
     multinode = opts.nnodes > 1
@@ -203,7 +206,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
         tokens_file = _save_tokens(staging, ids, opts.node_rank)
         job = {"phase": "ingest", "model_path": str(model_path), "dtype": dtype,
                "method": method.as_dict(), "blocks": blocks, "staging": str(staging),
-               "tokens_file": str(tokens_file), "measure": measure}
+               "tokens_file": str(tokens_file), "measure": measure, "prepared": prepared}
         encode_started: list[float] = []
         peaks: dict[int, int] = {}
         measures: dict[int, dict] = {}
@@ -232,7 +235,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
             leftover.unlink()
         store.commit(staging, final, _manifest(
             opts, key, model_path, window, fingerprint, dtype, method, content, tokens, blocks,
-            corpus, spans, workers * opts.nnodes, encode_seconds, query_template),
+            corpus, spans, workers * opts.nnodes, encode_seconds, query_template, prepared),
             replace_existing=True, held=lock_held)  # ingest found it not reusable, or forced
     except BaseException:
         if opts.node_rank == 0:
@@ -244,36 +247,28 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans, mo
                         workers * opts.nnodes, encode_seconds, **per_rank)
 
 
-def query_position(ids: list[int], method, blocks) -> int:
-    """Where Phase 2 positions start: after the context, except for pulsar's contiguous
-    mode, where the query follows the longest assembled block."""
-    if method.name != "pulsar" or method.params["positions"] != "contiguous":
-        return len(ids)
-    import torch
-
-    from starqa.pulsar import all_summaries, query_start
-
-    p = method.params
-    tensor = torch.tensor(ids)
-    # Only ids present matter to the IDF, so the table may stop at the largest one.
-    summaries = all_summaries(tensor, blocks, int(tensor.max()) + 1, sink=p["sink"],
-                              heuristic=p["heuristic"], budget_frac=p["budget_frac"],
-                              chunk=p["chunk"])
-    return query_start(len(ids), blocks, summaries, sink=p["sink"], positions="contiguous")
+def query_position(ids: list[int], method, blocks, prepared: dict | None = None) -> int:
+    """Where Phase 2 positions start (the method's `query_position`: after the context,
+    except for pulsar's contiguous mode); `prepared`: the method's `prepare` result."""
+    return methods.get(method.name).query_position(ids, method, blocks, prepared)
 
 
 def _ingest_workers(opts: IngestOptions, method: str, n_blocks: int) -> int:
-    """Workers per machine. Exact causal encoding is sequential, so dense runs on one worker
-    (ring is the distributed exact method); star never starts more workers than blocks."""
-    if method == "dense":
+    """Workers per machine, never more than the method can use: a sequential method (exact
+    causal encoding: dense) runs on one worker (ring is the distributed exact method); the
+    others never start more workers than blocks."""
+    encoder = methods.get(method)
+    if encoder.sequential:
         if opts.nnodes > 1:
-            raise StarqaError("dense encodes on one worker; it cannot be spread over machines.",
-                              hint="use --method star across machines, or drop --nnodes")
+            raise StarqaError(f"{method} encodes on one worker; it cannot be spread over "
+                              "machines.", hint=f"use --method {methods.DEFAULT} across "
+                                                "machines, or drop --nnodes")
         return 1
+    most = encoder.max_workers(n_blocks)
     if opts.nnodes == 1:
-        return min(opts.workers or default_workers(opts.device), n_blocks)
+        return min(opts.workers or default_workers(opts.device), most)
     workers = opts.workers or default_workers(opts.device)
-    if workers * opts.nnodes > n_blocks:
+    if workers * opts.nnodes > most:
         raise StarqaError(f"{workers * opts.nnodes} workers on {opts.nnodes} machines but only "
                           f"{n_blocks} blocks.", hint="pass a smaller --block-size or --workers")
     return workers
@@ -285,7 +280,8 @@ def ingest_worker_count(method: str, n_blocks: int, workers: int) -> int:
 
 
 def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content, tokens,
-              blocks, corpus, spans, workers, encode_seconds, query_template) -> dict:
+              blocks, corpus, spans, workers, encode_seconds, query_template,
+              prepared=None) -> dict:
     from starqa import models
 
     return {
@@ -298,7 +294,7 @@ def _manifest(opts, key, model_path, window, fingerprint, dtype, method, content
         "reserve": opts.reserve,
         "dtype": dtype, "method": method.as_dict(), "content_sha256": content,
         "n_tokens": len(tokens.ids),
-        "query_position": query_position(tokens.ids, method, blocks),
+        "query_position": query_position(tokens.ids, method, blocks, prepared),
         "query_template": query_template,
         "blocks": [{"index": i, "start": s, "end": e, "file": store.block_file(i)}
                    for i, (s, e) in enumerate(blocks)],

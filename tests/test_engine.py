@@ -263,7 +263,7 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     """Two workers pass compressed KV round by round (one all-gather per layer, an idle
     worker in a short last round); the shards equal encoding the blocks in order in one
     process, and ask answers from them."""
-    from starqa import hooks, phase1
+    from starqa import hooks, methods
     from starqa.methods import MethodConfig
     from starqa.store import load_block
 
@@ -276,7 +276,8 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     model = load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
     ids = torch.tensor(_context_ids(tiny_model, m))
     blocks = [(b["start"], b["end"]) for b in m["blocks"]]
-    for i, k, v in phase1.encode_local(model, ids, MethodConfig(**m["method"]), blocks):
+    config = MethodConfig(**m["method"])
+    for i, k, v in methods.get(config.name).encode_local(model, ids, config, blocks):
         stored_k, stored_v = load_block(m, i)
         torch.testing.assert_close(stored_k, k, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(stored_v, v, rtol=1e-4, atol=1e-4)
