@@ -30,7 +30,7 @@ def main() -> None:
 
     import torch
 
-    from starqa import dist, engine, hooks, methods, models, phase1, shards
+    from starqa import dist, hooks, methods, models, shards
     from starqa.answering import Answerer
     from starqa.decoder import load_decoder
     from starqa.evals import generators, runner, scoring
@@ -60,12 +60,14 @@ def main() -> None:
                 sample = generators.generate(task, length, args.seed, tokenizer, index)
                 n = len(sample.context_ids)
                 config = methods.method_config(args.method, n)
+                method = methods.get(config.name)
                 blocks = methods.plan_blocks(n, config.block_size)
-                encoded = phase1.encode_local(encoder, torch.tensor(sample.context_ids), config,
-                                              blocks)
+                prepared = method.prepare(sample.context_ids, config, blocks)
+                encoded = method.encode_local(encoder, torch.tensor(sample.context_ids), config,
+                                              blocks, prepared)
                 shard = shards.shard_of([(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])],
                                        dtype)
-                start = engine.query_position(sample.context_ids, config, blocks)
+                start = method.query_position(sample.context_ids, config, blocks, prepared)
                 answers = {}
                 for weights in formats:
                     tokens: list[int] = []

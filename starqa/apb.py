@@ -1,4 +1,4 @@
-"""APB Phase 1 (METHODS.md section 4): a small anchor, and compressed KV passed between hosts.
+"""APB Phase 1 (docs/methods.md §4): a small anchor, and compressed KV passed between hosts.
 
 Block 0 is encoded alone. Block i > 0 is encoded as [A ‖ B_i] with the anchor
 A = [question ‖ c[:l_a]] at positions 0..|A|-1 and B_i at its own positions. In every layer
@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from starqa import dist
 from starqa.attention import causal_attention
+from starqa.blockwise import stack_layers
+from starqa.methods.blocks import round_robin
 
 Blocks = Sequence[tuple[int, int]]
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -40,14 +42,9 @@ KV = tuple[torch.Tensor, torch.Tensor]
 Exchange = Callable[[int, torch.Tensor, torch.Tensor], KV]
 
 
-def default_anchor(block_size: int) -> int:
-    """l_a = b/4, the larger of the paper's two settings (b/4, b/8)."""
-    return max(1, block_size // 4)
-
-
 def assignment(n_blocks: int, world: int, rank: int) -> list[int]:
     """Blocks of `rank`, round-robin: block i on worker i % world, in round i // world."""
-    return list(range(rank, n_blocks, world))
+    return round_robin(n_blocks, world, rank)
 
 
 # ------------------------------------------------------------------------- pure pieces
@@ -121,10 +118,6 @@ class _ApbHook:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=query.shape[1] != key.shape[1])
 
-    def stacked(self) -> KV:
-        return (torch.stack([k[0] for k, _ in self.kept]),
-                torch.stack([v[0] for _, v in self.kept]))
-
 
 def _encode_block(model, ids: torch.Tensor, blocks: Blocks, i: int, anchor: int,
                   question: torch.Tensor, passing: int, window: int, pool: int,
@@ -144,7 +137,7 @@ def _encode_block(model, ids: torch.Tensor, blocks: Blocks, i: int, anchor: int,
         probe = slice(max(a, len(tokens) - window), None)
     hook = _ApbHook(a, probe, passing, pool, exchange)
     model.model(input_ids=tokens[None], position_ids=positions[None], starqa=hook, use_cache=False)
-    return hook.stacked()
+    return stack_layers(hook.kept)
 
 
 class _RoundExchange:

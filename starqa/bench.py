@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from starqa import engine, prompt, store
+from starqa import engine, methods, prompt, store
 from starqa.errors import StarqaError
 from starqa.launch import cpu_count
 from starqa.manifest import Manifest, write_json_atomic
@@ -157,9 +157,9 @@ def _notes(opts: BenchOptions, runs: Sequence[Run], window: int, cores: int) -> 
                      "are serialised; critical-path FLOPs are the per-worker figure that matters.")
     for method in opts.methods:
         mine = [r for r in runs if r.method == method]
-        if method == "dense" and any(r.requested != (r.workers,) for r in mine):
-            notes.append("dense encodes on one worker (exact causal Phase 1 is sequential): "
-                         "one run per length, Phase 1 and Phase 2 on 1 worker.")
+        if methods.get(method).sequential and any(r.requested != (r.workers,) for r in mine):
+            notes.append(f"{method} encodes on one worker (exact causal Phase 1 is "
+                         "sequential): one run per length, Phase 1 and Phase 2 on 1 worker.")
         elif any(r.requested != (r.workers,) for r in mine):
             notes.append(f"{method} never uses more workers than blocks; runs asking for more "
                          "are run once with one worker per block.")
@@ -291,7 +291,8 @@ def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds
     }
 
 
-def ratios(rows: Sequence[dict], opts: BenchOptions, base: str = "star") -> list[dict]:
+def ratios(rows: Sequence[dict], opts: BenchOptions, base: str = methods.DEFAULT
+           ) -> list[dict]:
     """Critical-path FLOPs of every other method over `base`'s, per (length, requested
     workers) where both ran; a method that used fewer workers (dense: one) is compared as
     it ran."""

@@ -1,5 +1,6 @@
 """One Phase 1 forward of a block's tokens through the model, recording the KV it keeps:
-the primitive every Phase 1 method (phase1, pulsar) builds its blocks from."""
+the primitive every Phase 1 method builds its blocks from (phase1 and pulsar use `Recorder`;
+apb and ring have hooks of their own, and every method stacks its layers with `stack_layers`)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,14 @@ class Recorder:
         return causal_attention(query, key, value, scale)
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.stack([k[0] for k, _ in self.kept])  # [L, Hkv, keep, D]
-        v = torch.stack([v[0] for _, v in self.kept])
-        return k, v
+        return stack_layers(self.kept)  # [L, Hkv, keep, D] each
+
+
+def stack_layers(kept: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer (k, v), each [1, Hkv, T, D], as one (k, v) pair [L, Hkv, T, D]: a shard's
+    layout."""
+    return torch.stack([k[0] for k, _ in kept]), torch.stack([v[0] for _, v in kept])
 
 
 def forward(model, ids: torch.Tensor, positions: torch.Tensor, hook) -> None:

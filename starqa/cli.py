@@ -15,6 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from starqa import methods as method_registry  # pure Python: --help stays instant
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Ask questions about documents and code too long for ordinary LLM "
                        "inference (Star Attention on torchrun workers).")
@@ -84,8 +86,8 @@ def ingest(
     paths: Annotated[list[str], typer.Argument(help="Files and folders to pack into one context.")],
     model: Model = None,
     method: Annotated[str, typer.Option(envvar="STARQA_METHOD",
-                                        help="star (default), pulsar, apb, dense (exact "
-                                             "reference) or ring (exact, distributed).")] = "star",
+                                        help=method_registry.help_line())
+                      ] = method_registry.DEFAULT,
     block_size: BlockSize = None,
     anchor_size: AnchorSize = None,
     sink_size: SinkSize = None,

@@ -16,6 +16,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Re-exported: Phase 2 loads each rank's shards by it.
+from starqa.methods.blocks import split_contiguous  # noqa: F401
+
 
 @dataclass
 class Traffic:
@@ -209,10 +212,3 @@ def _byte_tensor(payload: bytes, width: int, device: torch.device) -> torch.Tens
     if payload:
         out[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     return out.to(device)
-
-
-def split_contiguous(n_items: int, world: int, rank: int) -> range:
-    """Rank `rank`'s contiguous share of `n_items` (the first ranks take one extra)."""
-    base, extra = divmod(n_items, world)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (rank < extra))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from starqa import corpus as corpus_mod
-from starqa import paths, prompt, shards, store
+from starqa import methods, paths, prompt, shards, store
 from starqa.errors import StarqaError
 from starqa.launch import Launch, default_workers, run_workers
 from starqa.manifest import (FORMAT, IngestRun, Manifest, ModelIdentity, Skipped, SourceFile,
@@ -48,7 +48,7 @@ class UI:
 class IngestOptions:
     paths: tuple[str, ...]
     model: str | None = None
-    method: str = "star"
+    method: str = methods.DEFAULT
     block_size: int | None = None
     anchor_size: int | None = None
     workers: int | None = None
@@ -156,7 +156,8 @@ def _no_room(n: int, reserve: int, window: int) -> StarqaError:
                        hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
 
 
-def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None, method: str = "star",
+def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
+                  method: str = methods.DEFAULT,
                   workers: int | None = None, dtype: str | None = None, name: str = "tokens",
                   measure: bool = False, allow_over_window: bool = False,
                   device: str = "auto", ui: UI = UI()) -> IngestResult:
@@ -200,6 +201,8 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
     final = root / key
     blocks = plan_blocks(n, method.block_size)
     workers = _ingest_workers(opts, method.name, len(blocks))
+    # computed once here, for every worker and the manifest (pulsar: the summaries)
+    prepared = methods.get(method.name).prepare(ids, method, blocks)
     # Across machines every node's workers write into one staging folder on the shared
     # cache, and node 0 commits it; on one machine the folder is this process's own.
     multinode = opts.nnodes > 1
@@ -208,7 +211,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
         tokens_file = _save_tokens(staging, ids, opts.node_rank)
         job = {"phase": "ingest", "model_path": model.path, "dtype": dtype,
                "method": method.as_dict(), "blocks": blocks, "staging": str(staging),
-               "tokens_file": str(tokens_file), "measure": measure}
+               "tokens_file": str(tokens_file), "measure": measure, "prepared": prepared}
         encode_started: list[float] = []
         peaks: dict[int, int] = {}
         measures: dict[int, dict] = {}
@@ -240,7 +243,8 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
             key=key, name=opts.name or _default_name(opts.paths), created=time.time(),
             sources=sources, command=opts.command or "starqa ingest " + shlex.join(sources),
             model=model, reserve=opts.reserve, dtype=dtype, method=method,
-            content_sha256=content, n_tokens=n, query_position=query_position(ids, method, blocks),
+            content_sha256=content, n_tokens=n,
+            query_position=query_position(ids, method, blocks, prepared),
             query_template=query_template, blocks=shards.hash_blocks(staging, blocks),
             files=tuple(SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
                                    bytes=f.size, line_tokens=tuple(lines))
@@ -259,36 +263,28 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
                         workers * opts.nnodes, encode_seconds, **per_rank)
 
 
-def query_position(ids: list[int], method, blocks) -> int:
-    """Where Phase 2 positions start: after the context, except for pulsar's contiguous
-    mode, where the query follows the longest assembled block."""
-    if method.name != "pulsar" or method.params["positions"] != "contiguous":
-        return len(ids)
-    import torch
-
-    from starqa.pulsar import all_summaries, query_start
-
-    p = method.params
-    tensor = torch.tensor(ids)
-    # Only ids present matter to the IDF, so the table may stop at the largest one.
-    summaries = all_summaries(tensor, blocks, int(tensor.max()) + 1, sink=p["sink"],
-                              heuristic=p["heuristic"], budget_frac=p["budget_frac"],
-                              chunk=p["chunk"])
-    return query_start(len(ids), blocks, summaries, sink=p["sink"], positions="contiguous")
+def query_position(ids: list[int], method, blocks, prepared: dict | None = None) -> int:
+    """Where Phase 2 positions start (the method's `query_position`: after the context,
+    except for pulsar's contiguous mode); `prepared`: the method's `prepare` result."""
+    return methods.get(method.name).query_position(ids, method, blocks, prepared)
 
 
 def _ingest_workers(opts: IngestOptions, method: str, n_blocks: int) -> int:
-    """Workers per machine. Exact causal encoding is sequential, so dense runs on one worker
-    (ring is the distributed exact method); star never starts more workers than blocks."""
-    if method == "dense":
+    """Workers per machine, never more than the method can use: a sequential method (exact
+    causal encoding: dense) runs on one worker (ring is the distributed exact method); the
+    others never start more workers than blocks."""
+    encoder = methods.get(method)
+    if encoder.sequential:
         if opts.nnodes > 1:
-            raise StarqaError("dense encodes on one worker; it cannot be spread over machines.",
-                              hint="use --method star across machines, or drop --nnodes")
+            raise StarqaError(f"{method} encodes on one worker; it cannot be spread over "
+                              "machines.", hint=f"use --method {methods.DEFAULT} across "
+                                                "machines, or drop --nnodes")
         return 1
+    most = encoder.max_workers(n_blocks)
     if opts.nnodes == 1:
-        return min(opts.workers or default_workers(opts.device), n_blocks)
+        return min(opts.workers or default_workers(opts.device), most)
     workers = opts.workers or default_workers(opts.device)
-    if workers * opts.nnodes > n_blocks:
+    if workers * opts.nnodes > most:
         raise StarqaError(f"{workers * opts.nnodes} workers on {opts.nnodes} machines but only "
                           f"{n_blocks} blocks.", hint="pass a smaller --block-size or --workers")
     return workers

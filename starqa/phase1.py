@@ -1,8 +1,9 @@
-"""Phase 1: encode the context blockwise into per-block KV (Star Attention, and dense).
+"""Phase 1 of Star Attention and of dense: the context encoded blockwise into per-block KV.
 
-Pure compute on one worker: which blocks it encodes is decided by the caller. Each block's
-KV comes out as (k, v) tensors [L, Hkv, T, D] with RoPE applied at the tokens' original
-positions, ready to be stored as a shard.
+Pure compute on one worker: which blocks it encodes is decided by the caller (the method
+registry, starqa.methods, picks the method and its blocks). Each block's KV comes out as
+(k, v) tensors [L, Hkv, T, D] with RoPE applied at the tokens' original positions, ready to
+be stored as a shard. docs/methods.md §1-2.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from starqa.blockwise import Recorder, forward
-from starqa.methods import MethodConfig
 
 
 @torch.inference_mode()
@@ -53,55 +53,3 @@ def encode_dense(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]]
             past = [(torch.cat([pk, k], 2), torch.cat([pv, v], 2))
                     for (pk, pv), (k, v) in zip(past, hook.kept)]
         yield (i, *hook.stacked())
-
-
-def encode(model, ids: torch.Tensor, method: MethodConfig, blocks, indices, info):
-    """This worker's share of Phase 1 for `method`: yields (index, k, v) per block."""
-    if method.name == "dense":
-        return encode_dense(model, ids, blocks)
-    if method.name == "ring":
-        from starqa.ring import encode_ring
-
-        return encode_ring(model, ids, blocks, indices, info)
-    if method.name == "pulsar":
-        from starqa.pulsar import encode_pulsar
-
-        return encode_pulsar(model, ids, blocks, indices, **method.params)
-    if method.name == "apb":
-        from starqa.apb import encode_apb
-
-        p = method.params
-        return encode_apb(model, ids, blocks, indices, info, anchor=method.anchor_size,
-                          passing=p["passing"], window=p["window"],
-                          question_ids=p.get("question_ids"))
-    return encode_star(model, ids, blocks, indices, method.anchor_size)
-
-
-def assignment(method: MethodConfig, n_blocks: int, world: int, rank: int) -> list[int]:
-    """The blocks worker `rank` of `world` encodes: a contiguous group (what ring needs and
-    what Phase 2 loads), or round-robin for apb, whose blocks pass KV forward round by round."""
-    from starqa import dist
-
-    if method.name == "apb":
-        from starqa.apb import assignment as apb_assignment
-
-        return apb_assignment(n_blocks, world, rank)
-    return list(dist.split_contiguous(n_blocks, world, rank))
-
-
-def encode_local(model, ids: torch.Tensor, method: MethodConfig, blocks):
-    """Phase 1 for every block in this one process, as if each block sat on its own host;
-    yields (index, k, v) in block order.
-
-    The result equals what the distributed workers store (tested): star, dense and pulsar
-    need no communication; ring is exact, so its blocks are dense's; apb's blocks only read
-    compressed KV from earlier blocks, so a world of one, running them in order, reproduces
-    the workers' result. Used
-    where many short contexts are encoded with one loaded model (`starqa eval`).
-    """
-    from starqa import dist
-
-    if method.name == "ring":
-        return encode_dense(model, ids, blocks)
-    info = dist.local_world(next(model.parameters()).device)
-    return encode(model, ids, method, blocks, range(len(blocks)), info)

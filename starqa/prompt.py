@@ -1,4 +1,4 @@
-"""The prompt split (METHODS.md section 0): the chat-templated prompt cut into a context part,
+"""The prompt split (docs/methods.md §0): the chat-templated prompt cut into a context part,
 encoded once in Phase 1, and a query part, encoded per question in Phase 2.
 
     context = template opening + system turn + user turn's opening + the packed documents

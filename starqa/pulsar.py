@@ -1,5 +1,5 @@
 """Pulsar Attention Phase 1: each block is encoded after the sink and the summaries of the
-blocks before it, instead of Star's anchor (METHODS.md §3).
+blocks before it, instead of Star's anchor (docs/methods.md §3).
 
 The summaries are chosen from the token ids alone (an IDF table over the blocks, then the
 top-scoring chunks of each block), so every worker computes the same layout with no
@@ -176,18 +176,20 @@ def query_start(n_tokens: int, blocks: Blocks, summaries: Sequence[torch.Tensor]
 @torch.inference_mode()
 def encode_pulsar(model, ids: torch.Tensor, blocks: Blocks, indices: Sequence[int], *,
                   sink: int = 64, heuristic: str = "max-idf", budget_frac: float = 0.125,
-                  chunk: int = 32, positions: str = "sparse"
+                  chunk: int = 32, positions: str = "sparse",
+                  summaries: Sequence[torch.Tensor] | None = None
                   ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Pulsar Phase 1 for blocks `indices`; yields (index, k, v) with k, v [L, Hkv, len(B_i), D].
 
-    The IDF table and all summaries are computed once, up front, from `ids` [n]; each block is
-    then one causal forward over its assembled input, keeping only B_i's KV.
+    The summaries (`all_summaries`, from `ids` [n]) are given, or computed once, up front;
+    each block is then one causal forward over its assembled input, keeping only B_i's KV.
     """
     _check(heuristic, HEURISTICS, "heuristic")
     _check(positions, POSITIONS, "positions")
     device = next(model.parameters()).device
-    summaries = all_summaries(ids, blocks, model.config.vocab_size, sink=sink, heuristic=heuristic,
-                              budget_frac=budget_frac, chunk=chunk)
+    if summaries is None:
+        summaries = all_summaries(ids, blocks, model.config.vocab_size, sink=sink,
+                                  heuristic=heuristic, budget_frac=budget_frac, chunk=chunk)
     for i in indices:
         tokens, pos, keep = assemble(ids, blocks, i, summaries, sink=sink, positions=positions)
         hook = Recorder(keep=keep)

@@ -1,4 +1,4 @@
-"""Ring Attention Phase 1 (METHODS.md section 5): exact distributed prefill, the baseline the
+"""Ring Attention Phase 1 (docs/methods.md §5): exact distributed prefill, the baseline the
 Star paper measures against.
 
 Each worker holds one contiguous chunk of the context (its blocks, back to back) and runs
@@ -17,6 +17,7 @@ import torch
 
 from starqa import dist
 from starqa.attention import attend, merge
+from starqa.blockwise import stack_layers
 
 
 class _RingHook:
@@ -61,8 +62,7 @@ def encode_ring(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]],
     model.model(input_ids=ids[start:end].to(device)[None],
                 position_ids=torch.arange(start, end, device=device)[None], starqa=hook,
                 use_cache=False)
-    k = torch.stack([k[0] for k, _ in hook.kept])  # [L, Hkv, chunk, D]
-    v = torch.stack([v[0] for _, v in hook.kept])
+    k, v = stack_layers(hook.kept)  # [L, Hkv, chunk, D] each
     for i in indices:
         a, b = blocks[i][0] - start, blocks[i][1] - start
         yield i, k[:, :, a:b], v[:, :, a:b]

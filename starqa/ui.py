@@ -18,7 +18,7 @@ from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
-from starqa import shards, store
+from starqa import methods, shards, store
 from starqa.engine import UI, Answer, IngestResult
 from starqa.errors import ShardError
 from starqa.manifest import Manifest
@@ -181,14 +181,14 @@ def ingest_report(result: IngestResult) -> None:
 
 
 def _blocks_per_worker(method: MethodConfig, n_blocks: int, workers: int) -> str:
-    from starqa.phase1 import assignment
+    assignment = methods.get(method.name).assignment
 
     def span(mine: list[int]) -> str:
         if len(mine) > 1 and mine == list(range(mine[0], mine[-1] + 1)):
             return f"{mine[0]}-{mine[-1]}"
         return ",".join(map(str, mine)) or "none"
 
-    return ", ".join(f"worker {r}: " + span(assignment(method, n_blocks, workers, r))
+    return ", ".join(f"worker {r}: " + span(assignment(n_blocks, workers, r))
                      for r in range(workers))
 
 
@@ -359,7 +359,7 @@ def _table(title: str, *columns: tuple[str, str]) -> Table:
 def _method(method: MethodConfig) -> str:
     """`apb (block 1,024, anchor 256, passing 128, window 64)`: every setting but token ids."""
     settings = [f"block {method.block_size:,}"]
-    if method.name in ("star", "apb"):
+    if method.name in methods.owners("anchor"):
         settings.append(f"anchor {method.anchor_size:,}")
     for key, value in method.params.items():
         if value is not None and key != "question_ids":
@@ -370,7 +370,8 @@ def _method(method: MethodConfig) -> str:
 
 def _method_short(method: dict) -> str:
     """`star 1,024/1,024` (block/anchor) or `dense 1,024` (block)."""
-    anchor = f"/{method['anchor_size']:,}" if method["name"] in ("star", "apb") else ""
+    has_anchor = method["name"] in methods.owners("anchor")
+    anchor = f"/{method['anchor_size']:,}" if has_anchor else ""
     return f"{method['name']} {method['block_size']:,}{anchor}"
 
 

@@ -45,15 +45,15 @@ def _load_model(job: dict, info):
 def run_ingest(job: dict, info) -> None:
     from safetensors.torch import load_file
 
-    from starqa import dist, phase1, shards
-    from starqa.methods import MethodConfig
+    from starqa import dist, methods, shards
 
-    method = MethodConfig(**job["method"])
+    method = methods.MethodConfig(**job["method"])
+    encoder = methods.get(method.name)
     blocks = [tuple(b) for b in job["blocks"]]
     folder = Path(job["staging"])
     ids = load_file(job["tokens_file"])["ids"].long()
     model = _load_model(job, info)
-    mine = phase1.assignment(method, len(blocks), info.world_size, info.rank)
+    mine = encoder.assignment(len(blocks), info.world_size, info.rank)
     emit("ready", rank=info.rank, blocks=mine)
     _fault("ingest", info.rank)
     _slow("ingest")
@@ -63,7 +63,8 @@ def run_ingest(job: dict, info) -> None:
     counter = flop_counter() if measure else contextlib.nullcontext()
     started, cpu = time.perf_counter(), time.process_time()
     with counter:
-        for index, k, v in phase1.encode(model, ids, method, blocks, mine, info):
+        for index, k, v in encoder.encode(model, ids, method, blocks, mine, info,
+                                          job.get("prepared")):
             start, end = blocks[index]
             shards.save_block(folder, index, k.cpu(), v.cpu(), {
                 "index": str(index), "start": str(start), "end": str(end), "method": method.name})

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from starqa import apb, hooks, phase1
+from starqa import apb, hooks, methods, phase1
 from starqa.errors import StarqaError
 from starqa.methods import MethodConfig, method_config, plan_blocks
 from starqa.models import load_model
@@ -60,7 +60,8 @@ def test_compress_keeps_the_top_keys_per_head_in_positional_order():
 
 def _apb(model, blocks, anchor, passing, window=16, ids=IDS, question_ids=None):
     params = {"passing": passing, "window": window, "question_ids": question_ids}
-    return list(phase1.encode_local(model, ids, MethodConfig("apb", 30, anchor, params), blocks))
+    config = MethodConfig("apb", 30, anchor, params)
+    return list(methods.get(config.name).encode_local(model, ids, config, blocks))
 
 
 def test_without_passing_blocks_apb_is_star_with_its_anchor(model):
@@ -116,8 +117,8 @@ def test_question_in_the_anchor_is_the_probe(model):
 
 def test_round_robin_assignment():
     assert [apb.assignment(5, 2, r) for r in range(2)] == [[0, 2, 4], [1, 3]]
-    assert phase1.assignment(method_config("apb", 100), 5, 2, 1) == [1, 3]
-    assert phase1.assignment(method_config("star", 100), 5, 2, 1) == [3, 4]
+    assert methods.get(method_config("apb", 100).name).assignment(5, 2, 1) == [1, 3]
+    assert methods.get(method_config("star", 100).name).assignment(5, 2, 1) == [3, 4]
 
 
 def test_method_defaults_and_option_errors():

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from starqa import corpus, dist, engine, hooks, models, phase1, phase2, prompt, pulsar
+from starqa import corpus, dist, engine, hooks, methods, models, phase2, prompt, pulsar
 from starqa.decoder import load_decoder
 from starqa.methods import method_config, plan_blocks
 from starqa.models import context_window, load_model, load_tokenizer
@@ -60,6 +60,11 @@ def context_ids(tok):
 
 def config_for(name, n):
     return method_config(name, n, block_size=BLOCK, params=PULSAR if name == "pulsar" else None)
+
+
+def encode_local(model, ids, cfg, blocks):
+    """Phase 1 of every block in this process: the method's registry entry."""
+    return methods.get(cfg.name).encode_local(model, ids, cfg, blocks)
 
 
 def reference_kv(reference, ids, positions, keep):
@@ -133,7 +138,7 @@ def test_phase1_blocks_equal_transformers_kv(name, model, reference, context_ids
     cfg = config_for(name, len(ids))
     blocks = plan_blocks(len(ids), cfg.block_size)
     assert len(blocks) >= 4
-    out = list(phase1.encode_local(model, ids, cfg, blocks))
+    out = list(encode_local(model, ids, cfg, blocks))
     assert [i for i, _, _ in out] == list(range(len(blocks)))
     for i, k, v in out:
         start, end = blocks[i]
@@ -150,11 +155,9 @@ def test_approximate_methods_differ_from_dense(model, context_ids):
     """Star and pulsar do not see the whole prefix: block 0 is exact, later blocks are not."""
     ids = context_ids
     blocks = plan_blocks(len(ids), BLOCK)
-    dense = [k for _, k, _ in phase1.encode_local(model, ids, config_for("dense", len(ids)),
-                                                  blocks)]
+    dense = [k for _, k, _ in encode_local(model, ids, config_for("dense", len(ids)), blocks)]
     for name in ("star", "pulsar", "apb"):
-        keys = [k for _, k, _ in phase1.encode_local(model, ids, config_for(name, len(ids)),
-                                                     blocks)]
+        keys = [k for _, k, _ in encode_local(model, ids, config_for(name, len(ids)), blocks)]
         torch.testing.assert_close(keys[0], dense[0])
         assert not torch.allclose(keys[-1], dense[-1], atol=1e-3)
 
@@ -165,7 +168,7 @@ def test_apb_limits_are_star_and_dense(model, reference, context_ids):
     ids = context_ids
     blocks = plan_blocks(len(ids), BLOCK)
     star = method_config("apb", len(ids), block_size=BLOCK, anchor_size=7, params={"passing": 0})
-    for i, k, _ in phase1.encode_local(model, ids, star, blocks):
+    for i, k, _ in encode_local(model, ids, star, blocks):
         start, end = blocks[i]
         a = min(7, start)
         tokens = torch.cat([ids[:a], ids[start:end]])
@@ -175,9 +178,9 @@ def test_apb_limits_are_star_and_dense(model, reference, context_ids):
         torch.testing.assert_close(k[-1], ref[-1][0], rtol=1e-4, atol=1e-4)
     full = method_config("apb", len(ids), block_size=BLOCK, anchor_size=0,
                          params={"passing": BLOCK})
-    for (_, k, v), (_, dk, dv) in zip(phase1.encode_local(model, ids, full, blocks),
-                                      phase1.encode_local(model, ids, config_for("dense", len(ids)),
-                                                          blocks)):
+    for (_, k, v), (_, dk, dv) in zip(encode_local(model, ids, full, blocks),
+                                      encode_local(model, ids, config_for("dense", len(ids)),
+                                                   blocks)):
         torch.testing.assert_close(k, dk, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(v, dv, rtol=1e-4, atol=1e-4)
 
@@ -192,14 +195,15 @@ def test_apb_on_workers_equals_blocks_in_order(workers, model, context_ids, monk
     cfg = method_config("apb", len(ids), block_size=BLOCK, params={"passing": 5, "window": 8})
     blocks = plan_blocks(len(ids), BLOCK)
     assert len(blocks) % workers  # some rank idles in the last round
-    local = {i: (k, v) for i, k, v in phase1.encode_local(model, ids, cfg, blocks)}
+    local = {i: (k, v) for i, k, v in encode_local(model, ids, cfg, blocks)}
     world = ThreadWorld(workers)
     monkeypatch.setattr(dist, "all_gather", world.all_gather)
 
     def rank(info):
-        mine = phase1.assignment(cfg, len(blocks), workers, info.rank)
+        mine = methods.get(cfg.name).assignment(len(blocks), workers, info.rank)
         assert mine == apb.assignment(len(blocks), workers, info.rank)
-        return {i: (k, v) for i, k, v in phase1.encode(model, ids, cfg, blocks, mine, info)}
+        encoded = methods.get(cfg.name).encode(model, ids, cfg, blocks, mine, info)
+        return {i: (k, v) for i, k, v in encoded}
 
     got = {i: kv for part in run_ranks(world, rank) for i, kv in part.items()}
     assert sorted(got) == sorted(local)
@@ -298,7 +302,7 @@ def greedy_reference(reference, ids, stops, max_new_tokens=8):
 
 def dense_kv(model, ids):
     cfg = config_for("dense", len(ids))
-    return [(k, v) for _, k, v in phase1.encode_local(model, ids, cfg,
+    return [(k, v) for _, k, v in encode_local(model, ids, cfg,
                                                       plan_blocks(len(ids), cfg.block_size))]
 
 
@@ -340,7 +344,7 @@ def test_phase2_on_workers_equals_one_worker(name, model, decoder, reference, to
     ids = context_ids
     cfg = config_for(name, len(ids))
     blocks = plan_blocks(len(ids), cfg.block_size)
-    kv = [(k, v) for _, k, v in phase1.encode_local(model, ids, cfg, blocks)]
+    kv = [(k, v) for _, k, v in encode_local(model, ids, cfg, blocks)]
     query = prompt.tokenize_query(tok, QUESTION)
     stops = models.stop_ids(tok, qwen_path)
     one = answer_on_workers(decoder, kv, query, len(ids), 1, stops, monkeypatch)

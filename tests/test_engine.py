@@ -263,7 +263,7 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     """Two workers pass compressed KV round by round (one all-gather per layer, an idle
     worker in a short last round); the shards equal encoding the blocks in order in one
     process, and ask answers from them."""
-    from starqa import hooks, phase1
+    from starqa import hooks, methods
     from starqa.shards import load_block
 
     result = ingest(docs, tiny_model, method="apb", workers=2, block_size=40,
@@ -275,7 +275,7 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     model = load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
     ids = torch.tensor(_context_ids(tiny_model, m))
     blocks = [(b.start, b.end) for b in m.blocks]
-    for i, k, v in phase1.encode_local(model, ids, m.method, blocks):
+    for i, k, v in methods.get(m.method.name).encode_local(model, ids, m.method, blocks):
         stored_k, stored_v = load_block(m, i)
         torch.testing.assert_close(stored_k, k, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(stored_v, v, rtol=1e-4, atol=1e-4)

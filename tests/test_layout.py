@@ -1,6 +1,7 @@
 """The package's layout: no module imports one that (directly or not) imports it back."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "starqa"
@@ -42,3 +43,68 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+# ---------------------------------------------------------------------------- method names
+
+# "dense" is also a weight format (`--weights dense`, models.WEIGHT_FORMATS, decoder.py):
+# a "dense" whose nearest enclosing comparison, call, statement or parameter mentions
+# weights (or decoder.py's `fmt`), or that sits in a function about weights, is that format.
+WEIGHTS = re.compile(r"weight|fmt", re.IGNORECASE)
+# the nearest of these around a literal says what the literal is compared with, passed to,
+# assigned to or returned
+CONTEXT = (ast.Compare, ast.Call, ast.keyword, ast.Dict, ast.arguments, ast.stmt)
+
+
+def _weight_format(node: ast.Constant, parents: dict, source: str) -> bool:
+    child, around = node, parents.get(node)
+    while around is not None and not isinstance(around, CONTEXT):
+        child, around = around, parents.get(around)
+    if isinstance(around, ast.arguments):  # a parameter's default: the parameter's name
+        params = around.posonlyargs + around.args
+        named = dict(zip(map(id, around.defaults), params[len(params) - len(around.defaults):]))
+        named |= {id(d): a for d, a in zip(around.kw_defaults, around.kwonlyargs) if d}
+        return id(child) in named and bool(WEIGHTS.search(named[id(child)].arg))
+    if around is not None and WEIGHTS.search(ast.get_source_segment(source, around) or ""):
+        return True
+    while around is not None and not isinstance(around, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        around = parents.get(around)
+    return around is not None and bool(WEIGHTS.search(around.name))
+
+
+def method_literals(source: str, names) -> list[tuple[int, str]]:
+    """(line, name) of every string literal in `source` that spells a method name, weight
+    formats aside."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    return sorted((node.lineno, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and node.value in names
+                  and not (node.value == "dense" and _weight_format(node, parents, source)))
+
+
+def test_method_literals_tell_methods_from_weight_formats():
+    names = ("star", "dense", "ring")
+    assert method_literals('if method.name == "ring":\n    pass', names) == [(1, "ring")]
+    assert method_literals('def f(method="star", base="dense"): ...', names) == [
+        (1, "dense"), (1, "star")]
+    assert method_literals('OWNERS = {"anchor": ("star", "dense")}', names) == [
+        (1, "dense"), (1, "star")]
+    assert method_literals('REFERENCE = "dense"', names) == [(1, "dense")]
+    weights = ('def load(weights="dense"): ...\nif fmt != "dense": pass\n'
+               'job.get("weights", "dense")\nWEIGHT_FORMATS = ("dense", "int8")\n'
+               'def phase2_weights():\n    return "dense"\n')
+    assert method_literals(weights, names) == []
+
+
+def test_method_names_are_spelled_only_in_the_registry():
+    """Behaviour that depends on the method lives in starqa/methods/ (the registry); the
+    rest of the package asks it (`methods.get(name).…`) and never spells a method's name."""
+    from starqa.methods import METHODS
+
+    assert {"star", "dense", "ring", "pulsar", "apb"} <= set(METHODS)
+    registry = PACKAGE / "methods"
+    found = [f"{file.relative_to(PACKAGE.parent)}:{line}: {name!r}"
+             for file in sorted(PACKAGE.rglob("*.py")) if registry not in file.parents
+             for line, name in method_literals(file.read_text(), METHODS)]
+    assert not found, "method names outside the registry:\n" + "\n".join(found)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from starqa import hooks, phase1
+from starqa.ring import _RingHook
 from starqa.methods import MethodConfig, method_config, plan_blocks
 from starqa.models import load_model
 
@@ -31,6 +32,26 @@ def test_dense_blocks_equal_one_causal_forward(model):
         for layer, (rk, rv) in enumerate(ref):
             torch.testing.assert_close(k[layer], rk[:, start:end], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v[layer], rv[:, start:end], rtol=1e-5, atol=1e-5)
+
+
+def test_ring_in_one_process_runs_ring_and_equals_dense(model, monkeypatch):
+    """encode_local for ring is ring's own path in a world of one (its hook, not dense's
+    blockwise loop), and stores dense's blocks."""
+    from starqa import methods, ring
+
+    blocks = plan_blocks(len(IDS), 30)
+    dense = list(phase1.encode_dense(model, IDS, blocks))
+    hooks_made = []
+    monkeypatch.setattr(ring, "_RingHook", lambda *a: hooks_made.append(1) or _RingHook(*a))
+    monkeypatch.setattr(phase1, "encode_dense", None)  # ring must not fall back to dense
+    config = method_config("ring", len(IDS), block_size=30)
+    got = list(methods.get("ring").encode_local(model, IDS, config, blocks))
+    assert hooks_made == [1]  # one forward over the whole chunk
+    assert [i for i, _, _ in got] == [i for i, _, _ in dense] == [0, 1, 2, 3]
+    for (_, k, v), (_, dk, dv) in zip(got, dense):
+        assert k.shape == dk.shape
+        torch.testing.assert_close(k, dk, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, dv, rtol=1e-5, atol=1e-5)
 
 
 def test_star_with_one_block_equals_dense(model):

@@ -1,8 +1,8 @@
 """`starqa eval`: every method over the very same generated samples, in this one process.
 
 The model loads once. For each sample (generators.generate) every method encodes the
-context with Phase 1 for all of its blocks here (phase1.encode_local: what the workers
-would store) and answers the question with Phase 2 as a world of one, the query host
+context with Phase 1 for all of its blocks here (its registry entry's `encode_local`: what
+the workers would store) and answers the question with Phase 2 as a world of one, the query host
 attending to the whole shard (answering.Answerer: the Phase 2 path `ask` runs). Dense runs
 first on every sample: it is the reference of retention. The results go to a JSON file
 rewritten atomically after every sample, so an interrupted run keeps what it finished.
@@ -102,7 +102,7 @@ def parse_methods(text: str | None) -> tuple[list[str], list[str]]:
                               hint=f"choose from: {', '.join(methods_mod.METHODS)}")
     notes = []
     if scoring.REFERENCE not in names:
-        notes.append("dense runs too: it is the reference of retention")
+        notes.append(f"{scoring.REFERENCE} runs too: it is the reference of retention")
     return [scoring.REFERENCE, *(n for n in names if n != scoring.REFERENCE)], notes
 
 
@@ -212,17 +212,18 @@ class Evaluator:
         """Phase 1 over all blocks of the sample's context, then Phase 2 for its question."""
         import torch
 
-        from starqa import engine, phase1
         from starqa.answering import Answerer
 
         n = len(sample.context_ids)
         config = methods_mod.method_config(method, n, **self.options[method])
+        encoder = methods_mod.get(method)
         blocks = methods_mod.plan_blocks(n, config.block_size)
         started = time.perf_counter()
-        encoded = phase1.encode_local(self.model, torch.tensor(sample.context_ids), config,
-                                      blocks)
+        prepared = encoder.prepare(sample.context_ids, config, blocks)
+        encoded = encoder.encode_local(self.model, torch.tensor(sample.context_ids), config,
+                                       blocks, prepared)
         parts = [(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])]
-        start = engine.query_position(sample.context_ids, config, blocks)
+        start = encoder.query_position(sample.context_ids, config, blocks, prepared)
         answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start)
         del parts
         encoded_at = time.perf_counter()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-REFERENCE = "dense"
+from starqa.methods import REFERENCE  # dense, the exact method: what retention compares with
 
 
 def found(prediction: str, answers: Sequence[str]) -> list[bool]:

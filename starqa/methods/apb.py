@@ -1,0 +1,55 @@
+"""APB's registry entry (the math: starqa.apb; docs/methods.md §4)."""
+
+from __future__ import annotations
+
+from starqa.errors import StarqaError
+from starqa.methods.base import Encoded, Method
+from starqa.methods.blocks import round_robin
+from starqa.methods.config import MethodConfig, chosen
+
+# passing None: an eighth of the block; question None: unknown at encoding time (the engine
+# adds its token ids as question_ids when given)
+DEFAULTS = {"passing": None, "window": 64, "question": None}
+
+
+class Apb(Method):
+    """Block 0 alone; block i > 0 after a small anchor [question ‖ c[:l_a]], attending in
+    every layer to the compressed KV every earlier block passes on."""
+
+    name = "apb"
+    help = "a small anchor, and compressed KV passed on between workers (APB)"
+    settings = ("anchor", *DEFAULTS)
+
+    def config(self, block_size: int, anchor_size: int | None, params: dict) -> MethodConfig:
+        """anchor = block/4, passing = block/8 per KV head, probe window 64, unless given."""
+        p = chosen(DEFAULTS, params)
+        if p["passing"] is None:
+            p["passing"] = max(1, block_size // 8)
+        if p["question"] is not None and not p["question"].strip():
+            raise StarqaError("--question is empty.")
+        if p["passing"] < 0 or p["window"] < 1:
+            raise StarqaError(f"--passing-size must be 0 or more and --probe-window at least 1 "
+                              f"(got {p['passing']} and {p['window']}).")
+        anchor = default_anchor(block_size) if anchor_size is None else anchor_size
+        return MethodConfig(self.name, block_size, anchor, p)
+
+    def assignment(self, n_blocks: int, world: int, rank: int) -> list[int]:
+        """Round-robin: block i on worker i % world in round i // world, so each round's
+        blocks find every earlier block already compressed."""
+        return round_robin(n_blocks, world, rank)
+
+    def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
+        from starqa.apb import encode_apb
+
+        p = config.params
+        return encode_apb(model, ids, blocks, indices, info, anchor=config.anchor_size,
+                          passing=p["passing"], window=p["window"],
+                          question_ids=p.get("question_ids"))
+
+    # invalidated: the default, `edited` and every later block, since every later block
+    # reads the KV block `edited` passes on (and its anchor, when the edit reaches into it).
+
+
+def default_anchor(block_size: int) -> int:
+    """l_a = b/4, the larger of the paper's two settings (b/4, b/8)."""
+    return max(1, block_size // 4)

@@ -1,0 +1,49 @@
+"""MethodConfig, the frozen settings of one Phase 1 run (recorded in every manifest and in
+the cache key), and the checks shared by every method's settings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from starqa.errors import StarqaError
+
+# The command-line option behind each method-specific setting, for error messages.
+OPTIONS = {"sink": "--sink-size", "heuristic": "--heuristic", "budget_frac": "--summary-budget",
+           "chunk": "--chunk-size", "positions": "--positions", "passing": "--passing-size",
+           "window": "--probe-window", "question": "--question", "anchor": "--anchor-size"}
+MAX_DEFAULT_BLOCK = 32_768  # the paper's fixed block size for very long contexts
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    name: str
+    block_size: int
+    anchor_size: int  # star and apb; 0 for the others
+    params: dict = field(default_factory=dict)  # pulsar: sink, heuristic, ...; apb: passing, ...
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def given_settings(anchor_size: int | None, params: dict | None) -> list[str]:
+    """The method-specific settings given (not None), "anchor" for the anchor size, sorted."""
+    given = {k for k, v in (params or {}).items() if v is not None}
+    return sorted(given | ({"anchor"} if anchor_size is not None else set()))
+
+
+def check_sizes(block_size: int | None, anchor_size: int | None) -> None:
+    if block_size is not None and block_size < 1:
+        raise StarqaError(f"--block-size must be at least 1 (got {block_size}).")
+    if anchor_size is not None and anchor_size < 0:
+        raise StarqaError(f"--anchor-size must be 0 or more (got {anchor_size}).")
+
+
+def default_block(n_tokens: int) -> int:
+    """The Star paper's block: a quarter of the context, capped at 32K."""
+    return min(max(1, math.ceil(n_tokens / 4)), MAX_DEFAULT_BLOCK)
+
+
+def chosen(defaults: dict, given: dict) -> dict:
+    """`defaults` overridden by the settings of `given` that are set and are among them."""
+    return {**defaults, **{k: v for k, v in given.items() if v is not None and k in defaults}}

@@ -1,0 +1,32 @@
+"""Star Attention's registry entry (the math: starqa.phase1.encode_star; docs/methods.md §2)."""
+
+from __future__ import annotations
+
+from starqa.methods.base import Blocks, Encoded, Method
+from starqa.methods.config import MethodConfig
+
+
+class Star(Method):
+    """Block 0 alone; block i > 0 after the anchor c[:a] (positions 0..a-1); no communication."""
+
+    name = "star"
+    help = "each block after an anchor, no communication (Star Attention)"
+    settings = ("anchor",)
+
+    def config(self, block_size: int, anchor_size: int | None, params: dict) -> MethodConfig:
+        """anchor = block unless given (the paper's default)."""
+        return MethodConfig(self.name, block_size,
+                            block_size if anchor_size is None else anchor_size)
+
+    def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
+        from starqa.phase1 import encode_star
+
+        return encode_star(model, ids, blocks, indices, config.anchor_size)
+
+    def invalidated(self, config: MethodConfig, blocks: Blocks, edited: int) -> list[int]:
+        """`edited` itself; and every later block when the edit reaches into the anchor
+        (block i reads the context's first min(a, start_i) tokens, so with the default
+        anchor = block that is block 0, everyone's anchor)."""
+        if blocks[edited][0] < config.anchor_size:
+            return list(range(edited, len(blocks)))
+        return [edited]
