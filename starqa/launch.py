@@ -169,3 +169,8 @@ def _kill(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def launch_of(opts, workers: int) -> Launch:
+    """The `Launch` of an ingest, ask or serve request's options, with `workers` per machine."""
+    return Launch(workers, opts.nnodes, opts.node_rank, opts.rdzv_endpoint, opts.device)

@@ -14,15 +14,23 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (BarColumn, Progress, TaskProgressColumn, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from starqa import methods, shards, store
-from starqa.engine import UI, Answer, IngestResult
+from starqa.ask import Answer
 from starqa.errors import ShardError
+from starqa.ingest import IngestResult
 from starqa.manifest import Manifest
 from starqa.methods import MethodConfig
+from starqa.progress import UI
 
 err = Console(stderr=True, highlight=False)
 out = Console(highlight=False)  # a command's own result (answers, tables): stdout

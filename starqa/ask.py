@@ -1,0 +1,346 @@
+"""Phase 2's launcher, `starqa ask` and `starqa serve`: a cached context and a question →
+query tokens → an answer from a warm group (over its socket), from this process (a world of
+one, when model and shards fit in memory) or from a torchrun group; `serve` keeps a group
+warm for later questions. Every path answers through `starqa.answering.Answerer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from starqa import paths, prompt, shards, store
+from starqa.errors import StarqaError
+from starqa.launch import Launch, launch_of, run_workers
+from starqa.manifest import Manifest, write_json_atomic
+from starqa.placement import phase2_workers
+from starqa.progress import UI
+
+DEFAULT_KEEPALIVE = 300.0  # seconds a warm group waits for the next question (as ollama)
+
+
+@dataclass(frozen=True)
+class AskOptions:
+    question: str
+    context: str | None = None
+    model: str | None = None
+    workers: int | None = None
+    max_new_tokens: int = 256
+    beyond_window: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    device: str = "auto"
+    warm: bool = True  # use a running `starqa serve` group for the context when there is one
+    weights: str | None = None  # Phase 2 weight format (models.WEIGHT_FORMATS); None: default
+    keepalive: float = 0.0  # a cold ask leaves a warm group this long; 0: none (CLI: 300 s)
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    context: Manifest
+    query_tokens: int
+    workers: int
+    seconds: float
+    first_token_seconds: float | None
+    decode_seconds: float  # first token → last token
+    prefill_seconds: float | None  # the workers' question prefill, up to the first token
+    sources: list[dict] = field(default_factory=list)  # top files and lines attended to
+    peak_bytes: list[int] = field(default_factory=list)  # per worker
+    measures: list[dict] = field(default_factory=list)  # per worker, when measured (bench)
+    query_host: bool = True  # False on machines that do not hold the last block
+    warm: bool = False  # answered by a running worker group
+    weights: str | None = None  # Phase 2 weight format, where known
+
+
+def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
+    from starqa import models
+
+    started = time.perf_counter()
+    if not opts.question.strip():
+        raise StarqaError("The question is empty.")
+    if opts.max_new_tokens < 1:
+        raise StarqaError(f"--max-new-tokens must be at least 1 (got {opts.max_new_tokens}).")
+    manifest = store.find_context(paths.contexts_dir(), opts.context)
+    if opts.warm and opts.nnodes == 1 and opts.model is None:
+        from starqa import client
+
+        group = client.find(manifest.key)
+        if group is not None and opts.weights in (None, group.get("weights")):
+            return _ask_warm(opts, manifest, group, ui, started)
+    with ui.status("Checking model and shards"):
+        model_path = _checked_model(manifest, opts.model)
+        tokenizer, query_ids = _question(manifest, model_path, opts.question)
+    n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
+    if n + m + opts.max_new_tokens > window and not opts.beyond_window:
+        raise prompt.over_window(n, m, opts.max_new_tokens, window)
+    workers, why = phase2_workers(manifest, model_path, opts.workers, opts.nnodes, opts.device)
+    weights = models.phase2_weights(opts.weights, manifest.model.spec, opts.device)
+    stops = models.stop_ids(tokenizer, model_path)
+    if workers == 1 and opts.nnodes == 1:
+        answer = _answer_here(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
+                              stops, weights, opts.device, why, ui, started)
+    else:
+        answer = _answer(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
+                         stops, launch_of(opts, workers), ui, started, weights=weights)
+    if opts.keepalive > 0 and opts.warm and opts.nnodes == 1:
+        from starqa import client
+
+        # The next question finds this context warm: a group starts in the background
+        # (a second one for the same context refuses to start, see `serve`).
+        client.spawn(manifest.key, opts.workers, opts.keepalive, opts.weights)
+    return answer
+
+
+def _question(manifest: Manifest, model_path: Path, question: str) -> tuple[Any, list[int]]:
+    """(tokenizer, the question's query ids). With the manifest's query template the plain
+    `tokenizers` library does it (no transformers import on a cold ask's way to its first
+    token); without (older caches, templates that reshape the question), transformers."""
+    from starqa import models
+
+    template = manifest.query_template
+    if isinstance(template, dict) and all(isinstance(template.get(k), str)
+                                          for k in ("prefix", "suffix")):
+        if (fast := models.load_fast_tokenizer(model_path)) is not None:
+            return fast, fast.encode(template["prefix"] + question.strip() + template["suffix"])
+    tokenizer = models.load_tokenizer(model_path)
+    return tokenizer, prompt.tokenize_query(tokenizer, question)
+
+
+def ask_tokens(manifest: Manifest, query_ids: list[int], *, workers: int | None = None,
+               max_new_tokens: int = 16, stop: bool = True, measure: bool = False,
+               allow_over_window: bool = False, device: str = "auto", weights: str | None = None,
+               ui: UI = UI()) -> Answer:
+    """Phase 2 for query token ids on a fresh torchrun group (never a warm one): the way in
+    for `starqa bench`. stop=False generates exactly `max_new_tokens` (an end-of-turn token
+    does not end it); measure: the workers report time and bytes communicated
+    (Answer.measures); allow_over_window as in `ingest_tokens`."""
+    from starqa import models
+
+    started = time.perf_counter()
+    model_path = _checked_model(manifest, None)
+    tokenizer = models.load_tokenizer(model_path)
+    n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
+    if n + m + max_new_tokens > window and not allow_over_window:
+        raise StarqaError(f"Context {n:,} + query {m:,} + up to {max_new_tokens:,} new tokens "
+                          f"= {n + m + max_new_tokens:,} tokens > {window:,} the model was "
+                          "trained on.")
+    workers = phase2_workers(manifest, model_path, workers, 1, device)[0]
+    stops = models.stop_ids(tokenizer, model_path) if stop else set()
+    return _answer(manifest, model_path, tokenizer, query_ids, max_new_tokens, stops,
+                   Launch(workers, device=device), ui, started, measure,
+                   models.phase2_weights(weights, manifest.model.spec, device))
+
+
+def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int],
+            max_new_tokens: int, stops: set[int], launch: Launch, ui: UI, started: float,
+            measure: bool = False, weights: str = "dense") -> Answer:
+    """Run Phase 2 on a torchrun group, streaming tokens to `ui`."""
+    workers = launch.workers
+    job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest.dtype,
+           "context_dir": str(manifest.folder), "query_ids": query_ids, "weights": weights,
+           "max_new_tokens": max_new_tokens, "stop_ids": sorted(stops), "measure": measure}
+    stream = prompt.TextStream(tokenizer)
+    timing: dict[str, Any] = {}
+    peaks: dict[int, int] = {}
+    measures: dict[int, dict] = {}
+
+    def on_event(event: dict) -> None:
+        if event["event"] == "token":
+            timing.setdefault("first", time.perf_counter())
+            if piece := stream.add(event["id"]):
+                ui.token(piece)
+        elif event["event"] == "done":
+            timing["done"] = event
+        elif event["event"] == "peak":
+            peaks[event["rank"]] = event["bytes"]
+        elif event["event"] == "measure":
+            measures[event["rank"]] = event
+
+    ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
+    run_workers(job, launch, on_event)
+    store.touch(manifest)
+    if piece := stream.finish():
+        ui.token(piece)
+    done = timing.get("done", {})
+    first = timing.get("first")
+    return Answer(text=stream.text.strip(), token_ids=stream.ids, context=manifest,
+                  query_tokens=len(query_ids), workers=workers * launch.nnodes,
+                  query_host=launch.node_rank == launch.nnodes - 1,
+                  seconds=time.perf_counter() - started,
+                  first_token_seconds=(first - started) if first else None,
+                  decode_seconds=done.get("decode_s", 0.0), prefill_seconds=done.get("prefill_s"),
+                  sources=done.get("sources") or [],
+                  peak_bytes=[peaks[r] for r in sorted(peaks)],
+                  measures=[measures[r] for r in sorted(measures)], weights=weights)
+
+
+def _answer_here(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int],
+                 max_new_tokens: int, stops: set[int], weights: str, device: str, why: str,
+                 ui: UI, started: float) -> Answer:
+    """Phase 2 as a world of one in this process: no torchrun, no second Python start."""
+    import resource
+
+    from starqa import dist
+    from starqa.answering import Answerer
+
+    ui.waiting(f"Loading model and shards ({why})")
+    answerer = Answerer.from_cache(manifest, dist.local_world(device), model_path, weights)
+    stream = prompt.TextStream(tokenizer)
+    first: list[float] = []
+
+    def on_token(token: int) -> None:
+        first or first.append(time.perf_counter())
+        if piece := stream.add(token):
+            ui.token(piece)
+
+    loaded = time.perf_counter()
+    tokens, top = answerer.answer(query_ids, max_new_tokens, stops, on_token)
+    end = time.perf_counter()
+    store.touch(manifest)
+    if piece := stream.finish():
+        ui.token(piece)
+    return Answer(text=stream.text.strip(), token_ids=tokens, context=manifest,
+                  query_tokens=len(query_ids), workers=1, seconds=end - started,
+                  first_token_seconds=(first[0] - started) if first else None,
+                  decode_seconds=(end - first[0]) if first else 0.0,
+                  prefill_seconds=(first[0] if first else end) - loaded, sources=top or [],
+                  peak_bytes=[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
+                  weights=weights)
+
+
+def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started: float) -> Answer:
+    """Ask a running worker group over its socket (no model load, no torch import here)."""
+    from starqa.client import Client
+
+    conn = Client(group)
+    try:
+        first = None
+        for event in conn.ask(opts.question, (), opts.max_new_tokens, opts.beyond_window):
+            if event["event"] == "token":
+                first = first or time.perf_counter()
+                ui.token(event["text"])
+            elif event["event"] == "done":
+                done = event
+    except KeyboardInterrupt:  # stop the answer, leave the group warm
+        with contextlib.suppress(OSError):
+            conn.cancel()
+        raise
+    finally:
+        conn.close()
+    return Answer(text=done["text"], token_ids=done["token_ids"], context=manifest,
+                  query_tokens=done["question_tokens"], workers=group["workers"],
+                  seconds=time.perf_counter() - started,
+                  first_token_seconds=(first - started) if first else None,
+                  decode_seconds=done["decode_s"], prefill_seconds=done["first_token_s"],
+                  sources=done["sources"] or [], warm=True, weights=group.get("weights"))
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    context: str | None = None
+    model: str | None = None
+    workers: int | None = None
+    keepalive: float = DEFAULT_KEEPALIVE  # idle seconds before the group exits; <= 0: never
+    device: str = "auto"
+    weights: str | None = None  # Phase 2 weight format; None: the default
+
+
+def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
+    """Run a warm worker group for a context until stopped or idle for `keepalive` (<= 0:
+    never). One worker runs in this process; more run on torchrun."""
+    from starqa import client, models
+
+    manifest = store.find_context(paths.contexts_dir(), opts.context)
+    key = manifest.key
+    claim = client.claim(key)  # held while the group lives: one group per context
+    if claim is None or client.find(key) is not None:
+        raise StarqaError(f"A worker group for {manifest.name} ({key}) is already running "
+                          "or starting.", hint=f"starqa stop {manifest.name}")
+    with claim:
+        with ui.status("Checking model and shards"):
+            model_path = _checked_model(manifest, opts.model)
+        workers, why = phase2_workers(manifest, model_path, opts.workers, 1, opts.device)
+        run_file = client.run_dir() / f"{key}.json"
+        job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest.dtype,
+               "context_dir": str(manifest.folder), "keepalive": opts.keepalive,
+               "socket": str(client.run_dir() / f"{key}.sock"),
+               "weights": models.phase2_weights(opts.weights, manifest.model.spec,
+                                                opts.device)}
+        ready: set[int] = set()
+
+        def on_event(event: dict) -> None:
+            if event["event"] == "ready":
+                ready.add(event["rank"])
+                if len(ready) == workers:
+                    info = {"key": key, "name": manifest.name, "pid": os.getpid(),
+                            "workers": workers, "socket": job["socket"],
+                            "started": time.time(), "keepalive": opts.keepalive,
+                            "tokens": manifest.n_tokens, "weights": job["weights"],
+                            "method": manifest.method.name}
+                    write_json_atomic(run_file, info)
+                    if on_ready:
+                        on_ready(info)
+
+        try:
+            if workers == 1:
+                _serve_here(job, manifest, model_path, opts.device, why, ui,
+                            lambda: on_event({"event": "ready", "rank": 0}))
+            else:
+                ui.waiting(f"Starting {workers} workers (loading model and shards; {why})")
+                run_workers(job, Launch(workers, device=opts.device), on_event)
+        finally:
+            run_file.unlink(missing_ok=True)
+
+
+def _serve_here(job: dict, manifest: Manifest, model_path: Path, device: str, why: str, ui: UI,
+                on_ready) -> None:
+    """A warm group of one worker: this process (starqa.server's loop, no torchrun)."""
+    from starqa import dist
+    from starqa.answering import Answerer
+    from starqa.server import serve_group
+
+    ui.waiting(f"Loading model and shards ({why})")
+    info = dist.local_world(device)
+    answerer = Answerer.from_cache(manifest, info, model_path, job["weights"])
+    serve_group(job, info, answerer, manifest, on_ready)
+
+
+def _checked_model(manifest: Manifest, spec: str | None) -> Path:
+    """The manifest's model, verified, with every shard present at its recorded size (the
+    workers verify checksums as they load)."""
+    model_path = manifest_model(manifest, spec)
+    shards.verify_present(manifest)
+    return model_path
+
+
+def manifest_model(manifest: Manifest, spec: str | None) -> Path:
+    """The model the context was made with; a different one is an error, never a silent mix."""
+    from starqa import models
+
+    recorded = manifest.model
+    path = Path(recorded.path)
+    asked, made = models.embedded_model(spec or ""), models.embedded_model(recorded.spec)
+    if asked and made and asked.name != made.name:  # known before any download or conversion
+        raise StarqaError(
+            f"Context {manifest.name!r} was ingested with {made.name}; --model asks for "
+            f"{asked.name}. A context is answered by the model that encoded it.",
+            hint=f"ask with --model {made.name}, or re-ingest with the other model: "
+                 f"{manifest.command} --model {asked.name}")
+    if spec is not None:
+        path = models.resolve_model(spec)
+    elif not (path / "config.json").exists():
+        path = models.resolve_model(recorded.spec)  # e.g. the embedded model was deleted
+    actual = models.fingerprint(path)
+    if actual["digest"] != recorded.digest:
+        raise StarqaError(
+            f"Model {actual['name']} ({actual['digest'][:12]}) does not match the model context "
+            f"{manifest.name!r} was ingested with: {recorded.name} ({recorded.digest[:12]}).",
+            hint=f"ask with --model {recorded.spec}, or re-ingest: {manifest.command}")
+    return path

@@ -1,0 +1,327 @@
+"""Phase 1's launcher, `starqa ingest`: folder → corpus → packed prompt → token ids → block
+plan → cache key → torchrun workers (each encodes its blocks, `starqa.worker`) → shards →
+manifest, committed whole or not at all.
+
+Runs in the launcher process, never in a worker: it tokenises (workers get token ids),
+checks the window, decides the cache key, starts the group and commits the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shlex
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from starqa import corpus as corpus_mod
+from starqa import methods, paths, prompt, shards, store
+from starqa.errors import StarqaError
+from starqa.launch import default_workers, launch_of, run_workers
+from starqa.manifest import (
+    FORMAT,
+    IngestRun,
+    Manifest,
+    ModelIdentity,
+    Skipped,
+    SourceFile,
+    read_manifest,
+)
+from starqa.methods import method_config, plan_blocks
+from starqa.progress import UI
+
+
+@dataclass(frozen=True)
+class IngestOptions:
+    paths: tuple[str, ...]
+    model: str | None = None
+    method: str = methods.DEFAULT
+    block_size: int | None = None
+    anchor_size: int | None = None
+    workers: int | None = None
+    name: str | None = None
+    dtype: str | None = None
+    max_file_bytes: int = 1_000_000
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    beyond_window: bool = False
+    reserve: int | None = None  # tokens kept free to ask (None: default_reserve(window))
+    force: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    device: str = "auto"
+    command: str | None = None  # how the user ran it, recorded for "re-ingest with" hints
+    method_params: dict | None = None  # method-specific settings given (methods.OPTIONS)
+
+
+@dataclass
+class IngestResult:
+    manifest: Manifest | None  # None on machines other than node 0, which commits
+    corpus: corpus_mod.Corpus
+    cache_hit: bool
+    seconds: float
+    workers: int = 0
+    encode_seconds: float = 0.0
+    peak_bytes: list[int] = field(default_factory=list)  # per worker
+    measures: list[dict] = field(default_factory=list)  # per worker, when measured (bench)
+
+
+def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
+    from starqa import dist, models
+
+    started = time.perf_counter()
+    with ui.status("Reading files"):
+        corpus = corpus_mod.collect(opts.paths, max_file_bytes=opts.max_file_bytes,
+                                    include=opts.include, exclude=opts.exclude)
+    with ui.status("Resolving model"):
+        model_path = models.resolve_model(opts.model)
+        tokenizer = models.load_tokenizer(model_path)
+        window = models.context_window(_config(model_path))
+        model = ModelIdentity.of(model_path, opts.model or models.DEFAULT_MODEL, window,
+                                 models.fingerprint(model_path))
+    with ui.status("Tokenising"):
+        packed, spans = corpus_mod.pack(corpus.files)
+        tokens = prompt.tokenize_context(tokenizer, packed, spans)
+        ids = tokens.ids
+    n = len(ids)
+    opts = replace(opts, reserve=default_reserve(window) if opts.reserve is None else opts.reserve)
+    if opts.reserve < 0:
+        raise StarqaError(f"--reserve must be 0 or more tokens (got {opts.reserve}).")
+    if n + opts.reserve > window and not opts.beyond_window:
+        raise _no_room(n, opts.reserve, window)
+    method = method_config(opts.method, n, opts.block_size, opts.anchor_size,
+                           opts.method_params)
+    if method.params.get("question"):  # apb: the question joins every block's anchor
+        question_ids = tokenizer.encode(method.params["question"], add_special_tokens=False)
+        method = replace(method, params={**method.params, "question_ids": question_ids})
+    dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
+                ).removeprefix("torch.")
+    content = corpus_mod.content_hash(corpus.files)
+    key = _cache_key(content, model.digest, method.as_dict(), dtype)
+    root = paths.contexts_dir()
+    final = root / key
+    # One ingest of a key at a time, from the cache check through the commit: a second
+    # ingest of the same input waits, then is a cache hit (issue #11, item 9). Only node 0
+    # locks: the other machines' launchers must join its torchrun group, never wait on it.
+    lock = (store.context_lock(root, key, on_wait=lambda: ui.waiting(
+                "Waiting for another ingest of the same context")) if opts.node_rank == 0
+            else contextlib.nullcontext())
+    with lock:
+        if not opts.force and _reusable(final):
+            manifest = read_manifest(final)
+            if opts.name and opts.name != manifest.name:  # --name applies to a hit too
+                manifest = store.rename_context(manifest, opts.name)
+            store.touch(manifest)
+            return IngestResult(manifest, corpus, True, time.perf_counter() - started)
+        return _encode(opts, root, key, tokens, corpus, spans, model, dtype, method, content,
+                       started, ui,
+                       query_template=prompt.query_template(tokenizer), lock_held=True)
+
+
+def default_reserve(window: int) -> int:
+    """Tokens `ingest` keeps free for a question and its answer: 512 (a question and a short
+    answer), but never more than a quarter of a small window."""
+    return min(512, window // 4)
+
+
+def _no_room(n: int, reserve: int, window: int) -> StarqaError:
+    """The over-window error of `ingest`: a context that fills the window leaves no room to
+    ask (issue #11, item 13), so the numbers include the reserve, and the way out names an
+    embedded model whose window would hold it."""
+    from starqa.models import EMBEDDED
+
+    need = f"{n:,} tokens" + (f" + {reserve:,} reserved for a question and an answer = "
+                              f"{n + reserve:,} tokens" if reserve else "")
+    fixes = ["ingest fewer files (--exclude, a sub-folder)"]
+    if reserve and n < window:
+        fixes.append(f"reserve less (--reserve {window - n:,} or lower; now {reserve:,})")
+    fixes += [f"use a model with a longer window (--model {m.name}: {m.window:,} tokens)"
+              for m in EMBEDDED if m.window >= n + reserve]
+    fixes.append("pass --beyond-window to go on anyway")
+    return StarqaError(f"The context is {need} > {window:,} the model was trained on.",
+                       hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
+
+
+def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
+                  method: str = methods.DEFAULT,
+                  workers: int | None = None, dtype: str | None = None, name: str = "tokens",
+                  measure: bool = False, allow_over_window: bool = False,
+                  device: str = "auto", ui: UI = UI()) -> IngestResult:
+    """Phase 1 over token ids given directly, through the same torchrun workers as `ingest`:
+    the way in for `starqa bench`'s synthetic contexts. No files, so answers name no sources;
+    always encodes (no cache lookup); the context is committed under `root`.
+
+    measure: the workers report time, FLOPs and bytes communicated (IngestResult.measures).
+    allow_over_window: a context longer than the model's window is encoded anyway. For
+    timing only, where answers do not matter; `ingest` never passes it (users have
+    --beyond-window, which says what it does).
+    """
+    from starqa import dist, models
+
+    started = time.perf_counter()
+    model_path = models.resolve_model(model)
+    window = models.context_window(_config(model_path))
+    identity = ModelIdentity.of(model_path, model or models.DEFAULT_MODEL, window,
+                                models.fingerprint(model_path))
+    if len(ids) > window and not allow_over_window:
+        raise StarqaError(f"The context is {len(ids):,} tokens > {window:,} the model was "
+                          "trained on.", hint="use fewer tokens or a model with a longer window")
+    config = method_config(method, len(ids))
+    dtype = str(models.parse_dtype(dtype, dist.resolve_device(device))).removeprefix("torch.")
+    content = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+    key = _cache_key(content, identity.digest, config.as_dict(), dtype)
+    opts = IngestOptions(paths=(), model=model, method=method, workers=workers, name=name,
+                         dtype=dtype, device=device, command=f"starqa bench ({name})")
+    return _encode(opts, root, key, prompt.ContextTokens(list(ids), [], []),
+                   corpus_mod.Corpus((), (), ()), [], identity, dtype, config, content, started,
+                   ui, measure)
+
+
+def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
+            model: ModelIdentity, dtype, method, content, started, ui: UI, measure: bool = False,
+            *, query_template: dict | None = None, lock_held: bool = False) -> IngestResult:
+    """Run Phase 1 on a torchrun group and commit the shards under `root / key` (under the
+    context's lock; `lock_held`: the caller holds it already)."""
+    ids = tokens.ids
+    n = len(ids)
+    final = root / key
+    blocks = plan_blocks(n, method.block_size)
+    workers = _ingest_workers(opts, method.name, len(blocks))
+    # computed once here, for every worker and the manifest (pulsar: the summaries)
+    prepared = methods.get(method.name).prepare(ids, method, blocks)
+    # Across machines every node's workers write into one staging folder on the shared
+    # cache, and node 0 commits it; on one machine the folder is this process's own.
+    multinode = opts.nnodes > 1
+    staging = store.staging_dir(root, key, shared=multinode)
+    try:
+        tokens_file = _save_tokens(staging, ids, opts.node_rank)
+        job = {"phase": "ingest", "model_path": model.path, "dtype": dtype,
+               "method": method.as_dict(), "blocks": blocks, "staging": str(staging),
+               "tokens_file": str(tokens_file), "measure": measure, "prepared": prepared}
+        encode_started: list[float] = []
+        peaks: dict[int, int] = {}
+        measures: dict[int, dict] = {}
+
+        def on_event(event: dict) -> None:
+            if event["event"] == "ready" and not encode_started:
+                encode_started.append(time.perf_counter())
+                ui.start_encoding(n, workers * opts.nnodes)
+            elif event["event"] == "block":
+                ui.advance(event["tokens"])
+            elif event["event"] == "peak":
+                peaks[event["rank"]] = event["bytes"]
+            elif event["event"] == "measure":
+                measures[event["rank"]] = event
+
+        ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
+        run_workers(job, launch_of(opts, workers), on_event)
+        encode_seconds = time.perf_counter() - (encode_started[0] if encode_started else started)
+        tokens_file.unlink(missing_ok=True)  # node 0 may have committed it away already
+        per_rank = {"peak_bytes": [peaks[r] for r in sorted(peaks)],
+                    "measures": [measures[r] for r in sorted(measures)]}
+        if opts.node_rank != 0:  # node 0 commits what every node wrote
+            return IngestResult(None, corpus, False, time.perf_counter() - started, workers,
+                                encode_seconds, **per_rank)
+        for leftover in staging.glob("tokens-node*.safetensors"):
+            leftover.unlink()
+        sources = tuple(str(Path(p).resolve()) for p in opts.paths)
+        store.commit(staging, final, Manifest(
+            key=key, name=opts.name or _default_name(opts.paths), created=time.time(),
+            sources=sources, command=opts.command or "starqa ingest " + shlex.join(sources),
+            model=model, reserve=opts.reserve, dtype=dtype, method=method,
+            content_sha256=content, n_tokens=n,
+            query_position=query_position(ids, method, blocks, prepared),
+            query_template=query_template, blocks=shards.hash_blocks(staging, blocks),
+            files=tuple(SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
+                                   bytes=f.size, line_tokens=tuple(lines))
+                        for sp, (a, b), lines, f in zip(spans, tokens.file_tokens,
+                                                        tokens.line_tokens, corpus.files)),
+            skipped=tuple(Skipped(path=s.path, reason=s.reason) for s in corpus.skipped),
+            ingest=IngestRun.timed(workers * opts.nnodes, encode_seconds, n)),
+            replace_existing=True, held=lock_held)  # ingest found it not reusable, or forced
+    except BaseException:
+        if opts.node_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    manifest = read_manifest(final)
+    store.touch(manifest)
+    return IngestResult(manifest, corpus, False, time.perf_counter() - started,
+                        workers * opts.nnodes, encode_seconds, **per_rank)
+
+
+def query_position(ids: list[int], method, blocks, prepared: dict | None = None) -> int:
+    """Where Phase 2 positions start (the method's `query_position`: after the context,
+    except for pulsar's contiguous mode); `prepared`: the method's `prepare` result."""
+    return methods.get(method.name).query_position(ids, method, blocks, prepared)
+
+
+def _ingest_workers(opts: IngestOptions, method: str, n_blocks: int) -> int:
+    """Workers per machine, never more than the method can use: a sequential method (exact
+    causal encoding: dense) runs on one worker (ring is the distributed exact method); the
+    others never start more workers than blocks."""
+    encoder = methods.get(method)
+    if encoder.sequential:
+        if opts.nnodes > 1:
+            raise StarqaError(f"{method} encodes on one worker; it cannot be spread over "
+                              "machines.", hint=f"use --method {methods.DEFAULT} across "
+                                                "machines, or drop --nnodes")
+        return 1
+    most = encoder.max_workers(n_blocks)
+    if opts.nnodes == 1:
+        return min(opts.workers or default_workers(opts.device), most)
+    workers = opts.workers or default_workers(opts.device)
+    if workers * opts.nnodes > most:
+        raise StarqaError(f"{workers * opts.nnodes} workers on {opts.nnodes} machines but only "
+                          f"{n_blocks} blocks.", hint="pass a smaller --block-size or --workers")
+    return workers
+
+
+def ingest_worker_count(method: str, n_blocks: int, workers: int) -> int:
+    """The workers Phase 1 of `method` runs on, on one machine, when `workers` are asked for."""
+    return _ingest_workers(IngestOptions(paths=(), workers=workers), method, n_blocks)
+
+
+def _cache_key(content: str, model_digest: str, method: dict, dtype: str) -> str:
+    material = json.dumps({"format": FORMAT, "content": content, "model": model_digest,
+                           "method": method, "dtype": dtype,
+                           "prompt": [prompt.SYSTEM, prompt.INTRO, prompt.QUESTION]},
+                          sort_keys=True)
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def _reusable(folder: Path) -> bool:
+    """A committed context that is still what its key (the folder's name) says, so a cache
+    hit may reuse it: its manifest names the same content, model, method and dtype (an
+    edited manifest is rebuilt, not trusted) and every shard matches its checksum (hashes
+    remembered by stat, see shards.verify_checksums). Anything else is encoded again."""
+    try:
+        manifest = read_manifest(folder)
+        shards.verify_checksums(manifest)
+    except StarqaError:
+        return False
+    return _cache_key(manifest.content_sha256, manifest.model.digest,
+                      manifest.method.as_dict(), manifest.dtype) == folder.name
+
+
+def _save_tokens(folder: Path, ids: list[int], node_rank: int) -> Path:
+    """The context's token ids for this machine's workers (they never tokenise)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = folder / f"tokens-node{node_rank}.safetensors"
+    save_file({"ids": torch.tensor(ids, dtype=torch.int32)}, str(path))
+    return path
+
+
+def _default_name(sources: tuple[str, ...]) -> str:
+    return Path(sources[0]).resolve().name or "context"
+
+
+def _config(model_path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)

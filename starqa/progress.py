@@ -1,0 +1,24 @@
+"""The progress protocol between the launchers (`starqa.ingest`, `starqa.ask`) and what
+draws it: the CLI's rich display (`starqa.ui.RichUI`) implements it; the default does
+nothing (tests, eval, bench)."""
+
+from __future__ import annotations
+
+import contextlib
+
+
+class UI:
+    """Progress callbacks; the default does nothing."""
+
+    def status(self, message: str):
+        """A context manager shown while a short step runs."""
+        return contextlib.nullcontext()
+
+    def waiting(self, message: str) -> None:
+        """Workers are starting; shown until encoding starts or the first token arrives."""
+
+    def start_encoding(self, total_tokens: int, workers: int) -> None: ...
+
+    def advance(self, tokens: int) -> None: ...
+
+    def token(self, text: str) -> None: ...
