@@ -75,7 +75,7 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         if group is not None and opts.weights in (None, group.get("weights")):
             return _ask_warm(opts, manifest, group, ui, started)
     with ui.status("Checking model and shards"):
-        model_path = _checked_model(manifest, opts.model)
+        model_path = _checked_model(manifest, opts.model, ui)
         tokenizer, query_ids = _question(manifest, model_path, opts.question)
     n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
     if n + m + opts.max_new_tokens > window and not opts.beyond_window:
@@ -265,7 +265,7 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
                           "or starting.", hint=f"starqa stop {manifest.name}")
     with claim:
         with ui.status("Checking model and shards"):
-            model_path = _checked_model(manifest, opts.model)
+            model_path = _checked_model(manifest, opts.model, ui)
         workers, why = phase2_workers(manifest, model_path, opts.workers, 1, opts.device)
         run_file = client.run_dir() / f"{key}.json"
         job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest.dtype,
@@ -312,15 +312,15 @@ def _serve_here(job: dict, manifest: Manifest, model_path: Path, device: str, wh
     serve_group(job, info, answerer, manifest, on_ready)
 
 
-def _checked_model(manifest: Manifest, spec: str | None) -> Path:
+def _checked_model(manifest: Manifest, spec: str | None, ui: UI | None = None) -> Path:
     """The manifest's model, verified, with every shard present at its recorded size (the
     workers verify checksums as they load)."""
-    model_path = manifest_model(manifest, spec)
+    model_path = manifest_model(manifest, spec, ui)
     shards.verify_present(manifest)
     return model_path
 
 
-def manifest_model(manifest: Manifest, spec: str | None) -> Path:
+def manifest_model(manifest: Manifest, spec: str | None, ui: UI | None = None) -> Path:
     """The model the context was made with; a different one is an error, never a silent mix."""
     from starqa import models
 
@@ -334,9 +334,9 @@ def manifest_model(manifest: Manifest, spec: str | None) -> Path:
             hint=f"ask with --model {made.name}, or re-ingest with the other model: "
                  f"{manifest.command} --model {asked.name}")
     if spec is not None:
-        path = models.resolve_model(spec)
+        path = models.resolve_model(spec, ui)
     elif not (path / "config.json").exists():
-        path = models.resolve_model(recorded.spec)  # e.g. the embedded model was deleted
+        path = models.resolve_model(recorded.spec, ui)  # e.g. the embedded model was deleted
     actual = models.fingerprint(path)
     if actual["digest"] != recorded.digest:
         raise StarqaError(

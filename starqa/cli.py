@@ -437,6 +437,7 @@ def bench(
     from starqa.ui import RichUI, bench_notes, bench_table, err
 
     opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device)
+    _fetch_model(model)
     plan = bench_mod.make_plan(opts)
     bench_notes(plan)
     result = bench_mod.run(plan, json_path=Path(json_path) if json_path else None,
@@ -496,6 +497,7 @@ def eval_(
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                        "chunk": chunk_size, "positions": positions, "passing": passing_size,
                        "window": probe_window})
+    _fetch_model(model)
     plan = runner.plan(opts)
     report.plan_report(plan)
 
@@ -513,6 +515,16 @@ def eval_(
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def _fetch_model(spec: str | None) -> None:
+    """An embedded model fetched (first use) with its progress on screen, before a command
+    whose own display would otherwise hide a minutes-long download."""
+    from starqa import models
+    from starqa.ui import RichUI
+
+    with RichUI(stream=False) as ui:
+        models.resolve_model(spec, ui)
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         corpus = corpus_mod.collect(opts.paths, max_file_bytes=opts.max_file_bytes,
                                     include=opts.include, exclude=opts.exclude)
     with ui.status("Resolving model"):
-        model_path = models.resolve_model(opts.model)
+        model_path = models.resolve_model(opts.model, ui)
         tokenizer = models.load_tokenizer(model_path)
         window = models.context_window(_config(model_path))
         model = ModelIdentity.of(model_path, opts.model or models.DEFAULT_MODEL, window,
@@ -163,7 +163,7 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
     from starqa import dist, models
 
     started = time.perf_counter()
-    model_path = models.resolve_model(model)
+    model_path = models.resolve_model(model, ui)
     window = models.context_window(_config(model_path))
     identity = ModelIdentity.of(model_path, model or models.DEFAULT_MODEL, window,
                                 models.fingerprint(model_path))

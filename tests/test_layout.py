@@ -45,6 +45,20 @@ def test_no_import_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def test_only_the_display_modules_draw():
+    """Display code (rich) lives in the CLI's display modules; everything else reports
+    through `starqa.progress.UI` (models included: a download's progress is the caller's to
+    draw)."""
+    drawing = set()
+    for file in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "rich" or n.startswith("rich.") for n in names):
+                drawing.add(file.relative_to(PACKAGE).as_posix())
+    assert drawing == {"ui.py", "evals/report.py"}, drawing
+
+
 # ---------------------------------------------------------------------------- method names
 
 # "dense" is also a weight format (`--weights dense`, models.WEIGHT_FORMATS, decoder.py):
