@@ -78,8 +78,8 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         model_path = _checked_model(manifest, opts.model, ui)
         tokenizer, query_ids = _question(manifest, model_path, opts.question)
     n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
-    if n + m + opts.max_new_tokens > window and not opts.beyond_window:
-        raise prompt.over_window(n, m, opts.max_new_tokens, window)
+    if not opts.beyond_window and (error := prompt.room_error(n, m, opts.max_new_tokens, window)):
+        raise error
     workers, why = phase2_workers(manifest, model_path, opts.workers, opts.nnodes, opts.device)
     weights = models.phase2_weights(opts.weights, manifest.model.spec, opts.device)
     stops = models.stop_ids(tokenizer, model_path)
@@ -127,10 +127,8 @@ def ask_tokens(manifest: Manifest, query_ids: list[int], *, workers: int | None 
     model_path = _checked_model(manifest, None)
     tokenizer = models.load_tokenizer(model_path)
     n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
-    if n + m + max_new_tokens > window and not allow_over_window:
-        raise StarqaError(f"Context {n:,} + query {m:,} + up to {max_new_tokens:,} new tokens "
-                          f"= {n + m + max_new_tokens:,} tokens > {window:,} the model was "
-                          "trained on.")
+    if not allow_over_window and (error := prompt.room_error(n, m, max_new_tokens, window)):
+        raise error
     workers = phase2_workers(manifest, model_path, workers, 1, device)[0]
     stops = models.stop_ids(tokenizer, model_path) if stop else set()
     return _answer(manifest, model_path, tokenizer, query_ids, max_new_tokens, stops,

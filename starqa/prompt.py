@@ -145,6 +145,13 @@ def _first_token_ending_after(ends: list[int], char: int) -> int:
     return min(lo, max(len(ends) - 1, 0))
 
 
+def room_error(n: int, m: int, max_new_tokens: int, window: int) -> StarqaError | None:
+    """The one window check of Phase 2: a context of n tokens, a question of m and up to
+    `max_new_tokens` of answer must fit the model's window; None when they do, else the
+    error that says how to make them fit."""
+    return None if n + m + max_new_tokens <= window else over_window(n, m, max_new_tokens, window)
+
+
 def over_window(n: int, m: int, max_new_tokens: int, window: int) -> StarqaError:
     """The over-window error of `ask`. Lowering --max-new-tokens is offered only when a
     lower value fits (as the value that does), never when the question alone fills the window."""

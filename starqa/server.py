@@ -126,10 +126,10 @@ class Server:
         n = self.manifest.n_tokens
         while True:
             ids = prompt.tokenize_query(self.tokenizer, question, history)
-            if n + len(ids) + max_new <= self.window or message.get("beyond_window"):
+            error = prompt.room_error(n, len(ids), max_new, self.window)
+            if error is None or message.get("beyond_window"):
                 break
             if not history:
-                error = prompt.over_window(n, len(ids), max_new, self.window)
                 self._send({"event": "error", "message": str(error), "hint": error.hint})
                 return None
             history.pop(0)  # oldest turn first
