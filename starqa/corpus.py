@@ -155,10 +155,25 @@ def _walk_git(folder: Path) -> Iterator[tuple[str, Path] | Skipped]:
                 yield Skipped(hidden, "hidden")
         elif reason:
             yield Skipped(rel, reason)
+        elif _leaves(folder, folder / rel):
+            yield Skipped(rel, OUTSIDE)
         elif (kind := _git_entry_kind(folder / rel)) == "file":
             yield rel, folder / rel
         elif kind:
             yield Skipped(rel, kind)
+
+
+# A symlink whose target lies outside the folder being ingested is not followed: a
+# downloaded repository could otherwise pull ~/.ssh or /etc into the context (and into
+# answers and sources). A user who wants the target ingests it as a path of its own.
+OUTSIDE = "symlink to outside the folder (not followed; pass its target to ingest it)"
+
+
+def _leaves(root: Path, path: Path) -> bool:
+    """Whether `path`, a symlink or below one, resolves outside `root`."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep)
 
 
 def _git_entry_kind(path: Path) -> str:
@@ -224,6 +239,8 @@ def _walk_plain(folder: Path, exclude: _Globs) -> Iterator[tuple[str, Path] | Sk
                 yield Skipped(child, "hidden")
             elif kind not in ("dir", "file"):
                 yield Skipped(child, kind)
+            elif entry.is_symlink() and _leaves(folder, Path(entry.path)):
+                yield Skipped(child, OUTSIDE)
             elif _ignored(specs, child, kind == "dir"):
                 yield Skipped(child, "ignored by .gitignore")
             elif kind == "file":

@@ -128,6 +128,9 @@ def default_reserve(window: int) -> int:
     return min(512, window // 4)
 
 
+MIN_ROOM = 64  # tokens: the least room worth offering for a question and its answer
+
+
 def _no_room(n: int, reserve: int, window: int) -> StarqaError:
     """The over-window error of `ingest`: a context that fills the window leaves no room to
     ask (issue #11, item 13), so the numbers include the reserve, and the way out names an
@@ -137,10 +140,11 @@ def _no_room(n: int, reserve: int, window: int) -> StarqaError:
     need = f"{n:,} tokens" + (f" + {reserve:,} reserved for a question and an answer = "
                               f"{n + reserve:,} tokens" if reserve else "")
     fixes = ["ingest fewer files (--exclude, a sub-folder)"]
-    if reserve and n < window:
+    if reserve and window - n >= MIN_ROOM:  # less room than that holds no real question
         fixes.append(f"reserve less (--reserve {window - n:,} or lower; now {reserve:,})")
-    fixes += [f"use a model with a longer window (--model {m.name}: {m.window:,} tokens)"
-              for m in EMBEDDED if m.window >= n + reserve]
+    if longer := [f"--model {m.name}: {m.window:,} tokens" for m in EMBEDDED
+                  if m.window >= n + reserve]:
+        fixes.append(f"use a model with a longer window ({' or '.join(longer)})")
     fixes.append("pass --beyond-window to go on anyway")
     return StarqaError(f"The context is {need} > {window:,} the model was trained on.",
                        hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])

@@ -40,6 +40,53 @@ def git(repo: Path, *args: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# a symlink in an ingested folder never brings in what lies outside it
+
+
+@pytest.mark.parametrize("under_git", [False, True])
+def test_symlinks_to_outside_the_folder_are_not_followed(tmp_path, under_git):
+    """A folder holding `secret.md -> ~/.ssh/...` (here: a file beside the folder) and a
+    linked folder outside it: neither is read, both are listed as skipped with the reason;
+    a symlink to a file inside the folder is not refused for that (it is the same file as
+    its target, read once)."""
+    outside = tmp_path / "private"
+    outside.mkdir()
+    (outside / "key.md").write_text("PRIVATE KEY do not read")
+    repo = tmp_path / "r"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "docs" / "a.md").write_text("the office approved it")
+    (repo / "secret.md").symlink_to(outside / "key.md")
+    (repo / "linked").symlink_to(outside, target_is_directory=True)
+    (repo / "inside.md").symlink_to(repo / "docs" / "a.md")
+    if under_git:
+        if shutil.which("git") is None:
+            pytest.skip("needs git")
+        git(repo, "init", "-q")
+        git(repo, "add", "-A")
+    found = corpus.collect([str(repo)])
+    read = {f.path for f in found.files}
+    assert "secret.md" not in read and not any(p.startswith("linked") for p in read)
+    assert not any("PRIVATE" in f.text for f in found.files)
+    assert "docs/a.md" in read
+    reasons = {s.path: s.reason for s in found.skipped}
+    assert "outside" not in reasons.get("inside.md", "")
+    assert reasons["secret.md"].startswith("symlink to outside the folder")
+    assert reasons.get("linked", reasons.get("linked/key.md", "")).startswith("symlink to outside")
+
+
+def test_a_cache_folder_that_is_a_file_is_named(tmp_path, monkeypatch):
+    """STARQA_HOME naming a file, or a path below one: an error naming both, no traceback."""
+    from starqa import paths
+
+    (tmp_path / "f").write_text("x")
+    for home in (tmp_path / "f", tmp_path / "f" / "below"):
+        monkeypatch.setenv("STARQA_HOME", str(home))
+        with pytest.raises(StarqaError, match=f"{tmp_path / 'f'} is a file, not a folder") as err:
+            paths.contexts_dir()
+        assert "STARQA_HOME" in str(err.value) and "export STARQA_HOME=" in err.value.hint
+
+
+# ---------------------------------------------------------------------------------------
 # 1. ingesting a folder never runs a program its git config names
 
 
@@ -242,6 +289,7 @@ def test_ingest_keeps_room_for_a_question_and_an_answer(home, tiny_model, tmp_pa
     hint = error.value.hint
     assert "--reserve 100 or lower" in hint and "--beyond-window" in hint
     assert "--model qwen2.5-coder-1.5b: 32,768 tokens" in hint
+    assert hint.count("use a model with a longer window") == 1  # one fix, every such model
 
     with pytest.raises(Encoded):  # a smaller reserve lets it through, from the option ...
         engine.ingest(replace(opts, reserve=100))
@@ -780,3 +828,43 @@ def test_a_killed_worker_is_named_as_such():
     assert "out-of-memory" in _death(summary, 1)
     assert _death(["  exitcode  : -15 (pid: 1)"], 1) == "killed by SIGTERM"
     assert _death([], 3) == "exit code 3"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists() or os.uname().sysname != "Linux",
+                    reason="parent-death signals are Linux's")
+def test_killing_serve_leaves_no_group_and_ps_shows_none(home, docs, tiny_model):
+    """`kill -9` of `starqa serve` running a torchrun group (kept forever: --keep-alive 0):
+    torchrun and both workers die with it, and `ps` lists no group afterwards."""
+    import contextlib
+    import signal
+    import sys
+
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model), dtype="fp32",
+                                       block_size=60))
+    env = {**os.environ, "STARQA_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "starqa", "serve", "--workers", "2",
+                             "--keep-alive", "0"], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    seen: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not json.loads(subprocess.run([sys.executable, "-m", "starqa", "ps", "--json"],
+                                            env=env, capture_output=True, text=True).stdout):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the group did not become ready"
+            time.sleep(0.5)
+        seen = _descendants(proc.pid)
+        assert sum("starqa.worker" in c for c in seen.values()) >= 3  # torchrun + 2 workers
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 3
+        while alive := {p: c for p, c in seen.items() if p in _processes()}:
+            assert time.monotonic() < deadline, f"survived serve: {alive}"
+            time.sleep(0.2)
+        ps = subprocess.run([sys.executable, "-m", "starqa", "ps", "--json"], env=env,
+                            capture_output=True, text=True)
+        assert json.loads(ps.stdout) == []
+    finally:
+        for pid in list(seen) + [proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
