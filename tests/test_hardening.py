@@ -868,3 +868,18 @@ def test_killing_serve_leaves_no_group_and_ps_shows_none(home, docs, tiny_model)
         for pid in list(seen) + [proc.pid]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_deleted_local_model_is_named_as_such(home, docs, tmp_path):
+    """The local model folder a context was made with, deleted: the error says that folder
+    is gone and how to go on, instead of 'Model not found'."""
+    from tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "gone-model")
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32",
+                                       workers=1))
+    shutil.rmtree(model)
+    with pytest.raises(StarqaError, match="ingested with the model at .*gone-model, which is "
+                                          "no longer there") as err:
+        engine.ask(engine.AskOptions(question="who", max_new_tokens=2))
+    assert "--model PATH" in err.value.hint
