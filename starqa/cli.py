@@ -457,7 +457,8 @@ def eval_(
     tasks: Annotated[Optional[str], typer.Option(
         envvar="STARQA_EVAL_TASKS",
         help="Comma-separated tasks or groups (default: all): niah_single_1..3, "
-             "niah_multikey_1..3, niah_multivalue, niah_multiquery (group: niah), vt, cwe, "
+             "niah_multikey_1..3, niah_multivalue, niah_multiquery, niah_files_1..2 (group: "
+             "niah), vt, cwe, "
              "fwe, qa.")] = None,
     lengths: Annotated[Optional[str], typer.Option(
         envvar="STARQA_EVAL_LENGTHS",

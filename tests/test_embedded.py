@@ -59,3 +59,44 @@ def test_needle_file_is_the_top_source(embedded_model, home, request):
         (samples / "handbook/travel-policy.md").read_text().splitlines(), 1)
         if "Quintanilla" in line)
     assert first <= budget_line + 2 and last >= budget_line - 2, (first, last, budget_line)
+
+
+def _meeting_notes(week: int) -> str:
+    """Notes of one weekly meeting: every week the same template, names and topics in a
+    different order, so the files differ only in details."""
+    people = ["Anja", "Bruno", "Chiara", "Dmitri", "Elif", "Farid", "Greta", "Hiro"]
+    topics = ["the Q3 roadmap", "hiring for the data team", "the office move",
+              "the vendor review", "the customer survey", "the security audit",
+              "the release schedule", "the budget forecast"]
+    lines = [f"# Weekly meeting notes, week {week}", "",
+             f"Attendees: {', '.join(people[week % 8:] + people[:week % 8])}", ""]
+    for j in range(14):
+        lines.append(f"- {people[(3 * j + week) % 8]} gave an update on "
+                     f"{topics[(5 * j + 2 * week) % 8]}; follow-up items were assigned and "
+                     "will be reviewed next week.")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.xfail(strict=True, reason="raw attention mass names the last file (notes_06.md), "
+                   "not the needle's: issue #12 item 2, attribution still to change")
+def test_needles_file_is_the_top_source_among_near_identical_files(embedded_model, home,
+                                                                    tmp_path):
+    """Six near-identical files of meeting notes, one fact in the third: attention that
+    every file's template receives alike must not outweigh the one the answer copied."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    for week in range(1, 7):
+        text = _meeting_notes(week)
+        if week == 3:
+            lines = text.splitlines()
+            lines.insert(9, "- The secret launch code of project Heliotrope is 4721-XQ-88.")
+            text = "\n".join(lines) + "\n"
+        (notes / f"notes_{week:02d}.md").write_text(text)
+    engine.ingest(engine.IngestOptions(paths=(str(notes),), model=str(embedded_model),
+                                       workers=1))
+    answer = engine.ask(engine.AskOptions("What is the secret launch code of project "
+                                          "Heliotrope?", workers=1, max_new_tokens=32))
+    assert "4721" in answer.text, answer.text
+    assert answer.sources[0]["path"] == "notes_03.md", answer.sources
+    first, last = answer.sources[0]["lines"]
+    assert first - 2 <= 10 <= last + 2, (first, last)

@@ -5,6 +5,7 @@ a token, unknown words one <unk> each), so lengths are measured without any real
 """
 
 import json
+import math
 import re
 from collections import Counter
 
@@ -172,6 +173,38 @@ def test_qa_holds_its_gold_file_and_answer(tok, seed):
     assert gold in s.context_text
 
 
+@pytest.mark.parametrize("task", ["niah_files_1", "niah_files_2"])
+def test_look_alike_files_record_the_needles_file_and_line(tok, task):
+    golds = set()
+    for seed in range(6):
+        s = generators.generate(task, 3000, seed, tok)
+        where = s.meta["source"]
+        paths = [f.path for f in s.files]
+        assert len(paths) == s.meta["files"] == 5 and len(set(paths)) == 5
+        stem = {p.rsplit("_", 1)[0] for p in paths}
+        assert len(stem) == 1  # files of one kind, named alike
+        golds.add(where["file"])
+        needle = f"for {s.meta['needles'][0]['key']} is: {s.answers[0]}."
+        body = s.context_text.split(f'<document path="{where["file"]}">\n')[1]
+        assert needle in body.splitlines()[where["line"] - 1]
+        # The manifest-shaped files map that line to the tokens where the needle starts.
+        gold = s.files[paths.index(where["file"])]
+        assert gold.token_start < gold.line_tokens[where["line"] - 1] < gold.token_end
+        assert len(gold.line_tokens) == gold.lines
+        starts = [f.token_start for f in s.files]
+        assert starts == sorted(starts) and s.files[-1].token_end <= len(s.context_ids)
+    assert len(golds) > 2  # the needle's file varies by seed
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_qa_records_the_answers_line_in_its_gold_file(tok, seed):
+    s = generators.generate("qa", 2500, seed, tok)
+    where = s.meta["source"]
+    assert where["file"] == s.meta["file"]
+    line = (generators.SAMPLES_DIR / where["file"]).read_text().splitlines()[where["line"] - 1]
+    assert any(a.lower() in line.lower() for a in s.answers)
+
+
 def test_prose_has_no_digits_hyphens_or_needle_words():
     text = " ".join(prose.PARAGRAPHS)
     assert not re.search(r"[\d-]", text)
@@ -187,7 +220,7 @@ def test_too_short_and_unknown_tasks_are_clear_errors(tok):
     with pytest.raises(StarqaError, match="Unknown task 'nah'"):
         generators.resolve_tasks("niah_single_1,nah")
     assert generators.resolve_tasks("niah,vt")[-1] == "vt"
-    assert len(generators.resolve_tasks("niah")) == 8
+    assert len(generators.resolve_tasks("niah")) == 10
     assert generators.resolve_tasks(None) == list(generators.TASKS)
 
 
@@ -226,12 +259,40 @@ def test_retention_and_summary():
     by = {(r["task"], r["length"]): r for r in rows}
     assert [(r["task"], r["length"]) for r in rows] == [("a", 1024), ("b", 1024), ("all", 1024),
                                                         ("a", 2048)]
-    assert by["a", 1024]["methods"]["star"] == {"correct": 1, "accuracy": 0.5, "retention": 0.5}
+    assert by["a", 1024]["methods"]["star"] == {"correct": 1, "accuracy": 0.5, "retention": 0.5,
+                                                 "sources": None}
     assert by["b", 1024]["methods"]["star"]["retention"] is None  # dense 0: n/a
     assert by["all", 1024]["methods"]["dense"]["accuracy"] == 0.5
     assert by["all", 1024]["methods"]["star"] == {"correct": 2, "accuracy": 0.5,
-                                                   "retention": 1.0}
+                                                   "retention": 1.0, "sources": None}
     assert by["a", 2048]["n"] == 1 and by["a", 2048]["methods"]["dense"]["retention"] is None
+
+
+def test_source_score_and_its_summary():
+    truth = {"file": "b.md", "line": 9}
+    named = [{"path": "b.md", "share": 0.5, "lines": [4, 6]},
+             {"path": "a.md", "share": 0.3, "lines": [1, 1]}]
+    assert scoring.source_score(named, truth) == {"top1": True, "top3": True, "line_distance": 3}
+    assert scoring.source_score(named, {"file": "b.md", "line": 5})["line_distance"] == 0
+    assert scoring.source_score(named[::-1], truth) == {"top1": False, "top3": True,
+                                                        "line_distance": None}
+    assert scoring.source_score([], truth) == {"top1": False, "top3": False,
+                                               "line_distance": None}
+    assert scoring.source_score(named, {"file": "b.md", "line": None})["line_distance"] is None
+
+    def result(correct, top1, top3, distance):
+        return {"correct": correct, "source_score": {"top1": top1, "top3": top3,
+                                                     "line_distance": distance}}
+
+    summary = scoring.sources_summary([
+        result(True, True, True, 0), result(True, False, True, None),
+        result(True, True, True, 4), result(False, True, True, 0),  # wrong answer: left out
+        {"correct": True}])  # no known place: left out
+    assert summary == {"n": 3, "top1": 0.6667, "top3": 1.0, "line_distance": 2.0}
+    assert scoring.sources_summary([result(False, True, True, 0), {"correct": True}]) is None
+    rows = scoring.summarize([{"task": "a", "length": 1, "results": {
+        "dense": result(True, True, True, 1)}}], ["dense"])
+    assert rows[0]["methods"]["dense"]["sources"]["top1"] == 1.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -295,6 +356,7 @@ def test_runner_writes_json_and_dense_equals_plain_generate(home, tiny_model, tm
     assert settings["seed"] == 0 and settings["lengths"] == [300, 400]
     assert settings["methods"] == ["dense", "star"] and settings["dtype"] == "float32"
     assert settings["method_options"]["star"]["block_size"] == 64
+    assert "sources_scoring" in settings
     assert set(settings["tasks"]) == {"niah_single_1", "vt"}
     assert [(s["task"], s["length"]) for s in saved["samples"]] == [
         ("niah_single_1", 300), ("vt", 300), ("niah_single_1", 400), ("vt", 400)]
@@ -360,6 +422,29 @@ def test_every_method_runs_generically_and_ring_is_dense(home, tiny_model, tmp_p
     assert r["pulsar"]["method"]["params"]["positions"] == "contiguous"
     assert r["pulsar"]["query_position"] < sample["tokens"]["context"]  # shifted, see engine
     assert r["dense"]["query_position"] == sample["tokens"]["context"]
+
+
+def test_runner_names_sources_and_scores_them(home, tiny_model, tmp_path, capsys):
+    from starqa.evals import report
+
+    opts = runner.EvalOptions(model=str(tiny_model), methods="star", tasks="niah_files_1",
+                              lengths="450", samples=1, dtype="fp32", block_size=128,
+                              json_path=str(tmp_path / "s.json"))
+    results = runner.run(runner.plan(opts))
+    [sample] = results["samples"]
+    paths = [f"notes/notes_{i:02d}.md" for i in (1, 2, 3)]
+    for m in ("dense", "star"):
+        r = sample["results"][m]
+        assert r["sources"] and {s["path"] for s in r["sources"]} <= set(paths)
+        assert math.isclose(sum(s["share"] for s in r["sources"]), 1.0)
+        top1 = r["sources"][0]["path"] == sample["meta"]["source"]["file"]
+        assert r["source_score"]["top1"] == top1
+    # A random model answers nothing correctly: the sources score has no sample to count.
+    assert results["summary"][0]["methods"]["star"]["sources"] is None
+    row = results["summary"][0]
+    row["methods"]["star"]["sources"] = {"n": 4, "top1": 0.75, "top3": 1.0, "line_distance": 1}
+    report.results_table(results)
+    assert "3/4 · 4/4 · ±1" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("code, status, message", [(130, 130, "interrupted"), (1, 1, ""),

@@ -2,7 +2,9 @@
 seed: needle in a haystack (single, multi-key, multi-value, multi-query; haystacks of
 noise sentences, of prose, or of other needles; values as numbers, words or UUIDs),
 variable tracking, common-word and frequent-word extraction, and question answering over
-the repository's `samples/`.
+the repository's `samples/`. Where the answer's place is known (a needle in one of several
+look-alike files, qa's gold file) the sample records it in `meta["source"]` (file and
+1-based line), which `starqa eval` scores the named sources against.
 
 `generate(task, length, seed, tokenizer, index)` is pure: everything random comes from a
 `random.Random` seeded from (seed, task, length, index), so keys, values and depths do not
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from starqa import prompt
+from starqa import manifest, prompt
 from starqa.corpus import SourceFile, pack
 from starqa.errors import StarqaError
 from starqa.evals import prose, words
@@ -52,6 +54,8 @@ class Sample:
     context_ids: list[int] = field(repr=False)  # the context part, tokenised
     query_ids: list[int] = field(repr=False)
     meta: dict = field(default_factory=dict)  # depths, keys, the gold file, ...
+    # The documents as a manifest lists them: what source attribution maps key mass through.
+    files: list[manifest.SourceFile] = field(default_factory=list, repr=False)
 
     @property
     def tokens(self) -> int:
@@ -236,6 +240,56 @@ def _niah(haystack: str, keys: str = "keys", values: str = "numbers", needles: i
     return build
 
 
+def _line_of(text: str, needle: str) -> int:
+    """1-based line of `text` where `needle` (which occurs in it) starts."""
+    return text[:text.index(needle)].count("\n") + 1
+
+
+def _niah_files(haystack: str) -> Builder:
+    """One needle in one of several files of the same kind: look-alike files, the hard case
+    for sources. haystack "prose": notes, a sentence a line; "needles": records, other keys'
+    needles a line. 3 to 10 files (one per 512 tokens of budget), the needle in a seeded
+    file at a seeded depth; meta["source"] holds its file and line."""
+
+    def build(rng: random.Random, length: int):
+        key_rng, value_rng, hay_rng = (random.Random(rng.getrandbits(64)) for _ in range(3))
+        key_stream = _unique(_drawer("keys", key_rng), set(), _limit("keys"))
+        value_stream = _unique(_drawer("numbers", value_rng), set())
+        key, value = next(key_stream), next(value_stream)
+        n_files = max(3, min(10, length // 512))
+        gold, depth = rng.randrange(n_files), rng.random()
+        if haystack == "prose":
+            hay = _Stream(("\n", sentence) for _, sentence in _prose_units(hay_rng))
+            name = "notes/notes_{:02d}.md"
+        else:
+            hay = _Stream(("\n", _needle("numbers", next(key_stream), next(value_stream)))
+                          for _ in itertools.count())
+            name = "records/records_{:02d}.txt"
+        needle = _needle("numbers", key, value)
+        question = (f"What is the special magic number for {key} mentioned in the documents? "
+                    "Answer with the number only.")
+
+        def draft(n: int) -> _Draft:
+            units = hay.take(n)
+            files, source = [], {}
+            for i in range(n_files):  # the units split evenly, in order, over the files
+                part = units[i * n // n_files:(i + 1) * n // n_files]
+                if i == gold:
+                    part = _insert(part, [(depth, ("\n", needle))])
+                text = _join(part)
+                files.append(SourceFile(name.format(i + 1), text, len(text.encode())))
+                if i == gold:
+                    source = {"file": files[-1].path, "line": _line_of(text, needle)}
+            meta = {"haystack": haystack, "files": n_files,
+                    "needles": [{"key": key, "value": value, "depth": round(depth, 4)}],
+                    "source": source}
+            return _Draft(files, question, [value], meta, {value: 1})
+
+        return draft
+
+    return build
+
+
 # ---------------------------------------------------------------------------------------
 # variable tracking, common words, frequent words
 
@@ -383,6 +437,11 @@ def _qa(rng: random.Random, length: int):
     rng.shuffle(others)
     depth = rng.random()
     essays_rng = random.Random(rng.getrandbits(64))
+    # The answer's place: the gold file's first line holding one of the answers.
+    lines = gold.text.lower().splitlines()
+    line = next((i for i, text in enumerate(lines, 1)
+                 if any(a.lower() in text for a in asked["answers"])), None)
+    source = {"file": gold.path, "line": line}
 
     def distractors() -> Iterator[tuple[str, str]]:  # (path, piece)
         for d in others:
@@ -404,7 +463,7 @@ def _qa(rng: random.Random, length: int):
         files.insert(round(depth * len(files)), gold)
         return _Draft(files, asked["question"], list(asked["answers"]),
                       {"file": gold.path, "depth": round(depth, 4),
-                       "files": [f.path for f in files]}, None)
+                       "files": [f.path for f in files], "source": source}, None)
 
     return draft
 
@@ -428,6 +487,10 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          about="4 values for one key, prose haystack, words"),
     Task("niah_multiquery", _niah("prose", needles=4, queries=4), 96,
          about="4 keys asked, prose haystack, numbers"),
+    Task("niah_files_1", _niah_files("prose"), 48,
+         about="one needle in one of 3-10 look-alike notes files, number"),
+    Task("niah_files_2", _niah_files("needles"), 48,
+         about="one needle in one of 3-10 files of other keys' needles, number"),
     Task("vt", _variable_tracking(), 64, about="variable tracking: 2 chains of 4 hops"),
     Task("cwe", _common_words(), 96, about="the 10 most common words of a list"),
     Task("fwe", _frequent_words(), 48, about="the 3 most frequent words of a coded text"),
@@ -463,11 +526,16 @@ def generate(task: str, length: int, seed: int, tokenizer, index: int = 0) -> Sa
     spec = TASKS[task]
     draft = spec.build(random.Random(sample_seed(seed, task, length, index)), length)
     n, chosen, context_ids, query_ids = _fit(draft, length, tokenizer, spec)
-    context_text = pack(chosen.files)[0]
+    context_text, spans = pack(chosen.files)
     _check_answers(spec, chosen)
+    laid = prompt.tokenize_context(tokenizer, context_text, spans)
+    files = [manifest.SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
+                                 bytes=f.size, line_tokens=tuple(lines))
+             for sp, (a, b), lines, f in zip(spans, laid.file_tokens, laid.line_tokens,
+                                             chosen.files)]
     return Sample(task, length, seed, index, context_text, chosen.question, chosen.answers,
                   spec.match, spec.max_new_tokens, context_ids, query_ids,
-                  {**chosen.meta, "units": n})
+                  {**chosen.meta, "units": n}, files)
 
 
 def _fit(draft, length: int, tokenizer, spec: Task):

@@ -80,9 +80,21 @@ class RichProgress(runner.Progress):
                          acc=f"{self._correct / self._runs:.0%} correct")
 
 
+def sources_cell(score: dict | None) -> str:
+    """A sources score as "top-1 of n · top-3 of n · median line distance"; "–" for none."""
+    if score is None:
+        return "–"
+    n = score["n"]
+    distance = "–" if score["line_distance"] is None else f"±{score['line_distance']:g}"
+    return f"{round(score['top1'] * n)}/{n} · {round(score['top3'] * n)}/{n} · {distance}"
+
+
 def results_table(results: dict) -> None:
-    """Rows: task × length; columns: accuracy per method and retention vs dense."""
+    """Rows: task × length; columns: accuracy per method, retention vs dense and, where
+    samples know their answer's place, the sources score."""
     methods = results["settings"]["methods"]
+    with_sources = any(row["methods"][m].get("sources") for row in results["summary"]
+                       for m in methods)
     table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0))
     table.add_column("task")
     table.add_column("length", justify="right")
@@ -91,6 +103,8 @@ def results_table(results: dict) -> None:
         table.add_column(m, justify="right")
         if m != scoring.REFERENCE:
             table.add_column(f"{m} ret", justify="right")
+        if with_sources:
+            table.add_column(f"{m} src", justify="right")
     previous = None
     for row in results["summary"]:
         if previous is not None and row["length"] != previous:
@@ -102,6 +116,8 @@ def results_table(results: dict) -> None:
             cells.append(f"{score['accuracy']:.0%}")
             if m != scoring.REFERENCE:
                 cells.append("n/a" if score["retention"] is None else f"{score['retention']:.2f}")
+            if with_sources:
+                cells.append(sources_cell(score.get("sources")))
         style = "bold" if row["task"] == "all" else None
         table.add_row(row["task"], runner.length_label(row["length"]), str(row["n"]), *cells,
                       style=style)
@@ -109,6 +125,10 @@ def results_table(results: dict) -> None:
         out.print(table)
         out.print("[dim]accuracy: samples whose prediction holds every answer · "
                   "ret: retention, accuracy / dense accuracy on the same samples[/]")
+        if with_sources:
+            out.print("[dim]src: over correct answers whose file and line are known: top "
+                      "source is the answer's file · it is in the top 3 · median lines "
+                      "from the answer's line to the top source's range[/]")
     else:
         err.print("No sample finished; nothing to tabulate.")
 

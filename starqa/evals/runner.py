@@ -224,7 +224,8 @@ class Evaluator:
                                        blocks, prepared)
         parts = [(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])]
         start = encoder.query_position(sample.context_ids, config, blocks, prepared)
-        answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start)
+        answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start,
+                            sample.files)
         del parts
         encoded_at = time.perf_counter()
         tokens: list[int] = []
@@ -241,19 +242,21 @@ class Evaluator:
                 self._decode(tokens), sample.answers, sample.match)
             return answered[0]
 
-        answerer.answer(sample.query_ids, sample.max_new_tokens, self.stop_ids, on_token,
-                        should_stop)
+        _, named = answerer.answer(sample.query_ids, sample.max_new_tokens, self.stop_ids,
+                                   on_token, should_stop)
         end = time.perf_counter()
         text = self._decode(tokens).strip()
         stop = ("answer" if answered[0] else
                 "max_new_tokens" if len(tokens) >= sample.max_new_tokens else "end")
+        where = sample.meta.get("source")
+        scored = {"source_score": scoring.source_score(named or [], where)} if where else {}
         return {"prediction": text,
                 "correct": scoring.is_correct(text, sample.answers, sample.match),
                 "found": scoring.found(text, sample.answers), "token_ids": tokens, "stop": stop,
                 "method": config.as_dict(), "blocks": len(blocks), "query_position": start,
                 "phase1_s": round(encoded_at - started, 3),
                 "first_token_s": round(first[0] - encoded_at, 3) if first else None,
-                "seconds": round(end - started, 3)}
+                "seconds": round(end - started, 3), "sources": named, **scored}
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -336,6 +339,10 @@ def _skeleton(plan: Plan, evaluator: Evaluator) -> dict:
             "decoding": DECODING,
             "scoring": "case-insensitive substring match: every answer (match all), or one "
                        "of the alternatives (match any)",
+            "sources_scoring": "over correct answers whose sample knows the answer's file and "
+                               "line: top source is that file (top1), it is in the first "
+                               "three (top3), lines from the truth to the top source's range "
+                               "(line_distance, median)",
             "versions": {"starqa": starqa.__version__, "torch": torch.__version__,
                          "transformers": transformers.__version__,
                          "python": platform.python_version()},

@@ -4,10 +4,16 @@ A prediction is correct when every expected answer occurs in it (match "all": mu
 multi-value, variable tracking, word extraction) or, where the answers are alternative
 spellings of one answer (match "any": qa), when one does. Retention compares a method with
 dense on the very same samples: method accuracy / dense accuracy, None when dense got none.
+
+Sources are scored where a sample knows its answer's place (meta["source"]: file, line)
+and the method answered correctly (a wrong answer's sources say nothing of attribution):
+is the top source that file (top-1), is it among the first three (top-3), and how many
+lines lie between the truth and the top source's line range when its file is right.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from starqa.methods import REFERENCE  # dense, the exact method: what retention compares with
@@ -33,6 +39,33 @@ def retention(accuracy: float, reference: float) -> float | None:
     return accuracy / reference if reference > 0 else None
 
 
+def source_score(named: Sequence[dict], truth: dict) -> dict:
+    """named: top sources ({"path", "share", "lines": [first, last]}, best first); truth:
+    {"file", "line"} (line may be None). Returns {"top1", "top3": bool, "line_distance":
+    int | None} (None: the top file is wrong or the line unknown)."""
+    paths = [s["path"] for s in named]
+    top1 = paths[:1] == [truth["file"]]
+    distance = None
+    if top1 and truth.get("line") is not None:
+        first, last = named[0]["lines"]
+        distance = max(first - truth["line"], truth["line"] - last, 0)
+    return {"top1": top1, "top3": truth["file"] in paths[:3], "line_distance": distance}
+
+
+def sources_summary(results: Sequence[dict]) -> dict | None:
+    """The sources score over one method's results on a group of samples: fractions top-1
+    and top-3 and the median line distance, over the results that answered correctly and
+    carry a "source_score"; None when there are none."""
+    scored = [r["source_score"] for r in results if r.get("correct") and r.get("source_score")]
+    if not scored:
+        return None
+    distances = [s["line_distance"] for s in scored if s["line_distance"] is not None]
+    return {"n": len(scored),
+            "top1": round(sum(s["top1"] for s in scored) / len(scored), 4),
+            "top3": round(sum(s["top3"] for s in scored) / len(scored), 4),
+            "line_distance": statistics.median(distances) if distances else None}
+
+
 def summarize(samples: Sequence[dict], methods: Sequence[str]) -> list[dict]:
     """Accuracy per (task, length) and method, and retention vs dense, over the samples
     every method has answered (an interrupted run's last sample may lack some); then one
@@ -40,7 +73,8 @@ def summarize(samples: Sequence[dict], methods: Sequence[str]) -> list[dict]:
 
     samples: records with "task", "length" and "results": {method: {"correct": bool}}.
     Returns rows {"task", "length", "n", "methods": {m: {"correct", "accuracy",
-    "retention"}}} in the order the (task, length) pairs first appear.
+    "retention", "sources"}}} in the order the (task, length) pairs first appear; "sources"
+    is `sources_summary` over the row's samples (None where no place is known).
     """
     groups: dict[tuple[str, int], list[dict]] = {}
     for s in samples:
@@ -54,21 +88,26 @@ def summarize(samples: Sequence[dict], methods: Sequence[str]) -> list[dict]:
                 correct = {m: sum(bool(s["results"][m]["correct"]) for s in group)
                            for m in methods}
                 same.append(_row(task, length, len(group),
-                                 {m: (correct[m], correct[m] / len(group)) for m in methods}))
+                                 {m: (correct[m], correct[m] / len(group)) for m in methods},
+                                 {m: [s["results"][m] for s in group] for m in methods}))
         rows += same
         if len(same) > 1:  # the tasks' mean accuracy (each task weighs the same)
             mean = {m: (sum(r["methods"][m]["correct"] for r in same),
                         sum(r["methods"][m]["accuracy"] for r in same) / len(same))
                     for m in methods}
-            rows.append(_row("all", length, sum(r["n"] for r in same), mean))
+            every = [s for (_, at), group in groups.items() if at == length for s in group]
+            rows.append(_row("all", length, sum(r["n"] for r in same), mean,
+                             {m: [s["results"][m] for s in every] for m in methods}))
     return rows
 
 
-def _row(task: str, length: int, n: int, scores: dict[str, tuple[int, float]]) -> dict:
+def _row(task: str, length: int, n: int, scores: dict[str, tuple[int, float]],
+         results: dict[str, list[dict]]) -> dict:
     reference = scores.get(REFERENCE, (0, 0.0))[1]
     out = {}
     for m, (c, acc) in scores.items():
         kept = None if m == REFERENCE else retention(acc, reference)
         out[m] = {"correct": c, "accuracy": round(acc, 4),
-                  "retention": None if kept is None else round(kept, 4)}
+                  "retention": None if kept is None else round(kept, 4),
+                  "sources": sources_summary(results[m])}
     return {"task": task, "length": length, "n": n, "methods": out}
