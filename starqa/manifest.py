@@ -153,10 +153,14 @@ class Manifest:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write `data` as JSON to `path` through a temporary file and a rename, so a reader sees
-    the old file or the new one, never half of one."""
+    """Write `data` as JSON to `path` through a temporary file (synced) and a rename, so a
+    reader, or the next start after a crash, sees the old file or the new one, never half of
+    one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=False))
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(data, indent=1, sort_keys=False))
+        fh.flush()
+        os.fsync(fh.fileno())  # on disk before the rename, so a crash never leaves it empty
     os.replace(tmp, path)
 
 
