@@ -56,6 +56,9 @@ def check_gpus(device: str, workers: int) -> None:
     more workers than GPUs is an error that names the fix, before anything starts."""
     if device not in ("auto", "cuda") and not device.startswith("cuda"):
         return
+    if device == "auto" and "torch" not in sys.modules and sys.platform == "linux" \
+            and not os.path.exists("/dev/nvidiactl"):
+        return  # no NVIDIA driver here: nothing to check, and no torch import to pay for
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
