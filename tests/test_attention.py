@@ -88,6 +88,24 @@ def test_bf16_inputs_are_computed_in_fp32():
     torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
 
 
+def check_chunk_parts(q, k, v, outs, lses, chunk, head, want, budget):
+    """`partial_chunks`' parts (on any device) against the fp64 reference on q, k, v: one
+    part per `chunk` keys after the `head` keys (plus one for them), each part's LSE its own
+    keys' LSE, and their merge within `budget` of `want`. Returns the parts concatenated,
+    on the CPU."""
+    q_heads, m, n = q.shape[1], q.shape[2], k.shape[2]
+    outs, lses = torch.cat(outs).cpu(), torch.cat(lses).cpu()
+    bounds = ([0, head] if head else [0]) + list(range(head + chunk, n, chunk)) + [n]
+    assert outs.shape[0] == lses.shape[0] == len(bounds) - 1
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        _, part_lse = reference(q, k[:, :, a:b], v[:, :, a:b])
+        torch.testing.assert_close(lses[i].reshape(1, q_heads, m).double(), part_lse,
+                                   rtol=0, atol=1e-4)
+    merged, _ = merge(outs, lses)
+    assert (merged.reshape(1, q_heads, m, q.shape[3]).double() - want).abs().max().item() <= budget
+    return outs, lses
+
+
 FUSED_SHAPES = [  # (q_heads, kv_heads, m, n, chunk, head): batch 1, as Phase 2 runs
     (9, 3, 1, 7 * 128 + 37, 128, 0),   # SmolLM2's GQA, a decode token, a partial last chunk
     (12, 2, 1, 3 * 64, 64, 21),        # Qwen2.5's GQA, keys before the documents
@@ -117,20 +135,12 @@ def test_fused_chunks_within_the_reference_error(dtype, q_heads, kv_heads, m, n,
     torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-4)
     # The parts themselves: one per chunk (plus the head), each an exact partial attention.
     outs, lses = partial_chunks(fold_gqa(q, kv_heads, dtype), k, v, 64 ** -0.5, chunk, head)
-    outs, lses = torch.cat(outs), torch.cat(lses)
-    bounds = ([0, head] if head else [0]) + list(range(head + chunk, n, chunk)) + [n]
-    assert outs.shape[0] == lses.shape[0] == len(bounds) - 1
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        _, part_lse = reference(q, k[:, :, a:b], v[:, :, a:b])
-        torch.testing.assert_close(lses[i].reshape(1, q_heads, m).double(), part_lse,
-                                   rtol=0, atol=1e-4)
-    merged, _ = merge(outs, lses)
-    assert (merged.reshape(1, q_heads, m, 64).double() - want).abs().max().item() <= budget
+    outs, lses = check_chunk_parts(q, k, v, outs, lses, chunk, head, want, budget)
     # The CPU layout: the same parts from one call over padded, masked slots.
     from starqa.attention import partial_slots, slot_layout
 
     k_slots, v_slots, mask = slot_layout(k, v, chunk, head)
-    assert k_slots.shape[0] == len(bounds) - 1 + (head > chunk) * (-(-head // chunk) - 1)
+    assert k_slots.shape[0] == outs.shape[0] + (head > chunk) * (-(-head // chunk) - 1)
     slot_outs, slot_lses = partial_slots(fold_gqa(q, kv_heads, dtype), k_slots, v_slots, mask,
                                          64 ** -0.5)
     if head <= chunk:  # one slot per part: the very same LSEs

@@ -5,9 +5,9 @@ machine that has one with `python -m pytest tests/test_cuda.py`."""
 import pytest
 import torch
 
-from starqa.attention import attend, attend_fused, fold_gqa, merge, partial_chunks
+from starqa.attention import attend, attend_fused, fold_gqa, partial_chunks
 
-from test_attention import FUSED_SHAPES, reference
+from test_attention import FUSED_SHAPES, check_chunk_parts, reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,15 +32,8 @@ def test_cuda_fused_chunks_within_the_reference_error(dtype, q_heads, kv_heads, 
     assert (out.double().cpu() - want).abs().max().item() <= budget
     torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=0, atol=1e-4)
     outs, lses = partial_chunks(fold_gqa(qc, kv_heads, dtype), kc, vc, 64 ** -0.5, chunk, head)
-    outs, lses = torch.cat(outs), torch.cat(lses)
-    bounds = ([0, head] if head else [0]) + list(range(head + chunk, n, chunk)) + [n]
-    assert outs.shape[0] == lses.shape[0] == len(bounds) - 1
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        _, part_lse = reference(q, k[:, :, a:b], v[:, :, a:b])
-        torch.testing.assert_close(lses[i].reshape(1, q_heads, m).double().cpu(), part_lse,
-                                   rtol=0, atol=1e-4)
-    merged, _ = merge(outs, lses)
-    assert (merged.reshape(1, q_heads, m, 64).double().cpu() - want).abs().max().item() <= budget
+    assert outs[0].is_cuda
+    check_chunk_parts(q, k, v, outs, lses, chunk, head, want, budget)
 
 
 def test_cuda_causal_attend_matches_the_reference():
