@@ -19,11 +19,12 @@ from starqa.shards import load_shard
 
 
 class Answerer:
-    """Decoder + this rank's shard of contiguous blocks (+ the files they cover)."""
+    """Decoder + this rank's shard of contiguous blocks (+ the files they cover and the
+    shard's token ids, which source attribution needs; without them, no sources)."""
 
     def __init__(self, info: dist.DistInfo, decoder, shard, query_position: int,
                  files: Sequence[SourceFile] = (), token_start: int = 0,
-                 blocks: Sequence[int] = ()):
+                 blocks: Sequence[int] = (), ids: torch.Tensor | None = None):
         self.info = info
         self.blocks = list(blocks)
         self.decoder = decoder
@@ -32,8 +33,9 @@ class Answerer:
         self.token_start = token_start
         # The keys before the first document are no source (see ShardAttention's `head`).
         first_doc = min((f.token_start for f in self.files), default=token_start)
+        self.sources_seconds = 0.0
         self.hook = phase2.ShardAttention(info, shard, query_host=info.is_last,
-                                          head=max(0, first_doc - token_start))
+                                          head=max(0, first_doc - token_start), ids=ids)
 
     @classmethod
     def from_cache(cls, manifest: Manifest, info: dist.DistInfo, model_path: Path,
@@ -44,20 +46,26 @@ class Answerer:
         blocks = list(dist.split_contiguous(len(manifest.blocks), info.world_size, info.rank))
         dtype = getattr(torch, manifest.dtype)
         decoder = load_decoder(model_path, dtype, weights, info.device)
-        shard = load_shard(manifest, blocks, device=info.device, dtype=dtype)
+        shard, ids = load_shard(manifest, blocks, device=info.device, dtype=dtype)
         start = manifest.blocks[blocks[0]].start if blocks else 0
-        return cls(info, decoder, shard, manifest.query_position, manifest.files, start, blocks)
+        return cls(info, decoder, shard, manifest.query_position, manifest.files, start, blocks,
+                   ids)
 
     def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
                on_token: Callable[[int], None] | None = None,
                should_stop: Callable[[], bool] | None = None
                ) -> tuple[list[int], list[dict] | None]:
         """Generate on every rank; returns (tokens, top sources on the query host, else None)."""
+        import time
+
         tokens = phase2.generate(self.decoder, self.info, self.hook, query_ids,
                                  self.query_position, max_new_tokens, set(stop_ids),
                                  on_token, should_stop)
+        started = time.perf_counter()
         mine = {}
         if self.hook.n_keys and self.files:
-            mine = sources.line_mass(self.files, self.token_start, self.hook.key_mass())
+            mine = sources.line_mass(self.files, self.token_start, self.hook.key_mass(tokens))
         parts = dist.gather_object(self.info, mine, dst=self.info.world_size - 1)
-        return tokens, (sources.top_sources(sources.add(parts)) if parts is not None else None)
+        top = sources.top_sources(sources.add(parts)) if parts is not None else None
+        self.sources_seconds = time.perf_counter() - started  # what attribution cost (bench)
+        return tokens, top

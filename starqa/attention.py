@@ -100,8 +100,7 @@ def partial_chunks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scal
     over [1, Hkv, N, D] has only Hkv work items); a last partial chunk is one more call.
     Returns the parts as lists (one entry per kernel call, to be concatenated once with the
     caller's other parts): outs [c_i, Hkv, R, D] in the keys' dtype and lses [c_i, Hkv, R]
-    fp32, in key order, (head > 0) + ceil((N - head) / chunk) parts in all. Each chunk's LSE
-    is what source attribution needs.
+    fp32, in key order, (head > 0) + ceil((N - head) / chunk) parts in all.
     """
     outs, lses = [], []
     if head:

@@ -263,6 +263,7 @@ def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds
            "by_op": m["by_op"]}
           for m, peak in zip(ingested.measures, ingested.peak_bytes)]
     p2 = [{"rank": m["rank"], "seconds": m["seconds"], "peak_bytes": peak,
+           "sources_seconds": m["sources_seconds"],
            "sent_bytes": m["sent_bytes"], "received_bytes": m["received_bytes"],
            "by_op": m["by_op"]}
           for m, peak in zip(answer.measures, answer.peak_bytes)]
@@ -286,6 +287,9 @@ def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds
             "first_token_seconds": answer.prefill_seconds,
             "cold_first_token_seconds": answer.first_token_seconds,
             "seconds_per_token": answer.decode_seconds / (new - 1) if new > 1 else None,
+            # source attribution after the answer (the slowest worker), inside decode_seconds
+            "sources_seconds": max(w["sources_seconds"] for w in p2),
+            "decode_seconds": answer.decode_seconds,
             "peak_bytes": max(w["peak_bytes"] for w in p2),
             "sent_bytes": sum(w["sent_bytes"] for w in p2), "per_worker": p2},
     }
@@ -323,4 +327,7 @@ def _describe(row: dict) -> str:
             f"{p1['critical_path_flops'] / 1e9:,.1f} GFLOP on the critical path; first token "
             f"{p2['first_token_seconds']:.2f} s"
             + (f", {per_token * 1e3:.0f} ms/token" if per_token is not None else "")
+            + (f", sources {p2['sources_seconds'] * 1e3:.0f} ms "
+               f"({p2['sources_seconds'] / p2['decode_seconds']:.1%} of decode)"
+               if p2["decode_seconds"] else "")
             + f" ({row['seconds']:.0f} s in all)")

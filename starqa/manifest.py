@@ -34,7 +34,7 @@ from starqa.errors import ShardError
 from starqa.methods import MethodConfig
 
 MANIFEST = "manifest.json"
-FORMAT = 3  # 2: files carry line_tokens (sources); 3: query_position
+FORMAT = 4  # 2: files carry line_tokens (sources); 3: query_position; 4: blocks hold token ids
 
 _NOT_JSON = {"json": False}  # field metadata: not written to (or read from) the file
 

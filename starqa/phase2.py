@@ -21,45 +21,40 @@ from starqa import dist
 from starqa.attention import (attend, fold_gqa, fused_available, merge, partial_chunks,
                               partial_slots, slot_layout)
 
-ATTRIBUTION_CHUNK = 128  # shard keys per attribution unit during decode
-REFINED_CHUNKS = 4  # the chunks with the most mass get exact per-key mass after the answer
+SLOT = 128  # shard keys per slot of the CPU kernel layout (attention.slot_layout)
 
 
 class ShardAttention:
     """The attention of every layer for Phase 2 on one worker (starqa.decoder calls it).
 
     shard: per layer (k, v) [1, Hkv, N_h, D] of this worker's blocks, in the compute dtype,
-    or None for no blocks. While `track` is set, it keeps what source attribution needs
-    from the last query row of every forward (the row that picks the next token): the LSE
-    the kernel returns for each run of ATTRIBUTION_CHUNK shard keys, the global LSE and the
-    row itself, so attribution costs no second pass over the keys (see `key_mass`).
+    or None for no blocks; ids: their token ids [N_h] (what source attribution matches the
+    answer against). While `track` is set, it keeps the last query row of every forward
+    (the row that picks the next token) and its global LSE, for `key_mass`.
     """
 
     def __init__(self, info: dist.DistInfo, shard: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                 query_host: bool, head: int = 0):
+                 query_host: bool, head: int = 0, ids: torch.Tensor | None = None):
         self.info = info
         self.shard = shard
         self.query_host = query_host
         self.n_keys = shard[0][0].shape[2] if shard else 0
-        # Keys before the first document (template, system prompt: where attention sinks
-        # are) are one part of their own, never attributed; chunks start after them.
+        self.ids = ids
+        # Keys before the first document (template, system prompt) are never a source.
         self.head = min(head, self.n_keys)
         self.track = False
-        # Attribution chunks of the shard (none where no fused kernel returns their LSEs).
         self.fused = shard is not None and fused_available(shard[0][0])
-        self.n_chunks = -(-(self.n_keys - self.head) // ATTRIBUTION_CHUNK) if self.fused else 0
-        self.first = 1 if self.head else 0  # parts before the first attribution chunk
         self.slots, self.mask = None, None
         if self.fused and shard[0][0].device.type == "cpu":
             # One kernel call per layer over padded slots (attention.slot_layout) instead of
             # views plus a head and a tail call; the original layout is dropped.
-            laid = [slot_layout(k, v, ATTRIBUTION_CHUNK, self.head) for k, v in shard]
+            laid = [slot_layout(k, v, SLOT, self.head) for k, v in shard]
             self.slots, self.mask = [(k, v) for k, v, _ in laid], laid[0][2]
-            self.first = -(-self.head // ATTRIBUTION_CHUNK)
+            self.first = -(-self.head // SLOT)  # slots holding the head
             self.shard = None
-        # Per layer, each tracked forward's last query row [Hkv, G, D], its global LSE
-        # [Hkv, G] and its chunks' LSEs [C, Hkv, G] (see `key_mass`).
-        self._rows: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
+        # Per layer, each tracked forward's last query row [Hkv, G, D] and its global LSE
+        # [Hkv, G] (see `key_mass`).
+        self._rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self._own: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [1, Hkv, cap, D]
         self._capacity = 64
         self.length = 0  # tokens of the question and answer in the own buffers
@@ -95,8 +90,7 @@ class ShardAttention:
             outs, lses = [out], [lse]
         elif self.shard is not None:
             if self.fused:
-                outs, lses = partial_chunks(q, *self.shard[layer], scale, ATTRIBUTION_CHUNK,
-                                            self.head)
+                outs, lses = partial_chunks(q, *self.shard[layer], scale, SLOT, self.head)
             else:  # no fused kernel here: one exact part, attribution per shard
                 out, lse = _folded(attend(query, *self.shard[layer], scale), kv_heads)
                 outs, lses = [out], [lse]
@@ -111,21 +105,18 @@ class ShardAttention:
                 outs.append(out), lses.append(lse)
         if not outs:  # no blocks and not the query host: contribute nothing
             outs, lses = [q.new_zeros(1, *q.shape[1:])], [q.new_full(q.shape[:3], -math.inf)]
-        lse_parts = torch.cat(lses) if len(lses) > 1 else lses[0]  # [P, Hkv, R]
-        out, lse = merge(torch.cat(outs) if len(outs) > 1 else outs[0], lse_parts)
+        out, lse = merge(torch.cat(outs) if len(outs) > 1 else outs[0],
+                         torch.cat(lses) if len(lses) > 1 else lses[0])  # parts [P, Hkv, R]
         if self.info.world_size > 1:
             # One collective: [out ‖ lse] as [Hkv, R, D + 1], gathered to [W, Hkv, R, D + 1].
             gathered = dist.all_gather(self.info, torch.cat([out, lse.unsqueeze(-1)], dim=-1))
             out, lse = merge(gathered[..., :-1], gathered[..., -1])
-        if self.track and self.n_chunks:
-            # Kept, not computed, here (views, no kernels): the last query row's chunk LSEs,
-            # its global LSE and the row itself; rows are (g, m) with m fastest. key_mass()
-            # turns them into mass once the answer is done.
-            chunks = lse_parts[self.first:self.first + self.n_chunks]  # the head is no source
+        if self.track and self.n_keys:
+            # Kept, not computed, here (views, no kernels): the last query row and its global
+            # LSE; rows are (g, m) with m fastest. key_mass() uses them once the answer is done.
             self._scale = scale
             self._rows[layer].append((q.view(kv_heads, -1, m, dim)[:, :, -1],
-                                      lse.view(kv_heads, -1, m)[:, :, -1],
-                                      chunks.view(chunks.shape[0], kv_heads, -1, m)[..., -1]))
+                                      lse.view(kv_heads, -1, m)[:, :, -1]))
         return out.view(1, q_heads, m, dim)
 
     def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor):
@@ -145,40 +136,52 @@ class ShardAttention:
         own_v[:, :, self.length:end] = value
         return own_k[:, :, :end], own_v[:, :, :end]
 
-    def key_mass(self) -> torch.Tensor:
-        """[N_h] float64: the attention mass each shard key received from the tracked rows.
+    def key_mass(self, tokens: Sequence[int]) -> torch.Tensor:
+        """[N_h] float64: the attention each shard key received from the answer's rows that
+        emitted its own token, as a fraction of all their attention. `tokens`: the answer,
+        one token per tracked row.
 
-        Each chunk's mass comes from the kernel's per-chunk LSE (no second pass over the
-        keys while decoding); then the REFINED_CHUNKS chunks with the most mass get their
-        exact per-key mass from the kept query rows and LSEs (a few small matmuls). Every
-        other chunk's mass is spread evenly over its keys; the head's keys get none."""
-        if not self._rows or not self._rows[0]:
-            return torch.zeros(self.n_keys, dtype=torch.float64)
-        mass = torch.zeros(self.n_chunks, dtype=torch.float64)
-        for rows in self._rows:  # per layer: exp(chunk lse - global lse), summed over heads
-            chunk_lse = torch.stack([r[2] for r in rows]).float()  # [S, C, Hkv, G]
-            total = torch.stack([r[1] for r in rows]).float()  # [S, Hkv, G]
-            mass += torch.exp(chunk_lse - total[:, None]).sum(dim=(0, 2, 3)).double().cpu()
-        sizes = torch.full_like(mass, ATTRIBUTION_CHUNK)
-        if (self.n_keys - self.head) % ATTRIBUTION_CHUNK:
-            sizes[-1] = (self.n_keys - self.head) % ATTRIBUTION_CHUNK
-        per_key = torch.cat([torch.zeros(self.head, dtype=mass.dtype),
-                             (mass / sizes).repeat_interleave(sizes.long())])
-        refined = mass.topk(min(REFINED_CHUNKS, mass.numel())).indices.tolist()
-        spans = {c: (self.head + c * ATTRIBUTION_CHUNK,
-                     self.head + c * ATTRIBUTION_CHUNK + int(sizes[c])) for c in refined}
-        for start, end in spans.values():
-            per_key[start:end] = 0
+        Row s picked tokens[s]; it counts only on keys holding that same token id, averaged
+        over the answer's tokens, the layers and the query heads: where the answer copied
+        its words from. Summed over every worker's keys it is the share of the answer's
+        attention that went to copying from the documents (`sources.top_sources` uses it to
+        tell a sourced answer from one the model made up or knew). Why this rule:
+        on `starqa eval`'s look-alike files (the needle in one of several files of the same
+        kind) it put the needle's file first on every correctly answered sample, while the
+        raw mass of every key (what this replaced) almost never did. Raw mass rewards what
+        attention attends to out of habit whatever it emits (the end of the context, file
+        headers, attention sinks); weighting it by value norms, subtracting a baseline
+        (the mass from a neutral question, or the answer's mean) or keeping only the
+        sharpest heads or the later layers all did worse than matching tokens (README,
+        Sources, has the comparison). It costs one dot product per (row, matching key),
+        after the answer: no pass over the keys while decoding. The head gets nothing."""
+        mass = torch.zeros(self.n_keys, dtype=torch.float64)
+        steps = min(len(tokens), len(self._rows[0])) if self._rows else 0
+        if self.ids is None or not steps:
+            return mass
+        emitted = torch.as_tensor(list(tokens[:steps]), dtype=self.ids.dtype)
+        ids = self.ids[self.head:]
+        # [S, U]: which row emitted the token of which candidate key (U: keys whose token
+        # the answer emitted at all, offset by the head).
+        where = torch.isin(ids, emitted).nonzero().flatten()
+        if not where.numel():
+            return mass
+        match = (emitted[:, None] == ids[where][None, :]).float()
         for layer, rows in enumerate(self._rows):
-            queries = torch.stack([r[0] for r in rows]).float()  # [S, Hkv, G, D]
-            lses = torch.stack([r[1] for r in rows]).float()  # [S, Hkv, G]
-            for chunk, (start, end) in spans.items():
-                keys = (self.slots[layer][0][self.first + chunk, :, :end - start]
-                        if self.slots is not None else self.shard[layer][0][0, :, start:end])
-                scores = torch.einsum("shgd,hnd->shgn", queries, keys.float()) * self._scale
-                per_key[start:end] += torch.exp(scores - lses[..., None]).sum(
-                    dim=(0, 1, 2)).double().cpu()
-        return per_key
+            queries = torch.stack([r[0] for r in rows[:steps]]).float()  # [S, Hkv, G, D]
+            lses = torch.stack([r[1] for r in rows[:steps]]).float()  # [S, Hkv, G]
+            keys = self._keys_at(layer, where).float()  # [U, Hkv, D]
+            scores = torch.einsum("shgd,uhd->shgu", queries, keys) * self._scale
+            probs = torch.exp(scores - lses[..., None]).sum(dim=(1, 2))  # [S, U]
+            mass.index_add_(0, where + self.head, (probs * match).sum(dim=0).double())
+        heads = self._rows[0][0][0].shape[0] * self._rows[0][0][0].shape[1]
+        return mass / (steps * len(self._rows) * heads)
+
+    def _keys_at(self, layer: int, offsets: torch.Tensor) -> torch.Tensor:
+        """Keys [U, Hkv, D] of this layer at shard positions head + offsets."""
+        if self.slots is not None:
+            return self.slots[layer][0][self.first + offsets // SLOT, :, offsets % SLOT]
+        return self.shard[layer][0][0, :, self.head + offsets].transpose(0, 1)
 
 
 def _folded(result: tuple[torch.Tensor, torch.Tensor], kv_heads: int

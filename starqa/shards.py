@@ -1,6 +1,7 @@
 """The shard files: one safetensors file per block, written, hashed, verified and loaded.
 
-    <context>/block_00000.safetensors   k, v: [L, Hkv, T, D] contiguous, RoPE applied
+    <context>/block_00000.safetensors   k, v: [L, Hkv, T, D] contiguous, RoPE applied;
+                                        ids: [T] int32, the block's token ids (sources)
     <context>/.verified.json            {file: [size, mtime_ns, ctime_ns, sha256]}
 
 A block's size and sha256 are recorded in the manifest (`starqa.manifest.Block`); every
@@ -33,13 +34,17 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_block(folder: Path, index: int, k, v, metadata: dict[str, str]) -> Path:
-    """Write one block's KV ([L, Hkv, T, D] each) as safetensors; returns the file."""
+def save_block(folder: Path, index: int, k, v, ids, metadata: dict[str, str]) -> Path:
+    """Write one block's KV ([L, Hkv, T, D] each) and token ids ([T]) as safetensors;
+    returns the file."""
+    import torch
     from safetensors.torch import save_file
 
     path = folder / block_file(index)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"k": k.contiguous(), "v": v.contiguous()}, str(tmp), metadata=metadata)
+    save_file({"k": k.contiguous(), "v": v.contiguous(),
+               "ids": torch.as_tensor(ids, dtype=torch.int32).contiguous()},
+              str(tmp), metadata=metadata)
     os.replace(tmp, path)
     return path
 
@@ -116,13 +121,13 @@ def verify_present(manifest: Manifest) -> None:
 
 
 def load_block(manifest: Manifest, index: int, device="cpu", verified: bool = False):
-    """(k, v) of block `index`, each [L, Hkv, T, D], checksum-verified (unless `verified`:
-    the caller just did, with `verify_checksums`)."""
+    """(k, v, ids) of block `index`: k, v [L, Hkv, T, D] on `device`, ids [T] int64 on the
+    CPU, checksum-verified (unless `verified`: the caller just did, with `verify_checksums`)."""
     from safetensors.torch import load_file
 
     path = verify_block(manifest, index, checksum=not verified)
     tensors = load_file(str(path), device=str(device))
-    return tensors["k"], tensors["v"]
+    return tensors["k"], tensors["v"], tensors["ids"].long().cpu()
 
 
 def _fix(manifest: Manifest) -> str:
@@ -133,15 +138,18 @@ def _fix(manifest: Manifest) -> str:
 
 
 def load_shard(manifest: Manifest, indices, device="cpu", dtype=None):
-    """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`),
-    checksum-verified (hashing only shards changed since they were last verified)."""
+    """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`) and
+    their token ids ([N] int64, None for no blocks), checksum-verified (hashing only shards
+    changed since they were last verified)."""
+    import torch
+
     verify_checksums(manifest, indices)
-    return shard_of([load_block(manifest, i, device=device, verified=True) for i in indices],
-                    dtype)
+    parts = [load_block(manifest, i, device=device, verified=True) for i in indices]
+    return shard_of(parts, dtype), (torch.cat([p[2] for p in parts]) if parts else None)
 
 
 def shard_of(parts, dtype=None):
-    """Consecutive blocks' (k, v), each [L, Hkv, T_i, D], as one Phase 2 shard: per layer
+    """Consecutive blocks' (k, v, ...), each [L, Hkv, T_i, D], as one Phase 2 shard: per layer
     (k, v), each [1, Hkv, N, D] contiguous, in `dtype` (default: as stored; Phase 2 attends
     in the cache's dtype, so nothing is converted per step). None when `parts` is empty."""
     import torch

@@ -66,7 +66,7 @@ def run_ingest(job: dict, info) -> None:
         for index, k, v in encoder.encode(model, ids, method, blocks, mine, info,
                                           job.get("prepared")):
             start, end = blocks[index]
-            shards.save_block(folder, index, k.cpu(), v.cpu(), {
+            shards.save_block(folder, index, k.cpu(), v.cpu(), ids[start:end], {
                 "index": str(index), "start": str(start), "end": str(end), "method": method.name})
             emit("block", rank=info.rank, index=index, tokens=end - start)
     if measure:
@@ -129,7 +129,7 @@ def run_ask(job: dict, info) -> None:
              decode_s=end - (first[0] if first else end), sources=top)
     if job.get("measure", False):
         emit("measure", rank=info.rank, phase="ask", seconds=time.perf_counter() - started,
-             tokens=len(tokens), **info.traffic.as_dict())
+             tokens=len(tokens), sources_seconds=ctx.sources_seconds, **info.traffic.as_dict())
 
 
 def run_serve(job: dict, info) -> None:

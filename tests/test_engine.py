@@ -228,8 +228,10 @@ def test_ring_two_workers_equals_dense(home, docs, tiny_model):
     dense = ingest(docs, tiny_model, method="dense", block_size=50, name="dense")
     assert ring.workers == 2 and ring.manifest.method.name == "ring"
     for i in range(len(dense.manifest.blocks)):
-        for r, d in zip(load_block(ring.manifest, i), load_block(dense.manifest, i)):
+        ring_block, dense_block = load_block(ring.manifest, i), load_block(dense.manifest, i)
+        for r, d in zip(ring_block[:2], dense_block[:2]):
             torch.testing.assert_close(r, d, rtol=1e-4, atol=1e-4)
+        assert torch.equal(ring_block[2], dense_block[2])  # the same token ids
     assert ask(context="ring", workers=2).token_ids == ask(context="dense", workers=2).token_ids
 
 
@@ -276,7 +278,8 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     ids = torch.tensor(_context_ids(tiny_model, m))
     blocks = [(b.start, b.end) for b in m.blocks]
     for i, k, v in methods.get(m.method.name).encode_local(model, ids, m.method, blocks):
-        stored_k, stored_v = load_block(m, i)
+        stored_k, stored_v, stored_ids = load_block(m, i)
+        assert stored_ids.tolist() == ids[blocks[i][0]:blocks[i][1]].tolist()
         torch.testing.assert_close(stored_k, k, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(stored_v, v, rtol=1e-4, atol=1e-4)
     assert len(ask(workers=2).token_ids) > 0

@@ -346,7 +346,7 @@ def fake_workers(monkeypatch) -> list[dict]:
         on_event({"event": "ready", "rank": 0})
         for i, (start, end) in enumerate(job["blocks"]):
             kv = torch.arange(start, end, dtype=torch.float32).reshape(1, 1, -1, 1)
-            shards.save_block(Path(job["staging"]), i, kv, kv + 1, {})
+            shards.save_block(Path(job["staging"]), i, kv, kv + 1, range(start, end), {})
             on_event({"event": "block", "tokens": end - start})
 
     monkeypatch.setattr(ingest_mod, "run_workers", run_workers)

@@ -52,21 +52,23 @@ def test_key_mass_sums_to_the_shards_share_of_attention():
     torch.testing.assert_close((left.sum() + right.sum()).item(), 6 * 3.0, rtol=1e-5, atol=1e-5)
 
 
-def test_phase2_attribution_equals_the_exact_key_mass():
-    """What Phase 2 tracks while decoding (each chunk's mass from the kernel's per-chunk LSE,
-    then exact per-key mass for the top chunks) against `key_mass` over every key, summed
-    over layers and steps: chunk sums match everywhere, the refined chunks key by key, and
-    the keys before the first document (the head) get nothing."""
+def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token():
+    """What Phase 2 attributes after the answer against `key_mass` over every key: row s
+    (the one that emitted tokens[s]) counts on exactly the keys holding tokens[s], summed
+    over layers and heads; keys of tokens never emitted and the keys before the first
+    document (the head) get nothing. The shard spans several kernel slots."""
     from starqa import dist, phase2
 
     torch.manual_seed(0)
-    n, head, layers = 2 * phase2.ATTRIBUTION_CHUNK * 3 + 37, 11, 2
+    n, head, layers = 2 * phase2.SLOT * 3 + 37, 11, 2
+    ids = torch.randint(0, 12, (n,))
     shard = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for _ in range(layers)]
-    hook = phase2.ShardAttention(dist.local_world(), shard, query_host=True, head=head)
+    hook = phase2.ShardAttention(dist.local_world(), shard, query_host=True, head=head, ids=ids)
     hook.begin(8)
     hook.track = True
+    tokens = [3, 7, 3, 11]  # what each tracked row emitted (the last row's pick is cut off)
     expected = torch.zeros(n, dtype=torch.float64)
-    for step in range(3):  # a 4-token question, then two single tokens
+    for step in range(5):  # a 4-token question, then single tokens
         m = 4 if step == 0 else 1
         for layer in range(layers):
             q, k, v = torch.randn(1, 6, m, 8), torch.randn(1, 2, m, 8), torch.randn(1, 2, m, 8)
@@ -75,16 +77,17 @@ def test_phase2_attribution_equals_the_exact_key_mass():
             own_v = hook._own[layer][1][:, :, :hook.length + m]
             keys, values = torch.cat([shard[layer][0], own_k], 2), torch.cat([shard[layer][1], own_v], 2)
             _, lse = attend(q, keys, values, 8 ** -0.5, causal=True)
-            expected += key_mass(q[:, :, -1:], shard[layer][0], 8 ** -0.5, lse[..., -1:]).double()
+            if step < len(tokens):
+                mass = key_mass(q[:, :, -1:], shard[layer][0], 8 ** -0.5, lse[..., -1:]).double()
+                expected += mass * (ids == tokens[step])
         hook.advance(m)
-    got = hook.key_mass()
+    expected[:head] = 0
+    expected /= len(tokens) * layers * 6  # a fraction of the answer rows' attention
+    got = hook.key_mass(tokens)
     assert got.shape == (n,) and got[:head].abs().sum() == 0
-    chunk = phase2.ATTRIBUTION_CHUNK
-    bounds = list(range(head, n, chunk)) + [n]
-    sums = torch.tensor([got[a:b].sum() for a, b in zip(bounds, bounds[1:])])
-    torch.testing.assert_close(sums, torch.tensor([expected[a:b].sum()
-                                                   for a, b in zip(bounds, bounds[1:])]),
-                               rtol=1e-4, atol=1e-6)
-    for c in sums.topk(phase2.REFINED_CHUNKS).indices.tolist():
-        torch.testing.assert_close(got[bounds[c]:bounds[c + 1]],
-                                   expected[bounds[c]:bounds[c + 1]], rtol=1e-4, atol=1e-6)
+    assert got[~torch.isin(ids, torch.tensor(tokens))].abs().sum() == 0
+    assert (got[head:][torch.isin(ids[head:], torch.tensor(tokens))] > 0).all()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
+    # No token ids (a shard loaded without them): no attribution rather than a wrong one.
+    hook.ids = None
+    assert hook.key_mass(tokens).sum() == 0

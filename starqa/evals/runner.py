@@ -225,7 +225,7 @@ class Evaluator:
         parts = [(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])]
         start = encoder.query_position(sample.context_ids, config, blocks, prepared)
         answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start,
-                            sample.files)
+                            sample.files, ids=torch.tensor(sample.context_ids))
         del parts
         encoded_at = time.perf_counter()
         tokens: list[int] = []
