@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from starqa import dist, phase2, sources
+from starqa.indexes import TopK
 from starqa.manifest import Manifest, SourceFile
 from starqa.shards import load_shard
 
@@ -23,7 +24,7 @@ class Answerer:
 
     def __init__(self, info: dist.DistInfo, decoder, shard, query_position: int,
                  files: Sequence[SourceFile] = (), token_start: int = 0,
-                 blocks: Sequence[int] = ()):
+                 blocks: Sequence[int] = (), retriever=None):
         self.info = info
         self.blocks = list(blocks)
         self.decoder = decoder
@@ -32,21 +33,31 @@ class Answerer:
         self.token_start = token_start
         # The keys before the first document are no source (see ShardAttention's `head`).
         first_doc = min((f.token_start for f in self.files), default=token_start)
+        # retriever: top-k attention over the blocks (starqa.retrieval), shard then None.
         self.hook = phase2.ShardAttention(info, shard, query_host=info.is_last,
-                                          head=max(0, first_doc - token_start))
+                                          head=max(0, first_doc - token_start),
+                                          retriever=retriever)
 
     @classmethod
     def from_cache(cls, manifest: Manifest, info: dist.DistInfo, model_path: Path,
-                   weights: str = "dense") -> Answerer:
-        """Load the model and this rank's share of the context's blocks (checksums verified)."""
+                   weights: str = "dense", topk: TopK | None = None) -> Answerer:
+        """Load the model and this rank's share of the context's blocks (checksums verified);
+        with `topk`, for top-k attention (starqa.retrieval) instead of exact."""
         from starqa.decoder import load_decoder
 
         blocks = list(dist.split_contiguous(len(manifest.blocks), info.world_size, info.rank))
         dtype = getattr(torch, manifest.dtype)
         decoder = load_decoder(model_path, dtype, weights, info.device)
-        shard = load_shard(manifest, blocks, device=info.device, dtype=dtype)
+        shard, retriever = None, None
+        if topk is None:
+            shard = load_shard(manifest, blocks, device=info.device, dtype=dtype)
+        else:
+            from starqa.retrieval import TopKShard
+
+            retriever = TopKShard.from_cache(manifest, blocks, topk, dtype, info.device)
         start = manifest.blocks[blocks[0]].start if blocks else 0
-        return cls(info, decoder, shard, manifest.query_position, manifest.files, start, blocks)
+        return cls(info, decoder, shard, manifest.query_position, manifest.files, start, blocks,
+                   retriever)
 
     def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
                on_token: Callable[[int], None] | None = None,
