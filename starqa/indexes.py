@@ -82,6 +82,11 @@ class TopK:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def cli_args(self) -> list[str]:
+        """The command-line options that give these settings (a warm group's `serve`)."""
+        return ["--attention", "topk", "--top-k", self.label, "--top-k-schedule",
+                self.schedule, "--index", self.index] + ["--kv-on-disk"] * self.kv_on_disk
+
     def describe(self) -> str:
         return (f"top-k {self.label} ({self.index}, {self.schedule}"
                 + (", KV on disk" if self.kv_on_disk else "") + ")")
@@ -143,6 +148,19 @@ def topk_of(data: dict | None) -> TopK | None:
     return TopK(**data) if data else None
 
 
+def memory_bytes(manifest: Manifest, settings: TopK) -> int:
+    """About the bytes Phase 2 holds for a context under `settings`: the keys (flat) or
+    the index files (read whole, unless memory-mapped with --kv-on-disk), and the values
+    unless they stay on disk (blocks hold keys and values in equal halves)."""
+    half = sum(b.bytes for b in manifest.blocks) // 2
+    found = find_set(manifest, settings.index)
+    if settings.index == "flat":
+        keys = half
+    else:
+        keys = 0 if settings.kv_on_disk or found is None else sum(f.bytes for f in found.files)
+    return keys + (0 if settings.kv_on_disk else half)
+
+
 # ---------------------------------------------------------------------------------------
 # building
 
@@ -163,6 +181,7 @@ def build(kind: str, keys):
         index = faiss.IndexIVFFlat(quantizer, dim, ivf_lists(n), faiss.METRIC_INNER_PRODUCT)
         index.cp.niter = IVF_TRAIN_ITERATIONS
         index.cp.seed = 1234  # the same keys give the same index
+        index.cp.min_points_per_centroid = 1  # a short block has few lists; no warning
         index.train(keys)
     elif kind == "hnsw":
         # faiss's HNSW defaults to L2: inner product has to be asked for.
@@ -343,9 +362,9 @@ def read_index(path: Path, mapped: bool):
     """A faiss index from its file; `mapped`: its vectors memory-mapped, not read."""
     import faiss
 
-    flags = (faiss.IO_FLAG_MMAP | faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY) if mapped \
-        else 0
-    return faiss.read_index(str(path), flags)
+    # IO_FLAG_MMAP_IFC maps the vectors in place: IVF's inverted lists (keys and ids),
+    # HNSW's flat storage (its graph is read).
+    return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if mapped else 0)
 
 
 def search(index, rows, k: int):

@@ -228,12 +228,17 @@ def answer_stats(answer: Answer) -> None:
     rate = (n_new - 1) / answer.decode_seconds if answer.decode_seconds and n_new > 1 else 0.0
     prefill = answer.query_tokens / answer.prefill_seconds if answer.prefill_seconds else 0.0
     workers = f"{answer.workers} {'warm ' * answer.warm}worker{'s' * (answer.workers > 1)}" + \
-        (f" ({answer.weights})" if answer.weights else "")
+        (f" ({answer.weights})" if answer.weights else "") + \
+        (f" · {answer.attention}" if answer.attention != "exact" else "")
     err.print(f"[dim]{answer.context.name} · {answer.context.method.name} · "
               f"{answer.context.n_tokens:,} cached + {answer.query_tokens} question tokens · "
               f"{workers} · first token {ttft:.2f} s · prefill {prefill:,.0f} tok/s · "
               f"decode {rate:.1f} tok/s ({n_new} tokens) · total {answer.seconds:.1f} s[/]"
               if ttft is not None else f"[dim]no answer tokens ({answer.seconds:.1f} s)[/]")
+    if answer.attention != "exact":
+        err.print("[dim]Sources: not tracked with top-k attention (ask with --attention exact "
+                  "to see them).[/]")
+        return
     print_sources(answer.sources)
 
 
@@ -244,7 +249,8 @@ def answer_json(answer: Answer) -> dict:
             "tokens": {"context": ctx.n_tokens, "question": answer.query_tokens,
                        "answer": len(answer.token_ids)},
             "workers": answer.workers, "warm": answer.warm, "weights": answer.weights,
-            "sources": answer.sources,
+            "attention": answer.attention,
+            "sources": answer.sources if answer.attention == "exact" else None,
             "timings": {"first_token_s": answer.first_token_seconds,
                         "prefill_s": answer.prefill_seconds, "decode_s": answer.decode_seconds,
                         "total_s": answer.seconds}}
