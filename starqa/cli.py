@@ -104,6 +104,15 @@ def _topk(attention: str, top_k, schedule, index, kv_on_disk):
     return topk_settings(attention, top_k, schedule, index, kv_on_disk)
 
 
+def _topk_list(attention: str, top_k, schedule, index) -> tuple:
+    """`starqa eval`'s top-k settings, one per comma-separated budget (none: exact only)."""
+    from starqa.indexes import topk_settings
+
+    budgets = [None] if top_k is None else [b for b in top_k.split(",") if b.strip()] or [""]
+    found = [topk_settings(attention, b, schedule, index) for b in budgets]
+    return tuple(dict.fromkeys(t for t in found if t is not None))
+
+
 def _rerunnable(command: str) -> str:
     """`command` as hints quote it: run from the folder it was typed in, so that relative
     paths (to sources, a model folder) still work when the hint is pasted anywhere."""
@@ -564,6 +573,13 @@ def eval_(
     positions: Positions = None,
     passing_size: PassingSize = None,
     probe_window: ProbeWindow = None,
+    attention: Attention = "exact",
+    top_k: Annotated[Optional[str], typer.Option(
+        "--top-k", envvar="STARQA_TOP_K",
+        help="topk: comma-separated budgets, each a count or a percentage of the context "
+             "(e.g. 0.5%,1%,2%; default 1%); every method also runs with each.")] = None,
+    top_k_schedule: TopKSchedule = None,
+    index: IndexKind = None,
 ) -> None:
     """Measure each method's accuracy, and its retention of dense accuracy, on generated
     long-context tasks (RULER-style: needles, variable tracking, word extraction, and
@@ -574,6 +590,7 @@ def eval_(
         model=model, methods=methods, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
         json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
         anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]),
+        topk=_topk_list(attention, top_k, top_k_schedule, index),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                        "chunk": chunk_size, "positions": positions, "passing": passing_size,
                        "window": probe_window})

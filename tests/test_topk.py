@@ -163,3 +163,21 @@ def test_block_tensors_read_by_hand_and_memory_mapped(tmp_path):
     assert torch.equal(indexes.read_block_tensor(path, "k"), k)
     mapped = indexes.read_block_tensor(path, "v", mapped=True)
     assert torch.equal(mapped[1, 2, [7, 3]], v[1, 2, [7, 3]])
+
+
+def test_eval_runs_each_method_exact_then_with_each_top_k(home, tiny_model, tmp_path):
+    from starqa.evals import runner
+
+    every, few = TopK(fraction=1.0), TopK(count=2, index="ivf")
+    opts = runner.EvalOptions(model=str(tiny_model), methods="dense", tasks="niah_single_1",
+                              lengths="300", samples=1, dtype="fp32", block_size=64,
+                              json_path=str(tmp_path / "e.json"), topk=(every, few))
+    plan = runner.plan(opts)
+    assert plan.labels == ["dense", "dense topk 100%", "dense topk 2 ivf"] and plan.n_runs == 3
+    results = runner.run(plan)
+    r = results["samples"][0]["results"]
+    assert r["dense topk 100%"]["token_ids"] == r["dense"]["token_ids"]  # every key: exact
+    assert r["dense topk 2 ivf"]["attention"]["index"] == "ivf"
+    (row,) = results["summary"]
+    assert set(row["methods"]) == set(plan.labels)
+    assert row["methods"]["dense topk 100%"]["retention"] in (None, 1.0)
