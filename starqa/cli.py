@@ -514,6 +514,18 @@ def bench(
         "--json", envvar="STARQA_BENCH_JSON",
         help="Also write every measurement (per worker) to this JSON file.")] = None,
     device: Device = "auto",
+    top_k: Annotated[Optional[str], typer.Option(
+        "--top-k", envvar="STARQA_TOP_K",
+        help="Also run Phase 2 with top-k attention of this budget (a count or a percentage "
+             "of the context, e.g. 1%) for each --index kind, against exact.")] = None,
+    index: Annotated[str, typer.Option(
+        "--index", envvar="STARQA_BENCH_INDEX",
+        help="With --top-k: index kinds, comma-separated.")] = "flat,ivf,hnsw",
+    top_k_schedule: TopKSchedule = None,
+    kv_on_disk: Annotated[bool, typer.Option(
+        "--kv-on-disk", envvar="STARQA_KV_ON_DISK",
+        help="With --top-k: each kind also with values memory-mapped from the cache.")
+    ] = False,
 ) -> None:
     """Measure Phase 1 and Phase 2 of each method side by side on synthetic contexts.
 
@@ -524,7 +536,8 @@ def bench(
     from starqa import bench as bench_mod
     from starqa.ui import RichUI, bench_notes, bench_table, err
 
-    opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device)
+    opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device, top_k,
+                             index, top_k_schedule, kv_on_disk)
     _fetch_model(model)
     plan = bench_mod.make_plan(opts)
     bench_notes(plan)
