@@ -174,7 +174,10 @@ def ivf_lists(n_keys: int) -> int:
 def build(kind: str, keys):
     """A faiss index of `kind` (ivf, hnsw) over keys [T, D] (numpy float32), inner product."""
     import faiss
+    import torch
 
+    # as many threads as torch has here (a worker's share of the cores); searching sets 1
+    faiss.omp_set_num_threads(torch.get_num_threads())
     n, dim = keys.shape
     if kind == "ivf":
         quantizer = faiss.IndexFlatIP(dim)

@@ -14,6 +14,7 @@ computes: answers under top-k name no sources.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -42,6 +43,17 @@ class TopKShard:
         self.searchers = searchers
         self.values = values
         self.mapped_values = mapped_values
+        self.pool = None
+        if searchers:
+            import faiss
+
+            # One search per block and KV head, each single-threaded (a search of a few
+            # rows is too small to split; faiss's OpenMP threads would also spin against
+            # torch's), run side by side on a pool (faiss releases the GIL).
+            faiss.omp_set_num_threads(1)
+            searches = len(searchers) * len(searchers[0][1][0])
+            if min(searches, torch.get_num_threads()) > 1:
+                self.pool = ThreadPoolExecutor(min(searches, torch.get_num_threads()))
 
     @classmethod
     def from_parts(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], settings: TopK,
@@ -136,13 +148,19 @@ class TopKShard:
         import numpy as np
 
         x = q.float().cpu().numpy()  # [Hkv, r, D]
-        scores, ids = [], []
-        for start, per_layer in self.searchers:
-            found = [indexes.search(index, np.ascontiguousarray(x[head]), min(k, index.ntotal))
-                     for head, index in enumerate(per_layer[layer])]
-            scores.append(np.stack([s for s, _ in found]))
-            block_ids = np.stack([i for _, i in found])
-            ids.append(np.where(block_ids >= 0, block_ids + start, -1))
+        rows = [np.ascontiguousarray(x[head]) for head in range(x.shape[0])]
+        tasks = [(start, head, index) for start, per_layer in self.searchers
+                 for head, index in enumerate(per_layer[layer])]
+
+        def one(task):
+            start, head, index = task
+            found, block_ids = indexes.search(index, rows[head], min(k, index.ntotal))
+            return found, np.where(block_ids >= 0, block_ids + start, -1)
+
+        done = list(self.pool.map(one, tasks) if self.pool else map(one, tasks))
+        heads = x.shape[0]  # tasks run block by block, head by head: regroup per block
+        scores = [np.stack([s for s, _ in done[b:b + heads]]) for b in range(0, len(done), heads)]
+        ids = [np.stack([i for _, i in done[b:b + heads]]) for b in range(0, len(done), heads)]
         scores = torch.from_numpy(np.concatenate(scores, axis=-1))
         idx = torch.from_numpy(np.concatenate(ids, axis=-1))
         scores = scores.masked_fill(idx < 0, float("-inf"))
