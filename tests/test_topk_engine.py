@@ -135,3 +135,29 @@ def test_cli_ask_json_with_topk(home, docs, tiny_model):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["attention"] == "top-k 10 (ivf, linear)" and data["sources"] is None
+
+
+def test_a_warm_group_answers_only_with_its_own_attention(home, docs, tiny_model):
+    """A cold top-k ask leaves a top-k warm group; the same settings are answered warm,
+    exact attention is not (it answers cold, with its own tokens)."""
+    import time
+
+    from starqa import client
+
+    ingest(docs, tiny_model, method="star", block_size=50)
+    few = TopK(count=5, index="ivf")
+    cold = ask(topk=few, keepalive=60)
+    deadline = time.monotonic() + 120
+    while (group := client.find(cold.context.key)) is None:
+        assert time.monotonic() < deadline, "no warm group appeared"
+        time.sleep(0.2)
+    try:
+        assert group["topk"] == few.as_dict()
+        warm = ask(topk=few)
+        assert warm.warm and warm.token_ids == cold.token_ids and warm.sources == []
+        exact = ask()
+        assert not exact.warm and exact.attention == "exact"
+    finally:
+        conn = client.Client(group)
+        conn.stop()
+        conn.close()
