@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from starqa import dist, phase2, sources
+from starqa.indexes import TopK
 from starqa.manifest import Manifest, SourceFile
 from starqa.shards import load_shard
 
@@ -24,7 +25,8 @@ class Answerer:
 
     def __init__(self, info: dist.DistInfo, decoder, shard, query_position: int,
                  files: Sequence[SourceFile] = (), token_start: int = 0,
-                 blocks: Sequence[int] = (), ids: torch.Tensor | None = None):
+                 blocks: Sequence[int] = (), ids: torch.Tensor | None = None,
+                 retriever=None):
         self.info = info
         self.blocks = list(blocks)
         self.decoder = decoder
@@ -34,22 +36,31 @@ class Answerer:
         # The keys before the first document are no source (see ShardAttention's `head`).
         first_doc = min((f.token_start for f in self.files), default=token_start)
         self.sources_seconds = 0.0
+        # retriever: top-k attention over the blocks (starqa.retrieval), shard then None.
         self.hook = phase2.ShardAttention(info, shard, query_host=info.is_last,
-                                          head=max(0, first_doc - token_start), ids=ids)
+                                          head=max(0, first_doc - token_start), ids=ids,
+                                          retriever=retriever)
 
     @classmethod
     def from_cache(cls, manifest: Manifest, info: dist.DistInfo, model_path: Path,
-                   weights: str = "dense") -> Answerer:
-        """Load the model and this rank's share of the context's blocks (checksums verified)."""
+                   weights: str = "dense", topk: TopK | None = None) -> Answerer:
+        """Load the model and this rank's share of the context's blocks (checksums verified);
+        with `topk`, for top-k attention (starqa.retrieval) instead of exact."""
         from starqa.decoder import load_decoder
 
         blocks = list(dist.split_contiguous(len(manifest.blocks), info.world_size, info.rank))
         dtype = getattr(torch, manifest.dtype)
         decoder = load_decoder(model_path, dtype, weights, info.device)
-        shard, ids = load_shard(manifest, blocks, device=info.device, dtype=dtype)
+        shard, ids, retriever = None, None, None
+        if topk is None:
+            shard, ids = load_shard(manifest, blocks, device=info.device, dtype=dtype)
+        else:
+            from starqa.retrieval import TopKShard
+
+            retriever = TopKShard.from_cache(manifest, blocks, topk, dtype, info.device)
         start = manifest.blocks[blocks[0]].start if blocks else 0
         return cls(info, decoder, shard, manifest.query_position, manifest.files, start, blocks,
-                   ids)
+                   ids, retriever)
 
     def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
                on_token: Callable[[int], None] | None = None,

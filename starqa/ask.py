@@ -15,6 +15,7 @@ from typing import Any
 
 from starqa import paths, prompt, shards, store
 from starqa.errors import StarqaError
+from starqa.indexes import TopK, topk_of
 from starqa.launch import Launch, launch_of, run_workers
 from starqa.manifest import Manifest, write_json_atomic
 from starqa.placement import phase2_workers
@@ -38,6 +39,7 @@ class AskOptions:
     warm: bool = True  # use a running `starqa serve` group for the context when there is one
     weights: str | None = None  # Phase 2 weight format (models.WEIGHT_FORMATS); None: default
     keepalive: float = 0.0  # a cold ask leaves a warm group this long; 0: none (CLI: 300 s)
+    topk: TopK | None = None  # top-k attention (starqa.indexes.topk_settings); None: exact
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Answer:
     query_host: bool = True  # False on machines that do not hold the last block
     warm: bool = False  # answered by a running worker group
     weights: str | None = None  # Phase 2 weight format, where known
+    attention: str = "exact"  # or the top-k settings (`TopK.describe`): then no sources
 
 
 def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
@@ -72,30 +75,44 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         from starqa import client
 
         group = client.find(manifest.key)
-        if group is not None and opts.weights in (None, group.get("weights")):
+        if group is not None and opts.weights in (None, group.get("weights")) \
+                and group.get("topk") == (opts.topk.as_dict() if opts.topk else None):
             return _ask_warm(opts, manifest, group, ui, started)
     with ui.status("Checking model and shards"):
         model_path = _checked_model(manifest, opts.model, ui)
         tokenizer, query_ids = _question(manifest, model_path, opts.question)
+    manifest = _with_indexes(manifest, opts.topk, ui)
     n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
     if not opts.beyond_window and (error := prompt.room_error(n, m, opts.max_new_tokens, window)):
         raise error
-    workers, why = phase2_workers(manifest, model_path, opts.workers, opts.nnodes, opts.device)
+    workers, why = phase2_workers(manifest, model_path, opts.workers, opts.nnodes, opts.device,
+                                  opts.topk)
     weights = models.phase2_weights(opts.weights, manifest.model.spec, opts.device)
     stops = models.stop_ids(tokenizer, model_path)
     if workers == 1 and opts.nnodes == 1:
         answer = _answer_here(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
-                              stops, weights, opts.device, why, ui, started)
+                              stops, weights, opts.device, why, ui, started, opts.topk)
     else:
         answer = _answer(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
-                         stops, launch_of(opts, workers), ui, started, weights=weights)
+                         stops, launch_of(opts, workers), ui, started, weights=weights,
+                         topk=opts.topk)
     if opts.keepalive > 0 and opts.warm and opts.nnodes == 1:
         from starqa import client
 
         # The next question finds this context warm: a group starts in the background
         # (a second one for the same context refuses to start, see `serve`).
-        client.spawn(manifest.key, opts.workers, opts.keepalive, opts.weights)
+        client.spawn(manifest.key, opts.workers, opts.keepalive, opts.weights,
+                     opts.topk.cli_args() if opts.topk else ())
     return answer
+
+
+def _with_indexes(manifest: Manifest, topk: TopK | None, ui: UI) -> Manifest:
+    """The context with the indexes top-k attention needs, built now if it has none."""
+    if topk is None:
+        return manifest
+    from starqa import indexes
+
+    return indexes.ensure(manifest, topk.index, on_build=ui.waiting)
 
 
 def _question(manifest: Manifest, model_path: Path, question: str) -> tuple[Any, list[int]]:
@@ -116,7 +133,7 @@ def _question(manifest: Manifest, model_path: Path, question: str) -> tuple[Any,
 def ask_tokens(manifest: Manifest, query_ids: list[int], *, workers: int | None = None,
                max_new_tokens: int = 16, stop: bool = True, measure: bool = False,
                allow_over_window: bool = False, device: str = "auto", weights: str | None = None,
-               ui: UI = UI()) -> Answer:
+               topk: TopK | None = None, ui: UI = UI()) -> Answer:
     """Phase 2 for query token ids on a fresh torchrun group (never a warm one): the way in
     for `starqa bench`. stop=False generates exactly `max_new_tokens` (an end-of-turn token
     does not end it); measure: the workers report time and bytes communicated
@@ -129,21 +146,23 @@ def ask_tokens(manifest: Manifest, query_ids: list[int], *, workers: int | None 
     n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
     if not allow_over_window and (error := prompt.room_error(n, m, max_new_tokens, window)):
         raise error
-    workers = phase2_workers(manifest, model_path, workers, 1, device)[0]
+    manifest = _with_indexes(manifest, topk, ui)
+    workers = phase2_workers(manifest, model_path, workers, 1, device, topk)[0]
     stops = models.stop_ids(tokenizer, model_path) if stop else set()
     return _answer(manifest, model_path, tokenizer, query_ids, max_new_tokens, stops,
                    Launch(workers, device=device), ui, started, measure,
-                   models.phase2_weights(weights, manifest.model.spec, device))
+                   models.phase2_weights(weights, manifest.model.spec, device), topk)
 
 
 def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int],
             max_new_tokens: int, stops: set[int], launch: Launch, ui: UI, started: float,
-            measure: bool = False, weights: str = "dense") -> Answer:
+            measure: bool = False, weights: str = "dense", topk: TopK | None = None) -> Answer:
     """Run Phase 2 on a torchrun group, streaming tokens to `ui`."""
     workers = launch.workers
     job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest.dtype,
            "context_dir": str(manifest.folder), "query_ids": query_ids, "weights": weights,
-           "max_new_tokens": max_new_tokens, "stop_ids": sorted(stops), "measure": measure}
+           "max_new_tokens": max_new_tokens, "stop_ids": sorted(stops), "measure": measure,
+           "topk": topk.as_dict() if topk else None}
     stream = prompt.TextStream(tokenizer)
     timing: dict[str, Any] = {}
     peaks: dict[int, int] = {}
@@ -176,12 +195,13 @@ def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int
                   decode_seconds=done.get("decode_s", 0.0), prefill_seconds=done.get("prefill_s"),
                   sources=done.get("sources") or [],
                   peak_bytes=[peaks[r] for r in sorted(peaks)],
-                  measures=[measures[r] for r in sorted(measures)], weights=weights)
+                  measures=[measures[r] for r in sorted(measures)], weights=weights,
+                  attention=topk.describe() if topk else "exact")
 
 
 def _answer_here(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int],
                  max_new_tokens: int, stops: set[int], weights: str, device: str, why: str,
-                 ui: UI, started: float) -> Answer:
+                 ui: UI, started: float, topk: TopK | None = None) -> Answer:
     """Phase 2 as a world of one in this process: no torchrun, no second Python start."""
     import resource
 
@@ -189,7 +209,8 @@ def _answer_here(manifest: Manifest, model_path: Path, tokenizer, query_ids: lis
     from starqa.answering import Answerer
 
     ui.waiting(f"Loading model and shards ({why})")
-    answerer = Answerer.from_cache(manifest, dist.local_world(device), model_path, weights)
+    answerer = Answerer.from_cache(manifest, dist.local_world(device), model_path, weights,
+                                   topk)
     stream = prompt.TextStream(tokenizer)
     first: list[float] = []
 
@@ -210,7 +231,7 @@ def _answer_here(manifest: Manifest, model_path: Path, tokenizer, query_ids: lis
                   decode_seconds=(end - first[0]) if first else 0.0,
                   prefill_seconds=(first[0] if first else end) - loaded, sources=top or [],
                   peak_bytes=[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
-                  weights=weights)
+                  weights=weights, attention=topk.describe() if topk else "exact")
 
 
 def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started: float) -> Answer:
@@ -237,7 +258,8 @@ def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started
                   seconds=time.perf_counter() - started,
                   first_token_seconds=(first - started) if first else None,
                   decode_seconds=done["decode_s"], prefill_seconds=done["first_token_s"],
-                  sources=done["sources"] or [], warm=True, weights=group.get("weights"))
+                  sources=done["sources"] or [], warm=True, weights=group.get("weights"),
+                  attention=opts.topk.describe() if opts.topk else "exact")
 
 
 @dataclass(frozen=True)
@@ -248,6 +270,7 @@ class ServeOptions:
     keepalive: float = DEFAULT_KEEPALIVE  # idle seconds before the group exits; <= 0: never
     device: str = "auto"
     weights: str | None = None  # Phase 2 weight format; None: the default
+    topk: TopK | None = None  # top-k attention; None: exact
 
 
 def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
@@ -264,13 +287,16 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
     with claim:
         with ui.status("Checking model and shards"):
             model_path = _checked_model(manifest, opts.model, ui)
-        workers, why = phase2_workers(manifest, model_path, opts.workers, 1, opts.device)
+        manifest = _with_indexes(manifest, opts.topk, ui)
+        workers, why = phase2_workers(manifest, model_path, opts.workers, 1, opts.device,
+                                      opts.topk)
         run_file = client.run_dir() / f"{key}.json"
         job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest.dtype,
                "context_dir": str(manifest.folder), "keepalive": opts.keepalive,
                "socket": str(client.run_dir() / f"{key}.sock"),
                "weights": models.phase2_weights(opts.weights, manifest.model.spec,
-                                                opts.device)}
+                                                opts.device),
+               "topk": opts.topk.as_dict() if opts.topk else None}
         ready: set[int] = set()
 
         def on_event(event: dict) -> None:
@@ -281,7 +307,7 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
                             "workers": workers, "socket": job["socket"],
                             "started": time.time(), "keepalive": opts.keepalive,
                             "tokens": manifest.n_tokens, "weights": job["weights"],
-                            "method": manifest.method.name}
+                            "method": manifest.method.name, "topk": job["topk"]}
                     write_json_atomic(run_file, info)
                     if on_ready:
                         on_ready(info)
@@ -306,7 +332,8 @@ def _serve_here(job: dict, manifest: Manifest, model_path: Path, device: str, wh
 
     ui.waiting(f"Loading model and shards ({why})")
     info = dist.local_world(device)
-    answerer = Answerer.from_cache(manifest, info, model_path, job["weights"])
+    answerer = Answerer.from_cache(manifest, info, model_path, job["weights"],
+                                   topk_of(job["topk"]))
     serve_group(job, info, answerer, manifest, on_ready)
 
 

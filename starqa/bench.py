@@ -23,6 +23,7 @@ from pathlib import Path
 
 from starqa import engine, methods, prompt, store
 from starqa.errors import StarqaError
+from starqa.indexes import TopK, find_set, topk_settings
 from starqa.launch import cpu_count
 from starqa.manifest import Manifest, write_json_atomic
 from starqa.methods import METHODS, method_config, plan_blocks
@@ -42,17 +43,34 @@ class BenchOptions:
     dtype: str | None = None
     new_tokens: int = 16  # tokens generated per run; per-token latency needs at least 2
     device: str = "auto"
+    topk: tuple[TopK, ...] = ()  # Phase 2 also with each, on the same context, after exact
 
 
 def options(methods: str | None = None, lengths: str = DEFAULT_LENGTHS,
             workers: str = DEFAULT_WORKERS, model: str | None = None, dtype: str | None = None,
-            new_tokens: int = 16, device: str = "auto") -> BenchOptions:
-    """BenchOptions from the command line's strings; every bad value is a clear error."""
+            new_tokens: int = 16, device: str = "auto", top_k: str | None = None,
+            index: str = "flat,ivf,hnsw", schedule: str | None = None,
+            kv_on_disk: bool = False) -> BenchOptions:
+    """BenchOptions from the command line's strings; every bad value is a clear error.
+    top_k: Phase 2 also runs top-k attention with this budget for each index kind of
+    `index` (comma-separated), in memory and, with `kv_on_disk`, memory-mapped too."""
     if new_tokens < 2:
         raise StarqaError(f"--new-tokens must be at least 2 (got {new_tokens}): per-token "
                           "latency is measured between generated tokens.")
+    topk = []
+    if top_k is not None:
+        for kind in dict.fromkeys(k.strip() for k in index.split(",") if k.strip()):
+            topk.append(topk_settings("topk", top_k, schedule, kind))
+            if kv_on_disk:
+                topk.append(topk_settings("topk", top_k, schedule, kind, True))
+        if not topk:
+            raise StarqaError(f"--index {index!r} names no index kind.",
+                              hint="e.g. --index flat,ivf,hnsw")
+    elif kv_on_disk or schedule:
+        raise StarqaError("--kv-on-disk and --top-k-schedule apply to top-k runs.",
+                          hint="add --top-k 1%")
     return BenchOptions(parse_methods(methods), parse_lengths(lengths), parse_workers(workers),
-                        model, dtype, new_tokens, device)
+                        model, dtype, new_tokens, device, tuple(topk))
 
 
 def parse_methods(text: str | None) -> tuple[str, ...]:
@@ -214,7 +232,7 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
         "dtype": str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
                      ).removeprefix("torch."),
         "device": opts.device, "new_tokens": opts.new_tokens, "query_tokens": len(query_ids),
-        "started": time.time()}, "notes": list(plan.notes), "rows": [], "ratios": []}
+        "cpu": cpu_info(), "started": time.time()}, "notes": list(plan.notes), "rows": [], "ratios": []}
     scratch = None
     if contexts_dir is None:
         scratch = Path(tempfile.mkdtemp(prefix="starqa-bench-"))
@@ -238,10 +256,21 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
                                            max_new_tokens=opts.new_tokens, stop=False,
                                            measure=True, allow_over_window=True,
                                            device=opts.device, ui=ui)
+            topk_rows = []
+            for settings in opts.topk:
+                with new_ui() as ui:
+                    fast = engine.ask_tokens(manifest, query_ids, workers=r.workers,
+                                             max_new_tokens=opts.new_tokens, stop=False,
+                                             measure=True, allow_over_window=True,
+                                             device=opts.device, topk=settings, ui=ui)
+                manifest = fast.context  # with the indexes built for it
+                topk_rows.append(_topk_row(settings, manifest, fast, answer))
+                report(f"    {_describe_topk(topk_rows[-1])}")
             if contexts_dir is None:
                 store.remove_context(manifest)
             row = _row(r, manifest, ingested, answer, shard_bytes,
                        time.perf_counter() - started)
+            row["topk"] = topk_rows
             result["rows"].append(row)
             result["ratios"] = ratios(result["rows"], opts)
             result["environment"]["seconds"] = time.time() - result["environment"]["started"]
@@ -293,6 +322,50 @@ def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds
             "peak_bytes": max(w["peak_bytes"] for w in p2),
             "sent_bytes": sum(w["sent_bytes"] for w in p2), "per_worker": p2},
     }
+
+
+def _topk_row(settings: TopK, manifest: Manifest, answer, exact) -> dict:
+    """One top-k Phase 2 run against the exact one on the same context and workers."""
+    built = find_set(manifest, settings.index)
+    new = len(answer.token_ids)
+    per_token = answer.decode_seconds / (new - 1) if new > 1 else None
+    exact_new = len(exact.token_ids)
+    exact_per_token = exact.decode_seconds / (exact_new - 1) if exact_new > 1 else None
+    peak, exact_peak = max(answer.peak_bytes), max(exact.peak_bytes)
+    return {"attention": settings.describe(), "settings": settings.as_dict(),
+            "k": settings.keys(manifest.n_tokens),
+            "index_bytes": sum(f.bytes for f in built.files) if built else 0,
+            "index_build_seconds": built.build_seconds if built else 0.0,
+            "first_token_seconds": answer.prefill_seconds, "seconds_per_token": per_token,
+            "peak_bytes": peak, "same_tokens_as_exact": answer.token_ids == exact.token_ids,
+            "decode_vs_exact": per_token / exact_per_token if per_token and exact_per_token
+            else None,
+            "peak_vs_exact": peak / exact_peak if exact_peak else None}
+
+
+def _describe_topk(row: dict) -> str:
+    per_token = row["seconds_per_token"]
+    return (f"{row['attention']}, k = {row['k']:,}: first token "
+            f"{row['first_token_seconds']:.2f} s"
+            + (f", {per_token * 1e3:.0f} ms/token ({row['decode_vs_exact']:.2f} of exact)"
+               if per_token is not None and row["decode_vs_exact"] else "")
+            + f", peak {row['peak_bytes'] / 2**20:,.0f} MiB ({row['peak_vs_exact']:.2f} of exact)")
+
+
+def cpu_info() -> dict:
+    """The CPU's model name and the flags that decide bf16 speed (Linux /proc/cpuinfo)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name") and model == "unknown":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"model": model, "flags": [f for f in wanted if f in flags]}
 
 
 def ratios(rows: Sequence[dict], opts: BenchOptions, base: str = methods.DEFAULT

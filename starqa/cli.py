@@ -75,6 +75,44 @@ ProbeWindow = Annotated[Optional[int], typer.Option(
     help="apb: the block's last tokens whose queries score what to pass (default 64).")]
 
 
+# top-k attention (ask, chat, serve, eval; ingest: --index)
+Attention = Annotated[str, typer.Option(
+    envvar="STARQA_ATTENTION",
+    help="Phase 2 attention: exact (every key) or topk (each query row attends to its k "
+         "keys with the largest inner product, from a vector index; no sources).")]
+TopKOpt = Annotated[Optional[str], typer.Option(
+    "--top-k", envvar="STARQA_TOP_K",
+    help="topk: keys per query row and worker, a count (512) or a percentage of the "
+         "context (1%, the default).")]
+TopKSchedule = Annotated[Optional[str], typer.Option(
+    "--top-k-schedule", envvar="STARQA_TOP_K_SCHEDULE",
+    help="topk: uniform (k in every layer, the default) or linear (k grows with depth, "
+         "the same total).")]
+IndexKind = Annotated[Optional[str], typer.Option(
+    "--index", envvar="STARQA_INDEX",
+    help="topk: flat (exact matmul + top-k over the keys in memory, the default), ivf or "
+         "hnsw (faiss indexes next to the shards, built on first use).")]
+KvOnDisk = Annotated[bool, typer.Option(
+    "--kv-on-disk", envvar="STARQA_KV_ON_DISK",
+    help="topk: keep values (and ivf/hnsw keys) memory-mapped from the cache and read only "
+         "the rows selected.")]
+
+
+def _topk(attention: str, top_k, schedule, index, kv_on_disk):
+    from starqa.indexes import topk_settings
+
+    return topk_settings(attention, top_k, schedule, index, kv_on_disk)
+
+
+def _topk_list(attention: str, top_k, schedule, index) -> tuple:
+    """`starqa eval`'s top-k settings, one per comma-separated budget (none: exact only)."""
+    from starqa.indexes import topk_settings
+
+    budgets = [None] if top_k is None else [b for b in top_k.split(",") if b.strip()] or [""]
+    found = [topk_settings(attention, b, schedule, index) for b in budgets]
+    return tuple(dict.fromkeys(t for t in found if t is not None))
+
+
 def _rerunnable(command: str) -> str:
     """`command` as hints quote it: run from the folder it was typed in, so that relative
     paths (to sources, a model folder) still work when the hint is pasted anywhere."""
@@ -117,6 +155,10 @@ def ingest(
     force: Annotated[bool, typer.Option("--force", envvar="STARQA_FORCE",
                                         help="Re-encode even on a cache hit.")] = False,
     beyond_window: BeyondWindow = False,
+    index: Annotated[Optional[str], typer.Option(
+        "--index", envvar="STARQA_INGEST_INDEX",
+        help="Also build top-k attention's indexes as the blocks are encoded: ivf or hnsw "
+             "(default: none; `ask --attention topk` builds them on first use).")] = None,
     reserve: Annotated[Optional[int], typer.Option(
         envvar="STARQA_RESERVE", min=0,
         help="Tokens of the window kept free for a question and its answer: the context "
@@ -135,7 +177,7 @@ def ingest(
         paths=tuple(paths), model=model, method=method, block_size=block_size,
         anchor_size=anchor_size, workers=workers, name=name, dtype=dtype,
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
-        beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes,
+        beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes, index=index,
         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device,
         command=_rerunnable("starqa " + shlex.join(sys.argv[1:])),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
@@ -167,6 +209,11 @@ def ask(
     device: Device = "auto",
     weights: Weights = None,
     keepalive: KeepAlive = 300.0,
+    attention: Attention = "exact",
+    top_k: TopKOpt = None,
+    top_k_schedule: TopKSchedule = None,
+    index: IndexKind = None,
+    kv_on_disk: KvOnDisk = False,
 ) -> None:
     """Answer a question from a cached context (Phase 2), streaming tokens.
 
@@ -179,7 +226,8 @@ def ask(
                              max_new_tokens=max_new_tokens, beyond_window=beyond_window,
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              device=device, warm=not cold, weights=weights,
-                             keepalive=keepalive)
+                             keepalive=keepalive,
+                             topk=_topk(attention, top_k, top_k_schedule, index, kv_on_disk))
     with RichUI(stream=not as_json) as ui:
         answer = engine.ask(opts, ui)
     if as_json:
@@ -326,6 +374,11 @@ def serve(
     keepalive: KeepAlive = 300.0,
     device: Device = "auto",
     weights: Weights = None,
+    attention: Attention = "exact",
+    top_k: TopKOpt = None,
+    top_k_schedule: TopKSchedule = None,
+    index: IndexKind = None,
+    kv_on_disk: KvOnDisk = False,
 ) -> None:
     """Keep a worker group warm for a context; `ask` and `chat` use it while it runs."""
     from starqa import engine
@@ -341,7 +394,9 @@ def serve(
     with RichUI() as ui:
         engine.serve(engine.ServeOptions(context=context, model=model, workers=workers,
                                          keepalive=keepalive, device=device,
-                                         weights=weights), ui, ready)
+                                         weights=weights,
+                                         topk=_topk(attention, top_k, top_k_schedule, index,
+                                                    kv_on_disk)), ui, ready)
 
 
 @app.command()
@@ -396,11 +451,44 @@ def chat(
     workers: Workers = None,
     keepalive: KeepAlive = 300.0,
     max_new_tokens: MaxNewTokens = 256,
+    attention: Attention = "exact",
+    top_k: TopKOpt = None,
+    top_k_schedule: TopKSchedule = None,
+    index: IndexKind = None,
+    kv_on_disk: KvOnDisk = False,
 ) -> None:
     """Interactive questions over a cached context, with warm workers."""
     from starqa.repl import Chat
 
-    Chat(context, workers, keepalive, max_new_tokens).run()
+    Chat(context, workers, keepalive, max_new_tokens,
+         _topk(attention, top_k, top_k_schedule, index, kv_on_disk)).run()
+
+
+@app.command("index")
+def index_(
+    context: ContextArg = None,
+    kind: Annotated[str, typer.Option(
+        "--index", envvar="STARQA_INDEX", help="The index kind to (re)build: ivf or hnsw.")
+    ] = "ivf",
+) -> None:
+    """Build, or rebuild, a context's indexes for top-k attention (ask --attention topk).
+
+    One faiss index per block, layer and KV head, next to the shards, checksummed in the
+    manifest; a damaged set is replaced whole."""
+    from starqa import indexes, paths, store
+    from starqa.errors import StarqaError
+    from starqa.ui import RichUI, err
+
+    if kind not in indexes.KINDS or kind == "flat":
+        raise StarqaError(f"--index {kind!r} has no index files to build.",
+                          hint="choose ivf or hnsw (flat searches the keys themselves)")
+    manifest = store.find_context(paths.contexts_dir(), context)
+    with RichUI(stream=False) as ui:
+        manifest = indexes.ensure(manifest, kind, rebuild=True, on_build=ui.waiting)
+    built = indexes.find_set(manifest, kind)
+    err.print(f"Built {len(built.files):,} {kind} indexes for {manifest.name} "
+              f"({sum(f.bytes for f in built.files) / 2**20:,.1f} MiB, "
+              f"{built.build_seconds:.1f} s) in {manifest.folder / built.folder}")
 
 
 @app.command()
@@ -426,6 +514,18 @@ def bench(
         "--json", envvar="STARQA_BENCH_JSON",
         help="Also write every measurement (per worker) to this JSON file.")] = None,
     device: Device = "auto",
+    top_k: Annotated[Optional[str], typer.Option(
+        "--top-k", envvar="STARQA_TOP_K",
+        help="Also run Phase 2 with top-k attention of this budget (a count or a percentage "
+             "of the context, e.g. 1%) for each --index kind, against exact.")] = None,
+    index: Annotated[str, typer.Option(
+        "--index", envvar="STARQA_BENCH_INDEX",
+        help="With --top-k: index kinds, comma-separated.")] = "flat,ivf,hnsw",
+    top_k_schedule: TopKSchedule = None,
+    kv_on_disk: Annotated[bool, typer.Option(
+        "--kv-on-disk", envvar="STARQA_KV_ON_DISK",
+        help="With --top-k: each kind also with values memory-mapped from the cache.")
+    ] = False,
 ) -> None:
     """Measure Phase 1 and Phase 2 of each method side by side on synthetic contexts.
 
@@ -436,7 +536,8 @@ def bench(
     from starqa import bench as bench_mod
     from starqa.ui import RichUI, bench_notes, bench_table, err
 
-    opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device)
+    opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device, top_k,
+                             index, top_k_schedule, kv_on_disk)
     _fetch_model(model)
     plan = bench_mod.make_plan(opts)
     bench_notes(plan)
@@ -485,6 +586,13 @@ def eval_(
     positions: Positions = None,
     passing_size: PassingSize = None,
     probe_window: ProbeWindow = None,
+    attention: Attention = "exact",
+    top_k: Annotated[Optional[str], typer.Option(
+        "--top-k", envvar="STARQA_TOP_K",
+        help="topk: comma-separated budgets, each a count or a percentage of the context "
+             "(e.g. 0.5%,1%,2%; default 1%); every method also runs with each.")] = None,
+    top_k_schedule: TopKSchedule = None,
+    index: IndexKind = None,
 ) -> None:
     """Measure each method's accuracy, and its retention of dense accuracy, on generated
     long-context tasks (RULER-style: needles, variable tracking, word extraction, and
@@ -495,6 +603,7 @@ def eval_(
         model=model, methods=methods, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
         json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
         anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]),
+        topk=_topk_list(attention, top_k, top_k_schedule, index),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                        "chunk": chunk_size, "positions": positions, "passing": passing_size,
                        "window": probe_window})

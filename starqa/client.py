@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from starqa import paths, store
@@ -63,24 +63,24 @@ def claim(key: str):
 
 
 def spawn(key: str, workers: int | None, keepalive: float,
-          weights: str | None = None) -> subprocess.Popen:
+          weights: str | None = None, attention: Sequence[str] = ()) -> subprocess.Popen:
     """Start `starqa serve` for context `key` in the background, its output in the run
     folder's `<key>.log`; returns at once."""
     log = run_dir() / f"{key}.log"
     cmd = [sys.executable, "-m", "starqa", "serve", key, "--keep-alive", str(keepalive)]
     cmd += (["--workers", str(workers)] if workers else []) + \
-           (["--weights", weights] if weights else [])
+           (["--weights", weights] if weights else []) + list(attention)
     with open(log, "w") as fh:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
                                 start_new_session=True)
 
 
 def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300,
-          weights: str | None = None) -> dict:
+          weights: str | None = None, attention: Sequence[str] = ()) -> dict:
     """Start `starqa serve` for context `key` in the background; returns its run info once
     every worker is ready (or raises with the tail of its log)."""
     log = run_dir() / f"{key}.log"
-    proc = spawn(key, workers, keepalive, weights)
+    proc = spawn(key, workers, keepalive, weights, attention)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if (info := find(key)) is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from starqa import corpus as corpus_mod
-from starqa import methods, paths, prompt, shards, store
+from starqa import indexes, methods, paths, prompt, shards, store
 from starqa.errors import StarqaError
 from starqa.launch import default_workers, launch_of, run_workers
 from starqa.manifest import (
@@ -56,6 +56,7 @@ class IngestOptions:
     device: str = "auto"
     command: str | None = None  # how the user ran it, recorded for "re-ingest with" hints
     method_params: dict | None = None  # method-specific settings given (methods.OPTIONS)
+    index: str | None = None  # top-k attention's indexes to build too (indexes.KINDS)
 
 
 @dataclass
@@ -88,6 +89,10 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         tokens = prompt.tokenize_context(tokenizer, packed, spans)
         ids = tokens.ids
     n = len(ids)
+    if opts.index is not None and opts.index not in ("ivf", "hnsw"):
+        raise StarqaError(f"--index {opts.index!r} is not an index to build.",
+                          hint="choose ivf or hnsw (flat top-k searches the keys themselves "
+                               "and needs none)")
     opts = replace(opts, reserve=default_reserve(window) if opts.reserve is None else opts.reserve)
     if opts.reserve < 0:
         raise StarqaError(f"--reserve must be 0 or more tokens (got {opts.reserve}).")
@@ -111,15 +116,17 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
                 "Waiting for another ingest of the same context")) if opts.node_rank == 0
             else contextlib.nullcontext())
     with lock:
-        if not opts.force and _reusable(final):
-            manifest = read_manifest(final)
-            if opts.name and opts.name != manifest.name:  # --name applies to a hit too
-                manifest = store.rename_context(manifest, opts.name)
-            store.touch(manifest)
-            return IngestResult(manifest, corpus, True, time.perf_counter() - started)
-        return _encode(opts, root, key, tokens, corpus, spans, model, dtype, method, content,
-                       started, ui,
-                       query_template=prompt.query_template(tokenizer), lock_held=True)
+        if opts.force or not _reusable(final):
+            return _encode(opts, root, key, tokens, corpus, spans, model, dtype, method,
+                           content, started, ui,
+                           query_template=prompt.query_template(tokenizer), lock_held=True)
+        manifest = read_manifest(final)
+        if opts.name and opts.name != manifest.name:  # --name applies to a hit too
+            manifest = store.rename_context(manifest, opts.name)
+        store.touch(manifest)
+    if opts.index:  # a hit without the indexes asked for: built now (they take the lock)
+        manifest = indexes.ensure(manifest, opts.index, on_build=ui.waiting)
+    return IngestResult(manifest, corpus, True, time.perf_counter() - started)
 
 
 def default_reserve(window: int) -> int:
@@ -205,7 +212,10 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
         tokens_file = _save_tokens(staging, ids, opts.node_rank)
         job = {"phase": "ingest", "model_path": model.path, "dtype": dtype,
                "method": method.as_dict(), "blocks": blocks, "staging": str(staging),
-               "tokens_file": str(tokens_file), "measure": measure, "prepared": prepared}
+               "tokens_file": str(tokens_file), "measure": measure, "prepared": prepared,
+               "index": {"kind": opts.index, "folder": indexes.new_folder(opts.index)}
+               if opts.index else None}
+        index_seconds: list[float] = []
         encode_started: list[float] = []
         peaks: dict[int, int] = {}
         measures: dict[int, dict] = {}
@@ -220,6 +230,8 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
                 peaks[event["rank"]] = event["bytes"]
             elif event["event"] == "measure":
                 measures[event["rank"]] = event
+            elif event["event"] == "index":
+                index_seconds.append(event["seconds"])
 
         ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
         run_workers(job, launch_of(opts, workers), on_event)
@@ -233,6 +245,8 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
         for leftover in staging.glob("tokens-node*.safetensors"):
             leftover.unlink()
         sources = tuple(str(Path(p).resolve()) for p in opts.paths)
+        built = () if not opts.index else (indexes.hash_set(
+            staging, job["index"]["folder"], opts.index, len(blocks), sum(index_seconds)),)
         store.commit(staging, final, Manifest(
             key=key, name=opts.name or _default_name(opts.paths), created=time.time(),
             sources=sources, command=opts.command or "starqa ingest " + shlex.join(sources),
@@ -245,7 +259,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
                         for sp, (a, b), lines, f in zip(spans, tokens.file_tokens,
                                                         tokens.line_tokens, corpus.files)),
             skipped=tuple(Skipped(path=s.path, reason=s.reason) for s in corpus.skipped),
-            ingest=IngestRun.timed(workers * opts.nnodes, encode_seconds, n)),
+            ingest=IngestRun.timed(workers * opts.nnodes, encode_seconds, n), indexes=built),
             replace_existing=True, held=lock_held)  # ingest found it not reusable, or forced
     except BaseException:
         if opts.node_rank == 0:

@@ -2,15 +2,16 @@
 
 Every context folder holds `manifest.json` beside its shards (see `starqa.shards`):
 
-    format 3, key, name, created, sources, command,
+    format 4, key, name, created, sources, command,
     model           the model's identity (`ModelIdentity`: path, spec, window, fingerprint)
-    reserve         tokens `ingest` kept free to ask (absent in older format-3 manifests)
+    reserve         tokens `ingest` kept free to ask (absent in older manifests)
     dtype, method   the cache's dtype and the method's settings (`methods.MethodConfig`)
     content_sha256, n_tokens, query_position,
     query_template  how `ask` tokenises a question without transformers (absent in older ones)
     blocks          one `Block` per shard: token range, file, size, sha256
     files, skipped  the files packed (`SourceFile`: token span, line starts) and those left out
     ingest          how the encoding ran (`IngestRun`)
+    indexes         top-k attention's vector indexes (`IndexSet`; absent: none built)
 
 `write_manifest` writes exactly this JSON, in this order, atomically; `read_manifest` reads
 it back and refuses (ShardError naming the file, the problem and the rebuild command) a
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shlex
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
@@ -42,6 +44,14 @@ _NOT_JSON = {"json": False}  # field metadata: not written to (or read from) the
 def block_file(index: int) -> str:
     """The shard file of block `index`, the only name a manifest's block may give."""
     return f"block_{index:05d}.safetensors"
+
+
+INDEX_FOLDER = re.compile(r"index-[a-z]+-[0-9a-f]{8}")  # an IndexSet's folder, nothing else
+
+
+def index_file(block: int, layer: int, head: int) -> str:
+    """The faiss file of (block, layer, KV head) inside its IndexSet's folder."""
+    return f"block_{block:05d}.l{layer:03d}.h{head:02d}.faiss"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +116,29 @@ class IngestRun:
 
 
 @dataclass(frozen=True, kw_only=True)
+class IndexFile:
+    """One faiss index: the keys of (block, layer, KV head), in `file` of its set's folder."""
+
+    block: int
+    layer: int
+    head: int
+    file: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexSet:
+    """Every block's indexes of one kind (`starqa.indexes`), in `folder` of the context."""
+
+    kind: str
+    folder: str
+    params: dict
+    build_seconds: float
+    files: tuple[IndexFile, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     """A context's manifest; fields in the order of the file."""
 
@@ -126,6 +159,7 @@ class Manifest:
     files: tuple[SourceFile, ...]
     skipped: tuple[Skipped, ...]
     ingest: IngestRun
+    indexes: tuple[IndexSet, ...] = ()
     folder: Path | None = field(default=None, compare=False, metadata=_NOT_JSON)
     # Optional keys the file lacked (older format-3 manifests): left out when written back,
     # so a rewrite (a rename) changes nothing else.
@@ -222,6 +256,13 @@ def _check(data: dict) -> Manifest:
     for i, block in enumerate(manifest.blocks):
         if block.index != i or block.file != block_file(i):  # never a path elsewhere
             raise _Damage(f"blocks[{i}] names {block.file!r}, not {block_file(i)!r}")
+    for i, found in enumerate(manifest.indexes):
+        if not INDEX_FOLDER.fullmatch(found.folder) or not found.folder.startswith(
+                f"index-{found.kind}-"):
+            raise _Damage(f"indexes[{i}] names the folder {found.folder!r}")
+        for entry in found.files:
+            if entry.file != index_file(entry.block, entry.layer, entry.head):
+                raise _Damage(f"indexes[{i}] names the file {entry.file!r}")
     return manifest
 
 

@@ -34,8 +34,12 @@ class ShardAttention:
     """
 
     def __init__(self, info: dist.DistInfo, shard: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                 query_host: bool, head: int = 0, ids: torch.Tensor | None = None):
+                 query_host: bool, head: int = 0, ids: torch.Tensor | None = None,
+                 retriever=None):
         self.info = info
+        # Top-k attention over this worker's blocks (starqa.retrieval.TopKShard), in place
+        # of the exact shard part (shard is then None: no sources are tracked).
+        self.retriever = retriever
         self.shard = shard
         self.query_host = query_host
         self.n_keys = shard[0][0].shape[2] if shard else 0
@@ -85,7 +89,9 @@ class ShardAttention:
         # Work in the folded layout [*, Hkv, R = G*M, D]: query heads of a KV head as rows.
         q = fold_gqa(query, kv_heads, dtype)
         outs, lses = [], []
-        if self.slots is not None:
+        if self.retriever is not None:
+            outs, lses = self.retriever.parts(layer, q, scale)
+        elif self.slots is not None:
             out, lse = partial_slots(q, *self.slots[layer], self.mask, scale)
             outs, lses = [out], [lse]
         elif self.shard is not None:

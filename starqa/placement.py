@@ -8,16 +8,18 @@ from pathlib import Path
 
 from starqa import store
 from starqa.errors import StarqaError
+from starqa.indexes import memory_bytes
 from starqa.launch import default_workers
 from starqa.manifest import Manifest
 
 
 def phase2_workers(manifest: Manifest, model_path: Path, requested: int | None, nnodes: int,
-                   device: str) -> tuple[int, str]:
+                   device: str, topk=None) -> tuple[int, str]:
     """Workers per machine for Phase 2, and why. Star Attention spreads Phase 2 because one
     host cannot hold every shard; on one machine whose memory holds the model and every
     shard, one worker with all the cores is fastest (W workers would each run the whole
-    model for every token). Never more workers in all than the context has blocks."""
+    model for every token). Never more workers in all than the context has blocks.
+    `topk` (indexes.TopK): what top-k attention holds counts instead of the shards."""
     n_blocks = len(manifest.blocks)
     if nnodes > 1:
         workers = requested or default_workers(device)
@@ -29,10 +31,12 @@ def phase2_workers(manifest: Manifest, model_path: Path, requested: int | None, 
     if requested:
         workers = min(requested, n_blocks)
         return workers, f"--workers {requested}" + (f", {n_blocks} blocks" * (workers < requested))
-    need = (store.context_size(manifest) + _weights_bytes(model_path)) * 3 // 2
+    data = store.context_size(manifest) if topk is None else memory_bytes(manifest, topk)
+    need = (data + _weights_bytes(model_path)) * 3 // 2
     free = _free_memory(device)
     if free is None or need <= free:
-        return 1, f"1 worker: model and shards fit in {'GPU ' * _is_cuda(device)}memory"
+        what = "shards" if topk is None else "what top-k attention reads"
+        return 1, f"1 worker: model and {what} fit in {'GPU ' * _is_cuda(device)}memory"
     workers = min(default_workers(device), n_blocks)
     return workers, f"{workers} workers: model and shards need {need / 2**30:.1f} GiB, " \
                     f"{free / 2**30:.1f} GiB free"

@@ -25,10 +25,11 @@ Enter sends; Esc then Enter adds a new line; Ctrl-C stops an answer."""
 
 class Chat:
     def __init__(self, context: str | None, workers: int | None, keepalive: float,
-                 max_new_tokens: int):
+                 max_new_tokens: int, topk=None):
         from starqa.ui import err
 
         self.console = err
+        self.topk = topk  # indexes.TopK: the warm group answers with top-k attention
         self.workers = workers
         self.keepalive = keepalive
         self.max_new_tokens = max_new_tokens
@@ -40,13 +41,26 @@ class Chat:
     def connect(self, name: str | None) -> None:
         manifest = store.find_context(paths.contexts_dir(), name)
         group = client.find(manifest.key)
+        wanted = self.topk.as_dict() if self.topk else None
+        if group is not None and group.get("topk") != wanted:
+            running = "exact" if not group.get("topk") else "top-k"
+            raise StarqaError(f"A warm group already serves {manifest.name} with {running} "
+                              "attention; one group serves a context at a time.",
+                              hint=f"stop it first (starqa stop {manifest.key}), or chat "
+                                   "with the attention it has")
         self.owns_group = group is None and self.keepalive == 0
         if group is None:
+            if self.topk is not None:
+                from starqa import indexes
+
+                with self.console.status(f"Checking {self.topk.index} indexes"):
+                    manifest = indexes.ensure(manifest, self.topk.index)
             with self.console.status(f"Starting workers for {manifest.name} "
                                      "(loading model and shards)"):
                 # keep-alive 0: no group outlives the chat; it is stopped when the chat ends
                 group = client.start(manifest.key, self.workers,
-                                     -1 if self.keepalive == 0 else self.keepalive)
+                                     -1 if self.keepalive == 0 else self.keepalive,
+                                     attention=self.topk.cli_args() if self.topk else ())
         if self.conn is not None:
             self.conn.close()
         self.conn = client.Client(group)

@@ -228,12 +228,17 @@ def answer_stats(answer: Answer) -> None:
     rate = (n_new - 1) / answer.decode_seconds if answer.decode_seconds and n_new > 1 else 0.0
     prefill = answer.query_tokens / answer.prefill_seconds if answer.prefill_seconds else 0.0
     workers = f"{answer.workers} {'warm ' * answer.warm}worker{'s' * (answer.workers > 1)}" + \
-        (f" ({answer.weights})" if answer.weights else "")
+        (f" ({answer.weights})" if answer.weights else "") + \
+        (f" · {answer.attention}" if answer.attention != "exact" else "")
     err.print(f"[dim]{answer.context.name} · {answer.context.method.name} · "
               f"{answer.context.n_tokens:,} cached + {answer.query_tokens} question tokens · "
               f"{workers} · first token {ttft:.2f} s · prefill {prefill:,.0f} tok/s · "
               f"decode {rate:.1f} tok/s ({n_new} tokens) · total {answer.seconds:.1f} s[/]"
               if ttft is not None else f"[dim]no answer tokens ({answer.seconds:.1f} s)[/]")
+    if answer.attention != "exact":
+        err.print("[dim]Sources: not tracked with top-k attention (ask with --attention exact "
+                  "to see them).[/]")
+        return
     print_sources(answer.sources)
 
 
@@ -244,7 +249,8 @@ def answer_json(answer: Answer) -> dict:
             "tokens": {"context": ctx.n_tokens, "question": answer.query_tokens,
                        "answer": len(answer.token_ids)},
             "workers": answer.workers, "warm": answer.warm, "weights": answer.weights,
-            "sources": answer.sources,
+            "attention": answer.attention,
+            "sources": answer.sources if answer.attention == "exact" else None,
             "timings": {"first_token_s": answer.first_token_seconds,
                         "prefill_s": answer.prefill_seconds, "decode_s": answer.decode_seconds,
                         "total_s": answer.seconds}}
@@ -457,6 +463,39 @@ def groups_table(groups: list[dict]) -> None:
 # starqa bench
 
 
+def _topk_table(result: dict) -> None:
+    """Phase 2 with top-k attention against exact, on the same contexts (stdout)."""
+    rows = [(row, t) for row in result["rows"] for t in row.get("topk", ())]
+    if not rows:
+        return
+    table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0))
+    for name in ("method", "tokens", "workers", "attention", "k", "TTFT s", "ms/token",
+                 "× exact", "peak MB", "× exact", "index MB", "build s"):
+        table.add_column(name, justify="left" if name in ("method", "attention") else "right",
+                         no_wrap=True)
+    mb = 2**20
+    for row, t in rows:
+        exact = row["phase2"]
+        per_token = exact["seconds_per_token"]
+        if t is row["topk"][0]:  # the exact run first
+            table.add_row(row["method"], f"{row['tokens']:,}", str(row["workers"]), "exact",
+                          "all", f"{exact['first_token_seconds']:.2f}",
+                          f"{per_token * 1e3:.1f}" if per_token is not None else "–", "1.00",
+                          f"{exact['peak_bytes'] / mb:,.0f}", "1.00", "–", "–")
+        per_token = t["seconds_per_token"]
+        table.add_row("", "", "", t["attention"], f"{t['k']:,}",
+                      f"{t['first_token_seconds']:.2f}",
+                      f"{per_token * 1e3:.1f}" if per_token is not None else "–",
+                      f"{t['decode_vs_exact']:.2f}" if t["decode_vs_exact"] else "–",
+                      f"{t['peak_bytes'] / mb:,.0f}",
+                      f"{t['peak_vs_exact']:.2f}" if t["peak_vs_exact"] else "–",
+                      f"{t['index_bytes'] / mb:,.1f}", f"{t['index_build_seconds']:.1f}")
+    out.print()
+    out.print("[bold]Phase 2: top-k attention against exact[/] (same context and workers; "
+              "peak: the largest worker's max RSS; index: files on disk, built once)")
+    out.print(table)
+
+
 def bench_notes(plan) -> None:
     """What the run will do, said before it starts (stderr)."""
     opts = plan.opts
@@ -486,10 +525,14 @@ def bench_table(result: dict) -> None:
                       f"{p2['first_token_seconds']:.2f}",
                       f"{per_token * 1e3:.0f}" if per_token is not None else "–")
     out.print(table)
+    cpu = result["environment"].get("cpu")
+    if cpu:
+        out.print(f"[dim]CPU: {escape(cpu['model'])} ({', '.join(cpu['flags']) or 'no avx2'})[/]")
     out.print("[dim]P1: Phase 1. s, tok/s, crit: the slowest worker (the critical path); "
               "total: all workers;\npeak: the largest worker's max RSS (GPU memory on CUDA); "
               "comm: payload all workers sent;\nTTFT: question prefill to first token on "
               "loaded workers; ms/token: each token after it.[/]")
+    _topk_table(result)
     if result["ratios"]:
         names = list(dict.fromkeys(k for r in result["ratios"] for k in r if "/" in k))
         ratios = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1, 0, 0))

@@ -68,6 +68,12 @@ def run_ingest(job: dict, info) -> None:
             start, end = blocks[index]
             shards.save_block(folder, index, k.cpu(), v.cpu(), ids[start:end], {
                 "index": str(index), "start": str(start), "end": str(end), "method": method.name})
+            if job.get("index"):  # top-k attention's indexes of this block's keys
+                from starqa import indexes
+
+                seconds = indexes.write_block(folder / job["index"]["folder"],
+                                              job["index"]["kind"], index, k)
+                emit("index", rank=info.rank, index=index, seconds=seconds)
             emit("block", rank=info.rank, index=index, tokens=end - start)
     if measure:
         emit("measure", rank=info.rank, phase="ingest", seconds=time.perf_counter() - started,
@@ -102,11 +108,12 @@ def _answerer(job: dict, info):
     """This rank's Answerer for the job's context, once every rank has loaded its own."""
     from starqa import dist
     from starqa.answering import Answerer
+    from starqa.indexes import topk_of
     from starqa.manifest import read_manifest
 
     manifest = read_manifest(Path(job["context_dir"]))
     answerer = Answerer.from_cache(manifest, info, Path(job["model_path"]),
-                                   job.get("weights", "dense"))
+                                   job.get("weights", "dense"), topk_of(job.get("topk")))
     dist.barrier(info)
     return answerer, manifest
 

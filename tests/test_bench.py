@@ -154,6 +154,26 @@ def test_bench_on_the_tiny_model(tiny_model, tmp_path):
     assert by_workers[2]["dense/star"] > 1
 
 
+def test_bench_top_k_against_exact_on_the_same_context(tiny_model, tmp_path):
+    """--top-k 100%: each index kind (and flat with values on disk) runs Phase 2 after exact
+    on the same context, with every key: the same tokens; ivf's files are sized and timed."""
+    opts = bench.options("star", "600", "1", model=str(tiny_model), dtype="fp32",
+                         new_tokens=3, top_k="100%", index="flat,ivf", kv_on_disk=True)
+    assert [(t.index, t.kv_on_disk) for t in opts.topk] == [
+        ("flat", False), ("flat", True), ("ivf", False), ("ivf", True)]
+    result = bench.run(bench.make_plan(opts), contexts_dir=tmp_path / "contexts")
+    assert result["environment"]["cpu"]["model"]
+    (row,) = result["rows"]
+    runs = row["topk"]
+    assert [r["settings"]["index"] for r in runs] == ["flat", "flat", "ivf", "ivf"]
+    for r in runs:
+        assert r["k"] == 600 and r["same_tokens_as_exact"]
+        assert r["seconds_per_token"] > 0 and r["decode_vs_exact"] > 0 and r["peak_bytes"] > 0
+    assert runs[0]["index_bytes"] == 0  # flat searches the keys themselves
+    assert runs[2]["index_bytes"] > 600 * 16 * 4 * 2 * 2  # every key in fp32, 2 layers × 2 heads
+    assert runs[2]["index_build_seconds"] > 0
+
+
 def test_ring_phase1_bytes_are_the_kv_going_round(tiny_model, tmp_path):
     """Ring on 2 workers: each layer, each worker sends its chunk's K and V (fp32, padded to
     the longest chunk) once to the other, under the FLOP counter."""

@@ -165,8 +165,8 @@ def test_unreadable_sub_folder_for_real(tmp_path):
 # ---------------------------------------------------------------------------------------
 # 2. one damaged manifest is named and set aside; it never breaks the other contexts
 
-DAMAGE = {"list": "[]", "null": "null", "no fields": '{"format": 3}',
-          "truncated": '{"format": 3, "ke', "old format": '{"format": 1, "name": "x"}',
+DAMAGE = {"list": "[]", "null": "null", "no fields": '{"format": 4}',
+          "truncated": '{"format": 4, "ke', "old format": '{"format": 1, "name": "x"}',
           "not utf-8": b"\xff\xfe{"}
 
 

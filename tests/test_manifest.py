@@ -94,9 +94,9 @@ DAMAGED_FIELDS = {
                                                     "is not its folder's name"),
     "a shard elsewhere": (_set("blocks.0.file", "../../x"),
                           f"is damaged: blocks[0] names '../../x', not '{block_file(0)}'"),
-    "format 2": (_set("format", 2), "was written by an incompatible starqa (format 2, "
-                                    "expected 3)"),
-    "no format": (_without("format"), "incompatible starqa (format None, expected 3)"),
+    "format 3": (_set("format", 3), "was written by an incompatible starqa (format 3, "
+                                    "expected 4)"),
+    "no format": (_without("format"), "incompatible starqa (format None, expected 4)"),
 }
 
 
@@ -126,7 +126,7 @@ def test_without_a_recorded_command_the_hint_ingests_the_recorded_sources(folder
     assert shlex.split(hint.split(" && ")[1])[2:] == ["/data/my docs", "/data/b.md"]
 
 
-UNREADABLE = {"missing": None, "empty": b"", "truncated": b'{"format": 3, "ke',
+UNREADABLE = {"missing": None, "empty": b"", "truncated": b'{"format": 4, "ke',
               "not JSON": b"{not json", "not UTF-8": b"\xff\xfe{", "a list": b"[]",
               "null": b"null"}
 UNREADABLE_SAYS = {"missing": "is missing", "empty": "is not valid JSON",

@@ -26,8 +26,8 @@ def plan_report(plan: runner.Plan) -> None:
               f"{plan.window:,}, {plan.dtype}, {plan.opts.weights or 'default'} weights on {plan.device}) · seed {plan.opts.seed}")
     err.print(f"{_plural(len(plan.tasks), 'task')} × {_plural(len(plan.lengths), 'length')} "
               f"({lengths}) × {_plural(plan.opts.samples, 'sample')} = "
-              f"{_plural(plan.n_samples, 'sample')} × {_plural(len(plan.methods), 'method')} "
-              f"({', '.join(plan.methods)}) = {_plural(plan.n_runs, 'run')}")
+              f"{_plural(plan.n_samples, 'sample')} × {_plural(len(plan.labels), 'method')} "
+              f"({', '.join(plan.labels)}) = {_plural(plan.n_runs, 'run')}")
     for note in plan.notes:
         err.print(f"[dim]{escape(note)}[/]")
     err.print(f"results: {escape(str(plan.json_path))} (rewritten after every sample; "

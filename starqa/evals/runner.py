@@ -20,6 +20,7 @@ from pathlib import Path
 from starqa import methods as methods_mod
 from starqa import paths
 from starqa.errors import StarqaError
+from starqa.indexes import TopK
 from starqa.evals import generators, scoring
 from starqa.manifest import write_json_atomic
 from starqa.shards import shard_of
@@ -28,6 +29,17 @@ FORMAT = "starqa-eval/1"
 DEFAULT_SAMPLES = 4
 DECODING = ("greedy; stops at the end of the turn, after the task's max_new_tokens, or as "
             "soon as the prediction holds the answers (a substring match stays true)")
+
+
+@dataclass
+class Encoded:
+    """One method's Phase 1 of one sample: what every Phase 2 variant answers over."""
+
+    config: methods_mod.MethodConfig
+    blocks: int
+    parts: list  # per block (k, v), each [L, Hkv, T, D]
+    query_position: int
+    seconds: float
 
 
 class Progress:
@@ -58,6 +70,7 @@ class EvalOptions:
     anchor_size: int | None = None
     method_params: dict | None = None  # method-specific settings given (methods.OPTIONS)
     command: str | None = None  # how the user ran it, recorded in the JSON
+    topk: tuple[TopK, ...] = ()  # top-k attention settings, each also run after exact
 
 
 @dataclass
@@ -79,13 +92,36 @@ class Plan:
         return len(self.tasks) * len(self.lengths) * self.opts.samples
 
     @property
+    def variants(self) -> list[tuple[str, str, TopK | None]]:
+        """(label, method, top-k settings) of every run of a sample: each method with exact
+        attention (label: the method), then with each top-k setting ("dense topk 1%"), all
+        on the method's one Phase 1 encoding."""
+        runs = []
+        for m in self.methods:
+            runs.append((m, m, None))
+            runs += [(topk_label(m, t), m, t) for t in self.opts.topk]
+        return runs
+
+    @property
+    def labels(self) -> list[str]:
+        """The results' columns: `variants`' labels (dense first: the reference)."""
+        return [label for label, _, _ in self.variants]
+
+    @property
     def n_runs(self) -> int:
-        return self.n_samples * len(self.methods)
+        return self.n_samples * len(self.labels)
 
     @property
     def total_tokens(self) -> int:
         """Token budget of all runs: the progress bar's unit (a run costs about its length)."""
-        return sum(self.lengths) * len(self.tasks) * self.opts.samples * len(self.methods)
+        return sum(self.lengths) * len(self.tasks) * self.opts.samples * len(self.labels)
+
+
+def topk_label(method: str, topk: TopK) -> str:
+    """A top-k run's column: the method, then the settings that differ from the defaults."""
+    extra = "".join(f" {v}" for v, d in ((topk.index, "flat"), (topk.schedule, "uniform"))
+                    if v != d)
+    return f"{method} topk {topk.label}{extra}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -208,11 +244,9 @@ class Evaluator:
         self.info = dist.local_world(self.device)
         self.options = {m: method_options(m, plan.opts) for m in plan.methods}
 
-    def answer(self, sample: generators.Sample, method: str) -> dict:
-        """Phase 1 over all blocks of the sample's context, then Phase 2 for its question."""
+    def encode(self, sample: generators.Sample, method: str) -> Encoded:
+        """Phase 1 over all blocks of the sample's context, as the workers would store it."""
         import torch
-
-        from starqa.answering import Answerer
 
         n = len(sample.context_ids)
         config = methods_mod.method_config(method, n, **self.options[method])
@@ -224,9 +258,28 @@ class Evaluator:
                                        blocks, prepared)
         parts = [(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])]
         start = encoder.query_position(sample.context_ids, config, blocks, prepared)
-        answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start,
-                            sample.files, ids=torch.tensor(sample.context_ids))
-        del parts
+        return Encoded(config, len(blocks), parts, start, time.perf_counter() - started)
+
+    def answer(self, sample: generators.Sample, method: str, topk: TopK | None = None,
+               encoded: Encoded | None = None) -> dict:
+        """Phase 2 for the sample's question over its Phase 1 encoding (done here unless
+        given), with exact attention or `topk`."""
+        import torch
+
+        from starqa.answering import Answerer
+        from starqa.retrieval import TopKShard
+
+        encoded = encoded or self.encode(sample, method)
+        config, start, parts = encoded.config, encoded.query_position, encoded.parts
+        started = time.perf_counter()
+        if topk is None:
+            answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start,
+                                sample.files, ids=torch.tensor(sample.context_ids))
+        else:
+            retriever = TopKShard.from_parts(parts, topk, len(sample.context_ids), self.dtype)
+            answerer = Answerer(self.info, self.decoder, None, start, sample.files,
+                                retriever=retriever)
+        started -= encoded.seconds  # phase1_s: the encoding, and top-k's index build
         encoded_at = time.perf_counter()
         tokens: list[int] = []
         first: list[float] = []
@@ -253,7 +306,8 @@ class Evaluator:
         return {"prediction": text,
                 "correct": scoring.is_correct(text, sample.answers, sample.match),
                 "found": scoring.found(text, sample.answers), "token_ids": tokens, "stop": stop,
-                "method": config.as_dict(), "blocks": len(blocks), "query_position": start,
+                "method": config.as_dict(), "blocks": encoded.blocks, "query_position": start,
+                "attention": topk.as_dict() if topk else "exact",
                 "phase1_s": round(encoded_at - started, 3),
                 "first_token_s": round(first[0] - encoded_at, 3) if first else None,
                 "seconds": round(end - started, 3), "sources": named, **scored}
@@ -275,7 +329,7 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
         results["status"] = status
         results["seconds"] = round(time.perf_counter() - started, 2)
         results["runs_done"] = sum(len(s["results"]) for s in results["samples"])
-        results["summary"] = scoring.summarize(results["samples"], plan.methods)
+        results["summary"] = scoring.summarize(results["samples"], plan.labels)
         write_json_atomic(plan.json_path, results)
 
     progress.start(plan)
@@ -287,10 +341,14 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
                                                  evaluator.tokenizer, index)
                     record = _record(sample)
                     results["samples"].append(record)
-                    for method in plan.methods:
-                        progress.run(task, length, index, method)
-                        record["results"][method] = evaluator.answer(sample, method)
-                        progress.done(length, record["results"][method]["correct"])
+                    encoded = None
+                    for label, method, topk in plan.variants:
+                        progress.run(task, length, index, label)
+                        if encoded is None or encoded.config.name != method:
+                            encoded = evaluator.encode(sample, method)
+                        record["results"][label] = evaluator.answer(sample, method, topk,
+                                                                    encoded)
+                        progress.done(length, record["results"][label]["correct"])
                     save("running")
     except KeyboardInterrupt:
         save("interrupted")
@@ -331,7 +389,8 @@ def _skeleton(plan: Plan, evaluator: Evaluator) -> dict:
             "dtype": plan.dtype, "weights": evaluator.weights, "device": str(evaluator.device),
             "threads": torch.get_num_threads(),
             "seed": opts.seed, "samples_per_task": opts.samples,
-            "lengths": plan.lengths, "methods": plan.methods, "reference": scoring.REFERENCE,
+            "lengths": plan.lengths, "methods": plan.labels, "reference": scoring.REFERENCE,
+            "topk": [t.as_dict() for t in opts.topk],
             "method_options": evaluator.options,
             "tasks": {t: {"about": generators.TASKS[t].about,
                           "max_new_tokens": generators.TASKS[t].max_new_tokens,

@@ -1,0 +1,98 @@
+"""Top-k attention math (METHODS.md section 6): each query row attends only to the k keys
+of a shard with the largest inner product, and the result is a partial attention with its
+LSE, so `attention.merge` composes it with the query host's own tokens and across workers.
+
+Pure tensor functions, no I/O and no distributed code. Layout: Phase 2's folded query
+(`attention.fold_gqa`) without its batch dimension,
+
+    q: [Hkv, R, D]        R = G * M rows: the G query heads of KV head h at M positions
+    key, value: [Hkv, N, D]   one layer of one shard
+
+GQA: the query heads of one KV head *split* retrieval. Every row (one query head at one
+position) retrieves its own k keys from its KV head's keys (one index per KV head); a KV
+head's R rows go to that index as one batched search. Heads of a group that look for
+different things each find theirs, and k >= N gives every row every key (exact).
+
+A selection is, per row, k candidates:
+
+    scores: [Hkv, R, k] fp32   the raw inner products q . key (unscaled), exact in fp32
+    idx:    [Hkv, R, k] int64  the keys' rows in the shard; -1 where a search found fewer
+                               than k keys (its score is then -inf)
+
+and `attend_selected` turns one, with the selected value rows, into
+
+    out: [1, Hkv, R, D] fp32       lse: [1, Hkv, R] fp32 (natural log, scores * scale)
+
+the batch-of-one part layout of `attention.partial_chunks`. With k >= N the part equals
+exact partial attention over the shard (`attention.attend`) up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [Hkv, N, D], idx [Hkv, R, k] (rows of x; -1 reads row 0) → [Hkv, R, k, D]."""
+    heads = torch.arange(x.shape[0], device=x.device)[:, None, None]
+    return x[heads, idx.to(x.device).clamp(min=0)]
+
+
+def select_exact(q: torch.Tensor, key: torch.Tensor, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact top-k keys of every row: q [Hkv, R, D] against key [Hkv, N, D].
+
+    The ranking is one matmul in the keys' dtype and a topk; the selected keys' scores are
+    then recomputed in fp32 from the rows themselves, so the attention over them is as
+    exact as `attention.attend`'s (a bf16 ranking may swap two near-equal keys at the
+    k-th place, never when k >= N). Returns (scores [Hkv, R, min(k, N)] fp32, idx)."""
+    n = key.shape[1]
+    if k >= n:  # every key: no ranking needed
+        idx = torch.arange(n, device=key.device).expand(q.shape[0], q.shape[1], n)
+    else:
+        coarse = torch.matmul(q.to(key.dtype), key.transpose(1, 2))  # [Hkv, R, N]
+        idx = coarse.topk(k, dim=-1, sorted=False).indices
+    picked = gather_rows(key, idx)  # [Hkv, R, k, D]
+    scores = torch.einsum("hrd,hrkd->hrk", q.float(), picked.float())
+    return scores, idx
+
+
+def top_candidates(scores: torch.Tensor, idx: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best of C candidates per row (e.g. the top k of each of a worker's blocks,
+    concatenated: the shard's top k is among them). scores, idx [Hkv, R, C]."""
+    if scores.shape[-1] <= k:
+        return scores, idx
+    best = scores.topk(k, dim=-1, sorted=False)
+    return best.values, idx.gather(-1, best.indices)
+
+
+def attend_selected(scores: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over each row's selected keys, in fp32, with its LSE.
+
+    scores, idx [Hkv, R, k] (a selection, see the module docstring); values [Hkv, R, k, D]:
+    the value rows of idx (any dtype; rows where idx is -1 are ignored). A row with no key
+    gets out = 0 and lse = -inf (zero weight in `merge`). Returns (out [1, Hkv, R, D] fp32,
+    lse [1, Hkv, R] fp32)."""
+    logits = (scores.float() * scale).masked_fill_(idx.to(scores.device) < 0, -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)  # [Hkv, R]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp_(logits.sub_(safe.unsqueeze(-1)))  # [Hkv, R, k]
+    out = torch.einsum("hrk,hrkd->hrd", probs, values.to(probs.device).float())
+    return out.unsqueeze(0), lse.unsqueeze(0)
+
+
+def layer_budgets(k: int, layers: int, schedule: str) -> list[int]:
+    """Keys per query row in each layer for a budget of `k` per layer on average.
+
+    uniform: k everywhere. linear: k grows with depth, k_l = k * 2(l + 1) / (L + 1), the
+    same total L * k (deeper layers attend more diffusely; the paper's recommendation);
+    at least 1 key per layer."""
+    if schedule == "uniform":
+        return [k] * layers
+    if schedule == "linear":
+        return [max(1, round(k * 2 * (layer + 1) / (layers + 1))) for layer in range(layers)]
+    raise ValueError(f"unknown schedule {schedule!r}")

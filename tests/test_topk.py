@@ -1,0 +1,183 @@
+"""Top-k attention: the pure math (starqa.topk) against exact attention in fp64 and fp32,
+each index kind's retrieval (starqa.retrieval, starqa.indexes), and the settings' parsing."""
+
+import math
+
+import pytest
+import torch
+
+from starqa import indexes, topk
+from starqa.attention import attend, merge
+from starqa.errors import StarqaError
+from starqa.indexes import TopK
+from starqa.retrieval import TopKShard
+
+
+def folded(query, kv_heads):
+    """[1, Hq, M, D] → [Hkv, G*M, D] (attention.fold_gqa without its batch dimension)."""
+    _, hq, m, d = query.shape
+    return query.reshape(kv_heads, hq // kv_heads * m, d)
+
+
+def exact_part(q, key, value, scale, dtype=torch.float32):
+    """attention.attend's partial over a shard, q [Hkv, R, D], in `dtype`: (out, lse)."""
+    hkv, r, d = q.shape
+    out, lse = attend(q.to(dtype)[None].reshape(1, hkv, r, d), key[None].to(dtype),
+                      value[None].to(dtype), scale)
+    return out.double(), lse.double()
+
+
+@pytest.mark.parametrize("hkv,rows,n,dim", [(1, 1, 7, 8), (2, 6, 50, 16), (3, 9, 300, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_key_selected_equals_exact_partial_attention(hkv, rows, n, dim, dtype):
+    torch.manual_seed(0)
+    q = torch.randn(hkv, rows, dim)
+    key, value = torch.randn(hkv, n, dim).to(dtype), torch.randn(hkv, n, dim).to(dtype)
+    scale = dim ** -0.5
+    scores, idx = topk.select_exact(q.to(dtype), key, n + 5)
+    assert scores.shape == (hkv, rows, n) and scores.dtype == torch.float32
+    out, lse = topk.attend_selected(scores, idx, topk.gather_rows(value, idx), scale)
+    ref_out, ref_lse = exact_part(q.to(dtype), key, value, scale, torch.float64)
+    fp32_out, fp32_lse = exact_part(q.to(dtype), key, value, scale, torch.float32)
+    # The top-k part is as close to the fp64 reference as attend's own fp32 result is.
+    own = (fp32_out - ref_out).abs().max().item()
+    assert (out.double() - ref_out).abs().max().item() <= 2 * own + 1e-6
+    assert (lse.double() - ref_lse).abs().max().item() <= 2 * (fp32_lse - ref_lse).abs().max() + 1e-6
+
+
+def test_small_k_is_attention_over_exactly_the_best_keys():
+    torch.manual_seed(1)
+    hkv, rows, n, dim, k = 2, 4, 64, 16, 5
+    q, key, value = torch.randn(hkv, rows, dim), torch.randn(hkv, n, dim), torch.randn(hkv, n, dim)
+    scores, idx = topk.select_exact(q, key, k)
+    out, lse = topk.attend_selected(scores, idx, topk.gather_rows(value, idx), 0.25)
+    full = torch.einsum("hrd,hnd->hrn", q, key) * 0.25
+    best = full.topk(k, dim=-1).indices
+    masked = torch.full_like(full, -math.inf).scatter(-1, best, full.gather(-1, best))
+    assert torch.equal(idx.sort(dim=-1).values, best.sort(dim=-1).values)
+    assert torch.allclose(lse[0], masked.logsumexp(-1), atol=1e-5)
+    assert torch.allclose(out[0], masked.softmax(-1) @ value, atol=1e-5)
+    # and the part it leaves out is real: the top-k lse is below the full one
+    assert (lse[0] < full.logsumexp(-1)).all()
+
+
+def test_missing_keys_weigh_nothing():
+    scores = torch.tensor([[[3.0, -1.0, 7.0]]])
+    idx = torch.tensor([[[4, -1, 2]]])
+    values = torch.tensor([[[[1.0], [100.0], [2.0]]]])
+    out, lse = topk.attend_selected(scores, idx, values, 1.0)
+    assert math.isclose(lse.item(), math.log(math.exp(3) + math.exp(7)), rel_tol=1e-6)
+    none = topk.attend_selected(scores, torch.full_like(idx, -1), values, 1.0)
+    assert none[1].item() == -math.inf and none[0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("kind", indexes.KINDS)
+def test_each_index_kind_with_every_key_is_exact_and_merges_across_workers(kind):
+    """Two workers' top-k parts (k >= each shard) and the query's own causal part merge
+    to exact attention over the whole cache."""
+    torch.manual_seed(2)
+    hkv, g, m, dim, layers = 2, 3, 4, 16, 2
+    blocks = [(torch.randn(layers, hkv, t, dim), torch.randn(layers, hkv, t, dim))
+              for t in (40, 90, 70)]
+    own_k, own_v = torch.randn(1, hkv, m, dim), torch.randn(1, hkv, m, dim)
+    query = torch.randn(1, hkv * g, m, dim)
+    settings = TopK(count=1000, index=kind)
+    workers = [TopKShard.from_parts(blocks[:1], settings, 200),
+               TopKShard.from_parts(blocks[1:], settings, 200)]
+    layer, scale = 1, dim ** -0.5
+    q = query.reshape(1, hkv, g * m, dim)
+    outs, lses = [], []
+    for worker in workers:
+        out, lse = worker.parts(layer, q, scale)
+        outs += out
+        lses += lse
+    own_out, own_lse = attend(query, own_k, own_v, scale, causal=True)
+    outs.append(own_out.reshape(1, hkv, g * m, dim))
+    lses.append(own_lse.reshape(1, hkv, g * m))
+    out, lse = merge(torch.cat(outs), torch.cat(lses))
+    keys = torch.cat([b[0][layer] for b in blocks] + [own_k[0]], dim=1)[None]
+    values = torch.cat([b[1][layer] for b in blocks] + [own_v[0]], dim=1)[None]
+    ref, ref_lse = attend(query, keys, values, scale, causal=True)
+    assert torch.allclose(out.reshape(ref.shape), ref, atol=1e-5)
+    assert torch.allclose(lse.reshape(ref_lse.shape), ref_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["ivf", "hnsw"])
+def test_index_search_finds_most_of_the_exact_top_k(kind):
+    """Approximate retrieval on keys with structure (clusters, as real keys have): the
+    keys found are mostly the exact top k, and they carry most of its attention mass."""
+    torch.manual_seed(3)
+    n, dim, k = 4000, 32, 40
+    centers = torch.randn(50, dim) * 3
+    keys = centers[torch.randint(0, 50, (n,))] + torch.randn(n, dim)
+    queries = centers[torch.randint(0, 50, (8,))] + torch.randn(8, dim)
+    index = indexes.build(kind, keys.numpy())
+    _, found = indexes.search(index, queries.numpy(), k)
+    exact = (queries @ keys.T).topk(k).indices
+    recall = sum(len(set(f.tolist()) & set(e.tolist())) for f, e in zip(found, exact)) / exact.numel()
+    assert recall >= 0.9, recall
+    found = torch.from_numpy(found).clamp(min=0)
+    probs = ((queries @ keys.T) / math.sqrt(dim)).softmax(-1)
+    assert (probs.gather(-1, found).sum(-1) / probs.gather(-1, exact).sum(-1)).min() >= 0.9
+
+
+def test_linear_schedule_grows_with_depth_for_the_same_budget():
+    assert topk.layer_budgets(10, 4, "uniform") == [10] * 4
+    linear = topk.layer_budgets(100, 30, "linear")
+    assert linear == sorted(linear) and linear[0] < 100 < linear[-1]
+    assert abs(sum(linear) - 100 * 30) <= 30  # rounding, at most half a key per layer
+    assert min(topk.layer_budgets(1, 30, "linear")) == 1
+
+
+def test_top_k_settings_parse_and_every_bad_value_is_named():
+    assert indexes.topk_settings() is None
+    s = indexes.topk_settings("topk", "0.5%", "linear", "ivf", True)
+    assert (s.fraction, s.count, s.schedule, s.index, s.kv_on_disk) == (0.005, None, "linear",
+                                                                       "ivf", True)
+    assert s.keys(10_000) == 50 and s.label == "0.5%"
+    assert indexes.topk_settings("topk", "512").keys(10) == 512
+    assert indexes.topk_settings("topk").label == "1%"  # the paper's default
+    for bad, says in [("0", "keeps no key"), ("0%", "keeps no key"),
+                      ("150%", "more than the whole context"), ("lots", "neither a number"),
+                      ("-3", "neither a number"), ("1.5", "neither a number")]:
+        with pytest.raises(StarqaError, match=says) as err:
+            indexes.topk_settings("topk", bad)
+        assert "--top-k 1%" in err.value.hint
+    with pytest.raises(StarqaError, match="only apply to --attention topk"):
+        indexes.topk_settings("exact", "1%")
+    with pytest.raises(StarqaError, match="Unknown --index"):
+        indexes.topk_settings("topk", "1%", index="lsh")
+    with pytest.raises(StarqaError, match="Unknown --top-k-schedule"):
+        indexes.topk_settings("topk", "1%", schedule="cubic")
+    with pytest.raises(StarqaError, match="Unknown --attention"):
+        indexes.topk_settings("sparse")
+
+
+def test_block_tensors_read_by_hand_and_memory_mapped(tmp_path):
+    from starqa.shards import save_block
+
+    k = torch.randn(2, 3, 10, 8).to(torch.bfloat16)
+    v = torch.randn(2, 3, 10, 8).to(torch.bfloat16)
+    path = save_block(tmp_path, 0, k, v, range(10), {"index": "0"})
+    assert indexes.block_shape(path) == [2, 3, 10, 8]
+    assert torch.equal(indexes.read_block_tensor(path, "k"), k)
+    mapped = indexes.read_block_tensor(path, "v", mapped=True)
+    assert torch.equal(mapped[1, 2, [7, 3]], v[1, 2, [7, 3]])
+
+
+def test_eval_runs_each_method_exact_then_with_each_top_k(home, tiny_model, tmp_path):
+    from starqa.evals import runner
+
+    every, few = TopK(fraction=1.0), TopK(count=2, index="ivf")
+    opts = runner.EvalOptions(model=str(tiny_model), methods="dense", tasks="niah_single_1",
+                              lengths="300", samples=1, dtype="fp32", block_size=64,
+                              json_path=str(tmp_path / "e.json"), topk=(every, few))
+    plan = runner.plan(opts)
+    assert plan.labels == ["dense", "dense topk 100%", "dense topk 2 ivf"] and plan.n_runs == 3
+    results = runner.run(plan)
+    r = results["samples"][0]["results"]
+    assert r["dense topk 100%"]["token_ids"] == r["dense"]["token_ids"]  # every key: exact
+    assert r["dense topk 2 ivf"]["attention"]["index"] == "ivf"
+    (row,) = results["summary"]
+    assert set(row["methods"]) == set(plan.labels)
+    assert row["methods"]["dense topk 100%"]["retention"] in (None, 1.0)

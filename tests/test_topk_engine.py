@@ -1,0 +1,163 @@
+"""Top-k attention end to end on the tiny model: exactness with every key on 1, 2 and 3
+workers, indexes built at ingest or on first use, checksummed, rebuilt; every bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from starqa import engine, indexes
+from starqa.errors import ShardError, StarqaError
+from starqa.indexes import TopK
+
+QUESTION = "who approved the travel budget"
+
+
+def ingest(docs, model, **kw):
+    return engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32",
+                                              **kw))
+
+
+def ask(**kw):
+    return engine.ask(engine.AskOptions(question=QUESTION, max_new_tokens=8, **kw))
+
+
+def test_every_key_gives_exact_greedy_tokens_on_1_2_3_workers(home, docs, tiny_model):
+    """k = 100% of the context >= every shard: top-k attention is exact attention, whatever
+    the index and however the blocks are spread over workers; a small k is not."""
+    manifest = ingest(docs, tiny_model, method="dense", block_size=50).manifest
+    assert len(manifest.blocks) >= 3
+    exact = ask()
+    assert exact.token_ids and exact.attention == "exact"
+    for kind, workers in [("flat", None), ("flat", 2), ("flat", 3), ("ivf", None), ("ivf", 3),
+                          ("hnsw", 2)]:
+        every = TopK(fraction=1.0, index=kind)
+        answer = ask(topk=every, workers=workers)
+        assert answer.token_ids == exact.token_ids, (kind, workers)
+        assert answer.sources == [] and answer.attention.startswith("top-k 100% (" + kind)
+    one = ask(topk=TopK(count=1))  # one key per row and layer: attention changes
+    assert one.token_ids != exact.token_ids
+
+
+def test_indexes_built_at_ingest_are_named_and_checksummed(home, docs, tiny_model):
+    manifest = ingest(docs, tiny_model, method="star", block_size=60, workers=2,
+                      index="ivf").manifest
+    (found,) = manifest.indexes
+    assert found.kind == "ivf" and found.build_seconds > 0
+    layers, heads = 2, 2  # the tiny Llama
+    assert {(f.block, f.layer, f.head) for f in found.files} == {
+        (b, layer, h) for b in range(len(manifest.blocks)) for layer in range(layers)
+        for h in range(heads)}
+    from starqa.shards import sha256_file
+
+    for entry in found.files:
+        assert sha256_file(manifest.folder / found.folder / entry.file) == entry.sha256
+    stamp = (manifest.folder / "manifest.json").stat().st_mtime_ns
+    assert ask(topk=TopK(fraction=0.5, index="ivf")).token_ids
+    assert (manifest.folder / "manifest.json").stat().st_mtime_ns == stamp  # nothing built
+    # A cache hit asking for another kind builds that one too, keeping the first.
+    again = ingest(docs, tiny_model, method="star", block_size=60, workers=2, index="hnsw")
+    assert again.cache_hit and [s.kind for s in again.manifest.indexes] == ["ivf", "hnsw"]
+
+
+def test_lazy_build_on_the_first_topk_question(home, docs, tiny_model):
+    manifest = ingest(docs, tiny_model, method="dense", block_size=60).manifest
+    assert manifest.indexes == ()
+    first = ask(topk=TopK(fraction=0.5, index="hnsw"))
+    built = indexes.find_set(engine.ask(engine.AskOptions(
+        question=QUESTION, max_new_tokens=1)).context, "hnsw")
+    assert built is not None and (manifest.folder / built.folder).is_dir()
+    assert ask(topk=TopK(fraction=0.5, index="hnsw")).token_ids == first.token_ids
+
+
+def test_read_only_cache_without_indexes_is_a_clear_error(home, docs, tiny_model, monkeypatch):
+    """(Tests run as root here, which writes through permission bits: the folder is made
+    read-only for `os.access`, as it is for any other user.)"""
+    manifest = ingest(docs, tiny_model, method="dense", block_size=60).manifest
+    real = indexes.os.access
+    monkeypatch.setattr(indexes.os, "access",
+                        lambda p, mode: False if str(p) == str(manifest.folder) else real(p, mode))
+    with pytest.raises(StarqaError, match="has no ivf indexes .* read-only") as err:
+        ask(topk=TopK(fraction=0.5, index="ivf"))
+    assert f"starqa index {manifest.key} --index ivf" in err.value.hint
+    assert ask(topk=TopK(fraction=0.5, index="flat")).token_ids  # flat needs no index
+
+
+def test_corrupt_index_is_caught_by_its_checksum_and_rebuilt(home, docs, tiny_model):
+    manifest = ingest(docs, tiny_model, method="dense", block_size=60, index="ivf").manifest
+    (found,) = manifest.indexes
+    good = ask(topk=TopK(fraction=0.5, index="ivf"))
+    victim = manifest.folder / found.folder / found.files[3].file
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=victim.name) as err:
+        ask(topk=TopK(fraction=0.5, index="ivf"))
+    command = f"starqa index {manifest.key} --index ivf"
+    assert command in err.value.hint
+    proc = subprocess.run([sys.executable, "-m", "starqa", *command.split()[1:]],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert not (manifest.folder / found.folder).exists()  # the damaged set is gone
+    assert ask(topk=TopK(fraction=0.5, index="ivf")).token_ids == good.token_ids
+
+
+def test_kv_on_disk_answers_as_in_memory(home, docs, tiny_model):
+    """Values (and ivf's lists) memory-mapped from the cache: the same keys, the same
+    tokens. (Each worker keeps its own k: 2 workers attend to up to 2k keys.)"""
+    ingest(docs, tiny_model, method="dense", block_size=50)
+    for kind, workers in (("flat", None), ("ivf", None), ("ivf", 2)):
+        wanted = ask(topk=TopK(count=20, index=kind), workers=workers).token_ids
+        assert ask(topk=TopK(count=20, index=kind, kv_on_disk=True),
+                   workers=workers).token_ids == wanted
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--attention", "topk", "--top-k", "0"], "keeps no key at all"),
+    (["--attention", "topk", "--top-k", "150%"], "more than the whole context"),
+    (["--attention", "topk", "--top-k", "lots"], "neither a number of keys nor a percentage"),
+    (["--top-k", "1%"], "only apply to --attention topk"),
+    (["--attention", "topk", "--index", "lsh"], "Unknown --index"),
+])
+def test_cli_bad_topk_options(home, args, says):
+    proc = subprocess.run([sys.executable, "-m", "starqa", "ask", "q", *args],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cli_ask_json_with_topk(home, docs, tiny_model):
+    ingest(docs, tiny_model, method="dense", block_size=60)
+    proc = subprocess.run([sys.executable, "-m", "starqa", "ask", QUESTION, "--json",
+                           "--max-new-tokens", "3", "--attention", "topk", "--top-k", "10",
+                           "--top-k-schedule", "linear", "--index", "ivf"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["attention"] == "top-k 10 (ivf, linear)" and data["sources"] is None
+
+
+def test_a_warm_group_answers_only_with_its_own_attention(home, docs, tiny_model):
+    """A cold top-k ask leaves a top-k warm group; the same settings are answered warm,
+    exact attention is not (it answers cold, with its own tokens)."""
+    import time
+
+    from starqa import client
+
+    ingest(docs, tiny_model, method="star", block_size=50)
+    few = TopK(count=5, index="ivf")
+    cold = ask(topk=few, keepalive=60)
+    deadline = time.monotonic() + 120
+    while (group := client.find(cold.context.key)) is None:
+        assert time.monotonic() < deadline, "no warm group appeared"
+        time.sleep(0.2)
+    try:
+        assert group["topk"] == few.as_dict()
+        warm = ask(topk=few)
+        assert warm.warm and warm.token_ids == cold.token_ids and warm.sources == []
+        exact = ask()
+        assert not exact.warm and exact.attention == "exact"
+    finally:
+        conn = client.Client(group)
+        conn.stop()
+        conn.close()
