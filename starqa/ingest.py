@@ -369,7 +369,7 @@ def _why(opts: IngestOptions, encoder, method, plan: reuse.Plan, changes, previo
         return "--force re-encodes every block"
     if changes is None or not plan.todo:
         return None
-    if encoder.rotatable and method.anchor_size:
+    if encoder.rotatable and method.anchor_size and len(plan.todo) == len(manifest.blocks):
         touched = changes.touches({f.path: (f.token_start, f.token_end) for f in previous.files},
                                   {f.path: (f.token_start, f.token_end) for f in manifest.files},
                                   method.anchor_size)
