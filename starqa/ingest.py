@@ -275,10 +275,12 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
                                 encode_seconds, **per_rank)
         for leftover in staging.glob("tokens-node*.safetensors"):
             leftover.unlink()
+        if incremental:  # every block into the store (linking changes the files' ctime,
+            for index, block_stem in enumerate(plan.stems):  # so before they are stamped)
+                blockstore.adopt(bstore, staging, index, block_stem)
         hashed = shards.hash_blocks(staging, blocks, known=plan.known)
-        if incremental:  # every block into the store, its checksum remembered
+        if incremental:  # each block's checksum remembered beside it in the store
             for block, block_stem in zip(hashed, plan.stems):
-                blockstore.adopt(bstore, staging, block.index, block_stem)
                 blockstore.record(bstore, block_stem, block.sha256)
         sources = tuple(str(Path(p).resolve()) for p in opts.paths)
         store.commit(staging, final, Manifest(
