@@ -45,7 +45,9 @@ def plan(config: MethodConfig, ids, blocks, prepared: dict | None, model_digest:
          dtype: str, store: Path, *, force: bool = False, rotate: bool = True) -> Plan:
     """What to do with each block: reuse what the store holds (checked against its recorded
     checksum), re-rotate a star block that only moved (`rotate`: the model's RoPE allows
-    it), encode the rest. `force`: encode every block."""
+    it) by at most a block's length from where it was encoded exactly (the error grows with
+    the distance: benchmarks/rerotate_error.py), encode the rest. `force`: encode every
+    block."""
     encoder = methods.get(config.name)
     addresses = [address(model_digest, dtype, config.name,
                          encoder.block_inputs(ids, config, blocks, i, prepared))
@@ -67,8 +69,9 @@ def plan(config: MethodConfig, ids, blocks, prepared: dict | None, model_digest:
                 break
         else:
             moved = sorted((abs(start - offset), offset, stored) for offset, stored
-                           in blockstore.offsets(store, addr)) if rotate and encoder.rotatable \
-                else []
+                           in blockstore.offsets(store, addr)
+                           if abs(start - offset) <= config.block_size) \
+                if rotate and encoder.rotatable else []
             source = next(((offset, stored) for _, offset, stored in moved
                            if blockstore.checked_sha(store, stored)), None)
             if source is None:

@@ -342,15 +342,18 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
     out.print(facts)
     out.print()
     blocks = _table("Blocks", ("block", "right"), ("tokens", "right"), ("range", "right"),
-                    ("size", "right"), ("shard", "left"))
+                    ("size", "right"), ("shard", "left"), ("files", "left"))
     for b in m.blocks:
         try:
             shards.verify_block(m, b.index, checksum=False)
             state = b.file
         except ShardError:
             state = f"[red]{b.file} missing or wrong size[/]"
+        held = [f.path for f in m.files if f.token_start < b.end and b.start < f.token_end]
         blocks.add_row(str(b.index), f"{b.end - b.start:,}",
-                       f"{b.start:,}–{b.end:,}", _size(b.bytes), state)
+                       f"{b.start:,}–{b.end:,}", _size(b.bytes), state,
+                       escape(", ".join(held[:4]) + (f" +{len(held) - 4}" if len(held) > 4
+                                                     else "")))
     out.print(blocks)
     out.print()
     files = _table("Files", ("file", "left"), ("tokens", "right"), ("range", "right"),

@@ -278,3 +278,15 @@ def test_kill_9_during_an_incremental_reingest_keeps_the_previous_context(
     assert result.reuse.reused > 0
     for manifest in store.list_contexts(paths.contexts_dir()):
         shards.verify_checksums(manifest)
+
+
+def test_info_says_which_files_each_block_holds(home, repo, tiny_model):
+    manifest = _ingest(repo, tiny_model).manifest
+    result = CliRunner().invoke(app, ["info", manifest.key], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if "block_000" in line]
+    assert len(rows) == len(manifest.blocks)
+    for block, row in zip(manifest.blocks, rows):
+        held = [f.path for f in manifest.files
+                if f.token_start < block.end and block.start < f.token_end]
+        assert held and all(path in row for path in held[:4])
