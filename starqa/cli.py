@@ -153,7 +153,13 @@ def ingest(
         "--exclude", "-x", envvar="STARQA_EXCLUDE",
         help="Skip files matching this glob (repeatable).")] = None,
     force: Annotated[bool, typer.Option("--force", envvar="STARQA_FORCE",
-                                        help="Re-encode even on a cache hit.")] = False,
+                                        help="Re-encode every block, even on a cache hit.")
+                     ] = False,
+    encode_in: Annotated[str, typer.Option(
+        "--encode-in", envvar="STARQA_ENCODE_IN",
+        help="Where a re-ingest encodes the blocks it cannot reuse: auto (in this process "
+             "when blocks are reused and a worker group would not pay for its start), "
+             "process, or group.")] = "auto",
     beyond_window: BeyondWindow = False,
     index: Annotated[Optional[str], typer.Option(
         "--index", envvar="STARQA_INGEST_INDEX",
@@ -178,7 +184,7 @@ def ingest(
         anchor_size=anchor_size, workers=workers, name=name, dtype=dtype,
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
         beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes, index=index,
-        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device,
+        node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device, encode_in=encode_in,
         command=_rerunnable("starqa " + shlex.join(sys.argv[1:])),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                 "chunk": chunk_size, "positions": positions, "passing": passing_size,
@@ -343,7 +349,7 @@ def cache(
     usage = store.cache_usage(paths.models_dir(), paths.contexts_dir())
     cleaned = None
     if clean:
-        cleaned = store.clean_leftovers(usage.leftovers)
+        cleaned = store.clean_leftovers(usage.leftovers, paths.contexts_dir())
         usage = store.cache_usage(paths.models_dir(), paths.contexts_dir())
     if as_json:
         print(json.dumps({"home": str(paths.home()), **usage.as_dict(),

@@ -17,12 +17,14 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from starqa import blockstore, methods, paths, prompt, reuse, shards, store
 from starqa import corpus as corpus_mod
 from starqa import indexes, methods, paths, prompt, shards, store
 from starqa.errors import StarqaError
 from starqa.launch import default_workers, launch_of, run_workers
 from starqa.manifest import (
     FORMAT,
+    block_file,
     IngestRun,
     Manifest,
     ModelIdentity,
@@ -30,8 +32,12 @@ from starqa.manifest import (
     SourceFile,
     read_manifest,
 )
-from starqa.methods import method_config, plan_blocks
+from starqa.methods import method_config, plan_blocks, plan_file_blocks
 from starqa.progress import UI
+from starqa.reuse import Reuse
+
+ENCODE_IN = ("auto", "process", "group")
+PLAN = "files-1"  # the block plan of `ingest` (methods.plan_file_blocks), in its cache key
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,10 @@ class IngestOptions:
     command: str | None = None  # how the user ran it, recorded for "re-ingest with" hints
     method_params: dict | None = None  # method-specific settings given (methods.OPTIONS)
     index: str | None = None  # top-k attention's indexes to build too (indexes.KINDS)
+    # Where the blocks an incremental ingest must encode are encoded: "auto" (in this
+    # process when blocks are reused and a group would not pay for its start: on the CPU,
+    # or one block, or a sequential method), "process" or "group".
+    encode_in: str = "auto"
 
 
 @dataclass
@@ -69,6 +79,7 @@ class IngestResult:
     encode_seconds: float = 0.0
     peak_bytes: list[int] = field(default_factory=list)  # per worker
     measures: list[dict] = field(default_factory=list)  # per worker, when measured (bench)
+    reuse: Reuse | None = None  # what an ingest of a previously ingested source reused
 
 
 def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
@@ -105,8 +116,11 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         method = replace(method, params={**method.params, "question_ids": question_ids})
     dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
                 ).removeprefix("torch.")
+    if opts.encode_in not in ENCODE_IN:
+        raise StarqaError(f"Unknown --encode-in {opts.encode_in!r}.",
+                          hint=f"choose one of: {', '.join(ENCODE_IN)}")
     content = corpus_mod.content_hash(corpus.files)
-    key = _cache_key(content, model.digest, method.as_dict(), dtype)
+    key = _cache_key(content, model.digest, method.as_dict(), dtype, PLAN)
     root = paths.contexts_dir()
     final = root / key
     # One ingest of a key at a time, from the cache check through the commit: a second
@@ -116,14 +130,17 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
                 "Waiting for another ingest of the same context")) if opts.node_rank == 0
             else contextlib.nullcontext())
     with lock:
-        if opts.force or not _reusable(final):
+        if not opts.force and _reusable(final, PLAN):
+            manifest = read_manifest(final)
+            if opts.name and opts.name != manifest.name:  # --name applies to a hit too
+                manifest = store.rename_context(manifest, opts.name)
+            store.touch(manifest)
+        else:
+            blocks = plan_file_blocks(n, method.block_size, [
+                (f.path, a, b) for f, (a, b) in zip(corpus.files, tokens.file_tokens)])
             return _encode(opts, root, key, tokens, corpus, spans, model, dtype, method,
-                           content, started, ui,
+                           content, started, ui, blocks=blocks, incremental=opts.nnodes == 1,
                            query_template=prompt.query_template(tokenizer), lock_held=True)
-        manifest = read_manifest(final)
-        if opts.name and opts.name != manifest.name:  # --name applies to a hit too
-            manifest = store.rename_context(manifest, opts.name)
-        store.touch(manifest)
     if opts.index:  # a hit without the indexes asked for: built now (they take the lock)
         manifest = indexes.ensure(manifest, opts.index, on_build=ui.waiting)
     return IngestResult(manifest, corpus, True, time.perf_counter() - started)
@@ -194,49 +211,78 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
 
 def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
             model: ModelIdentity, dtype, method, content, started, ui: UI, measure: bool = False,
-            *, query_template: dict | None = None, lock_held: bool = False) -> IngestResult:
-    """Run Phase 1 on a torchrun group and commit the shards under `root / key` (under the
-    context's lock; `lock_held`: the caller holds it already)."""
+            *, blocks=None, incremental: bool = False, query_template: dict | None = None,
+            lock_held: bool = False) -> IngestResult:
+    """Run Phase 1 and commit the shards under `root / key` (under the context's lock;
+    `lock_held`: the caller holds it already). `incremental`: blocks the content-addressed
+    store holds are linked in (or re-rotated), and only the others are encoded, in this
+    process or on a torchrun group (`_in_process`); every block then joins the store."""
     ids = tokens.ids
     n = len(ids)
     final = root / key
-    blocks = plan_blocks(n, method.block_size)
-    workers = _ingest_workers(opts, method.name, len(blocks))
+    blocks = blocks or plan_blocks(n, method.block_size)
+    encoder = methods.get(method.name)
     # computed once here, for every worker and the manifest (pulsar: the summaries)
-    prepared = methods.get(method.name).prepare(ids, method, blocks)
+    prepared = encoder.prepare(ids, method, blocks)
+    bstore = blockstore.store_dir(root)
+    freqs = _rope(model.path) if incremental and encoder.rotatable else None
+    plan = reuse.plan(method, ids, blocks, prepared, model.digest, dtype, bstore,
+                      force=opts.force or not incremental, rotate=freqs is not None)
+    previous = _previous(root, opts.paths, method.name, model.digest, dtype) \
+        if incremental else None
+    todo = list(plan.todo)
+    local = incremental and _in_process(opts, encoder, plan, measure)
+    # a group never has more workers than blocks to spread (apb runs every block)
+    spread = max(len(encoder.share(todo, len(blocks), 1, 0)), 1)
+    workers = 1 if local or not todo else _ingest_workers(opts, method.name, spread)
     # Across machines every node's workers write into one staging folder on the shared
     # cache, and node 0 commits it; on one machine the folder is this process's own.
     multinode = opts.nnodes > 1
     staging = store.staging_dir(root, key, shared=multinode)
     try:
-        tokens_file = _save_tokens(staging, ids, opts.node_rank)
-        job = {"phase": "ingest", "model_path": model.path, "dtype": dtype,
-               "method": method.as_dict(), "blocks": blocks, "staging": str(staging),
-               "tokens_file": str(tokens_file), "measure": measure, "prepared": prepared,
-               "index": {"kind": opts.index, "folder": indexes.new_folder(opts.index)}
-               if opts.index else None}
+        _link_kept(plan, bstore, staging, blocks, freqs, method.name)
+        todo_tokens = sum(blocks[i][1] - blocks[i][0] for i in todo)
+        index_job = ({"kind": opts.index, "folder": indexes.new_folder(opts.index)}
+                     if opts.index else None)
         index_seconds: list[float] = []
         encode_started: list[float] = []
         peaks: dict[int, int] = {}
         measures: dict[int, dict] = {}
+        if not todo:
+            pass
+        elif local:
+            from starqa.encoding import encode_in_process
 
-        def on_event(event: dict) -> None:
-            if event["event"] == "ready" and not encode_started:
-                encode_started.append(time.perf_counter())
-                ui.start_encoding(n, workers * opts.nnodes)
-            elif event["event"] == "block":
-                ui.advance(event["tokens"])
-            elif event["event"] == "peak":
-                peaks[event["rank"]] = event["bytes"]
-            elif event["event"] == "measure":
-                measures[event["rank"]] = event
-            elif event["event"] == "index":
-                index_seconds.append(event["seconds"])
+            ui.waiting("Loading the model")
+            encode_in_process(model.path, dtype, opts.device, ids, method, blocks, todo, staging,
+                              prepared, on_ready=lambda: (encode_started.append(
+                                  time.perf_counter()), ui.start_encoding(todo_tokens, 1)),
+                              on_block=lambda index, tokens: ui.advance(tokens),
+                              index=index_job, on_index=index_seconds.append)
+        else:
+            tokens_file = _save_tokens(staging, ids, opts.node_rank)
+            job = {"phase": "ingest", "model_path": model.path, "dtype": dtype,
+                   "method": method.as_dict(), "blocks": blocks, "todo": todo,
+                   "staging": str(staging), "tokens_file": str(tokens_file),
+                   "measure": measure, "prepared": prepared, "index": index_job}
 
-        ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
-        run_workers(job, launch_of(opts, workers), on_event)
+            def on_event(event: dict) -> None:
+                if event["event"] == "ready" and not encode_started:
+                    encode_started.append(time.perf_counter())
+                    ui.start_encoding(todo_tokens, workers * opts.nnodes)
+                elif event["event"] == "block":
+                    ui.advance(event["tokens"])
+                elif event["event"] == "peak":
+                    peaks[event["rank"]] = event["bytes"]
+                elif event["event"] == "measure":
+                    measures[event["rank"]] = event
+                elif event["event"] == "index":
+                    index_seconds.append(event["seconds"])
+
+            ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
+            run_workers(job, launch_of(opts, workers), on_event)
+            tokens_file.unlink(missing_ok=True)  # node 0 may have committed it away already
         encode_seconds = time.perf_counter() - (encode_started[0] if encode_started else started)
-        tokens_file.unlink(missing_ok=True)  # node 0 may have committed it away already
         per_rank = {"peak_bytes": [peaks[r] for r in sorted(peaks)],
                     "measures": [measures[r] for r in sorted(measures)]}
         if opts.node_rank != 0:  # node 0 commits what every node wrote
@@ -244,18 +290,33 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
                                 encode_seconds, **per_rank)
         for leftover in staging.glob("tokens-node*.safetensors"):
             leftover.unlink()
+        if incremental:  # every block into the store (linking changes the files' ctime,
+            for index, block_stem in enumerate(plan.stems):  # so before they are stamped)
+                blockstore.adopt(bstore, staging, index, block_stem)
+        hashed = shards.hash_blocks(staging, blocks, known=plan.known)
+        if incremental:  # each block's checksum remembered beside it in the store
+            for block, block_stem in zip(hashed, plan.stems):
+                blockstore.record(bstore, block_stem, block.sha256)
         sources = tuple(str(Path(p).resolve()) for p in opts.paths)
-        built = () if not opts.index else (indexes.hash_set(
-            staging, job["index"]["folder"], opts.index, len(blocks), sum(index_seconds)),)
+        built = ()
+        if index_job is not None:  # the blocks linked in, not encoded, get theirs here
+            encoded = set(todo)
+            for i in (i for i in range(len(blocks)) if i not in encoded):
+                index_seconds.append(indexes.write_block(
+                    staging / index_job["folder"], opts.index, i,
+                    indexes.read_block_tensor(staging / block_file(i), "k")))
+            built = (indexes.hash_set(staging, index_job["folder"], opts.index, len(blocks),
+                                      sum(index_seconds)),)
         store.commit(staging, final, Manifest(
             key=key, name=opts.name or _default_name(opts.paths), created=time.time(),
             sources=sources, command=opts.command or "starqa ingest " + shlex.join(sources),
             model=model, reserve=opts.reserve, dtype=dtype, method=method,
             content_sha256=content, n_tokens=n,
             query_position=query_position(ids, method, blocks, prepared),
-            query_template=query_template, blocks=shards.hash_blocks(staging, blocks),
+            query_template=query_template, blocks=hashed,
             files=tuple(SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
-                                   bytes=f.size, line_tokens=tuple(lines))
+                                   bytes=f.size, line_tokens=tuple(lines),
+                                   sha256=reuse.file_sha(f.text))
                         for sp, (a, b), lines, f in zip(spans, tokens.file_tokens,
                                                         tokens.line_tokens, corpus.files)),
             skipped=tuple(Skipped(path=s.path, reason=s.reason) for s in corpus.skipped),
@@ -267,8 +328,84 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
         raise
     manifest = read_manifest(final)
     store.touch(manifest)
+    report = None
+    if incremental and (previous is not None or plan.reused or plan.rotated):
+        changes = None if previous is None else reuse.changes(
+            {f.path: f.sha256 for f in previous.files},
+            {f.path: f.sha256 for f in manifest.files})
+        report = Reuse(len(blocks), len(plan.reused), len(plan.rotated), len(todo), changes,
+                       _why(opts, encoder, method, plan, changes, previous, manifest), local)
     return IngestResult(manifest, corpus, False, time.perf_counter() - started,
-                        workers * opts.nnodes, encode_seconds, **per_rank)
+                        workers * opts.nnodes, encode_seconds, **per_rank, reuse=report)
+
+
+def _rope(model_path: str):
+    from starqa.rotate import inv_freq
+
+    return inv_freq(Path(model_path))
+
+
+def _link_kept(plan: reuse.Plan, bstore: Path, staging: Path, blocks, freqs,
+               method: str) -> None:
+    """The blocks the store holds linked into `staging`; the moved ones re-rotated there."""
+    for i in plan.reused:
+        blockstore.link_in(bstore, plan.stems[i], staging, i)
+    if plan.rotated:
+        from starqa.rotate import rerotate_file
+
+        for i, source, delta in plan.rotated:
+            start, end = blocks[i]
+            rerotate_file(blockstore.kv_file(bstore, source), staging / block_file(i), delta,
+                          freqs, {"index": str(i), "start": str(start), "end": str(end),
+                                  "method": method, "rerotated_by": str(delta)})
+
+
+def _in_process(opts: IngestOptions, encoder, plan: reuse.Plan, measure: bool) -> bool:
+    """Encode an incremental ingest's few blocks in this process instead of on a torchrun
+    group: the user waits for the group's start and every worker's model load, which one
+    changed block does not pay for. On the CPU a group's workers share the same cores, so
+    this process (with all of them) is as fast at encoding; on GPUs a group wins when more
+    than one block is to be encoded and the method can spread them."""
+    if opts.encode_in != "auto":
+        return opts.encode_in == "process"
+    if measure or opts.nnodes > 1 or not plan.todo or not (plan.reused or plan.rotated):
+        return False
+    from starqa import dist
+
+    return (str(dist.resolve_device(opts.device)).startswith("cpu") or len(plan.todo) == 1
+            or encoder.sequential)
+
+
+def _previous(root: Path, paths_: tuple[str, ...], method: str, model_digest: str,
+              dtype: str) -> Manifest | None:
+    """The most recently used context of the same sources, method, model and dtype: what a
+    re-ingest reports its changes against."""
+    sources = tuple(str(Path(p).resolve()) for p in paths_)
+    for manifest in store.list_contexts(root):
+        if (manifest.sources == sources and manifest.method.name == method
+                and manifest.model.digest == model_digest and manifest.dtype == dtype):
+            return manifest
+    return None
+
+
+def _why(opts: IngestOptions, encoder, method, plan: reuse.Plan, changes, previous,
+         manifest: Manifest) -> str | None:
+    """Why more blocks were encoded than hold changed files, when it is not plain."""
+    if opts.force:
+        return "--force re-encodes every block"
+    if changes is None or not plan.todo:
+        return None
+    if encoder.rotatable and method.anchor_size and len(plan.todo) == len(manifest.blocks):
+        touched = changes.touches({f.path: (f.token_start, f.token_end) for f in previous.files},
+                                  {f.path: (f.token_start, f.token_end) for f in manifest.files},
+                                  method.anchor_size)
+        if touched:
+            return (f"{touched[0]} is in the anchor (the first {method.anchor_size:,} tokens, "
+                    "which every block is encoded after): every block was encoded again")
+    if encoder.reuse == "prefix" and len(plan.todo) > 1:
+        return (f"{method.name} encodes every block after the first change again (each "
+                "depends on every block before it)")
+    return None
 
 
 def query_position(ids: list[int], method, blocks, prepared: dict | None = None) -> int:
@@ -303,15 +440,18 @@ def ingest_worker_count(method: str, n_blocks: int, workers: int) -> int:
     return _ingest_workers(IngestOptions(paths=(), workers=workers), method, n_blocks)
 
 
-def _cache_key(content: str, model_digest: str, method: dict, dtype: str) -> str:
-    material = json.dumps({"format": FORMAT, "content": content, "model": model_digest,
-                           "method": method, "dtype": dtype,
-                           "prompt": [prompt.SYSTEM, prompt.INTRO, prompt.QUESTION]},
-                          sort_keys=True)
+def _cache_key(content: str, model_digest: str, method: dict, dtype: str,
+               plan: str | None = None) -> str:
+    material = {"format": FORMAT, "content": content, "model": model_digest,
+                "method": method, "dtype": dtype,
+                "prompt": [prompt.SYSTEM, prompt.INTRO, prompt.QUESTION]}
+    if plan is not None:  # token contexts (bench) keep their fixed-size blocks and keys
+        material["plan"] = plan
+    material = json.dumps(material, sort_keys=True)
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
-def _reusable(folder: Path) -> bool:
+def _reusable(folder: Path, plan: str | None = None) -> bool:
     """A committed context that is still what its key (the folder's name) says, so a cache
     hit may reuse it: its manifest names the same content, model, method and dtype (an
     edited manifest is rebuilt, not trusted) and every shard matches its checksum (hashes
@@ -322,7 +462,7 @@ def _reusable(folder: Path) -> bool:
     except StarqaError:
         return False
     return _cache_key(manifest.content_sha256, manifest.model.digest,
-                      manifest.method.as_dict(), manifest.dtype) == folder.name
+                      manifest.method.as_dict(), manifest.dtype, plan) == folder.name
 
 
 def _save_tokens(folder: Path, ids: list[int], node_rank: int) -> Path:

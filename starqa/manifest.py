@@ -95,6 +95,7 @@ class SourceFile:
     lines: int
     bytes: int
     line_tokens: tuple[int, ...]
+    sha256: str | None = None  # of the file's text: what a re-ingest compares (issue #14)
 
 
 @dataclass(frozen=True, kw_only=True)

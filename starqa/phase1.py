@@ -35,16 +35,21 @@ def encode_star(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]], ind
 
 
 @torch.inference_mode()
-def encode_dense(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]]
+def encode_dense(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]], first: int = 0,
+                 past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
                  ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Exact causal encoding, chunked by block: block i attends to all earlier blocks' KV.
 
     Sequential by nature (block i needs every earlier block's KV), so one worker runs it.
-    Yields (index, k, v) per block, identical to slicing one full causal forward.
+    Yields (index, k, v) per block from block `first` on, identical to slicing one full
+    causal forward. past: per layer (k, v) [1, Hkv, P, D] of blocks 0..first-1 (stored by
+    an earlier ingest: an incremental one continues from them, bit for bit).
     """
     device = next(model.parameters()).device
-    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    for i, (start, end) in enumerate(blocks):
+    if past is not None:
+        past = [(k.to(device), v.to(device)) for k, v in past]
+    for i in range(first, len(blocks)):
+        start, end = blocks[i]
         hook = Recorder(keep=end - start, past=past)
         forward(model, ids[start:end].to(device), torch.arange(start, end, device=device), hook)
         if past is None:

@@ -23,9 +23,10 @@ from starqa.blockwise import stack_layers
 class _RingHook:
     """AttentionHook for one worker's chunk; keeps the chunk's KV per layer."""
 
-    def __init__(self, info: dist.DistInfo, lengths: Sequence[int]):
+    def __init__(self, info: dist.DistInfo, lengths: Sequence[int], past=None):
         self.info = info
         self.lengths = list(lengths)  # every worker's chunk length, by rank
+        self.past = past  # per layer (k, v) [1, Hkv, P, D] before every chunk, or None
         self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def attention(self, layer, query, key, value, scale):
@@ -33,6 +34,10 @@ class _RingHook:
         self.kept.append((key, value))
         out, lse = attend(query, key, value, scale, causal=True)
         outs, lses = [out], [lse]
+        if self.past is not None:  # stored blocks before every chunk: seen whole
+            past_k, past_v = self.past[layer]
+            out, lse = attend(query, past_k, past_v, scale)
+            outs.append(out), lses.append(lse)
         rank, world = self.info.rank, self.info.world_size
         longest = max(self.lengths)
         # K and V travel together, padded to the longest chunk: [2, 1, Hkv, longest, D].
@@ -50,15 +55,23 @@ class _RingHook:
 
 @torch.inference_mode()
 def encode_ring(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]],
-                indices: Sequence[int], info: dist.DistInfo
+                indices: Sequence[int], info: dist.DistInfo, past=None,
+                shares: Sequence[Sequence[int]] | None = None
                 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """This worker's blocks `indices` (contiguous), encoded exactly; yields (index, k, v) per
-    block with k, v [L, Hkv, T, D]. Every worker of the group must call it together."""
+    block with k, v [L, Hkv, T, D]. Every worker of the group must call it together.
+    shares: every worker's blocks, by rank (default: the blocks split contiguously);
+    past: per layer (k, v) [1, Hkv, P, D] of the blocks before every share (an incremental
+    ingest's stored prefix), attended in full by every query."""
     device = next(model.parameters()).device
-    lengths = [sum(blocks[i][1] - blocks[i][0] for i in dist.split_contiguous(
-        len(blocks), info.world_size, r)) for r in range(info.world_size)]
+    if shares is None:
+        shares = [dist.split_contiguous(len(blocks), info.world_size, r)
+                  for r in range(info.world_size)]
+    lengths = [sum(blocks[i][1] - blocks[i][0] for i in share) for share in shares]
+    if past is not None:
+        past = [(k.to(device), v.to(device)) for k, v in past]
     start, end = blocks[indices[0]][0], blocks[indices[-1]][1]
-    hook = _RingHook(info, lengths)
+    hook = _RingHook(info, lengths, past)
     model.model(input_ids=ids[start:end].to(device)[None],
                 position_ids=torch.arange(start, end, device=device)[None], starqa=hook,
                 use_cache=False)
@@ -66,3 +79,4 @@ def encode_ring(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]],
     for i in indices:
         a, b = blocks[i][0] - start, blocks[i][1] - start
         yield i, k[:, :, a:b], v[:, :, a:b]
+

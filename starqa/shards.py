@@ -49,17 +49,30 @@ def save_block(folder: Path, index: int, k, v, ids, metadata: dict[str, str]) ->
     return path
 
 
-def hash_blocks(folder: Path, ranges: Iterable[tuple[int, int]]) -> tuple[Block, ...]:
+def read_blocks(folder: Path, indices, device="cpu"):
+    """The KV of blocks `indices` in `folder` (a staging folder: what an incremental ingest
+    linked in from the store) as one shard (`shard_of`), not verified: they were checked
+    when committed, and the result is hashed again at this commit."""
+    from safetensors.torch import load_file
+
+    return shard_of([(t["k"], t["v"]) for t in (
+        load_file(str(folder / block_file(i)), device=str(device)) for i in indices)])
+
+
+def hash_blocks(folder: Path, ranges: Iterable[tuple[int, int]],
+                known: dict[int, str] | None = None) -> tuple[Block, ...]:
     """The manifest entries of the blocks [start, end) the workers wrote into `folder`, each
     file sized and hashed (and remembered in `.verified.json`, so the next cache hit need
-    not hash again); ShardError if a worker did not write one."""
+    not hash again); ShardError if a worker did not write one. known: checksums of blocks
+    linked in already checked (an incremental ingest's reused blocks), not hashed again."""
     blocks, verified = [], {}
+    known = known or {}
     for index, (start, end) in enumerate(ranges):
         path = folder / block_file(index)
         if not path.exists():
             raise ShardError(f"worker did not write {path.name}; nothing was cached")
         st = path.stat()
-        sha = sha256_file(path)
+        sha = known[index] if index in known else sha256_file(path)
         blocks.append(Block(index=index, start=start, end=end, file=path.name,
                             bytes=st.st_size, sha256=sha))
         verified[path.name] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha]

@@ -7,6 +7,8 @@ Layout under `$STARQA_HOME/contexts/`:
     .staging-<key>-<pid>/           a context being written (never read)
     .old-<key>-<pid>/, .trash-<key>-<pid>/   a context being replaced or removed
     .<key>.lock                     flock held while the context is checked, built, committed
+    .blocks/                        content-addressed block files, hard-linked into the
+                                    contexts that use them (starqa.blockstore)
 
 A context is written into a staging folder and renamed into place only when every shard
 is there and hashed, so a crash or Ctrl-C mid-ingest leaves the previous cache intact.
@@ -24,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from starqa import blockstore
 from starqa.errors import ShardError, StarqaError
 from starqa.manifest import MANIFEST, Manifest, read_manifest, write_manifest
 from starqa.shards import verify_checksums
@@ -196,14 +199,20 @@ def last_used(manifest: Manifest) -> float:
 
 
 def dir_size(folder: Path) -> int:
-    """Bytes of the files under `folder` (0 when it does not exist); symlinks not followed."""
-    total = 0
+    """Bytes of the files under `folder` (0 when it does not exist); symlinks not followed,
+    a file linked under several names (a block shared by contexts) counted once."""
+    total, seen = 0, set()
     for parent, _, names in os.walk(folder):
         for name in names:
             try:
-                total += os.lstat(os.path.join(parent, name)).st_size
+                st = os.lstat(os.path.join(parent, name))
             except FileNotFoundError:  # removed while we walk
                 continue
+            if st.st_nlink > 1:
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
     return total
 
 
@@ -231,18 +240,22 @@ def damaged_summary(damaged: Damaged) -> dict:
 
 
 def remove_context(context: Manifest | Damaged) -> int:
-    """Delete a context (damaged or not) and return the bytes freed (0 if already gone).
+    """Delete a context (damaged or not) and return the bytes freed (0 if already gone):
+    its own files; a block file another context links stays, with its other links.
 
     The folder is first renamed to a hidden `.trash-<key>-<pid>` (atomic), so a concurrent
-    `list` or `ask` sees either the whole context or none of it, never half a folder."""
+    `list` or `ask` sees either the whole context or none of it, never half a folder. Then
+    the block store drops the files no context links any more."""
     folder = context.path if isinstance(context, Damaged) else context.folder
-    size = dir_size(folder)
+    blocks = blockstore.store_dir(folder.parent)
+    size = blockstore.unshared_bytes(folder, blocks)
     trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
     try:
         os.replace(folder, trash)
     except FileNotFoundError:
         return 0
     shutil.rmtree(trash, ignore_errors=True)
+    blockstore.collect_garbage(blocks)
     return size
 
 
@@ -318,15 +331,19 @@ def _leftover(path: Path) -> Leftover:
     return Leftover(path, dir_size(path), pid, False, f"stale (process {pid} is gone)")
 
 
-def clean_leftovers(leftovers: Iterable[Leftover]) -> int:
+def clean_leftovers(leftovers: Iterable[Leftover], root: Path | None = None) -> int:
     """Delete every leftover whose process is not running; returns the bytes freed.
     Multi-machine `-shared` staging folders are deleted too (their owner cannot be checked),
-    and so are damaged contexts (this starqa could never use them)."""
+    and so are damaged contexts (this starqa could never use them). Then (`root`: the
+    contexts root) the block store drops every file no context links any more: never one
+    a context (or a running ingest's staging folder) still links."""
     freed = 0
     for leftover in leftovers:
         if not leftover.running:
             shutil.rmtree(leftover.path, ignore_errors=True)
             freed += leftover.bytes
+    if root is not None:
+        freed += blockstore.collect_garbage(blockstore.store_dir(root))
     return freed
 
 

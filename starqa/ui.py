@@ -177,6 +177,8 @@ def ingest_report(result: IngestResult) -> None:
                   f"{_method(m.method)} on {m.model.name}; nothing to do "
                   f"({result.seconds:.1f} s). Use --force to re-encode.")
         return
+    if result.reuse is not None:
+        err.print(reuse_line(m.name, result.reuse, result.seconds))
     err.print(f"[bold]Ingested[/] {m.name} ({m.key}): {len(m.files)} files, "
               f"{m.n_tokens:,} tokens, {len(m.blocks)} blocks on {result.workers} "
               f"worker{'s' * (result.workers > 1)}, method {_method(m.method)}, "
@@ -205,6 +207,29 @@ def ingest_report(result: IngestResult) -> None:
             err.print(f"  {s.path}: {s.reason}")
         if len(m.skipped) > 20:
             err.print(f"  … and {len(m.skipped) - 20} more")
+
+
+def reuse_line(name: str, r, seconds: float) -> str:
+    """`Re-ingested repo: 12 blocks, 11 reused, 1 encoded (src/api.py changed; 1 file added,
+    0 removed) in 3.2 s`, and why more was encoded when it is not plain (issue #14)."""
+    done = [f"{r.reused} reused"] + [f"{r.rotated} moved (keys re-rotated)"] * bool(r.rotated)
+    parts = [f"{r.blocks} blocks", *done, f"{r.encoded} encoded"
+             + (" in this process" if r.in_process and r.encoded else "")]
+    line = f"[bold]Re-ingested[/] {escape(name)}: {', '.join(parts)}"
+    c = r.changes
+    if c is not None:
+        what = []
+        if c.changed:
+            shown = ", ".join(c.changed[:3]) + (f" and {len(c.changed) - 3} more"
+                                                if len(c.changed) > 3 else "")
+            what.append(f"{escape(shown)} changed")
+        elif not (c.added or c.removed):
+            what.append("no file changed")
+        what.append(f"{len(c.added)} file{'s' * (len(c.added) != 1)} added, "
+                    f"{len(c.removed)} removed")
+        line += f" ({'; '.join(what)})"
+    line += f" in {seconds:.1f} s"
+    return line + (f"\n  {escape(r.why)}" if r.why else "")
 
 
 def _blocks_per_worker(method: MethodConfig, n_blocks: int, workers: int) -> str:
@@ -323,15 +348,18 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
     out.print(facts)
     out.print()
     blocks = _table("Blocks", ("block", "right"), ("tokens", "right"), ("range", "right"),
-                    ("size", "right"), ("shard", "left"))
+                    ("size", "right"), ("shard", "left"), ("files", "left"))
     for b in m.blocks:
         try:
             shards.verify_block(m, b.index, checksum=False)
             state = b.file
         except ShardError:
             state = f"[red]{b.file} missing or wrong size[/]"
+        held = [f.path for f in m.files if f.token_start < b.end and b.start < f.token_end]
         blocks.add_row(str(b.index), f"{b.end - b.start:,}",
-                       f"{b.start:,}–{b.end:,}", _size(b.bytes), state)
+                       f"{b.start:,}–{b.end:,}", _size(b.bytes), state,
+                       escape(", ".join(held[:4]) + (f" +{len(held) - 4}" if len(held) > 4
+                                                     else "")))
     out.print(blocks)
     out.print()
     files = _table("Files", ("file", "left"), ("tokens", "right"), ("range", "right"),

@@ -45,15 +45,17 @@ def _load_model(job: dict, info):
 def run_ingest(job: dict, info) -> None:
     from safetensors.torch import load_file
 
-    from starqa import dist, methods, shards
+    from starqa import dist, methods
+    from starqa.encoding import encode_blocks
 
     method = methods.MethodConfig(**job["method"])
     encoder = methods.get(method.name)
     blocks = [tuple(b) for b in job["blocks"]]
+    todo = job.get("todo", list(range(len(blocks))))  # an incremental ingest: fewer
     folder = Path(job["staging"])
     ids = load_file(job["tokens_file"])["ids"].long()
     model = _load_model(job, info)
-    mine = encoder.assignment(len(blocks), info.world_size, info.rank)
+    mine = encoder.share(todo, len(blocks), info.world_size, info.rank)
     emit("ready", rank=info.rank, blocks=mine)
     _fault("ingest", info.rank)
     _slow("ingest")
@@ -63,18 +65,11 @@ def run_ingest(job: dict, info) -> None:
     counter = flop_counter() if measure else contextlib.nullcontext()
     started, cpu = time.perf_counter(), time.process_time()
     with counter:
-        for index, k, v in encoder.encode(model, ids, method, blocks, mine, info,
-                                          job.get("prepared")):
-            start, end = blocks[index]
-            shards.save_block(folder, index, k.cpu(), v.cpu(), ids[start:end], {
-                "index": str(index), "start": str(start), "end": str(end), "method": method.name})
-            if job.get("index"):  # top-k attention's indexes of this block's keys
-                from starqa import indexes
-
-                seconds = indexes.write_block(folder / job["index"]["folder"],
-                                              job["index"]["kind"], index, k)
-                emit("index", rank=info.rank, index=index, seconds=seconds)
-            emit("block", rank=info.rank, index=index, tokens=end - start)
+        encode_blocks(model, ids, method, blocks, todo, folder, info, job.get("prepared"),
+                      lambda index, tokens: emit("block", rank=info.rank, index=index,
+                                                 tokens=tokens),
+                      index=job.get("index"),
+                      on_index=lambda seconds: emit("index", rank=info.rank, seconds=seconds))
     if measure:
         emit("measure", rank=info.rank, phase="ingest", seconds=time.perf_counter() - started,
              cpu_seconds=time.process_time() - cpu, flops=counter.get_total_flops(),

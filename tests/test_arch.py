@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from starqa import corpus, dist, engine, hooks, methods, models, phase2, prompt, pulsar
+from starqa import corpus, dist, hooks, methods, models, phase2, prompt, pulsar
 from starqa.decoder import load_decoder
 from starqa.methods import method_config, plan_blocks
 from starqa.models import context_window, load_model, load_tokenizer

@@ -65,10 +65,14 @@ def test_star_two_workers_through_torchrun(home, docs, tiny_model):
     m = result.manifest
     assert result.workers == 2 and m.method.as_dict() == {"name": "star", "block_size": 40,
                                                            "anchor_size": 40, "params": {}}
-    assert [b.end - b.start for b in m.blocks][:-1] == [40] * (len(m.blocks) - 1)
     assert {f.path for f in m.files} == {"code.py", "policy/leave.md", "policy/travel.md"}
     spans = sorted((f.token_start, f.token_end) for f in m.files)
     assert all(a < b for a, b in spans) and spans[-1][1] <= m.n_tokens
+    # Blocks follow files (issue #14): block 0 is the anchor's 40 tokens; after it every
+    # block holds at most 40 and every file after block 0 starts a block.
+    assert (m.blocks[0].start, m.blocks[0].end) == (0, 40)
+    assert all(b.end - b.start <= 40 for b in m.blocks) and m.blocks[-1].end == m.n_tokens
+    assert {a for a, _ in spans if a > 40} <= {b.start for b in m.blocks}
     for block in m.blocks:
         assert len(block.sha256) == 64 and block.bytes > 0
     # The merge is exact whatever the partition: 1 and 2 workers give the same tokens.
@@ -268,11 +272,11 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     from starqa import hooks, methods
     from starqa.shards import load_block
 
-    result = ingest(docs, tiny_model, method="apb", workers=2, block_size=40,
+    result = ingest(docs, tiny_model, method="apb", workers=2, block_size=50,
                     method_params={"passing": 6, "window": 8})
     m = result.manifest
     assert result.workers == 2 and len(m.blocks) % 2 == 1  # a short last round
-    assert m.method.as_dict() == {"name": "apb", "block_size": 40, "anchor_size": 10,
+    assert m.method.as_dict() == {"name": "apb", "block_size": 50, "anchor_size": 12,
                                   "params": {"passing": 6, "window": 8, "question": None}}
     model = load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
     ids = torch.tensor(_context_ids(tiny_model, m))

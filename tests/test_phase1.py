@@ -92,7 +92,11 @@ def test_star_block_one_with_full_anchor_equals_dense(model):
 
 def test_method_defaults_follow_the_paper():
     cfg = method_config("star", 10_000)
-    assert cfg == MethodConfig("star", 2_500, 2_500)  # block = n/4, anchor = block
+    # block = n/4 rounded up to eight steps per octave (2,500 -> 2,560), anchor = block
+    assert cfg == MethodConfig("star", 2_560, 2_560)
+    assert method_config("star", 10_200).block_size == 2_560  # a small edit keeps the size
+    assert all(len(plan_blocks(n, method_config("star", n).block_size)) == 4
+               for n in (16, 999, 10_000, 77_777))
     assert method_config("star", 1_000_000).block_size == 32_768
     assert method_config("dense", 100).anchor_size == 0
     assert plan_blocks(10, 4) == [(0, 4), (4, 8), (8, 10)]

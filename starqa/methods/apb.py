@@ -46,6 +46,20 @@ class Apb(Method):
                           passing=p["passing"], window=p["window"],
                           question_ids=p.get("question_ids"))
 
+    def share(self, todo, n_blocks, world, rank) -> list[int]:
+        """Every block, round-robin, whatever `todo` is: block i needs the KV every earlier
+        block passes on, which is not stored, so the earlier blocks are run again."""
+        return self.assignment(n_blocks, world, rank)
+
+    def encode_todo(self, model, ids, config, blocks, todo, info, prepared=None,
+                    past=None) -> Encoded:
+        wanted = set(todo)
+        for index, k, v in self.encode(model, ids, config, blocks,
+                                       self.share(todo, len(blocks), info.world_size,
+                                                  info.rank), info, prepared):
+            if index in wanted:
+                yield index, k, v
+
     # invalidated: the default, `edited` and every later block, since every later block
     # reads the KV block `edited` passes on (and its anchor, when the edit reaches into it).
 

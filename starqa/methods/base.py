@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from starqa.methods.blocks import split_contiguous
+from starqa.methods.blocks import digest, split_contiguous
 from starqa.methods.config import MethodConfig
 
 Blocks = Sequence[tuple[int, int]]
@@ -30,6 +30,17 @@ class Method:
     settings: tuple[str, ...] = ()
     exact: bool = False  # its blocks equal dense's (up to rounding)
     sequential: bool = False  # every block on one worker, in order
+    # Incremental re-ingest (issue #14). reuse "block": a block's KV depends on its own
+    # inputs only (`block_inputs`), so every block whose inputs are unchanged is kept;
+    # "prefix": block i depends on every earlier block, so blocks before the first changed
+    # one are kept and every later one is encoded again.
+    reuse: str = "prefix"
+    # A block that only moved (same inputs, another position offset) may have its keys
+    # re-rotated to the new positions instead of being encoded (an approximation: star).
+    rotatable: bool = False
+    # encode_todo needs the stored KV of the blocks before the first one to encode (dense,
+    # ring: exact causal attention continues from it).
+    needs_past: bool = False
 
     # ------------------------------------------------------------------- settings
 
@@ -66,7 +77,35 @@ class Method:
         block: their KV depends on everything before them."""
         return list(range(edited, len(blocks)))
 
+    def block_inputs(self, ids: Sequence[int], config: MethodConfig, blocks: Blocks, index: int,
+                     prepared: dict | None = None) -> dict:
+        """Everything block `index`'s stored KV depends on besides the model, the dtype, the
+        method's name and the block's position offset (its start, named apart so a
+        `rotatable` method can find a block that moved): JSON-able, token ids as digests.
+        Two blocks with equal inputs have equal KV, so they share one file (issue #14).
+        By default (reuse "prefix") every token up to the block's end, where each block
+        before it was cut, and the settings."""
+        start, end = blocks[index]
+        return {"prefix": digest(ids[:end]), "cuts": [s for s, _ in blocks[:index + 1]],
+                "end": end, "anchor": config.anchor_size, "params": config.params}
+
     # ------------------------------------------------------------------- worker side
+
+    def share(self, todo: Sequence[int], n_blocks: int, world: int, rank: int) -> list[int]:
+        """The blocks of `todo` (every block, or those an incremental ingest encodes) that
+        worker `rank` encodes: `assignment` for every block, else a contiguous share."""
+        if list(todo) == list(range(n_blocks)):
+            return self.assignment(n_blocks, world, rank)
+        return [todo[i] for i in split_contiguous(len(todo), world, rank)]
+
+    def encode_todo(self, model, ids, config: MethodConfig, blocks: Blocks, todo: Sequence[int],
+                    info, prepared: dict | None = None, past=None) -> Encoded:
+        """This worker's share of blocks `todo`: yields (index, k, v) for those blocks only.
+        past (`needs_past`): per layer (k, v) [1, Hkv, P, D] of blocks 0..todo[0]-1, as
+        stored; None when todo starts at block 0. Every worker calls it together."""
+        mine = self.share(todo, len(blocks), info.world_size, info.rank)
+        return self.encode(model, ids, config, blocks, mine, info, prepared)
+
 
     def encode(self, model, ids, config: MethodConfig, blocks: Blocks, indices: Sequence[int],
                info, prepared: dict | None = None) -> Encoded:

@@ -1,14 +1,82 @@
 """The block plan: the context's token ranges, and which worker holds which blocks.
 
+Two plans. `plan_blocks` cuts at fixed token counts (token contexts: `bench`, `eval`).
+`plan_file_blocks` follows the files (`ingest`), so that an edit to one file changes only
+the blocks that hold it (issue #14): block 0 is the first `block_size` tokens (the star
+anchor lives in it, and an edit there changes every block anyway); after it, whole files
+are packed up to `block_size`, a file longer than that is cut at fixed offsets from its own
+start into blocks of its own, and a block also ends before any file whose path hashes to a
+*cut point* (one file in `m`, `m` about the files a block holds), so that a file growing
+past its block's room regroups only the files up to the next cut point, never every later
+block (greedy packing alone would shift every later boundary).
+
 Pure Python (no torch), so the launcher and the UI can use it without loading the model.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections.abc import Sequence
+
 
 def plan_blocks(n_tokens: int, block_size: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) token ranges of `block_size` (the last may be shorter)."""
     return [(s, min(s + block_size, n_tokens)) for s in range(0, n_tokens, block_size)]
+
+
+def plan_file_blocks(n_tokens: int, block_size: int, files: Sequence[tuple[str, int, int]]
+                     ) -> list[tuple[int, int]]:
+    """[start, end) token ranges that follow the files. files: (path, token_start, token_end)
+    in context order; the tokens between two files (the separator) go with the first one.
+    Every block holds at most `block_size` tokens; blocks cover 0..n_tokens exactly."""
+    if n_tokens <= block_size or not files:
+        return plan_blocks(n_tokens, block_size)
+    head = block_size  # block 0: the anchor's block, at a fixed size
+    starts = [head, *(max(s, head) for _, s, _ in files[1:])]  # contiguous from block 0 on
+    ends = [*starts[1:], n_tokens]
+    every = _cut_every(block_size, [e - s for _, s, e in files])
+    blocks: list[tuple[int, int]] = [(0, head)]
+    open_start = None  # start of the block being filled with whole files
+
+    def close(at: int) -> None:
+        nonlocal open_start
+        if open_start is not None and at > open_start:
+            blocks.append((open_start, at))
+        open_start = None
+
+    for (path, _, _), start, end in zip(files, starts, ends):
+        if end <= start:  # wholly inside block 0
+            continue
+        if end - start > block_size:  # a large file: blocks of its own at fixed offsets
+            close(start)
+            blocks += [(s, min(s + block_size, end)) for s in range(start, end, block_size)]
+            continue
+        if open_start is not None and (end - open_start > block_size or _cut_point(path, every)):
+            close(start)
+        if open_start is None:
+            open_start = start
+    close(n_tokens)
+    return blocks
+
+
+def _cut_every(block_size: int, sizes: Sequence[int]) -> int:
+    """m: about the files a block holds, as a power of two (so that it stays put while
+    files change a little)."""
+    mean = max(1.0, sum(sizes) / max(len(sizes), 1))
+    m = 1
+    while m * 2 * mean <= block_size:
+        m *= 2
+    return m
+
+
+def _cut_point(path: str, every: int) -> bool:
+    return int.from_bytes(hashlib.sha256(path.encode()).digest()[:8], "little") % every == 0
+
+
+def digest(ids: Sequence[int]) -> str:
+    """sha256 hex of token ids (int64, little-endian): what a block address hashes."""
+    return hashlib.sha256(array("q", ids).tobytes()).hexdigest()
 
 
 def split_contiguous(n_items: int, world: int, rank: int) -> range:

@@ -40,8 +40,12 @@ def check_sizes(block_size: int | None, anchor_size: int | None) -> None:
 
 
 def default_block(n_tokens: int) -> int:
-    """The Star paper's block: a quarter of the context, capped at 32K."""
-    return min(max(1, math.ceil(n_tokens / 4)), MAX_DEFAULT_BLOCK)
+    """The Star paper's block: a quarter of the context, capped at 32K; rounded up to a grid
+    of eight steps per octave (at most 12.5% more, still four blocks), so that a small edit
+    leaves the block size, and with it every block's plan, as it was (issue #14)."""
+    quarter = max(1, math.ceil(n_tokens / 4))
+    step = 1 << max(0, quarter.bit_length() - 4)  # 2^(floor(log2 quarter) - 3)
+    return min(-(-quarter // step) * step, MAX_DEFAULT_BLOCK)
 
 
 def chosen(defaults: dict, given: dict) -> dict:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from starqa.errors import StarqaError
 from starqa.methods.base import Blocks, Encoded, Method
+from starqa.methods.blocks import digest
 from starqa.methods.config import MethodConfig, chosen
 
 DEFAULTS = {"sink": 64, "heuristic": "max-idf", "budget_frac": 0.125, "chunk": 32,
@@ -26,6 +27,7 @@ class Pulsar(Method):
     name = "pulsar"
     help = "each block after a sink and the earlier blocks' summaries (Pulsar Attention)"
     settings = tuple(DEFAULTS)
+    reuse = "block"  # block i's KV reads its assembled input only (block_inputs)
 
     def config(self, block_size: int, anchor_size: int | None, params: dict) -> MethodConfig:
         from starqa.pulsar import HEURISTICS, POSITIONS
@@ -61,6 +63,21 @@ class Pulsar(Method):
 
         summaries = _tensors(prepared, ids, config, blocks) if prepared else None
         return encode_pulsar(model, ids, blocks, indices, summaries=summaries, **config.params)
+
+    def block_inputs(self, ids, config, blocks, index, prepared=None) -> dict:
+        """Block i's assembled input [sink ‖ Σ_0 ‖ … ‖ Σ_{i−1} ‖ B_i]: its token ids and their
+        positions. An edit that leaves the earlier blocks' summaries as they were (the IDF
+        moved, but not enough to pick other chunks) leaves it unchanged: it is reused."""
+        import torch
+
+        from starqa.pulsar import assemble
+
+        p = config.params
+        tokens, positions, keep = assemble(torch.as_tensor(ids, dtype=torch.long), blocks, index,
+                                           _tensors(prepared, ids, config, blocks),
+                                           sink=p["sink"], positions=p["positions"])
+        return {"ids": digest(tokens.tolist()), "positions": digest(positions.tolist()),
+                "keep": keep}
 
     def invalidated(self, config: MethodConfig, blocks: Blocks, edited: int) -> list[int]:
         """Not Star's rule: block i's input holds the summaries of every block before it, so

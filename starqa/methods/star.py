@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from starqa.methods.base import Blocks, Encoded, Method
+from starqa.methods.blocks import digest
 from starqa.methods.config import MethodConfig
 
 
@@ -12,6 +13,8 @@ class Star(Method):
     name = "star"
     help = "each block after an anchor, no communication (Star Attention)"
     settings = ("anchor",)
+    reuse = "block"  # block i's KV reads the anchor and block i only
+    rotatable = True  # a block that moved keeps its KV, keys re-rotated (starqa.rotate)
 
     def config(self, block_size: int, anchor_size: int | None, params: dict) -> MethodConfig:
         """anchor = block unless given (the paper's default)."""
@@ -22,6 +25,12 @@ class Star(Method):
         from starqa.phase1 import encode_star
 
         return encode_star(model, ids, blocks, indices, config.anchor_size)
+
+    def block_inputs(self, ids, config, blocks, index, prepared=None) -> dict:
+        """The anchor's tokens (at 0..a-1) and the block's own (at its offset)."""
+        start, end = blocks[index]
+        return {"anchor": digest(ids[:min(config.anchor_size, start)]),
+                "block": digest(ids[start:end])}
 
     def invalidated(self, config: MethodConfig, blocks: Blocks, edited: int) -> list[int]:
         """`edited` itself; and every later block when the edit reaches into the anchor
