@@ -66,12 +66,15 @@ class Answerer:
                on_token: Callable[[int], None] | None = None,
                should_stop: Callable[[], bool] | None = None
                ) -> tuple[list[int], list[dict] | None]:
-        """Generate on every rank; returns (tokens, top sources on the query host, else None)."""
+        """Generate on every rank; returns (tokens, top sources on the query host, else None;
+        None under top-k attention, which never sees every key's attention)."""
         import time
 
         tokens = phase2.generate(self.decoder, self.info, self.hook, query_ids,
                                  self.query_position, max_new_tokens, set(stop_ids),
                                  on_token, should_stop)
+        if self.hook.retriever is not None:  # top-k attention (every rank): no attribution
+            return tokens, None
         started = time.perf_counter()
         mine = {}
         if self.hook.n_keys and self.files:

@@ -125,7 +125,7 @@ class Chat:
             if self.last is None:
                 self.console.print("No answer yet.")
             else:
-                print_sources(self.last.get("sources") or [], limit=10)
+                print_sources(self.last.get("sources"), limit=10)
         elif name == "/stats":
             self.print_stats()
         elif name == "/clear":
@@ -186,7 +186,7 @@ class Chat:
         self.last = done
         self.history.append((question, done["text"]))
         self.console.print(_stats_line(done))
-        print_sources(done.get("sources") or [], limit=3)
+        print_sources(done.get("sources"), limit=3)
 
     def print_stats(self) -> None:
         status = self.conn.ping()

@@ -1,9 +1,10 @@
 """Source attribution: the attention mass shard keys received, traced to files and lines.
 
-Phase 2 accumulates, per worker, the attention probability each of its cached keys got
-from the rows that picked the answer's tokens (summed over layers and heads). The manifest
-maps token positions to files (token spans) and lines (the token where each line starts),
-so each worker turns its vector into per-line mass; the query host adds them up and ranks.
+Phase 2 gives, per worker, the attention each of its cached keys got from the answer's
+rows that emitted that key's own token (`phase2.ShardAttention.key_mass`: where the answer
+copied from), as a fraction of those rows' attention. The manifest maps token positions to
+files (token spans) and lines (the token where each line starts), so each worker turns its
+vector into per-line mass; the query host adds them up and ranks.
 """
 
 from __future__ import annotations
@@ -46,15 +47,29 @@ def add(parts: list[dict[str, dict[int | str, float]]]) -> dict[str, dict[int, f
     return {p: dict(lines) for p, lines in total.items()}
 
 
+# An answer that copied less than this share of its attention from the documents did not
+# come from them (SmolLM2 and Qwen2.5-Coder: answers copied from a file copy 1.2-2% of
+# their attention, answers from the model's own knowledge 0.2-0.4%; README, Sources).
+MIN_COPIED = 0.006
+# Below this share for the top file, attribution is spread over many files: noise.
+MIN_TOP_SHARE = 0.25
+
+
 def top_sources(per_line: dict[str, dict[int, float]], k: int = 5,
                 keep: float = 0.25) -> list[dict]:
-    """The `k` files with the most mass, each with its share of the mass on all files and
-    the line range around its peak line (neighbouring lines with >= `keep` x the peak)."""
+    """The files the answer copied from, most first (at most `k`): each with its share of
+    the attributed mass and the line range around its peak line (neighbouring lines with
+    >= `keep` x the peak). A file is listed when its share is at least a third of the top
+    file's (and 10%); none is when the answer copied too little from the documents
+    (MIN_COPIED) or no file stands out (MIN_TOP_SHARE): an empty list, which the UI says."""
     totals = {path: sum(lines.values()) for path, lines in per_line.items()}
-    grand = sum(totals.values()) or 1.0
+    copied = sum(totals.values())
     ranked = sorted(totals, key=totals.get, reverse=True)[:k]
+    if not ranked or copied < MIN_COPIED or totals[ranked[0]] / copied < MIN_TOP_SHARE:
+        return []
+    least = max(0.1, totals[ranked[0]] / copied / 3) * copied
     result = []
-    for path in ranked:
+    for path in (p for p in ranked if totals[p] >= least):
         lines = per_line[path]
         peak = max(lines, key=lines.get)
         first = last = peak
@@ -62,5 +77,5 @@ def top_sources(per_line: dict[str, dict[int, float]], k: int = 5,
             first -= 1
         while lines.get(last + 1, 0.0) >= keep * lines[peak]:
             last += 1
-        result.append({"path": path, "share": totals[path] / grand, "lines": [first, last]})
+        result.append({"path": path, "share": totals[path] / copied, "lines": [first, last]})
     return result

@@ -155,9 +155,14 @@ class RichUI(UI):
             self._write(text)
 
 
-def print_sources(sources: list[dict], limit: int = 3) -> None:
-    """`path:first-last (share)` for the files the answer attended to most."""
+def print_sources(sources: list[dict] | None, limit: int = 3) -> None:
+    """`path:first-last (share)` for the files the answer copied from, or that none stands
+    out (sources.top_sources); nothing for None (not tracked: top-k attention)."""
+    if sources is None:
+        return
     if not sources:
+        err.print("[dim]sources: none stands out (the answer copied little from the "
+                  "documents: it may come from the model's own knowledge)[/]")
         return
     parts = [f"{s['path']}:{s['lines'][0]}" + (f"-{s['lines'][1]}" if s["lines"][1] != s["lines"][0]
                                                  else "") + f" ({s['share']:.0%})"

@@ -77,8 +77,6 @@ def _meeting_notes(week: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-@pytest.mark.xfail(strict=True, reason="raw attention mass names the last file (notes_06.md), "
-                   "not the needle's: issue #12 item 2, attribution still to change")
 def test_needles_file_is_the_top_source_among_near_identical_files(embedded_model, home,
                                                                     tmp_path):
     """Six near-identical files of meeting notes, one fact in the third: attention that

@@ -34,11 +34,24 @@ def test_line_mass_of_a_shard_that_starts_mid_file():
 
 def test_top_sources_ranks_files_and_finds_the_peak_range():
     per_line = sources.add([{"a.md": {1: 0.1, 5: 1.0, 6: 0.5, 7: 0.05}},
-                            {"a.md": {4: 0.3}, "b.md": {2: 0.2}}])
+                            {"a.md": {4: 0.3}, "b.md": {2: 0.7}}])
     top = sources.top_sources(per_line)
     assert [s["path"] for s in top] == ["a.md", "b.md"]
     assert top[0]["lines"] == [4, 6]  # 0.3 and 0.5 are >= 25% of the peak 1.0; 0.05 is not
     assert math.isclose(sum(s["share"] for s in top), 1.0)
+
+
+def test_only_files_that_stand_out_are_listed():
+    """A file under a third of the top file's share is noise and left out; an answer that
+    copied too little (the model's own knowledge) or copied from everywhere alike (no file
+    stands out) lists none."""
+    top = sources.top_sources({"a.md": {3: 0.06}, "b.md": {1: 0.03}, "c.md": {9: 0.015}})
+    assert [(s["path"], round(s["share"], 3)) for s in top] == [("a.md", 0.571), ("b.md", 0.286)]
+    little = sources.MIN_COPIED * 0.9
+    assert sources.top_sources({"a.md": {1: little}}) == []
+    spread = {f"{i}.md": {1: sources.MIN_COPIED} for i in range(5)}  # 20% each
+    assert sources.top_sources(spread) == []
+    assert sources.top_sources({}) == []
 
 
 def test_key_mass_sums_to_the_shards_share_of_attention():
