@@ -37,14 +37,11 @@ def rename_context(manifest: Manifest, name: str) -> Manifest:
     return write_manifest(manifest.folder, replace(manifest, name=name))
 
 
-def staging_dir(root: Path, key: str, shared: bool = False) -> Path:
-    """A fresh folder for this process's ingest, or (`shared`, a multi-machine ingest) the
-    one folder every machine's workers write into."""
-    if shared:
-        path = root / f".staging-{key}-shared"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    path = root / f".staging-{key}-{os.getpid()}"
+def staging_dir(root: Path, key: str, node: int | None = None) -> Path:
+    """A fresh folder for this process's ingest; `node`: a machine of a multi-machine ingest,
+    named apart so that machines sharing one cache never write into each other's."""
+    tag = "" if node is None else f"n{node}-"
+    path = root / f".staging-{key}-{tag}{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
