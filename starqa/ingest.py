@@ -72,7 +72,7 @@ class IngestOptions:
 
 @dataclass
 class IngestResult:
-    manifest: Manifest | None  # None on machines other than node 0, which commits
+    manifest: Manifest | None  # None on machines other than node 0 of a shared cache
     corpus: corpus_mod.Corpus
     cache_hit: bool
     seconds: float

@@ -4,7 +4,8 @@ Layout under `$STARQA_HOME/contexts/`:
 
     <key>/                          a context: manifest.json (starqa.manifest) and its
                                     shards (starqa.shards)
-    .staging-<key>-<pid>/           a context being written (never read)
+    .staging-<key>-[n<node>-]<pid>/ a context being written (never read); n<node>: a
+                                    machine of a multi-machine ingest
     .old-<key>-<pid>/, .trash-<key>-<pid>/   a context being replaced or removed
     .<key>.lock                     flock held while the context is checked, built, committed
     .blocks/                        content-addressed block files, hard-linked into the
