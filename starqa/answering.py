@@ -48,7 +48,8 @@ class Answerer:
         with `topk`, for top-k attention (starqa.retrieval) instead of exact."""
         from starqa.decoder import load_decoder
 
-        blocks = list(dist.split_contiguous(len(manifest.blocks), info.world_size, info.rank))
+        # contiguous per machine, then per rank: what each machine keeps (starqa.hosts)
+        blocks = list(dist.split_by_host(len(manifest.blocks), info))
         dtype = getattr(torch, manifest.dtype)
         decoder = load_decoder(model_path, dtype, weights, info.device)
         shard, ids, retriever = None, None, None

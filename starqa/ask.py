@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from starqa import paths, prompt, shards, store
+from starqa import hosts, paths, prompt, shards, store
 from starqa.errors import StarqaError
 from starqa.indexes import TopK, topk_of
 from starqa.launch import Launch, launch_of, run_workers
@@ -81,6 +81,8 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
     with ui.status("Checking model and shards"):
         model_path = _checked_model(manifest, opts.model, ui)
         tokenizer, query_ids = _question(manifest, model_path, opts.question)
+    if opts.nnodes == 1:  # no group to fetch blocks kept on other machines from
+        hosts.check_here(manifest)
     manifest = _with_indexes(manifest, opts.topk, ui)
     n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
     if not opts.beyond_window and (error := prompt.room_error(n, m, opts.max_new_tokens, window)):
@@ -285,6 +287,7 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
         raise StarqaError(f"A worker group for {manifest.name} ({key}) is already running "
                           "or starting.", hint=f"starqa stop {manifest.name}")
     with claim:
+        hosts.check_here(manifest)
         with ui.status("Checking model and shards"):
             model_path = _checked_model(manifest, opts.model, ui)
         manifest = _with_indexes(manifest, opts.topk, ui)

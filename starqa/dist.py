@@ -8,9 +8,15 @@ with no process group, so the phases run unchanged in-process (tests, single wor
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
+import re
+import shutil
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from datetime import timedelta
 
 import torch
@@ -58,6 +64,19 @@ class Traffic:
 
 
 @dataclass(frozen=True)
+class Peer:
+    """Where one rank runs: its machine (torchrun's node rank), that machine's host name,
+    and the address it reaches node 0 from (what gloo connects to)."""
+
+    node: int
+    host: str
+    address: str
+
+    def describe(self) -> str:
+        return f"node {self.node} ({self.host}, {self.address})"
+
+
+@dataclass(frozen=True)
 class DistInfo:
     rank: int
     local_rank: int
@@ -65,10 +84,32 @@ class DistInfo:
     device: torch.device
     group: dist.ProcessGroup | None  # None for a world of one
     traffic: Traffic = field(default_factory=Traffic, compare=False)  # this rank's, so far
+    # Every rank's Peer, by rank (a world of one: empty, one machine)
+    roster: tuple[Peer, ...] = field(default=(), compare=False)
 
     @property
     def is_last(self) -> bool:
         return self.rank == self.world_size - 1
+
+    @property
+    def node(self) -> int:
+        """This rank's machine (0 in a world of one)."""
+        return self.roster[self.rank].node if self.roster else 0
+
+    @property
+    def nodes(self) -> list[int]:
+        """The machines of the group, in order (node ranks)."""
+        return sorted({p.node for p in self.roster}) or [0]
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The ranks running on machine `node`, in order (its local ranks)."""
+        return [r for r, p in enumerate(self.roster) if p.node == node] or [0]
+
+    @property
+    def lead(self) -> bool:
+        """The first rank of its machine: the one that reads and writes the machine's files
+        for the group (a machine's other ranks share its disk)."""
+        return self.node_ranks(self.node)[0] == self.rank
 
 
 def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
@@ -88,7 +129,54 @@ def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=dev if dev.type == "cuda" else None)
         group = dist.group.WORLD
-    return DistInfo(rank, local_rank, world, dev, group)
+    info = DistInfo(rank, local_rank, world, dev, group)
+    if group is None:
+        return info
+    me = Peer(int(os.environ.get("GROUP_RANK", 0)), socket.gethostname(), _own_address())
+    roster = tuple(Peer(**p) for p in all_gather_object(info, me.__dict__))
+    return DistInfo(rank, local_rank, world, dev, group, Traffic(), roster)  # roster: uncounted
+
+
+def _own_address() -> str:
+    """The address this machine reaches node 0 (MASTER_ADDR) from: a UDP socket's local end
+    after connect (no packet is sent)."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   int(os.environ.get("MASTER_PORT", 29500))))
+        return s.getsockname()[0]
+    return "?"
+
+
+def split_by_host(n_items: int, info: DistInfo) -> range:
+    """This rank's contiguous share of `n_items`, split first between the machines (one
+    contiguous range each, `split_contiguous` over the nodes), then between the ranks of
+    each machine: what Phase 2 loads, so that each machine's share is what it keeps on its
+    own disk. On one machine the same as `split_contiguous(n_items, world, rank)`."""
+    nodes = info.nodes
+    host = split_contiguous(n_items, len(nodes), nodes.index(info.node))
+    ranks = info.node_ranks(info.node)
+    mine = split_contiguous(len(host), len(ranks), ranks.index(info.rank))
+    return host[mine.start:mine.stop]
+
+
+_PEER = re.compile(r"\[?(\d+\.\d+\.\d+\.\d+)\]?:\d+")
+
+
+def lost_peer(info: DistInfo, error: BaseException) -> str | None:
+    """The machine a collective's failure names, described ("node 1 (host, 10.0.0.2)"),
+    when the error is a lost connection (a peer that died or left), else None."""
+    text = str(error)
+    if not re.search(r"[Cc]onnection (closed|reset)|[Bb]roken pipe|peer|timed out|Timeout",
+                     text):
+        return None
+    addresses = _PEER.findall(text)
+    others = [p for p in info.roster if p.node != info.node]
+    for address in addresses:
+        if found := [p for p in others if p.address == address]:
+            return found[0].describe()
+    if len({p.node for p in others}) == 1:  # one other machine: it is the one
+        return others[0].describe()
+    return f"the worker at {addresses[0]}" if addresses else "another machine of the group"
 
 
 def local_world(device: str | torch.device = "cpu") -> DistInfo:
@@ -191,6 +279,101 @@ def _all_gather(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
     else:  # older torch: the same buffer, filled row by row
         dist.all_gather(list(out.unbind()), flat, group=info.group)
     return out.view(info.world_size, *tensor.shape)
+
+
+def all_gather_object(info: DistInfo, obj) -> list:
+    """Every rank's JSON-able `obj`, as a list by rank, on every rank (UTF-8 JSON in byte
+    tensors, never pickled; dict keys come back as strings)."""
+    payload = _to_json(obj)
+    if info.group is None:
+        return [json.loads(payload)]
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=info.device)
+    lengths = _all_gather(info, length).view(-1).tolist()
+    width = max(lengths)
+    rows = _all_gather(info, _byte_tensor(payload, width, info.device))
+    info.traffic.add("all_gather_object", len(payload) * (info.world_size - 1),
+                     sum(n for r, n in enumerate(lengths) if r != info.rank))
+    return [json.loads(row[:n].cpu().numpy().tobytes()) for row, n in zip(rows, lengths)]
+
+
+# ---------------------------------------------------------------------------------------
+# files between machines (per-host shards, issue #15)
+
+
+def move_files(info: DistInfo, folder: Path, have: dict[str, str], want: list[str],
+               shared: bool = False) -> dict[str, list[int]]:
+    """Every machine's lead rank ends with the files it `want`s in its `folder`: each one
+    it lacks comes from the first machine that has it (`have`: name → sha256), sent over
+    the group (gloo/nccl point-to-point, length then bytes) and checked against that
+    sha256, or, `shared` (one file system for all), linked from that machine's folder.
+    Written as a temp file and renamed, so a folder never holds half a file.
+
+    Every rank calls it together; only lead ranks' `have` and `want` count (the others
+    pass {} and []). Returns name → the nodes holding it before any move. A wanted file
+    no machine has is not moved (the caller sees it missing from the result) and nothing
+    moves at all then, so every rank can raise the same error."""
+    mine = {"node": info.node, "folder": str(folder), "have": have if info.lead else {},
+            "want": sorted(want) if info.lead else []}
+    table = all_gather_object(info, mine)
+    holders: dict[str, list[int]] = {}
+    for entry in table:
+        for name in entry["have"]:
+            holders.setdefault(name, []).append(entry["node"])
+    wanted = sorted({n for entry in table for n in entry["want"]})
+    if any(name not in holders for name in wanted):
+        return holders
+    for name in wanted:
+        sender = next(r for r, e in enumerate(table) if name in e["have"])
+        sha = table[sender]["have"][name]
+        receivers = [r for r, e in enumerate(table) if name in e["want"] and name not in e["have"]]
+        if info.rank == sender and not shared:
+            data = Path(folder, name).read_bytes()
+            for receiver in receivers:
+                send_bytes(info, data, receiver)
+        elif info.rank in receivers:
+            data = None if shared else recv_bytes(info, sender)
+            _write_checked(Path(folder, name), data, Path(table[sender]["folder"], name), sha)
+    return holders
+
+
+def _write_checked(path: Path, data: bytes | None, source: Path, sha256: str) -> None:
+    """`data` (or, None, a copy of `source`) as `path`, if it hashes to `sha256`."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        if data is None:
+            try:
+                os.link(source, tmp)
+            except OSError:
+                shutil.copyfile(source, tmp)
+            data = tmp.read_bytes()
+        else:
+            tmp.write_bytes(data)
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise OSError(f"{path.name} arrived damaged (its sha256 differs from the sender's)")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def send_bytes(info: DistInfo, data: bytes, dst: int) -> None:
+    """`data` to rank `dst` (which calls `recv_bytes`): its length, then the bytes."""
+    dist.send(torch.tensor([len(data)], dtype=torch.int64, device=info.device), dst=dst,
+              group=info.group)
+    if data:
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(info.device),
+                  dst=dst, group=info.group)
+    info.traffic.add("send_bytes", len(data), 0)
+
+
+def recv_bytes(info: DistInfo, src: int) -> bytes:
+    """The bytes rank `src` sends with `send_bytes`."""
+    length = torch.zeros(1, dtype=torch.int64, device=info.device)
+    dist.recv(length, src=src, group=info.group)
+    data = torch.empty(int(length.item()), dtype=torch.uint8, device=info.device)
+    if data.numel():
+        dist.recv(data, src=src, group=info.group)
+    info.traffic.add("send_bytes", 0, data.numel())
+    return data.cpu().numpy().tobytes()
 
 
 def barrier(info: DistInfo) -> None:

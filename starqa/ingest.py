@@ -28,6 +28,7 @@ from starqa.manifest import (
     IngestRun,
     Manifest,
     ModelIdentity,
+    Placement,
     Skipped,
     SourceFile,
     read_manifest,
@@ -71,7 +72,7 @@ class IngestOptions:
 
 @dataclass
 class IngestResult:
-    manifest: Manifest | None  # None on machines other than node 0, which commits
+    manifest: Manifest | None  # None on machines other than node 0 of a shared cache
     corpus: corpus_mod.Corpus
     cache_hit: bool
     seconds: float
@@ -130,7 +131,8 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
                 "Waiting for another ingest of the same context")) if opts.node_rank == 0
             else contextlib.nullcontext())
     with lock:
-        if not opts.force and _reusable(final, PLAN):
+        hit = not opts.force and _reusable(final, PLAN) and _placed_alike(final, opts)
+        if hit and opts.nnodes == 1:
             manifest = read_manifest(final)
             if opts.name and opts.name != manifest.name:  # --name applies to a hit too
                 manifest = store.rename_context(manifest, opts.name)
@@ -138,9 +140,12 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         else:
             blocks = plan_file_blocks(n, method.block_size, [
                 (f.path, a, b) for f, (a, b) in zip(corpus.files, tokens.file_tokens)])
+            # Across machines every machine starts the group, even with the context here:
+            # it is a cache hit only where every machine holds it (the workers agree).
             return _encode(opts, root, key, tokens, corpus, spans, model, dtype, method,
                            content, started, ui, blocks=blocks, incremental=opts.nnodes == 1,
-                           query_template=prompt.query_template(tokenizer), lock_held=True)
+                           query_template=prompt.query_template(tokenizer), lock_held=True,
+                           hit_here=hit)
     if opts.index:  # a hit without the indexes asked for: built now (they take the lock)
         manifest = indexes.ensure(manifest, opts.index, on_build=ui.waiting)
     return IngestResult(manifest, corpus, True, time.perf_counter() - started)
@@ -212,11 +217,13 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
 def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
             model: ModelIdentity, dtype, method, content, started, ui: UI, measure: bool = False,
             *, blocks=None, incremental: bool = False, query_template: dict | None = None,
-            lock_held: bool = False) -> IngestResult:
+            lock_held: bool = False, hit_here: bool = False) -> IngestResult:
     """Run Phase 1 and commit the shards under `root / key` (under the context's lock;
     `lock_held`: the caller holds it already). `incremental`: blocks the content-addressed
     store holds are linked in (or re-rotated), and only the others are encoded, in this
-    process or on a torchrun group (`_in_process`); every block then joins the store."""
+    process or on a torchrun group (`_in_process`); every block then joins the store.
+    Across machines (`opts.nnodes` > 1) each machine stages and commits its own blocks
+    (starqa.hosts); `hit_here`: this machine holds the context already."""
     ids = tokens.ids
     n = len(ids)
     final = root / key
@@ -235,10 +242,15 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
     # a group never has more workers than blocks to spread (apb runs every block)
     spread = max(len(encoder.share(todo, len(blocks), 1, 0)), 1)
     workers = 1 if local or not todo else _ingest_workers(opts, method.name, spread)
-    # Across machines every node's workers write into one staging folder on the shared
-    # cache, and node 0 commits it; on one machine the folder is this process's own.
+    # Each machine's workers write into its own staging folder, and each machine commits
+    # the blocks it keeps (on a shared cache, node 0 all of them: starqa.hosts).
     multinode = opts.nnodes > 1
-    staging = store.staging_dir(root, key, shared=multinode)
+    if multinode and opts.index:
+        raise StarqaError("--index is not built across machines yet.",
+                          hint="ingest across machines without --index; top-k attention "
+                               "needs every block on one machine (ingest there with --index)")
+    staging = store.staging_dir(root, key, node=opts.node_rank if multinode else None)
+    placed: dict = {}
     try:
         _link_kept(plan, bstore, staging, blocks, freqs, method.name)
         todo_tokens = sum(blocks[i][1] - blocks[i][0] for i in todo)
@@ -264,7 +276,8 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
             job = {"phase": "ingest", "model_path": model.path, "dtype": dtype,
                    "method": method.as_dict(), "blocks": blocks, "todo": todo,
                    "staging": str(staging), "tokens_file": str(tokens_file),
-                   "measure": measure, "prepared": prepared, "index": index_job}
+                   "measure": measure, "prepared": prepared, "index": index_job,
+                   "across": multinode, "hit": hit_here}
 
             def on_event(event: dict) -> None:
                 if event["event"] == "ready" and not encode_started:
@@ -278,6 +291,8 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
                     measures[event["rank"]] = event
                 elif event["event"] == "index":
                     index_seconds.append(event["seconds"])
+                elif event["event"] in ("placement", "hit"):
+                    placed.update(event)
 
             ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
             run_workers(job, launch_of(opts, workers), on_event)
@@ -285,15 +300,24 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
         encode_seconds = time.perf_counter() - (encode_started[0] if encode_started else started)
         per_rank = {"peak_bytes": [peaks[r] for r in sorted(peaks)],
                     "measures": [measures[r] for r in sorted(measures)]}
-        if opts.node_rank != 0:  # node 0 commits what every node wrote
-            return IngestResult(None, corpus, False, time.perf_counter() - started, workers,
-                                encode_seconds, **per_rank)
         for leftover in staging.glob("tokens-node*.safetensors"):
             leftover.unlink()
+        if placed.get("event") == "hit":  # every machine holds it: nothing was encoded
+            shutil.rmtree(staging, ignore_errors=True)
+            manifest = read_manifest(final)
+            store.touch(manifest)
+            return IngestResult(manifest, corpus, True, time.perf_counter() - started)
+        if multinode and placed.get("shared") and opts.node_rank != 0:
+            shutil.rmtree(staging, ignore_errors=True)  # node 0 commits on the shared cache
+            return IngestResult(None, corpus, False, time.perf_counter() - started, workers,
+                                encode_seconds, **per_rank)
         if incremental:  # every block into the store (linking changes the files' ctime,
             for index, block_stem in enumerate(plan.stems):  # so before they are stamped)
                 blockstore.adopt(bstore, staging, index, block_stem)
-        hashed = shards.hash_blocks(staging, blocks, known=plan.known)
+        if multinode:  # every block's checksum, gathered from the machines that keep them
+            hashed = shards.listed_blocks(staging, blocks, placed["sums"], placed["held"])
+        else:
+            hashed = shards.hash_blocks(staging, blocks, known=plan.known)
         if incremental:  # each block's checksum remembered beside it in the store
             for block, block_stem in zip(hashed, plan.stems):
                 blockstore.record(bstore, block_stem, block.sha256)
@@ -320,11 +344,11 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
                         for sp, (a, b), lines, f in zip(spans, tokens.file_tokens,
                                                         tokens.line_tokens, corpus.files)),
             skipped=tuple(Skipped(path=s.path, reason=s.reason) for s in corpus.skipped),
-            ingest=IngestRun.timed(workers * opts.nnodes, encode_seconds, n), indexes=built),
-            replace_existing=True, held=lock_held)  # ingest found it not reusable, or forced
-    except BaseException:
-        if opts.node_rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            ingest=IngestRun.timed(workers * opts.nnodes, encode_seconds, n), indexes=built,
+            placement=_placement(placed, opts)),
+            replace_existing=True, held=lock_held and opts.node_rank == 0)
+    except BaseException:  # every machine drops its own staging: no half-written context
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     manifest = read_manifest(final)
     store.touch(manifest)
@@ -337,6 +361,22 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
                        _why(opts, encoder, method, plan, changes, previous, manifest), local)
     return IngestResult(manifest, corpus, False, time.perf_counter() - started,
                         workers * opts.nnodes, encode_seconds, **per_rank, reuse=report)
+
+
+def _placement(placed: dict, opts: IngestOptions) -> Placement | None:
+    """The manifest's record of which machine keeps which block; None when every block is
+    in this folder (one machine, or a cache all machines share)."""
+    if opts.nnodes == 1 or placed.get("shared"):
+        return None
+    return Placement(nodes=opts.nnodes, node=placed["node"], held=tuple(placed["held"]),
+                     homes=tuple(placed["homes"]), hosts=tuple(placed["hosts"]))
+
+
+def _placed_alike(folder: Path, opts: IngestOptions) -> bool:
+    """A committed context kept as this ingest would keep it: whole (one machine, or a
+    shared cache), or split over as many machines, this one being the same node."""
+    where = read_manifest(folder).placement
+    return where is None or (where.nodes == opts.nnodes and where.node == opts.node_rank)
 
 
 def _rope(model_path: str):

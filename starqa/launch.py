@@ -128,7 +128,8 @@ def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:
     finally:
         reader.join(timeout=5)
     if errors:  # a worker explained itself: that message beats any traceback
-        kind = {"ShardError": ShardError}.get(errors[0].get("kind"), StarqaError)
+        kind = {"ShardError": ShardError, "WorkerError": WorkerError}.get(
+            errors[0].get("kind"), StarqaError)
         raise kind(errors[0]["message"], hint=errors[0].get("hint"))
     if proc.returncode != 0:
         lines = list(tail)

@@ -12,6 +12,9 @@ Every context folder holds `manifest.json` beside its shards (see `starqa.shards
     files, skipped  the files packed (`SourceFile`: token span, line starts) and those left out
     ingest          how the encoding ran (`IngestRun`)
     indexes         top-k attention's vector indexes (`IndexSet`; absent: none built)
+    placement       a context made across machines without a shared file system: which
+                    blocks this machine keeps, and which machine keeps each (`Placement`;
+                    absent: every block is here)
 
 `write_manifest` writes exactly this JSON, in this order, atomically; `read_manifest` reads
 it back and refuses (ShardError naming the file, the problem and the rebuild command) a
@@ -140,6 +143,36 @@ class IndexSet:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where the blocks of a context encoded across machines live (issue #15): every
+    machine of the ingest commits the same plan and checksums (`Manifest.blocks`) and keeps
+    the files of `held` only, in its own `$STARQA_HOME`."""
+
+    nodes: int  # machines of the ingest
+    node: int  # this machine's node rank
+    held: tuple[int, ...]  # the blocks whose files are in this folder
+    homes: tuple[int, ...]  # per block, the node that kept it at ingest
+    hosts: tuple[str, ...]  # per node, "host (address)" as the group saw it
+
+    def where(self, indices) -> str:
+        """Which machines of the ingest keep blocks `indices`: "blocks 2-3 on node 1 (b,
+        10.77.0.2)"."""
+        by_node: dict[int, list[int]] = {}
+        for i in indices:
+            by_node.setdefault(self.homes[i], []).append(i)
+        return "; ".join(f"{_span(blocks)} on node {node} ({self.hosts[node]})"
+                         for node, blocks in sorted(by_node.items()))
+
+
+def _span(blocks: list[int]) -> str:
+    if len(blocks) == 1:
+        return f"block {blocks[0]}"
+    if blocks == list(range(blocks[0], blocks[-1] + 1)):
+        return f"blocks {blocks[0]}-{blocks[-1]}"
+    return "blocks " + ", ".join(map(str, blocks))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Manifest:
     """A context's manifest; fields in the order of the file."""
 
@@ -161,6 +194,7 @@ class Manifest:
     skipped: tuple[Skipped, ...]
     ingest: IngestRun
     indexes: tuple[IndexSet, ...] = ()
+    placement: Placement | None = None
     folder: Path | None = field(default=None, compare=False, metadata=_NOT_JSON)
     # Optional keys the file lacked (older format-3 manifests): left out when written back,
     # so a rewrite (a rename) changes nothing else.
@@ -174,12 +208,20 @@ class Manifest:
         only `ask --beyond-window` answers from it."""
         return self.n_tokens + max(self.reserve or 0, 1) > self.model.window
 
+    @property
+    def local_blocks(self) -> tuple[int, ...]:
+        """The blocks whose files this folder holds: all of them, unless the context was
+        made across machines that keep their own (`placement`)."""
+        if self.placement is None:
+            return tuple(range(len(self.blocks)))
+        return self.placement.held
+
     def to_json(self) -> dict[str, Any]:
         """The manifest as `manifest.json` holds it (without its folder)."""
         data = {"format": FORMAT, **_to_json(self)}
-        for key in self.absent:
+        for key in self.absent | {"placement"}:  # placement: only where there is one
             if data.get(key) is None:
-                del data[key]
+                data.pop(key, None)
         return data
 
 
@@ -264,6 +306,12 @@ def _check(data: dict) -> Manifest:
         for entry in found.files:
             if entry.file != index_file(entry.block, entry.layer, entry.head):
                 raise _Damage(f"indexes[{i}] names the file {entry.file!r}")
+    if (where := manifest.placement) is not None:
+        n = len(manifest.blocks)
+        if len(where.homes) != n or any(not 0 <= i < n for i in where.held) or \
+                not 0 <= where.node < where.nodes or len(where.hosts) != where.nodes or \
+                any(not 0 <= h < where.nodes for h in where.homes):
+            raise _Damage("placement does not fit its blocks and nodes")
     return manifest
 
 

@@ -80,6 +80,21 @@ def hash_blocks(folder: Path, ranges: Iterable[tuple[int, int]],
     return tuple(blocks)
 
 
+def listed_blocks(folder: Path, ranges, sums: dict, held) -> tuple[Block, ...]:
+    """The manifest entries of every block of a context kept across machines: sizes and
+    checksums as the machines that keep them reported (`sums`: per block [bytes, sha256]);
+    the blocks `held` here are remembered in `.verified.json` (hashed just now)."""
+    blocks = tuple(Block(index=i, start=start, end=end, file=block_file(i),
+                         bytes=sums[i][0], sha256=sums[i][1])
+                   for i, (start, end) in enumerate(ranges))
+    verified = {}
+    for i in held:
+        st = (folder / block_file(i)).stat()
+        verified[block_file(i)] = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, sums[i][1]]
+    write_json_atomic(folder / VERIFIED, verified)
+    return blocks
+
+
 def verify_block(manifest: Manifest, index: int, checksum: bool = True) -> Path:
     """Path of block `index` after checking it exists, has its size and (unless
     `checksum=False`, a quick look) matches its checksum."""
@@ -95,13 +110,14 @@ def verify_block(manifest: Manifest, index: int, checksum: bool = True) -> Path:
 
 def verify_checksums(manifest: Manifest, indices=None) -> None:
     """Every shard of the context (or of blocks `indices`) matches its recorded checksum:
-    what a cache hit must know before it reuses them, and Phase 2 before it loads them. A
+    what a cache hit must know before it reuses them, and Phase 2 before it loads them
+    (every shard: those this machine keeps, `Manifest.local_blocks`). A
     shard's hash is remembered in `.verified.json` with its size, mtime and ctime (a write
     changes them; ctime cannot be set back), so a repeated check costs one stat per shard
     and a damaged shard is still caught."""
     remembered = _read_verified(manifest.folder)
     verified = dict(remembered) if indices is not None else {}
-    for index in range(len(manifest.blocks)) if indices is None else indices:
+    for index in manifest.local_blocks if indices is None else indices:
         block = manifest.blocks[index]
         path = verify_block(manifest, index, checksum=False)  # present, recorded size
         st = path.stat()
@@ -127,9 +143,10 @@ def _read_verified(folder: Path) -> dict:
 
 
 def verify_present(manifest: Manifest) -> None:
-    """Every shard of the context is there with its recorded size (a quick look: the
+    """Every shard of the context this machine keeps (all but for a context made across
+    machines, `Manifest.local_blocks`) is there with its recorded size (a quick look: the
     workers verify checksums as they load)."""
-    for index in range(len(manifest.blocks)):
+    for index in manifest.local_blocks:
         verify_block(manifest, index, checksum=False)
 
 

@@ -4,7 +4,8 @@ Layout under `$STARQA_HOME/contexts/`:
 
     <key>/                          a context: manifest.json (starqa.manifest) and its
                                     shards (starqa.shards)
-    .staging-<key>-<pid>/           a context being written (never read)
+    .staging-<key>-[n<node>-]<pid>/ a context being written (never read); n<node>: a
+                                    machine of a multi-machine ingest
     .old-<key>-<pid>/, .trash-<key>-<pid>/   a context being replaced or removed
     .<key>.lock                     flock held while the context is checked, built, committed
     .blocks/                        content-addressed block files, hard-linked into the
@@ -37,14 +38,11 @@ def rename_context(manifest: Manifest, name: str) -> Manifest:
     return write_manifest(manifest.folder, replace(manifest, name=name))
 
 
-def staging_dir(root: Path, key: str, shared: bool = False) -> Path:
-    """A fresh folder for this process's ingest, or (`shared`, a multi-machine ingest) the
-    one folder every machine's workers write into."""
-    if shared:
-        path = root / f".staging-{key}-shared"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    path = root / f".staging-{key}-{os.getpid()}"
+def staging_dir(root: Path, key: str, node: int | None = None) -> Path:
+    """A fresh folder for this process's ingest; `node`: a machine of a multi-machine ingest,
+    named apart so that machines sharing one cache never write into each other's."""
+    tag = "" if node is None else f"n{node}-"
+    path = root / f".staging-{key}-{tag}{os.getpid()}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path

@@ -53,6 +53,14 @@ def run_ingest(job: dict, info) -> None:
     blocks = [tuple(b) for b in job["blocks"]]
     todo = job.get("todo", list(range(len(blocks))))  # an incremental ingest: fewer
     folder = Path(job["staging"])
+    across = job.get("across", False)  # machines that keep their own blocks (issue #15)
+    if across:
+        from starqa import hosts
+
+        if all(dist.all_gather_object(info, job.get("hit", False))):
+            emit("hit", rank=info.rank)  # every machine holds the context already
+            return
+        shared = hosts.shared_folder(info, folder.parent)
     ids = load_file(job["tokens_file"])["ids"].long()
     model = _load_model(job, info)
     mine = encoder.share(todo, len(blocks), info.world_size, info.rank)
@@ -75,6 +83,11 @@ def run_ingest(job: dict, info) -> None:
              cpu_seconds=time.process_time() - cpu, flops=counter.get_total_flops(),
              tokens=sum(blocks[i][1] - blocks[i][0] for i in mine), **info.traffic.as_dict())
     dist.barrier(info)
+    if across:
+        _fault("place", info.rank)
+        placed = hosts.place_ingest(info, folder, blocks, shared)
+        if placed is not None:
+            emit("placement", node=info.node, **placed)
 
 
 def flop_counter():
@@ -107,6 +120,10 @@ def _answerer(job: dict, info):
     from starqa.manifest import read_manifest
 
     manifest = read_manifest(Path(job["context_dir"]))
+    if len(info.nodes) > 1:  # across machines: each one holds what its ranks load
+        from starqa.hosts import ensure_blocks
+
+        manifest = ensure_blocks(info, manifest)
     answerer = Answerer.from_cache(manifest, info, Path(job["model_path"]),
                                    job.get("weights", "dense"), topk_of(job.get("topk")))
     dist.barrier(info)
@@ -116,6 +133,7 @@ def _answerer(job: dict, info):
 def run_ask(job: dict, info) -> None:
     ctx, _ = _answerer(job, info)
     emit("ready", rank=info.rank, blocks=ctx.blocks)
+    _fault("ask", info.rank)
     started = time.perf_counter()
     first: list[float] = []
 
@@ -180,7 +198,8 @@ def _slow(phase: str) -> None:
 
 
 def _fault(phase: str, rank: int) -> None:
-    """Test-only fault injection: STARQA_FAULT=phase:rank makes that worker die here;
+    """Test-only fault injection (phases: ingest, place, ask): STARQA_FAULT=phase:rank
+    makes that worker die here;
     STARQA_FAULT=phase:rank:disk-full makes its writes fail as on a full disk."""
     fault = os.environ.get("STARQA_FAULT", "")
     if fault == f"{phase}:{rank}":
@@ -213,8 +232,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             emit("error", rank=info.rank, kind="StarqaError", message=str(known), hint=known.hint)
         return 1
-    except Exception:
+    except Exception as err:
         traceback.print_exc()
+        if (lost := dist.lost_peer(info, err)) is not None:  # another machine died or left
+            emit("error", rank=info.rank, kind="WorkerError",
+                 message=f"Lost {lost}: it stopped answering the group (the machine or its "
+                         f"workers died, or the network failed). Nothing of this run was "
+                         f"kept on this machine; its cache is as it was before.",
+                 hint="see that machine's own output for why; run the command again on "
+                      "every machine once it is back")
         return 1
     # Done. Leave without tearing the group down: now and then gloo's threads abort the
     # process while it unwinds ("terminate called without an active exception"), turning a
