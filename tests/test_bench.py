@@ -177,10 +177,11 @@ def test_bench_top_k_against_exact_on_the_same_context(tiny_model, tmp_path):
 def test_ring_phase1_bytes_are_the_kv_going_round(tiny_model, tmp_path):
     """Ring on 2 workers: each layer, each worker sends its chunk's K and V (fp32, padded to
     the longest chunk) once to the other, under the FLOP counter."""
-    ids = list(range(11, 11 + 30)) * 20  # 600 tokens, 4 blocks of 150, 300 per worker
+    ids = list(range(11, 11 + 30)) * 20  # 600 tokens, 4 blocks: 160, 160, 160, 120
     result = engine.ingest_tokens(ids, tmp_path, model=str(tiny_model), method="ring",
                                   workers=2, dtype="fp32", measure=True, allow_over_window=True)
-    per_step = 2 * 2 * 300 * 16 * 4  # [K|V, Hkv, 300 tokens, D] fp32
+    assert [b.end - b.start for b in result.manifest.blocks] == [160, 160, 160, 120]
+    per_step = 2 * 2 * 320 * 16 * 4  # [K|V, Hkv, 320 tokens (the longer chunk), D] fp32
     for m in result.measures:
         assert m["by_op"] == {"ring_shift": {"calls": 2, "sent": 2 * per_step,
                                              "received": 2 * per_step}}
