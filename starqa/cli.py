@@ -566,7 +566,7 @@ def eval_(
         help="Comma-separated tasks or groups (default: all): niah_single_1..3, "
              "niah_multikey_1..3, niah_multivalue, niah_multiquery, niah_files_1..2 (group: "
              "niah), vt, cwe, "
-             "fwe, qa.")] = None,
+             "fwe, qa; with --edit: edit_changed, edit_unchanged (group: edit).")] = None,
     lengths: Annotated[Optional[str], typer.Option(
         envvar="STARQA_EVAL_LENGTHS",
         help="Comma-separated sample lengths in tokens, context + question + answer, e.g. "
@@ -599,6 +599,11 @@ def eval_(
              "(e.g. 0.5%,1%,2%; default 1%); every method also runs with each.")] = None,
     top_k_schedule: TopKSchedule = None,
     index: IndexKind = None,
+    edit: Annotated[bool, typer.Option(
+        "--edit", envvar="STARQA_EVAL_EDIT",
+        help="Measure incremental re-ingest: a haystack of files is ingested, one file "
+             "changes, and each method answers from an incremental re-ingest (\"star incr\") "
+             "and a full one; tasks edit_changed, edit_unchanged (group: edit).")] = False,
 ) -> None:
     """Measure each method's accuracy, and its retention of dense accuracy, on generated
     long-context tasks (RULER-style: needles, variable tracking, word extraction, and
@@ -610,6 +615,7 @@ def eval_(
         json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
         anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]),
         topk=_topk_list(attention, top_k, top_k_schedule, index),
+        edit=edit,
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                        "chunk": chunk_size, "positions": positions, "passing": passing_size,
                        "window": probe_window})
