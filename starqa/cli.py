@@ -174,10 +174,20 @@ def ingest(
     node_rank: NodeRank = 0,
     rdzv_endpoint: Rdzv = None,
     device: Device = "auto",
+    watch: Annotated[bool, typer.Option(
+        "--watch", envvar="STARQA_WATCH",
+        help="Then keep watching: re-ingest incrementally a moment after files stop changing "
+             "(edits to ignored files do nothing), a report line each time, a warm group "
+             "handed over to the new version; Ctrl-C stops.")] = False,
 ) -> None:
     """Pack files into one context and encode it into cached KV shards (Phase 1)."""
     from starqa import engine
+    from starqa.errors import StarqaError
     from starqa.ui import RichUI, ingest_report
+
+    if watch and nnodes > 1:
+        raise StarqaError("--watch re-ingests on this machine; it cannot run across machines.",
+                          hint="drop --nnodes, or drop --watch")
 
     opts = engine.IngestOptions(
         paths=tuple(paths), model=model, method=method, block_size=block_size,
@@ -185,13 +195,54 @@ def ingest(
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
         beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes, index=index,
         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device, encode_in=encode_in,
-        command=_rerunnable("starqa " + shlex.join(sys.argv[1:])),
+        command=_rerunnable("starqa " + shlex.join(a for a in sys.argv[1:] if a != "--watch")),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                 "chunk": chunk_size, "positions": positions, "passing": passing_size,
                 "window": probe_window, "question": question})
     with RichUI() as ui:
         result = engine.ingest(opts, ui)
     ingest_report(result)
+    _hand_over(result)
+    if watch:
+        from dataclasses import replace
+
+        _watch(replace(opts, force=False), result)
+
+
+def _hand_over(result) -> None:
+    """A warm group serving an earlier ingest of this context now serves the new one."""
+    from starqa import client
+    from starqa.ui import err
+
+    m = result.manifest
+    if m is not None and not result.cache_hit:
+        for group in client.follow(m.name, m.key):
+            err.print(f"Warm group of {m.name} ({group['key'][:8]}) restarted for the new "
+                      f"version ({m.key[:8]}).")
+
+
+def _watch(opts, first) -> None:
+    """`ingest --watch`'s loop (starqa.watch): each re-ingest's report line, each error
+    with its hint (watching goes on); Ctrl-C (or SIGTERM) stops cleanly."""
+    from starqa import engine, watch
+    from starqa.ui import RichUI, err, print_error, watch_line
+
+    latest = [first.manifest]
+
+    def reingest() -> None:
+        with RichUI() as ui:
+            result = engine.ingest(opts, ui)
+        err.print(watch_line(result))
+        _hand_over(result)
+        latest[0] = result.manifest
+
+    err.print(f"Watching {', '.join(opts.paths)} for changes (Ctrl-C stops).")
+    try:
+        watch.watch(watch.Selection(opts.paths, opts.include, opts.exclude), reingest,
+                    print_error)
+    except KeyboardInterrupt:
+        m = latest[0]
+        err.print(f"Stopped watching; {m.name} is {m.key[:8]}, its last committed ingest.")
 
 
 @app.command()
