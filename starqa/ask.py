@@ -310,7 +310,10 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
                             "workers": workers, "socket": job["socket"],
                             "started": time.time(), "keepalive": opts.keepalive,
                             "tokens": manifest.n_tokens, "weights": job["weights"],
-                            "method": manifest.method.name, "topk": job["topk"]}
+                            "method": manifest.method.name, "topk": job["topk"],
+                            # what client.follow restarts it with after a re-ingest
+                            "requested_workers": opts.workers,
+                            "attention_args": opts.topk.cli_args() if opts.topk else []}
                     write_json_atomic(run_file, info)
                     if on_ready:
                         on_ready(info)

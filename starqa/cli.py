@@ -174,10 +174,20 @@ def ingest(
     node_rank: NodeRank = 0,
     rdzv_endpoint: Rdzv = None,
     device: Device = "auto",
+    watch: Annotated[bool, typer.Option(
+        "--watch", envvar="STARQA_WATCH",
+        help="Then keep watching: re-ingest incrementally a moment after files stop changing "
+             "(edits to ignored files do nothing), a report line each time, a warm group "
+             "handed over to the new version; Ctrl-C stops.")] = False,
 ) -> None:
     """Pack files into one context and encode it into cached KV shards (Phase 1)."""
     from starqa import engine
+    from starqa.errors import StarqaError
     from starqa.ui import RichUI, ingest_report
+
+    if watch and nnodes > 1:
+        raise StarqaError("--watch re-ingests on this machine; it cannot run across machines.",
+                          hint="drop --nnodes, or drop --watch")
 
     opts = engine.IngestOptions(
         paths=tuple(paths), model=model, method=method, block_size=block_size,
@@ -185,13 +195,54 @@ def ingest(
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
         beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes, index=index,
         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device, encode_in=encode_in,
-        command=_rerunnable("starqa " + shlex.join(sys.argv[1:])),
+        command=_rerunnable("starqa " + shlex.join(a for a in sys.argv[1:] if a != "--watch")),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                 "chunk": chunk_size, "positions": positions, "passing": passing_size,
                 "window": probe_window, "question": question})
     with RichUI() as ui:
         result = engine.ingest(opts, ui)
     ingest_report(result)
+    _hand_over(result)
+    if watch:
+        from dataclasses import replace
+
+        _watch(replace(opts, force=False), result)
+
+
+def _hand_over(result) -> None:
+    """A warm group serving an earlier ingest of this context now serves the new one."""
+    from starqa import client
+    from starqa.ui import err
+
+    m = result.manifest
+    if m is not None and not result.cache_hit:
+        for group in client.follow(m.name, m.key):
+            err.print(f"Warm group of {m.name} ({group['key'][:8]}) restarted for the new "
+                      f"version ({m.key[:8]}).")
+
+
+def _watch(opts, first) -> None:
+    """`ingest --watch`'s loop (starqa.watch): each re-ingest's report line, each error
+    with its hint (watching goes on); Ctrl-C (or SIGTERM) stops cleanly."""
+    from starqa import engine, watch
+    from starqa.ui import RichUI, err, print_error, watch_line
+
+    latest = [first.manifest]
+
+    def reingest() -> None:
+        with RichUI() as ui:
+            result = engine.ingest(opts, ui)
+        err.print(watch_line(result))
+        _hand_over(result)
+        latest[0] = result.manifest
+
+    err.print(f"Watching {', '.join(opts.paths)} for changes (Ctrl-C stops).")
+    try:
+        watch.watch(watch.Selection(opts.paths, opts.include, opts.exclude), reingest,
+                    print_error)
+    except KeyboardInterrupt:
+        m = latest[0]
+        err.print(f"Stopped watching; {m.name} is {m.key[:8]}, its last committed ingest.")
 
 
 @app.command()
@@ -566,7 +617,7 @@ def eval_(
         help="Comma-separated tasks or groups (default: all): niah_single_1..3, "
              "niah_multikey_1..3, niah_multivalue, niah_multiquery, niah_files_1..2 (group: "
              "niah), vt, cwe, "
-             "fwe, qa.")] = None,
+             "fwe, qa; with --edit: edit_changed, edit_unchanged (group: edit).")] = None,
     lengths: Annotated[Optional[str], typer.Option(
         envvar="STARQA_EVAL_LENGTHS",
         help="Comma-separated sample lengths in tokens, context + question + answer, e.g. "
@@ -599,6 +650,11 @@ def eval_(
              "(e.g. 0.5%,1%,2%; default 1%); every method also runs with each.")] = None,
     top_k_schedule: TopKSchedule = None,
     index: IndexKind = None,
+    edit: Annotated[bool, typer.Option(
+        "--edit", envvar="STARQA_EVAL_EDIT",
+        help="Measure incremental re-ingest: a haystack of files is ingested, one file "
+             "changes, and each method answers from an incremental re-ingest (\"star incr\") "
+             "and a full one; tasks edit_changed, edit_unchanged (group: edit).")] = False,
 ) -> None:
     """Measure each method's accuracy, and its retention of dense accuracy, on generated
     long-context tasks (RULER-style: needles, variable tracking, word extraction, and
@@ -610,6 +666,7 @@ def eval_(
         json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
         anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]),
         topk=_topk_list(attention, top_k, top_k_schedule, index),
+        edit=edit,
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                        "chunk": chunk_size, "positions": positions, "passing": passing_size,
                        "window": probe_window})

@@ -86,6 +86,12 @@ def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300,
         if (info := find(key)) is not None:
             return info
         if proc.poll() is not None:
+            if (holder := claim(key)) is None:  # another launcher is starting it (follow)
+                time.sleep(0.2)
+                continue
+            holder.close()
+            if (info := find(key)) is not None:
+                return info
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
             raise WorkerError(f"The worker group for {key} exited while starting:\n{tail}")
         time.sleep(0.2)
@@ -105,6 +111,26 @@ def stop_group(key: str) -> bool:
     finally:
         conn.close()
     return True
+
+
+def follow(name: str, key: str) -> list[dict]:
+    """Hand warm groups over to a new ingest of context `name` (its new `key`): a group
+    serving an earlier version (the same name, another key) is stopped, and one for `key`
+    started in the background with the same settings (workers, keep-alive, weights,
+    attention), so the next `ask` or chat question is answered from the new shards without
+    a restart by hand. Returns the replaced groups' run info."""
+    replaced = []
+    for group in running():
+        if group.get("name") != name or group["key"] == key:
+            continue
+        try:
+            stop_group(group["key"])
+        except (StarqaError, OSError):
+            continue  # it went away meanwhile, or cannot be reached: nothing to hand over
+        replaced.append(group)
+        spawn(key, group.get("requested_workers"), group.get("keepalive", 300),
+              group.get("weights"), group.get("attention_args", ()))
+    return replaced
 
 
 class Client:

@@ -333,6 +333,18 @@ def _skip_summary(skipped: Iterable[Skipped]) -> str:
     return "skipped: " + ", ".join(f"{n} {why}" for why, n in counts.most_common())
 
 
+def candidates(paths: Sequence[str | Path], *, include: Sequence[str] = (),
+               exclude: Sequence[str] = ()) -> set[str]:
+    """The real paths of the files `collect` would read under `paths` (the same selection:
+    git or .gitignores, .starqaignore, --include, --exclude, lock files), unread: what
+    `ingest --watch` compares changed paths with. Missing paths are skipped."""
+    roots = [Path(os.path.abspath(p)) for p in paths if os.path.exists(p)]
+    labels = _labels(roots) if len(roots) > 1 else [""] * len(roots)
+    inc, exc = _Globs(include), _Globs(exclude)
+    return {os.path.realpath(item[1]) for root, label in zip(roots, labels)
+            for item in _candidates(root, label, inc, exc) if not isinstance(item, Skipped)}
+
+
 def collect(paths: Sequence[str | Path], *, max_file_bytes: int = 1_000_000,
             include: Sequence[str] = (), exclude: Sequence[str] = ()) -> Corpus:
     """Choose the readable text files under `paths`, sorted by display path."""

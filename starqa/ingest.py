@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from starqa import blockstore, methods, paths, prompt, reuse, shards, store
+from starqa import blockstore, indexes, methods, paths, prompt, reuse, shards, store
 from starqa import corpus as corpus_mod
-from starqa import indexes, methods, paths, prompt, shards, store
 from starqa.errors import StarqaError
+from starqa.incremental import adopt as adopt_blocks
+from starqa.incremental import keep as keep_blocks
+from starqa.incremental import rope
 from starqa.launch import default_workers, launch_of, run_workers
 from starqa.manifest import (
     FORMAT,
@@ -232,7 +234,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
     # computed once here, for every worker and the manifest (pulsar: the summaries)
     prepared = encoder.prepare(ids, method, blocks)
     bstore = blockstore.store_dir(root)
-    freqs = _rope(model.path) if incremental and encoder.rotatable else None
+    freqs = rope(model.path) if incremental and encoder.rotatable else None
     plan = reuse.plan(method, ids, blocks, prepared, model.digest, dtype, bstore,
                       force=opts.force or not incremental, rotate=freqs is not None)
     previous = _previous(root, opts.paths, method.name, model.digest, dtype) \
@@ -252,7 +254,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
     staging = store.staging_dir(root, key, node=opts.node_rank if multinode else None)
     placed: dict = {}
     try:
-        _link_kept(plan, bstore, staging, blocks, freqs, method.name)
+        keep_blocks(plan, bstore, staging, blocks, freqs, method.name)
         todo_tokens = sum(blocks[i][1] - blocks[i][0] for i in todo)
         index_job = ({"kind": opts.index, "folder": indexes.new_folder(opts.index)}
                      if opts.index else None)
@@ -311,16 +313,11 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
             shutil.rmtree(staging, ignore_errors=True)  # node 0 commits on the shared cache
             return IngestResult(None, corpus, False, time.perf_counter() - started, workers,
                                 encode_seconds, **per_rank)
-        if incremental:  # every block into the store (linking changes the files' ctime,
-            for index, block_stem in enumerate(plan.stems):  # so before they are stamped)
-                blockstore.adopt(bstore, staging, index, block_stem)
         if multinode:  # every block's checksum, gathered from the machines that keep them
             hashed = shards.listed_blocks(staging, blocks, placed["sums"], placed["held"])
         else:
-            hashed = shards.hash_blocks(staging, blocks, known=plan.known)
-        if incremental:  # each block's checksum remembered beside it in the store
-            for block, block_stem in zip(hashed, plan.stems):
-                blockstore.record(bstore, block_stem, block.sha256)
+            hashed = (adopt_blocks(plan, bstore, staging, blocks) if incremental  # into the store
+                      else shards.hash_blocks(staging, blocks, known=plan.known))
         sources = tuple(str(Path(p).resolve()) for p in opts.paths)
         built = ()
         if index_job is not None:  # the blocks linked in, not encoded, get theirs here
@@ -377,27 +374,6 @@ def _placed_alike(folder: Path, opts: IngestOptions) -> bool:
     shared cache), or split over as many machines, this one being the same node."""
     where = read_manifest(folder).placement
     return where is None or (where.nodes == opts.nnodes and where.node == opts.node_rank)
-
-
-def _rope(model_path: str):
-    from starqa.rotate import inv_freq
-
-    return inv_freq(Path(model_path))
-
-
-def _link_kept(plan: reuse.Plan, bstore: Path, staging: Path, blocks, freqs,
-               method: str) -> None:
-    """The blocks the store holds linked into `staging`; the moved ones re-rotated there."""
-    for i in plan.reused:
-        blockstore.link_in(bstore, plan.stems[i], staging, i)
-    if plan.rotated:
-        from starqa.rotate import rerotate_file
-
-        for i, source, delta in plan.rotated:
-            start, end = blocks[i]
-            rerotate_file(blockstore.kv_file(bstore, source), staging / block_file(i), delta,
-                          freqs, {"index": str(i), "start": str(start), "end": str(end),
-                                  "method": method, "rerotated_by": str(delta)})
 
 
 def _in_process(opts: IngestOptions, encoder, plan: reuse.Plan, measure: bool) -> bool:

@@ -140,9 +140,25 @@ class Chat:
             self.console.print(f"Unknown command {name}; /help lists them.")
         return True
 
+    def follow_reingest(self) -> None:
+        """The context was re-ingested since the last question (its name now means a newer
+        version: `ingest --watch`, or another `ingest`): switch to it, keeping the
+        conversation; its group is the one `client.follow` started, or a new one."""
+        try:
+            latest = store.find_context(paths.contexts_dir(), self.manifest.name)
+        except StarqaError:
+            return  # renamed, removed or now ambiguous: stay with what is connected
+        if latest.key != self.manifest.key and latest.name == self.manifest.name:
+            history = list(self.history)
+            self.console.print(f"[dim]{latest.name} was re-ingested; answering from the new "
+                               f"version ({latest.key[:8]})[/]")
+            self.connect(latest.key)
+            self.history[:] = history
+
     def ask(self, question: str) -> None:
         from starqa.ui import print_sources, stream_writer
 
+        self.follow_reingest()
         write = stream_writer()
         conn = self.conn
         # Ctrl-C while the answer streams asks the group to stop and the answer ends as

@@ -142,7 +142,7 @@ def list_contexts(root: Path) -> list[Manifest]:
 
 def match_context(root: Path, name: str | None) -> Manifest | Damaged:
     """The one context `name` means, damaged or not: a full key, else a context's exact
-    name, else a key prefix; `None` means the latest used. An empty name, an ambiguous one
+    name (of re-ingests of the same sources and settings, the newest), else a key prefix; `None` means the latest used. An empty name, an ambiguous one
     or one that matches nothing is an error that lists what there is; never a guess."""
     good, damaged = scan_contexts(root)
     if not good and not damaged:
@@ -154,8 +154,13 @@ def match_context(root: Path, name: str | None) -> Manifest | Damaged:
         raise StarqaError("The context name is empty.",
                           hint="give a context name or key prefix; `starqa list` shows them")
     every = [*good, *damaged]
-    matches = ([c for c in every if c.key == name]
-               or [m for m in good if m.name == name]
+    named = [m for m in good if m.name == name]
+    if len(named) > 1 and len({(m.sources, m.method.name, m.model.digest, m.dtype)
+                               for m in named}) == 1:
+        # re-ingests of the same sources with the same method, model and dtype (issue
+        # #14): the name means the newest; the earlier versions stay reachable by key
+        named = [max(named, key=lambda m: m.created)]
+    matches = ([c for c in every if c.key == name] or named
                or [c for c in every if c.key.startswith(name)])
     if len(matches) == 1:
         return matches[0]

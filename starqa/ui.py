@@ -214,6 +214,18 @@ def ingest_report(result: IngestResult) -> None:
             err.print(f"  … and {len(m.skipped) - 20} more")
 
 
+def watch_line(result: IngestResult) -> str:
+    """`ingest --watch`'s line after each re-ingest: what was reused and encoded."""
+    m = result.manifest
+    if result.cache_hit:
+        return (f"[green]Unchanged[/]: {escape(m.name)} ({m.key[:8]}): the files it reads are "
+                f"as ingested ({result.seconds:.1f} s)")
+    if result.reuse is not None:
+        return reuse_line(m.name, result.reuse, result.seconds) + f" → {m.key[:8]}"
+    return (f"[bold]Ingested[/] {escape(m.name)} ({m.key[:8]}): {len(m.blocks)} blocks, "
+            f"{m.n_tokens:,} tokens in {result.seconds:.1f} s")
+
+
 def reuse_line(name: str, r, seconds: float) -> str:
     """`Re-ingested repo: 12 blocks, 11 reused, 1 encoded (src/api.py changed; 1 file added,
     0 removed) in 3.2 s`, and why more was encoded when it is not plain (issue #14)."""

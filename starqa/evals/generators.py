@@ -56,6 +56,9 @@ class Sample:
     meta: dict = field(default_factory=dict)  # depths, keys, the gold file, ...
     # The documents as a manifest lists them: what source attribution maps key mass through.
     files: list[manifest.SourceFile] = field(default_factory=list, repr=False)
+    # Edit tasks (`eval --edit`): the haystack as first ingested, before one file changed
+    # into the documents above, tokenised and listed the same way; None for other tasks.
+    before: Sample | None = field(default=None, repr=False)
 
     @property
     def tokens(self) -> int:
@@ -74,6 +77,7 @@ class _Draft:
     # Exact occurrences (case-insensitive) of each answer in the documents; None: at least
     # one answer occurs (alternatives, qa).
     counts: dict[str, int] | None
+    before: list[SourceFile] | None = None  # edit tasks: the documents before the edit
 
 
 Builder = Callable[[random.Random, int], Callable[[int], "_Draft | None"]]
@@ -290,6 +294,61 @@ def _niah_files(haystack: str) -> Builder:
     return build
 
 
+def _edited_files(needle_in: str, inserted: int = 4) -> Builder:
+    """A haystack of look-alike notes files (as niah_files_1) changed after it was first
+    ingested: lines were inserted into the second-to-last file, so the last file moves by
+    their tokens. needle_in "changed": the needle is in the edited file and the edit also
+    gave it a new value (the old one was ingested first: an answer from stale KV says the
+    old value); "unchanged": the needle is in the last file, which only moved. The sample
+    is the new haystack; `_Draft.before` the old one."""
+
+    def build(rng: random.Random, length: int):
+        key_rng, value_rng, hay_rng, edit_rng = (random.Random(rng.getrandbits(64))
+                                                 for _ in range(4))
+        key = next(_unique(_drawer("keys", key_rng), set(), _limit("keys")))
+        values = _unique(_drawer("numbers", value_rng), set())
+        value, old_value = next(values), next(values)
+        n_files = max(3, min(10, length // 512))
+        edited = n_files - 2  # never block 0 (star's anchor) with the default block
+        gold = edited if needle_in == "changed" else n_files - 1
+        depth, edit_depth = rng.random(), rng.random()
+        hay = _Stream(("\n", sentence) for _, sentence in _prose_units(hay_rng))
+        lines = [("\n", s) for _, s in itertools.islice(_prose_units(edit_rng), inserted)]
+        question = (f"What is the special magic number for {key} mentioned in the documents? "
+                    "Answer with the number only.")
+
+        def draft(n: int) -> _Draft:
+            units = hay.take(n)
+            files, before, source = [], [], {}
+            for i in range(n_files):
+                part = units[i * n // n_files:(i + 1) * n // n_files]
+                old = new = part
+                if i == gold:
+                    new = _insert(part, [(depth, ("\n", _needle("numbers", key, value)))])
+                    old = new if i != edited else _insert(
+                        part, [(depth, ("\n", _needle("numbers", key, old_value)))])
+                if i == edited:
+                    new = _insert(new, [(edit_depth, line) for line in lines])
+                path = f"notes/notes_{i + 1:02d}.md"
+                for out, units_ in ((files, new), (before, old)):
+                    text = _join(units_)
+                    out.append(SourceFile(path, text, len(text.encode())))
+                if i == gold:
+                    source = {"file": path, "line": _line_of(files[-1].text, _needle(
+                        "numbers", key, value))}
+            meta = {"haystack": "prose", "files": n_files,
+                    "needles": [{"key": key, "value": value, "depth": round(depth, 4)}],
+                    "edit": {"file": f"notes/notes_{edited + 1:02d}.md", "lines": inserted,
+                             "depth": round(edit_depth, 4), "needle": needle_in,
+                             **({"old_value": old_value} if gold == edited else {})},
+                    "source": source}
+            return _Draft(files, question, [value], meta, {value: 1}, before)
+
+        return draft
+
+    return build
+
+
 # ---------------------------------------------------------------------------------------
 # variable tracking, common words, frequent words
 
@@ -491,18 +550,25 @@ TASKS: dict[str, Task] = {t.name: t for t in (
          about="one needle in one of 3-10 look-alike notes files, number"),
     Task("niah_files_2", _niah_files("needles"), 48,
          about="one needle in one of 3-10 files of other keys' needles, number"),
+    Task("edit_changed", _edited_files("changed"), 48,
+         about="eval --edit: the needle in the file that changed after ingest, new value"),
+    Task("edit_unchanged", _edited_files("unchanged"), 48,
+         about="eval --edit: the needle in an unchanged file that moved after the edit"),
     Task("vt", _variable_tracking(), 64, about="variable tracking: 2 chains of 4 hops"),
     Task("cwe", _common_words(), 96, about="the 10 most common words of a list"),
     Task("fwe", _frequent_words(), 48, about="the 3 most frequent words of a coded text"),
     Task("qa", _qa, 48, match="any", about="samples/questions.jsonl over samples/"),
 )}
-GROUPS = {"niah": tuple(n for n in TASKS if n.startswith("niah")), "all": tuple(TASKS)}
+EDIT = tuple(n for n in TASKS if n.startswith("edit_"))  # `eval --edit`'s own tasks
+GROUPS = {"niah": tuple(n for n in TASKS if n.startswith("niah")),
+          "all": tuple(n for n in TASKS if n not in EDIT), "edit": EDIT}
 
 
-def resolve_tasks(text: str | None) -> list[str]:
-    """Task names from a comma-separated list of names and groups (niah, all); None: all."""
+def resolve_tasks(text: str | None, edit: bool = False) -> list[str]:
+    """Task names from a comma-separated list of names and groups (niah, all, edit); None:
+    all (with `edit`: the edit tasks, the only ones `eval --edit` runs, and only there)."""
     if text is None or not text.strip():
-        return list(TASKS)
+        return list(EDIT if edit else GROUPS["all"])
     chosen: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if part in TASKS:
@@ -512,7 +578,15 @@ def resolve_tasks(text: str | None) -> list[str]:
         else:
             raise StarqaError(f"Unknown task {part!r}.",
                               hint=f"choose from: {', '.join([*TASKS, *GROUPS])}")
-    return list(dict.fromkeys(chosen))
+    chosen = list(dict.fromkeys(chosen))
+    if edit and (other := [t for t in chosen if t not in EDIT]):
+        raise StarqaError(f"--edit runs only the edit tasks, not {', '.join(other)}.",
+                          hint=f"pass --tasks {','.join(EDIT)}, or drop --edit")
+    if not edit and (needs := [t for t in chosen if t in EDIT]):
+        raise StarqaError(f"{', '.join(needs)} only run with --edit (an ingest, an edit, a "
+                          "re-ingest).", hint=f"add --edit, e.g. starqa eval --edit --tasks "
+                                              f"{','.join(needs)}")
+    return chosen
 
 
 def sample_seed(seed: int, task: str, length: int, index: int) -> int:
@@ -526,16 +600,28 @@ def generate(task: str, length: int, seed: int, tokenizer, index: int = 0) -> Sa
     spec = TASKS[task]
     draft = spec.build(random.Random(sample_seed(seed, task, length, index)), length)
     n, chosen, context_ids, query_ids = _fit(draft, length, tokenizer, spec)
-    context_text, spans = pack(chosen.files)
     _check_answers(spec, chosen)
+    meta = {**chosen.meta, "units": n}
+    before = None
+    if chosen.before is not None:
+        text, ids, files = _laid_out(chosen.before, tokenizer)
+        before = Sample(task, length, seed, index, text, chosen.question, chosen.answers,
+                        spec.match, spec.max_new_tokens, ids, query_ids, meta, files)
+    context_text, _, files = _laid_out(chosen.files, tokenizer)
+    return Sample(task, length, seed, index, context_text, chosen.question, chosen.answers,
+                  spec.match, spec.max_new_tokens, context_ids, query_ids, meta, files, before)
+
+
+def _laid_out(documents: list[SourceFile], tokenizer
+              ) -> tuple[str, list[int], list[manifest.SourceFile]]:
+    """Documents packed and tokenised as `ingest` lays them out, with their manifest list."""
+    context_text, spans = pack(documents)
     laid = prompt.tokenize_context(tokenizer, context_text, spans)
     files = [manifest.SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
                                  bytes=f.size, line_tokens=tuple(lines))
              for sp, (a, b), lines, f in zip(spans, laid.file_tokens, laid.line_tokens,
-                                             chosen.files)]
-    return Sample(task, length, seed, index, context_text, chosen.question, chosen.answers,
-                  spec.match, spec.max_new_tokens, context_ids, query_ids,
-                  {**chosen.meta, "units": n}, files)
+                                             documents)]
+    return context_text, laid.ids, files
 
 
 def _fit(draft, length: int, tokenizer, spec: Task):

@@ -95,6 +95,8 @@ def results_table(results: dict) -> None:
     methods = results["settings"]["methods"]
     with_sources = any(row["methods"][m].get("sources") for row in results["summary"]
                        for m in methods)
+    same = {m for row in results["summary"] for m in methods
+            if "same_tokens" in row["methods"][m]}  # eval --edit's incremental runs
     table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 2, 0, 0))
     table.add_column("task")
     table.add_column("length", justify="right")
@@ -103,6 +105,8 @@ def results_table(results: dict) -> None:
         table.add_column(m, justify="right")
         if m != scoring.REFERENCE:
             table.add_column(f"{m} ret", justify="right")
+        if m in same:
+            table.add_column(f"{m} same", justify="right")
         if with_sources:
             table.add_column(f"{m} src", justify="right")
     previous = None
@@ -116,6 +120,8 @@ def results_table(results: dict) -> None:
             cells.append(f"{score['accuracy']:.0%}")
             if m != scoring.REFERENCE:
                 cells.append("n/a" if score["retention"] is None else f"{score['retention']:.2f}")
+            if m in same:
+                cells.append(f"{score.get('same_tokens', 0):.0%}")
             if with_sources:
                 cells.append(sources_cell(score.get("sources")))
         style = "bold" if row["task"] == "all" else None
@@ -125,6 +131,11 @@ def results_table(results: dict) -> None:
         out.print(table)
         out.print("[dim]accuracy: samples whose prediction holds every answer · "
                   "ret: retention, accuracy / dense accuracy on the same samples[/]")
+        if same:
+            out.print("[dim]incr: the edited haystack re-ingested incrementally (reused, "
+                      "re-rotated and encoded blocks, as ingest does); its ret: accuracy / "
+                      "the same method's full re-ingest · same: answers token for token equal "
+                      "to the full re-ingest's[/]")
         if with_sources:
             out.print("[dim]src: over correct answers whose file and line are known: top "
                       "source is the answer's file · it is in the top 3 · median lines "

@@ -21,7 +21,8 @@ from starqa import methods as methods_mod
 from starqa import paths
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
-from starqa.evals import generators, scoring
+from starqa.evals import edit, generators, scoring
+from starqa.evals.encoded import Encoded
 from starqa.manifest import write_json_atomic
 from starqa.shards import shard_of
 
@@ -29,17 +30,6 @@ FORMAT = "starqa-eval/1"
 DEFAULT_SAMPLES = 4
 DECODING = ("greedy; stops at the end of the turn, after the task's max_new_tokens, or as "
             "soon as the prediction holds the answers (a substring match stays true)")
-
-
-@dataclass
-class Encoded:
-    """One method's Phase 1 of one sample: what every Phase 2 variant answers over."""
-
-    config: methods_mod.MethodConfig
-    blocks: int
-    parts: list  # per block (k, v), each [L, Hkv, T, D]
-    query_position: int
-    seconds: float
 
 
 class Progress:
@@ -71,6 +61,7 @@ class EvalOptions:
     method_params: dict | None = None  # method-specific settings given (methods.OPTIONS)
     command: str | None = None  # how the user ran it, recorded in the JSON
     topk: tuple[TopK, ...] = ()  # top-k attention settings, each also run after exact
+    edit: bool = False  # the edit tasks: each method re-ingests incrementally and in full
 
 
 @dataclass
@@ -95,11 +86,14 @@ class Plan:
     def variants(self) -> list[tuple[str, str, TopK | None]]:
         """(label, method, top-k settings) of every run of a sample: each method with exact
         attention (label: the method), then with each top-k setting ("dense topk 1%"), all
-        on the method's one Phase 1 encoding."""
+        on the method's one Phase 1 encoding. With --edit: each method's full re-ingest
+        (label: the method), then its incremental one ("star incr")."""
         runs = []
         for m in self.methods:
             runs.append((m, m, None))
             runs += [(topk_label(m, t), m, t) for t in self.opts.topk]
+            if self.opts.edit:
+                runs.append((edit.label(m), m, None))
         return runs
 
     @property
@@ -192,7 +186,10 @@ def plan(opts: EvalOptions) -> Plan:
 
     from starqa import dist, models
 
-    tasks = generators.resolve_tasks(opts.tasks)
+    tasks = generators.resolve_tasks(opts.tasks, opts.edit)
+    if opts.edit and opts.topk:
+        raise StarqaError("--edit measures re-ingest, with exact attention; --attention topk "
+                          "does not apply to it.", hint="drop --attention topk (or --edit)")
     methods, notes = parse_methods(opts.methods)
     requested = parse_lengths(opts.lengths)
     if opts.samples < 1:
@@ -243,6 +240,8 @@ class Evaluator:
         self.stop_ids = models.stop_ids(self.tokenizer, plan.model_path)
         self.info = dist.local_world(self.device)
         self.options = {m: method_options(m, plan.opts) for m in plan.methods}
+        self.model_path = plan.model_path
+        self.model_digest = plan.fingerprint["digest"]  # block addresses (eval --edit)
 
     def encode(self, sample: generators.Sample, method: str) -> Encoded:
         """Phase 1 over all blocks of the sample's context, as the workers would store it."""
@@ -329,7 +328,10 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
         results["status"] = status
         results["seconds"] = round(time.perf_counter() - started, 2)
         results["runs_done"] = sum(len(s["results"]) for s in results["samples"])
-        results["summary"] = scoring.summarize(results["samples"], plan.labels)
+        results["summary"] = scoring.summarize(results["samples"], plan.labels,
+                                               {label: edit.reference(label)
+                                                for label in plan.labels
+                                                if edit.reference(label)})
         write_json_atomic(plan.json_path, results)
 
     progress.start(plan)
@@ -341,14 +343,23 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
                                                  evaluator.tokenizer, index)
                     record = _record(sample)
                     results["samples"].append(record)
-                    encoded = None
+                    encoded, edited = None, {}
                     for label, method, topk in plan.variants:
                         progress.run(task, length, index, label)
-                        if encoded is None or encoded.config.name != method:
+                        if plan.opts.edit and method not in edited:  # full, incremental
+                            edited[method] = edit.encode_both(evaluator, sample, method)
+                        if plan.opts.edit:
+                            full, incremental, reused = edited[method]
+                            encoded = full if label == method else incremental
+                        elif encoded is None or encoded.config.name != method:
                             encoded = evaluator.encode(sample, method)
-                        record["results"][label] = evaluator.answer(sample, method, topk,
-                                                                    encoded)
-                        progress.done(length, record["results"][label]["correct"])
+                        result = evaluator.answer(sample, method, topk, encoded)
+                        if plan.opts.edit and label != method:
+                            result["reuse"] = reused
+                            result["same_tokens"] = (result["token_ids"] == record["results"]
+                                                     [method]["token_ids"])
+                        record["results"][label] = result
+                        progress.done(length, result["correct"])
                     save("running")
     except KeyboardInterrupt:
         save("interrupted")
@@ -390,6 +401,9 @@ def _skeleton(plan: Plan, evaluator: Evaluator) -> dict:
             "threads": torch.get_num_threads(),
             "seed": opts.seed, "samples_per_task": opts.samples,
             "lengths": plan.lengths, "methods": plan.labels, "reference": scoring.REFERENCE,
+            "edit": {"about": edit.__doc__.split("\n\n")[0],
+                     "retention": "<method> incr: accuracy / the same method's full "
+                                  "re-ingest accuracy"} if opts.edit else None,
             "topk": [t.as_dict() for t in opts.topk],
             "method_options": evaluator.options,
             "tasks": {t: {"about": generators.TASKS[t].about,

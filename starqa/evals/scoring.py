@@ -66,10 +66,13 @@ def sources_summary(results: Sequence[dict]) -> dict | None:
             "line_distance": statistics.median(distances) if distances else None}
 
 
-def summarize(samples: Sequence[dict], methods: Sequence[str]) -> list[dict]:
-    """Accuracy per (task, length) and method, and retention vs dense, over the samples
-    every method has answered (an interrupted run's last sample may lack some); then one
-    row per length averaging the tasks (task "all").
+def summarize(samples: Sequence[dict], methods: Sequence[str],
+              references: dict[str, str] | None = None) -> list[dict]:
+    """Accuracy per (task, length) and method, and retention vs dense (or, for a label
+    `references` names, vs that label: `eval --edit`'s incremental runs against the full
+    ones), over the samples every method has answered (an interrupted run's last sample may
+    lack some); then one row per length averaging the tasks (task "all"). Results with a
+    "same_tokens" flag also get its share ("same_tokens": fraction of the row's samples).
 
     samples: records with "task", "length" and "results": {method: {"correct": bool}}.
     Returns rows {"task", "length", "n", "methods": {m: {"correct", "accuracy",
@@ -89,7 +92,8 @@ def summarize(samples: Sequence[dict], methods: Sequence[str]) -> list[dict]:
                            for m in methods}
                 same.append(_row(task, length, len(group),
                                  {m: (correct[m], correct[m] / len(group)) for m in methods},
-                                 {m: [s["results"][m] for s in group] for m in methods}))
+                                 {m: [s["results"][m] for s in group] for m in methods},
+                                 references or {}))
         rows += same
         if len(same) > 1:  # the tasks' mean accuracy (each task weighs the same)
             mean = {m: (sum(r["methods"][m]["correct"] for r in same),
@@ -97,17 +101,21 @@ def summarize(samples: Sequence[dict], methods: Sequence[str]) -> list[dict]:
                     for m in methods}
             every = [s for (_, at), group in groups.items() if at == length for s in group]
             rows.append(_row("all", length, sum(r["n"] for r in same), mean,
-                             {m: [s["results"][m] for s in every] for m in methods}))
+                             {m: [s["results"][m] for s in every] for m in methods},
+                             references or {}))
     return rows
 
 
 def _row(task: str, length: int, n: int, scores: dict[str, tuple[int, float]],
-         results: dict[str, list[dict]]) -> dict:
-    reference = scores.get(REFERENCE, (0, 0.0))[1]
+         results: dict[str, list[dict]], references: dict[str, str]) -> dict:
     out = {}
     for m, (c, acc) in scores.items():
-        kept = None if m == REFERENCE else retention(acc, reference)
+        against = references.get(m, REFERENCE)
+        kept = None if m == against else retention(acc, scores.get(against, (0, 0.0))[1])
         out[m] = {"correct": c, "accuracy": round(acc, 4),
                   "retention": None if kept is None else round(kept, 4),
                   "sources": sources_summary(results[m])}
+        flags = [r["same_tokens"] for r in results[m] if "same_tokens" in r]
+        if flags:
+            out[m]["same_tokens"] = round(sum(flags) / len(flags), 4)
     return {"task": task, "length": length, "n": n, "methods": out}
