@@ -15,6 +15,9 @@ import os
 import re
 import shutil
 import socket
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from datetime import timedelta
@@ -112,8 +115,14 @@ class DistInfo:
         return self.node_ranks(self.node)[0] == self.rank
 
 
-def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
-    """Join the torchrun group (or make a world of one). Pins this worker's CPU threads."""
+def init(device: str = "auto", timeout_s: float = 1800,
+         on_lost: Callable[[str], None] | None = None) -> DistInfo:
+    """Join the torchrun group (or make a world of one). Pins this worker's CPU threads.
+
+    A group over several machines also starts `watch_peers` right after joining: should a
+    worker of another machine stop beating, `on_lost` is called (from the watchdog's
+    thread) with that machine described, once; it is expected not to return (a worker
+    reports and leaves)."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -133,8 +142,77 @@ def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
     if group is None:
         return info
     me = Peer(int(os.environ.get("GROUP_RANK", 0)), socket.gethostname(), _own_address())
+    if on_lost is not None and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
+        watch_peers(rank, world, me, on_lost)
     roster = tuple(Peer(**p) for p in all_gather_object(info, me.__dict__))
     return DistInfo(rank, local_rank, world, dev, group, Traffic(), roster)  # roster: uncounted
+
+
+# ---------------------------------------------------------------------------------------
+# the heartbeat watchdog (issue #15, item 4)
+
+BEAT_S = 1.0  # each worker beats this often
+LOST_AFTER_S = 5.0  # a worker silent this long is lost (STARQA_LOST_AFTER overrides)
+
+
+def watch_peers(rank: int, world: int, me: Peer, on_lost: Callable[[str], None],
+                lost_after_s: float | None = None) -> threading.Thread:
+    """A daemon thread that beats for this worker and watches every other one's beat.
+
+    Through its own client of torchrun's TCPStore (MASTER_ADDR:MASTER_PORT, hosted by node
+    0's torchrun agent), every `BEAT_S` it adds 1 to `beat/RANK` and reads every other
+    rank's counter. A counter that has not moved for `lost_after_s` (a worker frozen, its
+    machine powered off, the cable cut: nothing closed a connection, so gloo would wait
+    for its timeout), or a store that stops answering (node 0 itself gone), calls
+    `on_lost` with the machine described (`Peer.describe`, which each worker writes once as
+    `peer/RANK`). Counters, not clocks: machines' clocks need not agree.
+    Started right after the process group forms, when every rank has joined."""
+    if lost_after_s is None:
+        lost_after_s = float(os.environ.get("STARQA_LOST_AFTER", LOST_AFTER_S))
+    prefix = (f"starqa-watch/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+    timeout = timedelta(seconds=max(1.0, lost_after_s))
+    store = dist.PrefixStore(prefix, dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
+        is_master=False, timeout=timeout, wait_for_workers=False))
+    store.set(f"peer/{rank}", json.dumps(me.__dict__))
+    store.add(f"beat/{rank}", 1)
+    thread = threading.Thread(target=_watch, args=(store, rank, world, me, lost_after_s,
+                                                   on_lost), name="starqa-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+def _watch(store, rank: int, world: int, me: Peer, lost_after_s: float,
+           on_lost: Callable[[str], None]) -> None:
+    others = [r for r in range(world) if r != rank]
+    described: dict[int, str] = {}
+    started = time.monotonic()
+    last: dict[int, tuple[int, float]] = {r: (0, started) for r in others}
+    while True:
+        try:
+            store.add(f"beat/{rank}", 1)
+            counts = {r: store.add(f"beat/{r}", 0) for r in others}  # add 0: a read, never waits
+            for r in others:
+                if r not in described and store.check([f"peer/{r}"]):
+                    peer = Peer(**json.loads(store.get(f"peer/{r}")))
+                    described[r] = peer.describe() if peer.node != me.node else ""
+        except Exception:  # the store's host (node 0) stopped answering
+            if me.node != 0:
+                zero = [d for d in described.values() if d.startswith("node 0 ")]
+                on_lost(zero[0] if zero else
+                        f"node 0 ({os.environ.get('MASTER_ADDR', '?')}, the rendezvous host)")
+                return
+            time.sleep(BEAT_S)
+            continue
+        now = time.monotonic()
+        for r, count in counts.items():
+            if count != last[r][0]:
+                last[r] = (count, now)
+            elif now - last[r][1] > lost_after_s and described.get(r, "-"):
+                on_lost(described.get(r, f"the worker of rank {r}"))
+                return
+        time.sleep(BEAT_S)
 
 
 def _own_address() -> str:

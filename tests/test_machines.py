@@ -254,3 +254,68 @@ def test_ask_alone_names_the_machines_that_keep_the_other_blocks():
                                           r"\(a, 10\.0\.0\.1\)") as err:
         hosts.check_here(manifest)
     assert "--nnodes 2" in err.value.hint and "cd /x && starqa ingest docs" in err.value.hint
+
+
+def _workers_in(machine: Machine) -> list[int]:
+    """The pids of starqa's torchrun workers running in `machine`'s namespace."""
+    found = []
+    for pid in subprocess.run(["ip", "netns", "pids", machine.ns], capture_output=True,
+                              text=True).stdout.split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"starqa.worker" in cmdline and b"torch.distributed.run" not in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for(files: list[Path], procs: list[subprocess.Popen], seconds: float = TIMEOUT):
+    deadline = time.monotonic() + seconds
+    while not all(f.exists() for f in files):
+        for proc in procs:
+            assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"never appeared: {files}"
+        time.sleep(0.2)
+
+
+def test_a_frozen_machine_is_named_within_seconds(machines, docs, tiny_model, tmp_path):
+    """SIGSTOP freezes b's worker mid-ingest and closes no connection: gloo alone would wait
+    for its timeout (30 min). The heartbeat watchdog makes a exit within seconds, naming b."""
+    a, b = machines
+    _port[0] += 1
+    endpoint = f"{a.address}:{_port[0]}"
+    mark = tmp_path / "slow"
+    env = {"STARQA_SLOW": "120", "STARQA_SLOW_MARK": str(mark)}
+    procs = [_start(m, rank, 2, endpoint, *_ingest_args(docs, tiny_model, "star"), env=env)
+             for rank, m in enumerate(machines)]
+    frozen: list[int] = []
+    try:
+        _wait_for([Path(f"{mark}.0"), Path(f"{mark}.1")], procs)  # both past joining, waiting
+        frozen = _workers_in(b)
+        assert frozen
+        _signal_all(frozen, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err_a = procs[0].communicate(timeout=30)
+        took = time.monotonic() - stopped
+        assert procs[0].returncode != 0, err_a
+        assert "Lost node 1" in err_a and "10.77.0.2" in err_a, err_a
+        assert took < 10, (took, err_a)
+        assert not [p for p in (a.home / "contexts").iterdir() if p.name.startswith(".staging")]
+    finally:
+        _signal_all(frozen, signal.SIGKILL)
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    proc.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    with_pg_killed(proc)
+    assert procs[1].returncode != 0
