@@ -157,8 +157,12 @@ def run_serve(job: dict, info) -> None:
     from starqa.server import serve_group
 
     answerer, manifest = _answerer(job, info)
+    query = info.roster[-1] if info.roster else None
     serve_group(job, info, answerer, manifest,
-                lambda: emit("ready", rank=info.rank, blocks=answerer.blocks))
+                lambda: emit("ready", rank=info.rank, blocks=answerer.blocks,
+                             query_host=info.is_last, world=info.world_size,
+                             nodes=len(info.nodes), node=info.node,
+                             query=query.describe() if query else None))
 
 
 def _peak_memory(info) -> int:
