@@ -177,42 +177,58 @@ def watch_peers(rank: int, world: int, me: Peer, on_lost: Callable[[str], None],
         is_master=False, timeout=timeout, wait_for_workers=False))
     store.set(f"peer/{rank}", json.dumps(me.__dict__))
     store.add(f"beat/{rank}", 1)
-    thread = threading.Thread(target=_watch, args=(store, rank, world, me, lost_after_s,
-                                                   on_lost), name="starqa-watchdog", daemon=True)
+    state = _Beats(rank, world, me)
+    threading.Thread(target=state.beat, args=(store,), name="starqa-beat", daemon=True).start()
+    thread = threading.Thread(target=state.watch, args=(lost_after_s, on_lost),
+                              name="starqa-watchdog", daemon=True)
     thread.start()
     return thread
 
 
-def _watch(store, rank: int, world: int, me: Peer, lost_after_s: float,
-           on_lost: Callable[[str], None]) -> None:
-    others = [r for r in range(world) if r != rank]
-    described: dict[int, str] = {}
-    started = time.monotonic()
-    last: dict[int, tuple[int, float]] = {r: (0, started) for r in others}
-    while True:
-        try:
-            store.add(f"beat/{rank}", 1)
-            counts = {r: store.add(f"beat/{r}", 0) for r in others}  # add 0: a read, never waits
-            for r in others:
-                if r not in described and store.check([f"peer/{r}"]):
-                    peer = Peer(**json.loads(store.get(f"peer/{r}")))
-                    described[r] = peer.describe() if peer.node != me.node else ""
-        except Exception:  # the store's host (node 0) stopped answering
-            if me.node != 0:
-                zero = [d for d in described.values() if d.startswith("node 0 ")]
+class _Beats:
+    """What the beating thread last saw (store calls can hang on a frozen store host, so a
+    second thread judges, from these times alone)."""
+
+    def __init__(self, rank: int, world: int, me: Peer):
+        self.rank, self.me = rank, me
+        self.others = [r for r in range(world) if r != rank]
+        self.described: dict[int, str] = {}  # rank → its machine ("" for this machine)
+        self.ok = time.monotonic()  # the store last answered
+        self.moved = {r: (0, self.ok) for r in self.others}  # rank → (count, when it moved)
+
+    def beat(self, store) -> None:
+        while True:
+            try:
+                store.add(f"beat/{self.rank}", 1)
+                counts = {r: store.add(f"beat/{r}", 0) for r in self.others}  # 0: a read
+                for r in self.others:
+                    if r not in self.described and store.check([f"peer/{r}"]):
+                        peer = Peer(**json.loads(store.get(f"peer/{r}")))
+                        self.described[r] = peer.describe() if peer.node != self.me.node else ""
+            except Exception:  # the store's host stopped answering: `watch` sees `ok` age
+                time.sleep(BEAT_S)
+                continue
+            now = time.monotonic()
+            self.ok = now
+            for r, count in counts.items():
+                if count != self.moved[r][0]:
+                    self.moved[r] = (count, now)
+            time.sleep(BEAT_S)
+
+    def watch(self, lost_after_s: float, on_lost: Callable[[str], None]) -> None:
+        while True:
+            time.sleep(BEAT_S)
+            now = time.monotonic()
+            if now - self.ok > lost_after_s and self.me.node != 0:  # node 0 hosts the store
+                zero = [d for d in self.described.values() if d.startswith("node 0 ")]
                 on_lost(zero[0] if zero else
                         f"node 0 ({os.environ.get('MASTER_ADDR', '?')}, the rendezvous host)")
                 return
-            time.sleep(BEAT_S)
-            continue
-        now = time.monotonic()
-        for r, count in counts.items():
-            if count != last[r][0]:
-                last[r] = (count, now)
-            elif now - last[r][1] > lost_after_s and described.get(r, "-"):
-                on_lost(described.get(r, f"the worker of rank {r}"))
-                return
-        time.sleep(BEAT_S)
+            for r, (_, moved) in self.moved.items():
+                # peers of this machine are torchrun's to watch (it sees their exit)
+                if now - moved > lost_after_s and self.described.get(r, "-"):
+                    on_lost(self.described.get(r, f"the worker of rank {r}"))
+                    return
 
 
 def _own_address() -> str:
