@@ -82,7 +82,14 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         model_path = _checked_model(manifest, opts.model, ui)
         tokenizer, query_ids = _question(manifest, model_path, opts.question)
     if opts.nnodes == 1:  # no group to fetch blocks kept on other machines from
-        hosts.check_here(manifest)
+        try:
+            hosts.check_here(manifest)
+        except StarqaError:
+            from starqa import client
+
+            if (group := client.part(manifest.key)) is not None:  # warm, on another machine
+                raise client.elsewhere(group) from None
+            raise
     manifest = _with_indexes(manifest, opts.topk, ui)
     n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
     if not opts.beyond_window and (error := prompt.room_error(n, m, opts.max_new_tokens, window)):
@@ -273,26 +280,37 @@ class ServeOptions:
     device: str = "auto"
     weights: str | None = None  # Phase 2 weight format; None: the default
     topk: TopK | None = None  # top-k attention; None: exact
+    nnodes: int = 1  # across machines (issue #15): each runs `serve` with its --node-rank
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
 
 
 def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
     """Run a warm worker group for a context until stopped or idle for `keepalive` (<= 0:
-    never). One worker runs in this process; more run on torchrun."""
+    never). One worker runs in this process; more run on torchrun.
+
+    Across machines (`nnodes` > 1) every machine runs this with its own `node_rank`; the
+    query host (the machine of the last rank) serves the socket and writes a run file with
+    it; the others write one without a socket (`starqa ps` shows their part) and run until
+    the query host's group stops."""
     from starqa import client, models
 
     manifest = store.find_context(paths.contexts_dir(), opts.context)
     key = manifest.key
     claim = client.claim(key)  # held while the group lives: one group per context
+    if claim is None and (group := client.part(key)) is not None:
+        raise client.elsewhere(group)
     if claim is None or client.find(key) is not None:
         raise StarqaError(f"A worker group for {manifest.name} ({key}) is already running "
                           "or starting.", hint=f"starqa stop {manifest.name}")
     with claim:
-        hosts.check_here(manifest)
+        if opts.nnodes == 1:  # across machines, blocks kept elsewhere come over the group
+            hosts.check_here(manifest)
         with ui.status("Checking model and shards"):
             model_path = _checked_model(manifest, opts.model, ui)
         manifest = _with_indexes(manifest, opts.topk, ui)
-        workers, why = phase2_workers(manifest, model_path, opts.workers, 1, opts.device,
-                                      opts.topk)
+        workers, why = phase2_workers(manifest, model_path, opts.workers, opts.nnodes,
+                                      opts.device, opts.topk)
         run_file = client.run_dir() / f"{key}.json"
         job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest.dtype,
                "context_dir": str(manifest.folder), "keepalive": opts.keepalive,
@@ -300,12 +318,12 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
                "weights": models.phase2_weights(opts.weights, manifest.model.spec,
                                                 opts.device),
                "topk": opts.topk.as_dict() if opts.topk else None}
-        ready: set[int] = set()
+        ready: dict[int, dict] = {}
 
         def on_event(event: dict) -> None:
             if event["event"] == "ready":
-                ready.add(event["rank"])
-                if len(ready) == workers:
+                ready[event["rank"]] = event
+                if len(ready) == workers:  # this machine's workers (all, on one machine)
                     info = {"key": key, "name": manifest.name, "pid": os.getpid(),
                             "workers": workers, "socket": job["socket"],
                             "started": time.time(), "keepalive": opts.keepalive,
@@ -314,17 +332,23 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
                             # what client.follow restarts it with after a re-ingest
                             "requested_workers": opts.workers,
                             "attention_args": opts.topk.cli_args() if opts.topk else []}
+                    if opts.nnodes > 1:
+                        first = next(iter(ready.values()))
+                        query = any(e.get("query_host") for e in ready.values())
+                        info |= {"workers": first["world"], "node": first["node"],
+                                 "nodes": first["nodes"], "query": first["query"],
+                                 "socket": job["socket"] if query else None}
                     write_json_atomic(run_file, info)
                     if on_ready:
                         on_ready(info)
 
         try:
-            if workers == 1:
+            if workers == 1 and opts.nnodes == 1:
                 _serve_here(job, manifest, model_path, opts.device, why, ui,
                             lambda: on_event({"event": "ready", "rank": 0}))
             else:
                 ui.waiting(f"Starting {workers} workers (loading model and shards; {why})")
-                run_workers(job, Launch(workers, device=opts.device), on_event)
+                run_workers(job, launch_of(opts, workers), on_event)
         finally:
             run_file.unlink(missing_ok=True)
 

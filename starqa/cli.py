@@ -436,15 +436,25 @@ def serve(
     top_k_schedule: TopKSchedule = None,
     index: IndexKind = None,
     kv_on_disk: KvOnDisk = False,
+    nnodes: Nnodes = 1,
+    node_rank: NodeRank = 0,
+    rdzv_endpoint: Rdzv = None,
 ) -> None:
-    """Keep a worker group warm for a context; `ask` and `chat` use it while it runs."""
+    """Keep a worker group warm for a context; `ask` and `chat` use it while it runs (across
+    machines: on the query host, the machine of the last node rank)."""
     from starqa import engine
     from starqa.ui import RichUI, err
 
     def ready(info: dict) -> None:
         ui._stop_status()
+        if info.get("nodes") and not info["socket"]:
+            err.print(f"Serving node {info['node']} of {info['nodes']} for {info['name']} "
+                      f"({info['key']}); ask and chat on the query host, {info['query']}. "
+                      f"`starqa stop {info['name']}` there ends the group.")
+            return
+        across = f" across {info['nodes']} machines" if info.get("nodes") else ""
         err.print(f"Serving {info['name']} ({info['key']}) on {info['workers']} warm worker"
-                  f"{'s' * (info['workers'] > 1)} ({info['weights']} weights); "
+                  f"{'s' * (info['workers'] > 1)}{across} ({info['weights']} weights); "
                   + (f"idle exit after {keepalive:.0f} s" if keepalive > 0 else "no idle exit")
                   + f". Ctrl-C or `starqa stop {info['name']}` ends it.")
 
@@ -453,7 +463,9 @@ def serve(
                                          keepalive=keepalive, device=device,
                                          weights=weights,
                                          topk=_topk(attention, top_k, top_k_schedule, index,
-                                                    kv_on_disk)), ui, ready)
+                                                    kv_on_disk),
+                                         nnodes=nnodes, node_rank=node_rank,
+                                         rdzv_endpoint=rdzv_endpoint), ui, ready)
 
 
 @app.command()
@@ -464,6 +476,8 @@ def ps(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = Fa
 
     groups = client.running()
     for group in groups:
+        if not group["socket"]:  # part of a group served from another machine
+            continue
         try:
             conn = client.Client(group, timeout=5)
             group.update(conn.ping())
@@ -495,11 +509,18 @@ def stop(
         groups = [g for g in groups if g["key"] in keys]
     if not groups:
         err.print("No matching worker group is running.")
+    parts = [g for g in groups if not g["socket"]]  # stopped from their query hosts
+    if parts and len(parts) == len(groups):
+        raise client.elsewhere(parts[0])
     for group in groups:
+        if group in parts:
+            err.print(f"Not stopped here: {client.elsewhere(group)}")
+            continue
         conn = client.Client(group, timeout=30)
         conn.stop()
         conn.close()
-        err.print(f"Stopped {group['name']} ({group['key']}).")
+        err.print(f"Stopped {group['name']} ({group['key']})"
+                  + (f" on its {group['nodes']} machines." if group.get("nodes") else "."))
 
 
 @app.command()

@@ -3,7 +3,9 @@ in the background, asking, cancelling, stopping. Imports nothing heavy, so a war
 for no torch or transformers import.
 
 A running group is described by `$STARQA_HOME/run/<key>.json` (written by the launcher once
-every worker is ready) next to its socket `<key>.sock`.
+every worker is ready) next to its socket `<key>.sock`. A group across machines has a run
+file on each; only the query host's names a socket, the others' say which node they are
+(`node`, `nodes`) and where the query host is (`query`).
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ def run_dir() -> Path:
 
 
 def running() -> list[dict]:
-    """Live groups (stale run files of dead launchers are removed)."""
+    """Live groups, and this machine's parts of groups served from another machine (no
+    socket here). Stale run files of dead launchers are removed."""
     found = []
     for file in sorted(run_dir().glob("*.json")):
         try:
             info = json.loads(file.read_text())
         except (OSError, ValueError):
             continue
-        if store.process_alive(info["pid"]) and Path(info["socket"]).exists():
+        if store.process_alive(info["pid"]) and (info["socket"] is None
+                                                 or Path(info["socket"]).exists()):
             found.append(info)
         else:
             file.unlink(missing_ok=True)
@@ -44,7 +48,22 @@ def running() -> list[dict]:
 
 
 def find(key: str) -> dict | None:
-    return next((info for info in running() if info["key"] == key), None)
+    """The group serving `key` from this machine (one whose socket is here), or None."""
+    return next((info for info in running() if info["key"] == key and info["socket"]), None)
+
+
+def part(key: str) -> dict | None:
+    """This machine's part of a group serving `key` from another machine, or None."""
+    return next((info for info in running() if info["key"] == key and not info["socket"]),
+                None)
+
+
+def elsewhere(group: dict) -> StarqaError:
+    """The error for asking or stopping on a machine that only runs part of `group`."""
+    return StarqaError(
+        f"This machine runs node {group['node']} of the warm group of {group['name']}; "
+        f"its socket is on the query host, {group['query']}.",
+        hint=f"run it on that machine (there: starqa ps; starqa stop {group['name']})")
 
 
 def claim(key: str):

@@ -15,6 +15,9 @@ import os
 import re
 import shutil
 import socket
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from datetime import timedelta
@@ -112,8 +115,14 @@ class DistInfo:
         return self.node_ranks(self.node)[0] == self.rank
 
 
-def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
-    """Join the torchrun group (or make a world of one). Pins this worker's CPU threads."""
+def init(device: str = "auto", timeout_s: float = 1800,
+         on_lost: Callable[[str], None] | None = None) -> DistInfo:
+    """Join the torchrun group (or make a world of one). Pins this worker's CPU threads.
+
+    A group over several machines also starts `watch_peers` right after joining: should a
+    worker of another machine stop beating, `on_lost` is called (from the watchdog's
+    thread) with that machine described, once; it is expected not to return (a worker
+    reports and leaves)."""
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -133,8 +142,93 @@ def init(device: str = "auto", timeout_s: float = 1800) -> DistInfo:
     if group is None:
         return info
     me = Peer(int(os.environ.get("GROUP_RANK", 0)), socket.gethostname(), _own_address())
+    if on_lost is not None and int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world:
+        watch_peers(rank, world, me, on_lost)
     roster = tuple(Peer(**p) for p in all_gather_object(info, me.__dict__))
     return DistInfo(rank, local_rank, world, dev, group, Traffic(), roster)  # roster: uncounted
+
+
+# ---------------------------------------------------------------------------------------
+# the heartbeat watchdog (issue #15, item 4)
+
+BEAT_S = 1.0  # each worker beats this often
+LOST_AFTER_S = 5.0  # a worker silent this long is lost (STARQA_LOST_AFTER overrides)
+
+
+def watch_peers(rank: int, world: int, me: Peer, on_lost: Callable[[str], None],
+                lost_after_s: float | None = None) -> threading.Thread:
+    """A daemon thread that beats for this worker and watches every other one's beat.
+
+    Through its own client of torchrun's TCPStore (MASTER_ADDR:MASTER_PORT, hosted by node
+    0's torchrun agent), every `BEAT_S` it adds 1 to `beat/RANK` and reads every other
+    rank's counter. A counter that has not moved for `lost_after_s` (a worker frozen, its
+    machine powered off, the cable cut: nothing closed a connection, so gloo would wait
+    for its timeout), or a store that stops answering (node 0 itself gone), calls
+    `on_lost` with the machine described (`Peer.describe`, which each worker writes once as
+    `peer/RANK`). Counters, not clocks: machines' clocks need not agree.
+    Started right after the process group forms, when every rank has joined."""
+    if lost_after_s is None:
+        lost_after_s = float(os.environ.get("STARQA_LOST_AFTER", LOST_AFTER_S))
+    prefix = (f"starqa-watch/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+    timeout = timedelta(seconds=max(1.0, lost_after_s))
+    store = dist.PrefixStore(prefix, dist.TCPStore(
+        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", 29500)),
+        is_master=False, timeout=timeout, wait_for_workers=False))
+    store.set(f"peer/{rank}", json.dumps(me.__dict__))
+    store.add(f"beat/{rank}", 1)
+    state = _Beats(rank, world, me)
+    threading.Thread(target=state.beat, args=(store,), name="starqa-beat", daemon=True).start()
+    thread = threading.Thread(target=state.watch, args=(lost_after_s, on_lost),
+                              name="starqa-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
+class _Beats:
+    """What the beating thread last saw (store calls can hang on a frozen store host, so a
+    second thread judges, from these times alone)."""
+
+    def __init__(self, rank: int, world: int, me: Peer):
+        self.rank, self.me = rank, me
+        self.others = [r for r in range(world) if r != rank]
+        self.described: dict[int, str] = {}  # rank → its machine ("" for this machine)
+        self.ok = time.monotonic()  # the store last answered
+        self.moved = {r: (0, self.ok) for r in self.others}  # rank → (count, when it moved)
+
+    def beat(self, store) -> None:
+        while True:
+            try:
+                store.add(f"beat/{self.rank}", 1)
+                counts = {r: store.add(f"beat/{r}", 0) for r in self.others}  # 0: a read
+                for r in self.others:
+                    if r not in self.described and store.check([f"peer/{r}"]):
+                        peer = Peer(**json.loads(store.get(f"peer/{r}")))
+                        self.described[r] = peer.describe() if peer.node != self.me.node else ""
+            except Exception:  # the store's host stopped answering: `watch` sees `ok` age
+                time.sleep(BEAT_S)
+                continue
+            now = time.monotonic()
+            self.ok = now
+            for r, count in counts.items():
+                if count != self.moved[r][0]:
+                    self.moved[r] = (count, now)
+            time.sleep(BEAT_S)
+
+    def watch(self, lost_after_s: float, on_lost: Callable[[str], None]) -> None:
+        while True:
+            time.sleep(BEAT_S)
+            now = time.monotonic()
+            if now - self.ok > lost_after_s and self.me.node != 0:  # node 0 hosts the store
+                zero = [d for d in self.described.values() if d.startswith("node 0 ")]
+                on_lost(zero[0] if zero else
+                        f"node 0 ({os.environ.get('MASTER_ADDR', '?')}, the rendezvous host)")
+                return
+            for r, (_, moved) in self.moved.items():
+                # peers of this machine are torchrun's to watch (it sees their exit)
+                if now - moved > lost_after_s and self.described.get(r, "-"):
+                    on_lost(self.described.get(r, f"the worker of rank {r}"))
+                    return
 
 
 def _own_address() -> str:

@@ -491,13 +491,17 @@ def groups_table(groups: list[dict]) -> None:
         err.print("No worker group is running.")
         return
     table = Table(box=None)
-    for column in ("context", "key", "workers", "weights", "pid", "up", "answered",
+    for column in ("context", "key", "workers", "here", "weights", "pid", "up", "answered",
                    "RSS (query host)", "keep-alive"):
         table.add_column(column)
     now = time.time()
     for g in groups:
         rss = f"{g['rss_bytes'] / 2**20:,.0f} MB" if "rss_bytes" in g else "?"
-        table.add_row(g["name"], g["key"], str(g["workers"]), g.get("weights", "?"),
+        # across machines: this one's node, and whether it is the query host (the socket)
+        here = ("all" if not g.get("nodes") else
+                f"node {g['node']} of {g['nodes']}"
+                + (" (query host)" if g["socket"] else f"; asks go to {g['query']}"))
+        table.add_row(g["name"], g["key"], str(g["workers"]), here, g.get("weights", "?"),
                       str(g["pid"]), _ago(now - g["started"]).removesuffix(" ago"),
                       str(g.get("answered", "?")), rss,
                       f"{g['keepalive']:.0f} s" if g["keepalive"] > 0 else "never")

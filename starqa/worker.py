@@ -157,8 +157,12 @@ def run_serve(job: dict, info) -> None:
     from starqa.server import serve_group
 
     answerer, manifest = _answerer(job, info)
+    query = info.roster[-1] if info.roster else None
     serve_group(job, info, answerer, manifest,
-                lambda: emit("ready", rank=info.rank, blocks=answerer.blocks))
+                lambda: emit("ready", rank=info.rank, blocks=answerer.blocks,
+                             query_host=info.is_last, world=info.world_size,
+                             nodes=len(info.nodes), node=info.node,
+                             query=query.describe() if query else None))
 
 
 def _peak_memory(info) -> int:
@@ -192,8 +196,11 @@ def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
 
 
 def _slow(phase: str) -> None:
-    """Test-only: STARQA_SLOW=seconds makes every worker wait here, alive, before encoding."""
+    """Test-only: STARQA_SLOW=seconds makes every worker wait here, alive, before encoding
+    (having created the file `$STARQA_SLOW_MARK.RANK` first, when that is set)."""
     if phase == "ingest" and (seconds := os.environ.get("STARQA_SLOW")):
+        if mark := os.environ.get("STARQA_SLOW_MARK"):
+            Path(f"{mark}.{os.environ.get('RANK', 0)}").touch()
         time.sleep(float(seconds))
 
 
@@ -209,6 +216,25 @@ def _fault(phase: str, rank: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "injected")
 
 
+def _report_lost(lost: str) -> None:
+    emit("error", rank=int(os.environ.get("RANK", 0)), kind="WorkerError",
+         message=f"Lost {lost}: it stopped answering the group (the machine or its workers "
+                 f"died or froze, or the network failed). Nothing of this run was kept on "
+                 f"this machine; its cache is as it was before.",
+         hint="see that machine's own output for why; run the command again on every "
+              "machine once it is back")
+
+
+def _lost(lost: str) -> None:
+    """The heartbeat watchdog's verdict (dist.watch_peers, its own thread): report the lost
+    machine and leave at once, whatever the main thread is waiting in. Staging folders are
+    the launcher's to remove (it does, on this error)."""
+    print(f"lost {lost}: no heartbeat", file=sys.stderr, flush=True)
+    _report_lost(lost)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from starqa import dist
 
@@ -218,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     argv = sys.argv[1:] if argv is None else argv
     job = json.loads(open(argv[0]).read())
-    info = dist.init(job.get("device", "auto"))
+    info = dist.init(job.get("device", "auto"), on_lost=_lost)
     try:
         {"ingest": run_ingest, "ask": run_ask, "serve": run_serve}[job["phase"]](job, info)
         emit("peak", rank=info.rank, bytes=_peak_memory(info))
@@ -235,12 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         traceback.print_exc()
         if (lost := dist.lost_peer(info, err)) is not None:  # another machine died or left
-            emit("error", rank=info.rank, kind="WorkerError",
-                 message=f"Lost {lost}: it stopped answering the group (the machine or its "
-                         f"workers died, or the network failed). Nothing of this run was "
-                         f"kept on this machine; its cache is as it was before.",
-                 hint="see that machine's own output for why; run the command again on "
-                      "every machine once it is back")
+            _report_lost(lost)
         return 1
     # Done. Leave without tearing the group down: now and then gloo's threads abort the
     # process while it unwinds ("terminate called without an active exception"), turning a

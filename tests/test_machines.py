@@ -254,3 +254,181 @@ def test_ask_alone_names_the_machines_that_keep_the_other_blocks():
                                           r"\(a, 10\.0\.0\.1\)") as err:
         hosts.check_here(manifest)
     assert "--nnodes 2" in err.value.hint and "cd /x && starqa ingest docs" in err.value.hint
+
+
+def _workers_in(machine: Machine) -> list[int]:
+    """The pids of starqa's torchrun workers running in `machine`'s namespace."""
+    found = []
+    for pid in subprocess.run(["ip", "netns", "pids", machine.ns], capture_output=True,
+                              text=True).stdout.split():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"starqa.worker" in cmdline and b"torch.distributed.run" not in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for(files: list[Path], procs: list[subprocess.Popen], seconds: float = TIMEOUT):
+    deadline = time.monotonic() + seconds
+    while not all(f.exists() for f in files):
+        for proc in procs:
+            assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"never appeared: {files}"
+        time.sleep(0.2)
+
+
+def test_a_frozen_machine_is_named_within_seconds(machines, docs, tiny_model, tmp_path):
+    """SIGSTOP freezes b's worker mid-ingest and closes no connection: gloo alone would wait
+    for its timeout (30 min). The heartbeat watchdog makes a exit within seconds, naming b."""
+    a, b = machines
+    _port[0] += 1
+    endpoint = f"{a.address}:{_port[0]}"
+    mark = tmp_path / "slow"
+    env = {"STARQA_SLOW": "120", "STARQA_SLOW_MARK": str(mark)}
+    procs = [_start(m, rank, 2, endpoint, *_ingest_args(docs, tiny_model, "star"), env=env)
+             for rank, m in enumerate(machines)]
+    frozen: list[int] = []
+    try:
+        _wait_for([Path(f"{mark}.0"), Path(f"{mark}.1")], procs)  # both past joining, waiting
+        frozen = _workers_in(b)
+        assert frozen
+        _signal_all(frozen, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err_a = procs[0].communicate(timeout=30)
+        took = time.monotonic() - stopped
+        assert procs[0].returncode != 0, err_a
+        assert "Lost node 1" in err_a and "10.77.0.2" in err_a, err_a
+        assert took < 10, (took, err_a)
+        assert not [p for p in (a.home / "contexts").iterdir() if p.name.startswith(".staging")]
+    finally:
+        _signal_all(frozen, signal.SIGKILL)
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    proc.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    with_pg_killed(proc)
+    assert procs[1].returncode != 0
+
+
+def _in(machine: Machine, *args: str, python: tuple[str, ...] = ("-m", "starqa"),
+        timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """One command on `machine` alone (no --nnodes): `starqa ARGS` by default."""
+    environ = {k: v for k, v in os.environ.items() if k != "STARQA_FAULT"}
+    environ |= {"PYTHONPATH": str(REPO), "STARQA_HOME": str(machine.home),
+                "STARQA_KEEP_ALIVE": "0"}
+    return subprocess.run(["ip", "netns", "exec", machine.ns, sys.executable, *python, *args],
+                          env=environ, capture_output=True, text=True, timeout=timeout)
+
+
+CHAT = """
+import sys
+from starqa.repl import Chat
+chat = Chat(None, None, 300, 6)
+chat.ask(sys.argv[1])
+print("ANSWER=" + chat.history[-1][1], file=sys.stderr)
+"""
+
+
+def _serving(machines: list[Machine], key: str, procs) -> None:
+    """Until every machine's launcher has written its run file (its workers are ready)."""
+    _wait_for([m.home / "run" / f"{key}.json" for m in machines], procs)
+
+
+def _finish(procs: list[subprocess.Popen], seconds: float = TIMEOUT) -> list:
+    out = []
+    for proc in procs:
+        try:
+            out.append((proc.returncode if proc.poll() is not None else None,)
+                       + proc.communicate(timeout=seconds))
+        except subprocess.TimeoutExpired:
+            with_pg_killed(proc)
+            raise
+        out[-1] = (proc.returncode,) + out[-1][1:]
+    return out
+
+
+def test_a_warm_group_across_two_machines(machines, docs, tiny_model):
+    """`serve` on both machines; the query host (b, the last node) serves the socket: `ask`
+    and `chat` there answer as a cold ask across the machines does; `stop` there ends both;
+    a machine lost (frozen, with node 0's torchrun agent and its store) ends the group with
+    a message naming it on the query host."""
+    a, b = machines
+    runs = _together(machines, *_ingest_args(docs, tiny_model, "star"))
+    assert [r[0] for r in runs] == [0, 0], runs
+    runs = _together(machines, "ask", QUESTION, "--max-new-tokens", "6")
+    assert [r[0] for r in runs] == [0, 0], runs
+    cold = runs[1][1].strip()
+    assert cold
+    key = a.context().key
+
+    _port[0] += 1
+    endpoint = f"{a.address}:{_port[0]}"
+    procs = [_start(m, rank, 2, endpoint, "serve", "--keep-alive", "0")
+             for rank, m in enumerate(machines)]
+    try:
+        _serving(machines, key, procs)
+        ps_a, ps_b = (json.loads(_in(m, "ps", "--json").stdout) for m in machines)
+        assert [(g["key"], g["node"], g["socket"]) for g in ps_a] == [(key, 0, None)]
+        assert "10.77.0.2" in ps_a[0]["query"] and ps_a[0]["workers"] == 2
+        assert [(g["key"], g["node"], g["answered"]) for g in ps_b] == [(key, 1, 0)]
+
+        warm = _in(b, "ask", QUESTION, "--max-new-tokens", "6", "--json")
+        assert warm.returncode == 0, warm.stderr
+        answer = json.loads(warm.stdout)
+        assert answer["warm"] is True and answer["answer"].strip() == cold, answer
+        chat = _in(b, QUESTION, python=("-c", CHAT))
+        assert chat.returncode == 0, chat.stderr
+        assert f"ANSWER={cold}\n" in chat.stderr, chat.stderr
+        assert json.loads(_in(b, "ps", "--json").stdout)[0]["answered"] == 2
+
+        # node 0 has no socket: asking or stopping there names the query host
+        for args in (("ask", QUESTION, "--max-new-tokens", "6"), ("stop", "docs")):
+            there = _in(a, *args)
+            assert there.returncode != 0 and "query host" in there.stderr, there.stderr
+            assert "10.77.0.2" in there.stderr, there.stderr
+
+        stop = _in(b, "stop", "docs")
+        assert stop.returncode == 0 and "on its 2 machines" in stop.stderr, stop.stderr
+        results = _finish(procs, 60)
+        assert [r[0] for r in results] == [0, 0], results
+        assert json.loads(_in(a, "ps", "--json").stdout) == []
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with_pg_killed(proc)
+
+    # the group again; then node 0 freezes whole (launcher, torchrun's agent with the
+    # group's store, its worker): the query host's serve exits within seconds naming it
+    _port[0] += 1
+    endpoint = f"{a.address}:{_port[0]}"
+    procs = [_start(m, rank, 2, endpoint, "serve", "--keep-alive", "0")
+             for rank, m in enumerate(machines)]
+    frozen = []
+    try:
+        _serving(machines, key, procs)
+        frozen = [int(p) for p in subprocess.run(["ip", "netns", "pids", a.ns],
+                                                 capture_output=True, text=True).stdout.split()]
+        _signal_all(frozen, signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err_b = procs[1].communicate(timeout=30)
+        took = time.monotonic() - stopped
+        assert procs[1].returncode != 0, err_b
+        assert "Lost node 0" in err_b and "10.77.0.1" in err_b, err_b
+        assert took < 10, (took, err_b)
+        assert json.loads(_in(b, "ps", "--json").stdout) == []
+    finally:
+        _signal_all(frozen, signal.SIGKILL)
+        for proc in procs:
+            if proc.poll() is None:
+                with_pg_killed(proc)
