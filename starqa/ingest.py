@@ -112,19 +112,19 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         raise StarqaError(f"--reserve must be 0 or more tokens (got {opts.reserve}).")
     if n + opts.reserve > window and not opts.beyond_window:
         raise _no_room(n, opts.reserve, window)
-    method = method_config(opts.method, n, opts.block_size, opts.anchor_size,
-                           opts.method_params)
+    dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
+                ).removeprefix("torch.")
+    root = paths.contexts_dir()
+    method = method_config(opts.method, n, _block_size(opts, root, model, dtype, n),
+                           opts.anchor_size, opts.method_params)
     if method.params.get("question"):  # apb: the question joins every block's anchor
         question_ids = tokenizer.encode(method.params["question"], add_special_tokens=False)
         method = replace(method, params={**method.params, "question_ids": question_ids})
-    dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
-                ).removeprefix("torch.")
     if opts.encode_in not in ENCODE_IN:
         raise StarqaError(f"Unknown --encode-in {opts.encode_in!r}.",
                           hint=f"choose one of: {', '.join(ENCODE_IN)}")
     content = corpus_mod.content_hash(corpus.files)
     key = _cache_key(content, model.digest, method.as_dict(), dtype, PLAN)
-    root = paths.contexts_dir()
     final = root / key
     # One ingest of a key at a time, from the cache check through the commit: a second
     # ingest of the same input waits, then is a cache hit (issue #11, item 9). Only node 0
@@ -390,6 +390,16 @@ def _in_process(opts: IngestOptions, encoder, plan: reuse.Plan, measure: bool) -
 
     return (str(dist.resolve_device(opts.device)).startswith("cpu") or len(plan.todo) == 1
             or encoder.sequential)
+
+
+def _block_size(opts: IngestOptions, root: Path, model: ModelIdentity, dtype: str,
+                n: int) -> int | None:
+    """--block-size; else, on a re-ingest, the previous version's (`reuse.kept_block_size`);
+    else None (the default)."""
+    if opts.block_size is not None or opts.force or opts.nnodes > 1:
+        return opts.block_size
+    previous = _previous(root, opts.paths, opts.method, model.digest, dtype)
+    return None if previous is None else reuse.kept_block_size(previous.method.block_size, n)
 
 
 def _previous(root: Path, paths_: tuple[str, ...], method: str, model_digest: str,

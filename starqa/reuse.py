@@ -123,3 +123,15 @@ class Reuse:
     changes: Changes | None  # None: no earlier context of these sources to compare with
     why: str | None = None  # why more was encoded than the changed files' blocks
     in_process: bool = False  # encoded in the launcher, no worker group started
+
+
+def kept_block_size(previous: int, n_tokens: int) -> int | None:
+    """The block size a re-ingest of `n_tokens` plans with when the previous version used
+    `previous` and none is given: the previous one while the default for the new length
+    stays within 2x of it, else None (the default). The default follows the length, so an
+    edit of a few tokens could move it a step, and every block boundary with it: nothing
+    would be reused."""
+    from starqa.methods import default_block
+
+    default = default_block(n_tokens)
+    return previous if default / 2 <= previous <= default * 2 else None

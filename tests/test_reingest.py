@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -290,3 +291,19 @@ def test_info_says_which_files_each_block_holds(home, repo, tiny_model):
         held = [f.path for f in manifest.files
                 if f.token_start < block.end and block.start < f.token_end]
         assert held and all(path in row for path in held[:4])
+
+
+def test_a_reingest_keeps_the_previous_block_size_while_the_default_moves(home, repo,
+                                                                          tiny_model):
+    """The default block follows the context's length; a re-ingest that moves it a step
+    keeps the previous version's block size, so the unchanged blocks are reused."""
+    opts = engine.IngestOptions(paths=(str(repo),), model=str(tiny_model), dtype="fp32",
+                                method="star", encode_in="process", reserve=16)
+    first = engine.ingest(opts).manifest
+    (repo / "g.md").write_text(" ".join(["the answer"] * 40))  # sorts last: moves nothing
+    result = engine.ingest(opts)
+    assert methods.default_block(result.manifest.n_tokens) != first.method.block_size
+    assert result.manifest.method.block_size == first.method.block_size
+    assert result.reuse.reused >= len(first.blocks) - 1, result.reuse
+    forced = engine.ingest(replace(opts, force=True)).manifest  # --force plans afresh
+    assert forced.method.block_size == methods.default_block(forced.n_tokens)

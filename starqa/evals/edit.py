@@ -47,8 +47,9 @@ def encode_both(evaluator, sample: Sample, method: str):
     `method`; stats: what the incremental re-ingest reused, re-rotated and encoded."""
     with tempfile.TemporaryDirectory(prefix="starqa-eval-edit-") as tmp:
         store = Path(tmp) / "blocks"
-        _ingest(evaluator, sample.before, method, store, Path(tmp) / "before")
-        incremental, plan = _ingest(evaluator, sample, method, store, Path(tmp) / "after")
+        before, _ = _ingest(evaluator, sample.before, method, store, Path(tmp) / "before")
+        incremental, plan = _ingest(evaluator, sample, method, store, Path(tmp) / "after",
+                                    previous_block=before.config.block_size)
         full, _ = _ingest(evaluator, sample, method, store, Path(tmp) / "full", force=True)
     stats = {"blocks": len(plan.stems), "reused": len(plan.reused),
              "rotated": len(plan.rotated), "encoded": len(plan.todo)}
@@ -56,9 +57,10 @@ def encode_both(evaluator, sample: Sample, method: str):
 
 
 def _ingest(evaluator, sample: Sample, method: str, store: Path, folder: Path,
-            force: bool = False):
+            force: bool = False, previous_block: int | None = None):
     """Phase 1 of `sample` as `ingest` runs it into `folder` against the block store
-    (`force`: every block encoded, nothing adopted); returns (Encoded, reuse.Plan)."""
+    (`force`: every block encoded, nothing adopted; `previous_block`: the block size of the
+    version before, kept as `ingest` keeps it); returns (Encoded, reuse.Plan)."""
     import torch
     from safetensors.torch import load_file
 
@@ -66,7 +68,10 @@ def _ingest(evaluator, sample: Sample, method: str, store: Path, folder: Path,
 
     ids = sample.context_ids
     n = len(ids)
-    config = methods_mod.method_config(method, n, **evaluator.options[method])
+    options = dict(evaluator.options[method])
+    if options.get("block_size") is None and previous_block is not None:
+        options["block_size"] = reuse.kept_block_size(previous_block, n)
+    config = methods_mod.method_config(method, n, **options)
     encoder = methods_mod.get(method)
     blocks = methods_mod.plan_file_blocks(
         n, config.block_size, [(f.path, f.token_start, f.token_end) for f in sample.files])
