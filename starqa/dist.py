@@ -321,6 +321,14 @@ def ring_shift(info: DistInfo, tensor: torch.Tensor) -> torch.Tensor:
     return received
 
 
+def _padded(info: DistInfo, payload: bytes):
+    """This rank's payload as a uint8 tensor padded to the longest rank's, and every rank's
+    length (one all-gather of [1] int64, so every rank pads to the same size)."""
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=info.device)
+    lengths = _all_gather(info, length).view(-1).tolist()
+    return _byte_tensor(payload, max(lengths), info.device), lengths
+
+
 def gather_object(info: DistInfo, obj, dst: int) -> list | None:
     """Every rank's JSON-able `obj`, as a list on rank `dst` (None elsewhere).
 
@@ -330,11 +338,8 @@ def gather_object(info: DistInfo, obj, dst: int) -> list | None:
     payload = _to_json(obj)
     if info.group is None:
         return [json.loads(payload)]
-    # lengths: [world] int64 on every rank, so every rank pads to the same size
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=info.device)
-    lengths = _all_gather(info, length).view(-1).tolist()
-    width = max(lengths)
-    mine = _byte_tensor(payload, width, info.device)
+    mine, lengths = _padded(info, payload)
+    width = mine.numel()
     out = [torch.empty(width, dtype=torch.uint8, device=info.device)
            for _ in range(info.world_size)] if info.rank == dst else None
     dist.gather(mine, out, dst=dst, group=info.group)
@@ -381,10 +386,8 @@ def all_gather_object(info: DistInfo, obj) -> list:
     payload = _to_json(obj)
     if info.group is None:
         return [json.loads(payload)]
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=info.device)
-    lengths = _all_gather(info, length).view(-1).tolist()
-    width = max(lengths)
-    rows = _all_gather(info, _byte_tensor(payload, width, info.device))
+    mine, lengths = _padded(info, payload)
+    rows = _all_gather(info, mine)
     info.traffic.add("all_gather_object", len(payload) * (info.world_size - 1),
                      sum(n for r, n in enumerate(lengths) if r != info.rank))
     return [json.loads(row[:n].cpu().numpy().tobytes()) for row, n in zip(rows, lengths)]

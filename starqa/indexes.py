@@ -39,6 +39,7 @@ from pathlib import Path
 from starqa.errors import ShardError, StarqaError
 from starqa.manifest import (IndexFile, IndexSet, Manifest, block_file, index_file,
                              write_json_atomic, write_manifest)
+from starqa.shards import read_verified
 
 ATTENTIONS = ("exact", "topk")
 KINDS = ("flat", "ivf", "hnsw")
@@ -234,7 +235,7 @@ def hash_set(context: Path, folder: str, kind: str, n_blocks: int, seconds: floa
     from starqa.shards import sha256_file
 
     layers, heads = block_shape(context / block_file(0))[:2]
-    files, verified = [], _read_verified(context)
+    files, verified = [], read_verified(context, VERIFIED)
     for block in range(n_blocks):
         for layer in range(layers):
             for head in range(heads):
@@ -333,7 +334,7 @@ def verify(manifest: Manifest, found: IndexSet, blocks: Sequence[int]) -> list[P
     set otherwise."""
     from starqa.shards import sha256_file
 
-    remembered = _read_verified(manifest.folder)
+    remembered = read_verified(manifest.folder, VERIFIED)
     verified = dict(remembered)
     wanted = set(blocks)
     paths = []
@@ -414,9 +415,3 @@ def read_block_tensor(path: Path, name: str, mapped: bool = False):
     return tensor if mapped else tensor.clone()
 
 
-def _read_verified(folder: Path) -> dict:
-    try:
-        data = json.loads((folder / VERIFIED).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -115,7 +115,7 @@ def verify_checksums(manifest: Manifest, indices=None) -> None:
     shard's hash is remembered in `.verified.json` with its size, mtime and ctime (a write
     changes them; ctime cannot be set back), so a repeated check costs one stat per shard
     and a damaged shard is still caught."""
-    remembered = _read_verified(manifest.folder)
+    remembered = read_verified(manifest.folder)
     verified = dict(remembered) if indices is not None else {}
     for index in manifest.local_blocks if indices is None else indices:
         block = manifest.blocks[index]
@@ -133,10 +133,11 @@ def verify_checksums(manifest: Manifest, indices=None) -> None:
             write_json_atomic(manifest.folder / VERIFIED, verified)
 
 
-def _read_verified(folder: Path) -> dict:
-    """The remembered shard hashes, or {} when there are none or they cannot be read."""
+def read_verified(folder: Path, name: str = VERIFIED) -> dict:
+    """The remembered hashes in `folder / name` (shards'; top-k indexes keep their own
+    file), or {} when there are none or they cannot be read."""
     try:
-        data = json.loads((folder / VERIFIED).read_text())
+        data = json.loads((folder / name).read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
