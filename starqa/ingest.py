@@ -187,8 +187,9 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
                   measure: bool = False, allow_over_window: bool = False,
                   device: str = "auto", ui: UI = UI()) -> IngestResult:
     """Phase 1 over token ids given directly, through the same torchrun workers as `ingest`:
-    the way in for `starqa bench`'s synthetic contexts. No files, so answers name no sources;
-    always encodes (no cache lookup); the context is committed under `root`.
+    the way in for `starqa bench`'s synthetic contexts. One stand-in file named `name` holds
+    every token (so answers are attributed, as for ingested files); always encodes (no cache
+    lookup); the context is committed under `root`.
 
     measure: the workers report time, FLOPs and bytes communicated (IngestResult.measures).
     allow_over_window: a context longer than the model's window is encoded anyway. For
@@ -211,9 +212,18 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
     key = _cache_key(content, identity.digest, config.as_dict(), dtype)
     opts = IngestOptions(paths=(), model=model, method=method, workers=workers, name=name,
                          dtype=dtype, device=device, command=f"starqa bench ({name})")
-    return _encode(opts, root, key, prompt.ContextTokens(list(ids), [], []),
-                   corpus_mod.Corpus((), (), ()), [], identity, dtype, config, content, started,
-                   ui, measure)
+    # One stand-in file over every token, a line per BENCH_LINE tokens, so that answers
+    # are attributed (and `bench` measures what that costs) as for ingested files.
+    n = len(ids)
+    lines = list(range(0, n, BENCH_LINE))
+    whole = corpus_mod.SourceFile(name, "", 0)
+    return _encode(opts, root, key, prompt.ContextTokens(list(ids), [(0, n)], [lines]),
+                   corpus_mod.Corpus((), (whole,), ()),
+                   [corpus_mod.FileSpan(name, 0, 0, 0, len(lines))], identity, dtype, config,
+                   content, started, ui, measure)
+
+
+BENCH_LINE = 64  # tokens per line of `ingest_tokens`' stand-in file
 
 
 def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
