@@ -122,8 +122,8 @@ def test_round_robin_assignment():
 
 
 def test_method_defaults_and_option_errors():
-    cfg = method_config("apb", 8_000)
-    assert cfg == MethodConfig("apb", 2_000, 500, {"passing": 250, "window": 64, "question": None})
+    cfg = method_config("apb", 8_192)
+    assert cfg == MethodConfig("apb", 2_048, 512, {"passing": 256, "window": 64, "question": None})
     given = method_config("apb", 8_000, anchor_size=100, params={"passing": 10})
     assert (given.anchor_size, given.params["passing"]) == (100, 10)
     with pytest.raises(StarqaError, match="--passing-size only applies to --method apb"):
