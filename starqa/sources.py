@@ -9,6 +9,7 @@ vector into per-line mass; the query host adds them up and ranks.
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -50,7 +51,7 @@ def add(parts: list[dict[str, dict[int | str, float]]]) -> dict[str, dict[int, f
 # An answer that copied less than this share of its attention from the documents did not
 # come from them (SmolLM2 and Qwen2.5-Coder: answers copied from a file copy 1.2-2% of
 # their attention, answers from the model's own knowledge 0.2-0.4%; README, Sources).
-MIN_COPIED = 0.006
+MIN_COPIED = 0.006  # STARQA_MIN_COPIED overrides it (tests on tiny random models: 0)
 # Below this share for the top file, attribution is spread over many files: noise.
 MIN_TOP_SHARE = 0.25
 
@@ -65,7 +66,8 @@ def top_sources(per_line: dict[str, dict[int, float]], k: int = 5,
     totals = {path: sum(lines.values()) for path, lines in per_line.items()}
     copied = sum(totals.values())
     ranked = sorted(totals, key=totals.get, reverse=True)[:k]
-    if not ranked or copied < MIN_COPIED or totals[ranked[0]] / copied < MIN_TOP_SHARE:
+    least_copied = float(os.environ.get("STARQA_MIN_COPIED", MIN_COPIED))
+    if not ranked or copied < least_copied or totals[ranked[0]] / copied < MIN_TOP_SHARE:
         return []
     least = max(0.1, totals[ranked[0]] / copied / 3) * copied
     result = []

@@ -5,7 +5,6 @@ a token, unknown words one <unk> each), so lengths are measured without any real
 """
 
 import json
-import math
 import re
 from collections import Counter
 
@@ -437,7 +436,8 @@ def test_runner_names_sources_and_scores_them(home, tiny_model, tmp_path, capsys
     for m in ("dense", "star"):
         r = sample["results"][m]
         assert r["sources"] and {s["path"] for s in r["sources"]} <= set(paths)
-        assert math.isclose(sum(s["share"] for s in r["sources"]), 1.0)
+        shares = [s["share"] for s in r["sources"]]  # the files that stand out, best first
+        assert sum(shares) <= 1.0 + 1e-9 and all(x >= shares[0] / 3 for x in shares)
         top1 = r["sources"][0]["path"] == sample["meta"]["source"]["file"]
         assert r["source_score"]["top1"] == top1
     # A random model answers nothing correctly: the sources score has no sample to count.

@@ -41,10 +41,11 @@ def test_top_sources_ranks_files_and_finds_the_peak_range():
     assert math.isclose(sum(s["share"] for s in top), 1.0)
 
 
-def test_only_files_that_stand_out_are_listed():
+def test_only_files_that_stand_out_are_listed(monkeypatch):
     """A file under a third of the top file's share is noise and left out; an answer that
     copied too little (the model's own knowledge) or copied from everywhere alike (no file
     stands out) lists none."""
+    monkeypatch.delenv("STARQA_MIN_COPIED", raising=False)  # the real threshold
     top = sources.top_sources({"a.md": {3: 0.06}, "b.md": {1: 0.03}, "c.md": {9: 0.015}})
     assert [(s["path"], round(s["share"], 3)) for s in top] == [("a.md", 0.571), ("b.md", 0.286)]
     little = sources.MIN_COPIED * 0.9
