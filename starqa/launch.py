@@ -128,9 +128,11 @@ def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:
     finally:
         reader.join(timeout=5)
     if errors:  # a worker explained itself: that message beats any traceback
+        # A worker's own failure first: the others then lose it ("Lost ...") as a result.
+        first = min(errors, key=lambda e: bool(e.get("lost")))
         kind = {"ShardError": ShardError, "WorkerError": WorkerError}.get(
-            errors[0].get("kind"), StarqaError)
-        raise kind(errors[0]["message"], hint=errors[0].get("hint"))
+            first.get("kind"), StarqaError)
+        raise kind(first["message"], hint=first.get("hint"))
     if proc.returncode != 0:
         lines = list(tail)
         raise WorkerError(

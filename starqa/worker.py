@@ -217,7 +217,7 @@ def _fault(phase: str, rank: int) -> None:
 
 
 def _report_lost(lost: str) -> None:
-    emit("error", rank=int(os.environ.get("RANK", 0)), kind="WorkerError",
+    emit("error", rank=int(os.environ.get("RANK", 0)), kind="WorkerError", lost=True,
          message=f"Lost {lost}: it stopped answering the group (the machine or its workers "
                  f"died or froze, or the network failed). Nothing of this run was kept on "
                  f"this machine; its cache is as it was before.",
