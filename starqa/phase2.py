@@ -178,7 +178,7 @@ class ShardAttention:
             lses = torch.stack([r[1] for r in rows[:steps]]).float()  # [S, Hkv, G]
             keys = self._keys_at(layer, where).float()  # [U, Hkv, D]
             scores = torch.einsum("shgd,uhd->shgu", queries, keys) * self._scale
-            probs = torch.exp(scores - lses[..., None]).sum(dim=(1, 2))  # [S, U]
+            probs = torch.exp(scores - lses[..., None]).sum(dim=(1, 2)).cpu()  # [S, U]
             mass.index_add_(0, where + self.head, (probs * match).sum(dim=0).double())
         heads = self._rows[0][0][0].shape[0] * self._rows[0][0][0].shape[1]
         return mass / (steps * len(self._rows) * heads)
