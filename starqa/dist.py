@@ -258,13 +258,16 @@ _PEER = re.compile(r"\[?(\d+\.\d+\.\d+\.\d+)\]?:\d+")
 
 def lost_peer(info: DistInfo, error: BaseException) -> str | None:
     """The machine a collective's failure names, described ("node 1 (host, 10.0.0.2)"),
-    when the error is a lost connection (a peer that died or left), else None."""
+    when the error is a lost connection (a peer that died or left) and the group spans
+    machines, else None."""
     text = str(error)
     if not re.search(r"[Cc]onnection (closed|reset)|[Bb]roken pipe|peer|timed out|Timeout",
                      text):
         return None
-    addresses = _PEER.findall(text)
     others = [p for p in info.roster if p.node != info.node]
+    if not others:  # one machine: torchrun reports the worker that died, with its lines
+        return None
+    addresses = _PEER.findall(text)
     for address in addresses:
         if found := [p for p in others if p.address == address]:
             return found[0].describe()
