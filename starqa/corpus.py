@@ -16,7 +16,7 @@ import os
 import subprocess
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pathspec
@@ -37,6 +37,10 @@ class SourceFile:
     path: str  # display path, forward slashes
     text: str  # UTF-8 text, LF line ends, no BOM
     size: int  # bytes on disk
+    # When it last changed, seconds since the epoch: in a git work tree, the last commit
+    # that touched a file left as committed (0: before the history read); else its mtime.
+    # What `packorder` lays the files out by.
+    changed: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class Skipped:
 @dataclass(frozen=True)
 class Corpus:
     roots: tuple[str, ...]
-    files: tuple[SourceFile, ...]  # sorted by path
+    files: tuple[SourceFile, ...]  # sorted by path (`packorder` lays them out for packing)
     skipped: tuple[Skipped, ...]
 
 
@@ -84,14 +88,16 @@ class _Globs:
 # A folder's own git config is not the user's: a tarball or shared folder can carry a
 # `.git/config` that names programs. Of the keys that run programs, `ls-files`,
 # `check-ignore` and `rev-parse` reach only core.fsmonitor (verified on git 2.39: filters,
-# textconv, diff.external, credential and ssh helpers are not used by them); the others are
-# pinned too, so that a later git, or a later command here, stays safe. Command-line `-c`
+# textconv, diff.external, credential and ssh helpers are not used by them), `log` also
+# gpg's programs (log.showSignature), `diff` diff.external; the others are pinned too, so that a later git, or a later command here, stays safe. Command-line `-c`
 # outranks every config file (includes and worktree config too).
 _GIT_SAFE = ("--no-pager", "--no-optional-locks", "-c", "core.fsmonitor=false",
              "-c", "core.hooksPath=/dev/null", "-c", "core.pager=cat",
              "-c", "core.untrackedCache=false", "-c", "diff.external=",
              "-c", "credential.helper=", "-c", "core.sshCommand=false",
-             "-c", "protocol.allow=never")
+             "-c", "protocol.allow=never", "-c", "log.showSignature=false",
+             "-c", "gpg.program=false", "-c", "gpg.ssh.program=false",
+             "-c", "gpg.x509.program=false")
 # The user's environment may point git at another repository or index; starqa means the
 # folder's own. GIT_PAGER etc. are neutralised; system and global config stay (they are the
 # user's own, and carry the core.excludesFile that --exclude-standard honours).
@@ -124,6 +130,34 @@ def _use_git(folder: Path) -> bool:
         return False
     ignored = _run_git(folder, "check-ignore", "-q", ".")
     return ignored is None or ignored.returncode != 0
+
+
+GIT_HISTORY = 2000  # commits read for the files' last change times
+
+
+def _git_times(folder: Path) -> dict[str, int]:
+    """{path under `folder`: when the last commit that touched it was made} for the files
+    tracked and left as committed (0 for one older than the last GIT_HISTORY commits);
+    files changed since, or untracked, are left out (their mtime says when). {} when git
+    cannot tell (no commit yet)."""
+    tracked = _run_git(folder, "ls-files", "-z")
+    dirty = _run_git(folder, "diff", "--name-only", "-z", "--no-ext-diff", "--no-textconv",
+                     "--no-renames", "--relative", "HEAD", "--", ".")
+    log = _run_git(folder, "log", f"-n{GIT_HISTORY}", "--format=%x01%ct", "--name-only", "-z",
+                   "--no-renames", "--no-show-signature", "--relative", "--", ".")
+    if any(out is None or out.returncode != 0 for out in (tracked, dirty, log)):
+        return {}
+    times: dict[str, int] = {}
+    when = 0
+    for item in log.stdout.split(b"\0"):  # "\x01<time>", "\n<path>", "<path>", ...
+        item = item.lstrip(b"\n")
+        if item.startswith(b"\x01"):
+            when = int(item[1:])
+        elif item:
+            times.setdefault(os.fsdecode(item), when)  # newest first: the first is the last
+    changed = {os.fsdecode(p) for p in dirty.stdout.split(b"\0") if p}
+    return {rel: times.get(rel, 0) for rel in (os.fsdecode(p) for p in tracked.stdout.split(b"\0")
+                                               if p) if rel not in changed}
 
 
 def _git_ls(folder: Path, *args: str) -> list[str]:
@@ -267,7 +301,8 @@ def _human(n: int) -> str:
 def _read(path: Path, display: str, max_bytes: int) -> SourceFile | str:
     """The file's text, or the reason it cannot be used. Oversized files are never read."""
     try:
-        size = path.stat().st_size
+        stat = path.stat()
+        size = stat.st_size
         if size > max_bytes:
             return f"too large ({_human(size)} > {_human(max_bytes)} cap)"
         data = path.read_bytes()
@@ -280,7 +315,7 @@ def _read(path: Path, display: str, max_bytes: int) -> SourceFile | str:
     except UnicodeDecodeError:
         return "not UTF-8"
     text = text.removeprefix("\ufeff").replace("\r\n", "\n")
-    return SourceFile(display, text, len(data)) if text.strip() else "empty"
+    return SourceFile(display, text, len(data), int(stat.st_mtime)) if text.strip() else "empty"
 
 
 def _labels(paths: list[Path]) -> list[str]:
@@ -359,6 +394,8 @@ def collect(paths: Sequence[str | Path], *, max_file_bytes: int = 1_000_000,
     files: dict[str, SourceFile] = {}  # real path -> file
     skipped: list[Skipped] = []
     for root, label in zip(roots, labels):
+        committed = _git_times(root) if root.is_dir() and _use_git(root) else {}
+        prefix = f"{label}/" if label else ""
         for item in _candidates(root, label, inc, exc):
             if isinstance(item, Skipped):
                 skipped.append(item)
@@ -371,7 +408,8 @@ def collect(paths: Sequence[str | Path], *, max_file_bytes: int = 1_000_000,
             if isinstance(got, str):
                 skipped.append(Skipped(display, got))
             else:
-                files[real] = got
+                when = committed.get(display.removeprefix(prefix))
+                files[real] = got if when is None else replace(got, changed=when)
     if not files:
         hint = _skip_summary(skipped) if skipped else "no files found"
         where = ", ".join(str(p) for p in paths)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from starqa import blockstore, indexes, methods, paths, prompt, reuse, shards, store
+from starqa import blockstore, indexes, methods, packorder, paths, prompt, reuse, shards, store
 from starqa import corpus as corpus_mod
 from starqa.errors import StarqaError
 from starqa.incremental import adopt as adopt_blocks
@@ -98,6 +98,14 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         window = models.context_window(_config(model_path))
         model = ModelIdentity.of(model_path, opts.model or models.DEFAULT_MODEL, window,
                                  models.fingerprint(model_path))
+    dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
+                ).removeprefix("torch.")
+    root = paths.contexts_dir()
+    # The files' order: the last context of these sources sets it (whatever its method or
+    # model); across machines every launcher must pack alike, and mtimes differ between copies.
+    corpus = replace(corpus, files=tuple(sorted(corpus.files, key=lambda f: f.path))
+                     if opts.nnodes > 1 else packorder.order(corpus.files, _previous(
+                         root, opts.paths)))
     with ui.status("Tokenising"):
         packed, spans = corpus_mod.pack(corpus.files)
         tokens = prompt.tokenize_context(tokenizer, packed, spans)
@@ -112,9 +120,6 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         raise StarqaError(f"--reserve must be 0 or more tokens (got {opts.reserve}).")
     if n + opts.reserve > window and not opts.beyond_window:
         raise _no_room(n, opts.reserve, window)
-    dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
-                ).removeprefix("torch.")
-    root = paths.contexts_dir()
     method = method_config(opts.method, n, _block_size(opts, root, model, dtype, n),
                            opts.anchor_size, opts.method_params)
     if method.params.get("question"):  # apb: the question joins every block's anchor
@@ -412,14 +417,15 @@ def _block_size(opts: IngestOptions, root: Path, model: ModelIdentity, dtype: st
     return None if previous is None else reuse.kept_block_size(previous.method.block_size, n)
 
 
-def _previous(root: Path, paths_: tuple[str, ...], method: str, model_digest: str,
-              dtype: str) -> Manifest | None:
-    """The most recently used context of the same sources, method, model and dtype: what a
-    re-ingest reports its changes against."""
+def _previous(root: Path, paths_: tuple[str, ...], method: str | None = None,
+              model_digest: str | None = None, dtype: str | None = None) -> Manifest | None:
+    """The most recently used context of the same sources, and of the same method, model
+    and dtype where given: what a re-ingest reports its changes against (all three), and
+    lays its files out like (none)."""
     sources = tuple(str(Path(p).resolve()) for p in paths_)
     for manifest in store.list_contexts(root):
-        if (manifest.sources == sources and manifest.method.name == method
-                and manifest.model.digest == model_digest and manifest.dtype == dtype):
+        if manifest.sources == sources and method in (None, manifest.method.name) and \
+                model_digest in (None, manifest.model.digest) and dtype in (None, manifest.dtype):
             return manifest
     return None
 

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def docs(tmp_path) -> Path:
         "the travel budget was approved by the office . " * 6)
     (folder / "policy" / "leave.md").write_text("leave policy is a long document . " * 5)
     (folder / "code.py").write_text("retry limit default is seven \n" * 6)
+    for path in folder.rglob("*.*"):  # one mtime: packed in path order (starqa.packorder)
+        os.utime(path, (1_700_000_000, 1_700_000_000))
     return folder
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from starqa import corpus as corpus_mod
 from starqa.corpus import FileSpan, SourceFile, collect, content_hash, line_of, pack
 from starqa.errors import StarqaError
 
@@ -286,3 +287,41 @@ def test_starqaignore_at_the_top_of_a_folder(tmp_path: Path) -> None:
     corpus = collect([tmp_path / "docs"])
     assert [f.path for f in corpus.files] == ["a.md"]
     assert ("questions.jsonl", "ignored by .starqaignore") in {(s.path, s.reason) for s in corpus.skipped}
+
+
+@needs_git
+def test_files_know_when_they_last_changed(tmp_path, monkeypatch):
+    """In a git work tree a file left as committed changed at its last commit (0 when that
+    is older than the history read); an edited or untracked file at its mtime. Outside git,
+    at its mtime."""
+    def commit(when, *names):
+        for name in names:
+            (repo / name).write_text(f"{name} at {when}")
+        git(repo, "add", *names)
+        subprocess.run(["git", "-c", "user.email=t@example.com", "-c", "user.name=t", "-c",
+                        "commit.gpgsign=false", "commit", "-q", "-m", str(when)], cwd=repo,
+                       check=True, capture_output=True,
+                       env={**os.environ, "GIT_AUTHOR_DATE": f"@{when} +0000",
+                            "GIT_COMMITTER_DATE": f"@{when} +0000"})
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    commit(1_600_000_000, "old.txt", "a.txt", "b.txt")
+    commit(1_650_000_000, "a.txt")
+    commit(1_700_000_000, "b.txt")
+    (repo / "b.txt").write_text("edited, not committed")
+    (repo / "new.txt").write_text("untracked")
+    os.utime(repo / "b.txt", (1_800_000_000, 1_800_000_000))
+    os.utime(repo / "new.txt", (1_800_000_100, 1_800_000_100))
+    when = {f.path: f.changed for f in collect([repo]).files}
+    assert when == {"old.txt": 1_600_000_000, "a.txt": 1_650_000_000,
+                    "b.txt": 1_800_000_000, "new.txt": 1_800_000_100}
+    monkeypatch.setattr(corpus_mod, "GIT_HISTORY", 2)  # old.txt's commit is not read
+    assert {f.path: f.changed for f in collect([repo]).files}["old.txt"] == 0
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "x.txt").write_text("x")
+    os.utime(plain / "x.txt", (1_234_567_890, 1_234_567_890))
+    assert [f.changed for f in collect([plain]).files] == [1_234_567_890]

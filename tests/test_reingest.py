@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from starqa import blockstore, engine, methods, paths, shards, store
+from starqa import blockstore, engine, methods, packorder, paths, shards, store
+from starqa.corpus import SourceFile
 from starqa.cli import app
 from starqa.manifest import read_manifest
 from starqa.methods import method_config, plan_blocks, plan_file_blocks
@@ -36,6 +37,7 @@ def repo(tmp_path):
     for i in range(9):
         n = 10 + (i * 7) % 45
         (folder / f"f{i}.md").write_text(" ".join(words[(i + j) % len(words)] for j in range(n)))
+        os.utime(folder / f"f{i}.md", (1_700_000_000, 1_700_000_000))  # ties: path order
     return folder
 
 
@@ -175,6 +177,48 @@ def test_an_edit_in_the_anchor_reencodes_every_block_and_says_why(home, repo, ti
     r = _ingest(repo, tiny_model).reuse
     assert r.reused == r.rotated == 0 and r.encoded == r.blocks
     assert "f0.md is in the anchor" in r.why
+
+
+def test_files_go_oldest_first_and_keep_their_place_until_the_head_changes(home, repo,
+                                                                           tiny_model):
+    """A first ingest packs the least recently changed files first; a re-ingest keeps the
+    previous order (an edited file stays where it was, a new one goes last); an edit in the
+    first block, which re-encodes everything anyway, lays the files out afresh."""
+    def touch(name, when):
+        os.utime(repo / name, (when, when))
+
+    for i in range(9):  # f8 changed longest ago, f0 last
+        touch(f"f{i}.md", 1_700_000_000 - 1000 * i)
+    first = _ingest(repo, tiny_model, reserve=0).manifest
+    assert [f.path for f in first.files] == [f"f{i}.md" for i in range(8, -1, -1)]
+
+    _append(repo / "f5.md")  # in the middle, now the newest
+    (repo / "new.md").write_text("seven")
+    touch("f5.md", 1_800_000_000)
+    touch("new.md", 1_800_000_100)
+    result = _ingest(repo, tiny_model, reserve=0)
+    assert [f.path for f in result.manifest.files] == [f.path for f in first.files] + ["new.md"]
+    assert 0 < result.reuse.encoded < result.reuse.blocks
+
+    _append(repo / "f8.md")  # the first file: in block 0, the anchor
+    touch("f8.md", 1_800_000_200)
+    result = _ingest(repo, tiny_model, reserve=0)
+    assert result.reuse.encoded == result.reuse.blocks
+    assert "f8.md is in the anchor" in result.reuse.why
+    assert [f.path for f in result.manifest.files] == [
+        *(f"f{i}.md" for i in (7, 6, 4, 3, 2, 1, 0)), "f5.md", "new.md", "f8.md"]
+
+    _append(repo / "f8.md")  # now last: its next edit re-encodes only the end
+    result = _ingest(repo, tiny_model, reserve=0)
+    assert [f.path for f in result.manifest.files][-1] == "f8.md"
+    assert result.reuse.encoded == 1 and result.reuse.reused > 0
+
+
+def test_pack_order_by_age_and_keeping():
+    files = [SourceFile(p, p, 1, when) for p, when in
+             (("b", 5), ("a", 5), ("c", 1), ("d", 9))]
+    assert [f.path for f in packorder.by_age(files)] == ["c", "a", "b", "d"]
+    assert [f.path for f in packorder.keeping(files, ["d", "gone", "a"])] == ["d", "a", "c", "b"]
 
 
 def test_unchanged_sources_are_a_cache_hit_and_force_encodes_all(home, repo, tiny_model):
