@@ -38,7 +38,8 @@ class AskOptions:
     device: str = "auto"
     warm: bool = True  # use a running `starqa serve` group for the context when there is one
     weights: str | None = None  # Phase 2 weight format (models.WEIGHT_FORMATS); None: default
-    keepalive: float = 0.0  # a cold ask leaves a warm group this long; 0: none (CLI: 300 s)
+    keepalive: float = 0.0  # a cold ask leaves a warm group this long; 0: none; < 0: one
+    # that never exits on its own (CLI: 300 s)
     topk: TopK | None = None  # top-k attention (starqa.indexes.topk_settings); None: exact
 
 
@@ -105,7 +106,7 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         answer = _answer(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
                          stops, launch_of(opts, workers), ui, started, weights=weights,
                          topk=opts.topk)
-    if opts.keepalive > 0 and opts.warm and opts.nnodes == 1:
+    if opts.keepalive != 0 and opts.warm and opts.nnodes == 1:
         from starqa import client
 
         # The next question finds this context warm: a group starts in the background

@@ -413,8 +413,9 @@ def cache(
 
 KeepAlive = Annotated[float, typer.Option(
     "--keep-alive", envvar="STARQA_KEEP_ALIVE",
-    help="Seconds without a question before warm workers exit. ask: 0 leaves no warm group; "
-         "chat: 0 stops it when the chat ends; serve: 0 or less, never.")]
+    help="Seconds without a question before warm workers exit; a negative value: never "
+         "(until `starqa stop`). ask: 0 leaves no warm group; chat: 0 stops it when the chat "
+         "ends; serve: 0, never.")]
 Weights = Annotated[Optional[str], typer.Option(
     "--weights", envvar="STARQA_WEIGHTS",
     help="Phase 2 weights: dense (the cache's dtype), int8 or int4 (weight-only, CPU) "

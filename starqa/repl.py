@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 
 from starqa import client, paths, store
 from starqa.errors import StarqaError
@@ -72,6 +73,28 @@ class Chat:
             f"{'s' * (group['workers'] > 1)} · /help for commands")
 
     def run(self) -> None:
+        """Answer what is typed until /exit or Ctrl-D; from a pipe or a file (`echo q |
+        starqa chat`), every non-empty line is one question or command."""
+        for text in self._prompts() if sys.stdin.isatty() else (line.strip() for line in sys.stdin):
+            if not text:
+                continue
+            try:
+                if text.startswith("/"):
+                    if not self.command(text):
+                        break
+                else:
+                    self.ask(text)
+            except StarqaError as error:
+                from starqa.ui import print_error
+
+                print_error(error)
+        if self.conn is not None:
+            if self.owns_group:
+                self.conn.stop()
+            self.conn.close()
+
+    def _prompts(self):
+        """What is typed at the prompt (Enter sends, Alt-Enter adds a line), until Ctrl-D."""
         from prompt_toolkit import PromptSession
         from prompt_toolkit.history import FileHistory
         from prompt_toolkit.key_binding import KeyBindings
@@ -90,27 +113,11 @@ class Chat:
                                 key_bindings=keys, multiline=True)
         while True:
             try:
-                text = session.prompt("› ").strip()
+                yield session.prompt("› ").strip()
             except KeyboardInterrupt:
                 continue
             except EOFError:
-                break
-            if not text:
-                continue
-            try:
-                if text.startswith("/"):
-                    if not self.command(text):
-                        break
-                else:
-                    self.ask(text)
-            except StarqaError as error:
-                from starqa.ui import print_error
-
-                print_error(error)
-        if self.conn is not None:
-            if self.owns_group:
-                self.conn.stop()
-            self.conn.close()
+                return
 
     def command(self, text: str) -> bool:
         """Run a slash command; False ends the session."""

@@ -101,3 +101,19 @@ def test_chat_with_keep_alive_zero_leaves_no_group(warm_home):
     child.expect(pexpect.EOF)
     child.close()
     assert json.loads(starqa("ps", "--json").stdout) == []
+
+
+def test_chat_from_a_pipe_answers_every_line(home, docs, tiny_model):
+    """`starqa chat < questions.txt`: every non-empty line is a question (or a command),
+    answered in turn; the end of the input ends the chat and, with --keep-alive 0, its group."""
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model),
+                                       dtype="fp32", block_size=60))
+    out = subprocess.run([sys.executable, "-m", "starqa", "chat", "--keep-alive", "0",
+                          "--max-new-tokens", "4"],
+                         input="who approved the travel budget\n\n/help\nwhat is the retry limit\n",
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.strip().splitlines()) == 2  # two answers (on stdout, the rest not)
+    assert out.stderr.count("first token") == 2
+    assert "/context NAME" in out.stdout + out.stderr  # and the command run between them
+    assert json.loads(starqa("ps", "--json").stdout) == []

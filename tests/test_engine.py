@@ -317,20 +317,21 @@ def test_one_worker_in_process_equals_torchrun_and_transformers(home, docs, tiny
             assert abs(a["share"] - b["share"]) < 1e-3
 
 
-def test_a_cold_ask_leaves_a_warm_group(home, docs, tiny_model):
+@pytest.mark.parametrize("keepalive", [60, -1])  # -1: a group that never exits on its own
+def test_a_cold_ask_leaves_a_warm_group(home, docs, tiny_model, keepalive):
     """Warm by default: the first ask starts a group in the background (keep-alive), the
     next ask is answered by it with the same tokens, and `stop` ends it."""
     from starqa import client
 
     ingest(docs, tiny_model, method="star", block_size=50)
-    cold = ask(keepalive=60)
+    cold = ask(keepalive=keepalive)
     assert not cold.warm
     deadline = time.monotonic() + 120
     while (group := client.find(cold.context.key)) is None:
         assert time.monotonic() < deadline, "no warm group appeared"
         time.sleep(0.2)
     try:
-        assert group["keepalive"] == 60 and group["workers"] == 1
+        assert group["keepalive"] == keepalive and group["workers"] == 1
         warm = ask()
         assert warm.warm and warm.token_ids == cold.token_ids
         # A second group for the same context refuses to start (one group per context).
