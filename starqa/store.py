@@ -4,9 +4,10 @@ Layout under `$STARQA_HOME/contexts/`:
 
     <key>/                          a context: manifest.json (starqa.manifest) and its
                                     shards (starqa.shards)
-    .staging-<key>-[n<node>-]<pid>/ a context being written (never read); n<node>: a
-                                    machine of a multi-machine ingest
-    .old-<key>-<pid>/, .trash-<key>-<pid>/   a context being replaced or removed
+    .staging-<key>-[n<node>-]<host>.<pid>/  a context being written (never read); n<node>:
+                                    a machine of a multi-machine ingest; <host>: a hash of
+                                    the writer's host name (a cache may be shared)
+    .old-<key>-<host>.<pid>/, .trash-<key>-<host>.<pid>/   a context being replaced or removed
     .<key>.lock                     flock held while the context is checked, built, committed
     .blocks/                        content-addressed block files, hard-linked into the
                                     contexts that use them (starqa.blockstore)
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -38,11 +41,20 @@ def rename_context(manifest: Manifest, name: str) -> Manifest:
     return write_manifest(manifest.folder, replace(manifest, name=name))
 
 
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # in leftovers' names
+FOREIGN_STALE_S = 24 * 3600  # another machine's leftover, unchanged this long, is stale
+
+
+def owner() -> str:
+    """This process, as the suffix of a folder it may leave behind: <host>.<pid>."""
+    return f"{HOST}.{os.getpid()}"
+
+
 def staging_dir(root: Path, key: str, node: int | None = None) -> Path:
     """A fresh folder for this process's ingest; `node`: a machine of a multi-machine ingest,
     named apart so that machines sharing one cache never write into each other's."""
     tag = "" if node is None else f"n{node}-"
-    path = root / f".staging-{key}-{tag}{os.getpid()}"
+    path = root / f".staging-{key}-{tag}{owner()}"
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
@@ -86,7 +98,7 @@ def commit(staging: Path, final: Path, manifest: Manifest, *, replace_existing: 
             return
         old = None
         if final.exists():
-            old = final.with_name(f".old-{final.name}-{os.getpid()}")
+            old = final.with_name(f".old-{final.name}-{owner()}")
             os.replace(final, old)
         os.replace(staging, final)
     if old is not None:
@@ -252,7 +264,7 @@ def remove_context(context: Manifest | Damaged) -> int:
     folder = context.path if isinstance(context, Damaged) else context.folder
     blocks = blockstore.store_dir(folder.parent)
     size = blockstore.unshared_bytes(folder, blocks)
-    trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
+    trash = folder.with_name(f".trash-{folder.name}-{owner()}")
     try:
         os.replace(folder, trash)
     except FileNotFoundError:
@@ -287,8 +299,8 @@ class Leftover:
 
     path: Path
     bytes: int
-    pid: int | None  # None: a multi-machine `-shared` staging folder or a damaged context
-    running: bool  # its process is alive on this machine; never cleaned
+    pid: int | None  # None: another machine's, one whose owner is unknown, or damaged
+    running: bool  # in use (its process alive here; another machine's, changed lately): kept
     state: str  # why it is here, for people
 
 
@@ -325,19 +337,42 @@ def find_leftovers(root: Path) -> list[Leftover]:
 
 
 def _leftover(path: Path) -> Leftover:
-    suffix = path.name.rsplit("-", 1)[-1]
-    if not suffix.isdigit():
-        return Leftover(path, dir_size(path), None, False, "multi-machine staging; owner unknown")
-    pid = int(suffix)
-    if process_alive(pid):
-        return Leftover(path, dir_size(path), pid, True, f"in use by running process {pid}")
-    return Leftover(path, dir_size(path), pid, False, f"stale (process {pid} is gone)")
+    """A leftover folder and whether it may go: one of this machine's goes when the process
+    that made it is gone; another machine's (a shared cache), or one whose owner its name
+    does not say, once nothing in it has changed for FOREIGN_STALE_S."""
+    size = dir_size(path)
+    host, _, pid_text = path.name.rsplit("-", 1)[-1].rpartition(".")
+    if pid_text.isdigit() and host in ("", HOST):  # "": named before hosts were
+        pid = int(pid_text)
+        if process_alive(pid):
+            return Leftover(path, size, pid, True, f"in use by running process {pid}")
+        return Leftover(path, size, pid, False, f"stale (process {pid} is gone)")
+    idle = time.time() - _newest_mtime(path)
+    where = "another machine's" if pid_text.isdigit() else "owner unknown"
+    if idle < FOREIGN_STALE_S:
+        return Leftover(path, size, None, True, f"{where}; changed {_ago(idle)} ago, kept until "
+                        f"unchanged for {FOREIGN_STALE_S // 3600} h")
+    return Leftover(path, size, None, False, f"stale ({where}; unchanged for {_ago(idle)})")
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = path.stat().st_mtime
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+    return newest
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(seconds, 0)
+    if seconds < 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def clean_leftovers(leftovers: Iterable[Leftover], root: Path | None = None) -> int:
-    """Delete every leftover whose process is not running; returns the bytes freed.
-    Multi-machine `-shared` staging folders are deleted too (their owner cannot be checked),
-    and so are damaged contexts (this starqa could never use them). Then (`root`: the
+    """Delete every leftover not in use (`Leftover.running`); returns the bytes freed.
+    Damaged contexts go too (this starqa could never use them). Then (`root`: the
     contexts root) the block store drops every file no context links any more: never one
     a context (or a running ingest's staging folder) still links."""
     freed = 0

@@ -218,23 +218,34 @@ def test_cache_clean_removes_stale_leftovers_only(contexts, home):
     root = home / "contexts"
     stale = root / f".staging-abcd-{dead_pid()}"
     live = root / f".staging-ef01-{os.getpid()}"
-    trash = root / f".trash-abcd-{dead_pid()}"
+    trash = root / f".trash-abcd-{store.HOST}.{dead_pid()}"
     shared = root / ".staging-1234-shared"
-    for folder in (stale, live, trash, shared):
+    # A cache shared by several machines: another machine's pids mean nothing here, so its
+    # folders go only once unchanged for a day (this pid is alive here, and no matter).
+    other = root / f".staging-5678-n1-{'0' * 8}.{os.getpid()}"
+    other_old = root / f".old-9abc-{'0' * 8}.{os.getpid()}"
+    for folder in (stale, live, trash, shared, other, other_old):
         folder.mkdir()
         (folder / "block_00000.safetensors").write_bytes(b"\0" * 300)
+    day_ago = time.time() - store.FOREIGN_STALE_S - 60
+    for path in (other_old, other_old / "block_00000.safetensors", shared,
+                 shared / "block_00000.safetensors"):
+        os.utime(path, (day_ago, day_ago))
 
     data = json.loads(invoke("cache", "--json").output)
     assert {Path(x["path"]).name: x["running"] for x in data["leftovers"]} == \
-        {stale.name: False, live.name: True, trash.name: False, shared.name: False}
+        {stale.name: False, live.name: True, trash.name: False, shared.name: False,
+         other.name: True, other_old.name: False}
     assert data["n_contexts"] == 3  # leftovers are not contexts
     out = invoke("cache").output
-    assert "4 folders, 3 removable with --clean" in out and "in use by running process" in out
+    assert "6 folders, 4 removable with --clean" in out and "in use by running process" in out
+    assert "another machine's; changed 0 min ago" in out
     assert stale.exists()  # reporting deletes nothing
 
     out = invoke("cache", "--clean").output
-    assert "freed 900 B" in out
-    assert live.exists() and not stale.exists() and not trash.exists() and not shared.exists()
+    assert "freed 1.2 KB" in out
+    assert live.exists() and other.exists()
+    assert not any(p.exists() for p in (stale, trash, shared, other_old))
     assert all(folder.exists() for folder in contexts.values())
 
 
