@@ -49,6 +49,9 @@ class Chat:
                               "attention; one group serves a context at a time.",
                               hint=f"stop it first (starqa stop {manifest.key}), or chat "
                                    "with the attention it has")
+        if self.conn is not None and self.owns_group and (
+                group is None or group.get("key") != self.group.get("key")):
+            self.conn.stop()  # the group this chat started for its own length only: left
         self.owns_group = group is None and self.keepalive == 0
         if group is None:
             if self.topk is not None:

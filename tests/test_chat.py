@@ -117,3 +117,36 @@ def test_chat_from_a_pipe_answers_every_line(home, docs, tiny_model):
     assert out.stderr.count("first token") == 2
     assert "/context NAME" in out.stdout + out.stderr  # and the command run between them
     assert json.loads(starqa("ps", "--json").stdout) == []
+
+
+def test_chat_switches_to_a_reingested_version_between_questions(home, docs, tiny_model):
+    """A context re-ingested while a chat is open: before its next question the chat says
+    so and answers from the new version (its group), the conversation kept."""
+    def ingest():
+        return engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model),
+                                                  dtype="fp32", block_size=60)).manifest
+
+    old = ingest()
+    chat = subprocess.Popen([sys.executable, "-m", "starqa", "chat", "--keep-alive", "0",
+                             "--max-new-tokens", "4"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        chat.stdin.write("who approved the travel budget\n")
+        chat.stdin.flush()
+        seen = []
+        while not any("first token" in line for line in seen):  # the first answer is done
+            line = chat.stderr.readline()
+            assert line, "chat ended early: " + "".join(seen)
+            seen.append(line)
+        (docs / "code.py").write_text((docs / "code.py").read_text() + "retry limit is nine\n")
+        new = ingest()
+        assert new.key != old.key and new.name == old.name
+        out, err = chat.communicate("what is the retry limit\n/stats\n", timeout=300)
+    finally:
+        if chat.poll() is None:
+            chat.kill()
+    assert chat.returncode == 0, err
+    assert f"{old.name} was re-ingested; answering from the new version ({new.key[:8]})" in \
+        " ".join(err.split())
+    assert "conversation: 2 turns" in err  # the turn before the switch was kept
+    assert not any(g["key"] == old.key for g in json.loads(starqa("ps", "--json").stdout))
