@@ -287,6 +287,19 @@ def _wait_for(files: list[Path], procs: list[subprocess.Popen], seconds: float =
         time.sleep(0.2)
 
 
+def _freeze_and_expect_lost(pids: list[int], survivor: subprocess.Popen, lost: str,
+                            address: str) -> None:
+    """SIGSTOP `pids` (a machine's processes: no connection closes); `survivor` must exit
+    within seconds with an error naming the lost node and its address."""
+    _signal_all(pids, signal.SIGSTOP)
+    stopped = time.monotonic()
+    _, err = survivor.communicate(timeout=30)
+    took = time.monotonic() - stopped
+    assert survivor.returncode != 0, err
+    assert lost in err and address in err, err
+    assert took < 10, (took, err)
+
+
 def test_a_frozen_machine_is_named_within_seconds(machines, docs, tiny_model, tmp_path):
     """SIGSTOP freezes b's worker mid-ingest and closes no connection: gloo alone would wait
     for its timeout (30 min). The heartbeat watchdog makes a exit within seconds, naming b."""
@@ -302,13 +315,7 @@ def test_a_frozen_machine_is_named_within_seconds(machines, docs, tiny_model, tm
         _wait_for([Path(f"{mark}.0"), Path(f"{mark}.1")], procs)  # both past joining, waiting
         frozen = _workers_in(b)
         assert frozen
-        _signal_all(frozen, signal.SIGSTOP)
-        stopped = time.monotonic()
-        _, err_a = procs[0].communicate(timeout=30)
-        took = time.monotonic() - stopped
-        assert procs[0].returncode != 0, err_a
-        assert "Lost node 1" in err_a and "10.77.0.2" in err_a, err_a
-        assert took < 10, (took, err_a)
+        _freeze_and_expect_lost(frozen, procs[0], "Lost node 1", b.address)
         assert not [p for p in (a.home / "contexts").iterdir() if p.name.startswith(".staging")]
     finally:
         _signal_all(frozen, signal.SIGKILL)
@@ -419,13 +426,7 @@ def test_a_warm_group_across_two_machines(machines, docs, tiny_model):
         _serving(machines, key, procs)
         frozen = [int(p) for p in subprocess.run(["ip", "netns", "pids", a.ns],
                                                  capture_output=True, text=True).stdout.split()]
-        _signal_all(frozen, signal.SIGSTOP)
-        stopped = time.monotonic()
-        _, err_b = procs[1].communicate(timeout=30)
-        took = time.monotonic() - stopped
-        assert procs[1].returncode != 0, err_b
-        assert "Lost node 0" in err_b and "10.77.0.1" in err_b, err_b
-        assert took < 10, (took, err_b)
+        _freeze_and_expect_lost(frozen, procs[1], "Lost node 0", a.address)
         assert json.loads(_in(b, "ps", "--json").stdout) == []
     finally:
         _signal_all(frozen, signal.SIGKILL)
