@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -44,10 +45,18 @@ def sources_from_random_models(request, monkeypatch):
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
+def home(tmp_path, monkeypatch):
+    """A fresh $STARQA_HOME; any warm group a test leaves in it (a failed one too) is
+    stopped afterwards, never left running."""
     monkeypatch.setenv("STARQA_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("STARQA_MODEL", raising=False)
-    return tmp_path / "home"
+    yield tmp_path / "home"
+    from starqa import client
+
+    for group in client.running():
+        if group.get("socket"):
+            with contextlib.suppress(Exception):
+                client.stop_group(group["key"])
 
 
 @pytest.fixture(scope="session")

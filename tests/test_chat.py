@@ -145,6 +145,7 @@ def test_chat_switches_to_a_reingested_version_between_questions(home, docs, tin
     finally:
         if chat.poll() is None:
             chat.kill()
+            starqa("stop", "--all")
     assert chat.returncode == 0, err
     assert f"{old.name} was re-ingested; answering from the new version ({new.key[:8]})" in \
         " ".join(err.split())
