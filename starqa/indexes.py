@@ -371,20 +371,83 @@ def read_index(path: Path, mapped: bool):
     return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if mapped else 0)
 
 
-def search(index, rows, k: int):
+def merge_ivf(parts: Sequence, keys, dtype: str):
+    """One IVF index over several IVF indexes `parts` (a worker's blocks, for every KV head
+    of one layer) and keys [N, D] numpy float32: the keys of parts[0] (its ids 0, 1, ...),
+    then those of parts[1], and so on, so key i gets id i.
+
+    Its lists are the parts' lists one after the other (part j's list l is list
+    l + the lists of parts before j), its coarse quantizer holds their centroids, and
+    every key stays in the list its part put it in. The keys are stored in the cache's
+    dtype (`dtype`: "bfloat16" and "float16" as faiss scalar-quantizer codes of that type,
+    else fp32): the cache's keys exactly, so a scan's scores are exact fp32 inner
+    products, as `topk.select_exact` recomputes them. In memory: 2 bytes a key and
+    dimension (4 in fp32) + an int64 id, and the centroids in fp32. Searched with
+    `scan_lists` (the caller picks the lists: a KV head's rows probe its own parts')."""
+    import faiss
+    import numpy as np
+
+    dim = keys.shape[1]
+    centroids, lists, offset = [], [], 0
+    for index in parts:
+        index = faiss.extract_index_ivf(index)
+        centroids.append(index.quantizer.reconstruct_n(0, index.nlist))
+        index.make_direct_map()  # id -> (list << 32 | offset in list), read from the file
+        lists.append((faiss.vector_to_array(index.direct_map.array) >> 32) + offset)
+        offset += index.nlist
+    quantizer = faiss.IndexFlatIP(dim)
+    quantizer.add(np.concatenate(centroids))
+    codes = {"bfloat16": faiss.ScalarQuantizer.QT_bf16,
+             "float16": faiss.ScalarQuantizer.QT_fp16}.get(dtype)
+    if codes is not None:
+        merged = faiss.IndexIVFScalarQuantizer(quantizer, dim, offset, codes,
+                                               faiss.METRIC_INNER_PRODUCT)
+    else:
+        merged = faiss.IndexIVFFlat(quantizer, dim, offset, faiss.METRIC_INNER_PRODUCT)
+    merged.is_trained = True  # the centroids are the parts'; bf16/fp16 codes need none
+    merged.own_fields = True
+    quantizer.this.disown()  # the merged index frees it
+    assign = np.ascontiguousarray(np.concatenate(lists))
+    ids = np.arange(keys.shape[0], dtype=np.int64)
+    keys = np.ascontiguousarray(keys, dtype=np.float32)
+    merged.add_core(keys.shape[0], faiss.swig_ptr(keys), faiss.swig_ptr(ids),
+                    faiss.swig_ptr(assign))
+    return merged
+
+
+def ivf_probes(n_keys: int, n_lists: int, k: int) -> int:
+    """Lists an IVF search of k keys probes among n_lists holding n_keys: enough to see
+    about IVF_SCAN * k keys (every list when k is most of the keys)."""
+    return min(n_lists, max(1, math.ceil(IVF_SCAN * k * n_lists / max(n_keys, 1))))
+
+
+def scan_lists(index, rows, lists, list_scores):
+    """Every key of the given lists of an IVF `index`, with its inner product, for each
+    row: rows [R, D] numpy float32, lists and list_scores [R, P] (int64, float32: the
+    lists each row scans, e.g. its P nearest centroids, and their centroid scores). One
+    faiss call, no ranking (a range search with no threshold: what `topk.best_of_ragged`
+    then ranks). Returns (lims [R + 1] int64, scores [lims[R]] float32, ids [lims[R]]
+    int64): row i's keys are lims[i]:lims[i + 1]."""
+    import numpy as np
+
+    index.nprobe = lists.shape[1]
+    lims, scores, ids = index.range_search_preassigned(rows, -np.inf, lists, list_scores)
+    return lims.astype(np.int64), scores, ids
+
+
+def search(index, rows, k: int, scores=None, ids=None):
     """The k best keys (inner product) of `index` for rows [R, D] (numpy float32): returns
-    (scores [R, k] float32, ids [R, k] int64; -1 past the keys found). IVF scans the
-    nearest lists until about IVF_SCAN * k keys are seen (all of them when k is most of
-    the keys); HNSW searches with a candidate list of max(3k/2, 64)."""
+    (scores [R, k] float32, ids [R, k] int64; -1 past the keys found), written into
+    `scores` and `ids` when given (preallocated, C-contiguous). IVF scans the nearest lists
+    until about IVF_SCAN * k keys are seen (all of them when k is most of the keys); HNSW
+    searches with a candidate list of max(3k/2, 64)."""
     import faiss
 
-    n = index.ntotal
     if isinstance(index, faiss.IndexIVF):
-        per_list = n / index.nlist
-        nprobe = min(index.nlist, max(1, math.ceil(IVF_SCAN * k / per_list)))
-        return index.search(rows, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
-    ef = max(k * 3 // 2, 64)
-    return index.search(rows, k, params=faiss.SearchParametersHNSW(efSearch=ef))
+        params = faiss.SearchParametersIVF(nprobe=ivf_probes(index.ntotal, index.nlist, k))
+    else:
+        params = faiss.SearchParametersHNSW(efSearch=max(k * 3 // 2, 64))
+    return index.search(rows, k, params=params, D=scores, I=ids)
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,6 +461,25 @@ def _header(path: Path) -> tuple[int, dict]:
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         return 8 + size, json.loads(fh.read(size))
+
+
+def read_block_layer(path: Path, name: str, layer: int):
+    """One layer [Hkv, T, D] of tensor `name` ("k" or "v", [L, Hkv, T, D]) of a block file,
+    read with one positioned read (no memory map: only this layer is ever in memory)."""
+    import torch
+
+    start, header = _header(path)
+    entry = header[name]
+    dtype = getattr(torch, _DTYPES[entry["dtype"]])
+    shape = entry["shape"][1:]
+    out = torch.empty(shape, dtype=dtype)
+    size = out.numel() * out.element_size()
+    with open(path, "rb", buffering=0) as fh:
+        got = os.preadv(fh.fileno(), [out.view(torch.uint8).reshape(-1).numpy()],
+                        start + entry["data_offsets"][0] + layer * size)
+    if got != size:
+        raise ShardError(f"{path} ends early (layer {layer} of {name!r} is short).")
+    return out
 
 
 def read_block_tensor(path: Path, name: str, mapped: bool = False):

@@ -36,8 +36,10 @@ import torch
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [Hkv, N, D], idx [Hkv, R, k] (rows of x; -1 reads row 0) → [Hkv, R, k, D]."""
-    heads = torch.arange(x.shape[0], device=x.device)[:, None, None]
-    return x[heads, idx.to(x.device).clamp(min=0)]
+    heads, n, dim = x.shape
+    rows = idx.to(x.device).clamp(min=0) + (torch.arange(heads, device=x.device) * n)[:, None, None]
+    # one index_select of whole rows: several times faster than advanced indexing on CPU
+    return x.reshape(heads * n, dim).index_select(0, rows.view(-1)).view(*idx.shape, dim)
 
 
 def select_exact(q: torch.Tensor, key: torch.Tensor, k: int
@@ -69,6 +71,31 @@ def top_candidates(scores: torch.Tensor, idx: torch.Tensor, k: int
     return best.values, idx.gather(-1, best.indices)
 
 
+def best_of_ragged(lims, scores, ids, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best candidates of every row when rows have different numbers of them (what
+    an IVF scan gives, `indexes.scan_lists`): numpy lims [R + 1] int64 (row i's candidates
+    are lims[i]:lims[i + 1]), scores and ids [lims[R]] (float32, int64). Returns (scores,
+    idx) [R, k'] torch, k' = min(k, the most candidates of a row); a row with fewer than
+    k' gets -inf and -1 in the rest. Unordered, as `torch.topk(sorted=False)`. numpy's
+    argpartition, not torch.topk: a few times faster on CPU at these sizes."""
+    import numpy as np
+
+    counts = np.diff(lims)
+    width = int(counts.max(initial=0))
+    # [R, W]: row i's candidates first, then -inf / -1 (a row-major mask fill keeps the
+    # rows' order of the flat arrays)
+    inside = np.arange(width) < counts[:, None]
+    padded = np.full(inside.shape, -np.inf, np.float32)
+    padded[inside] = scores
+    found = np.full(inside.shape, -1, np.int64)
+    found[inside] = ids
+    if k < width:
+        keep = np.argpartition(padded, width - k, axis=1)[:, width - k:]  # the k largest
+        padded = np.take_along_axis(padded, keep, 1)
+        found = np.take_along_axis(found, keep, 1)
+    return torch.from_numpy(padded), torch.from_numpy(found)
+
+
 def attend_selected(scores: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over each row's selected keys, in fp32, with its LSE.
@@ -79,10 +106,10 @@ def attend_selected(scores: torch.Tensor, idx: torch.Tensor, values: torch.Tenso
     lse [1, Hkv, R] fp32)."""
     logits = (scores.float() * scale).masked_fill_(idx.to(scores.device) < 0, -math.inf)
     lse = torch.logsumexp(logits, dim=-1)  # [Hkv, R]
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    probs = torch.exp_(logits.sub_(safe.unsqueeze(-1)))  # [Hkv, R, k]
-    out = torch.einsum("hrk,hrkd->hrd", probs, values.to(probs.device).float())
-    return out.unsqueeze(0), lse.unsqueeze(0)
+    # a row with no key: lse -inf, and exp(-inf - finite min) = 0 weights, no NaN
+    probs = torch.exp_(logits.sub_(lse.clamp(min=torch.finfo(lse.dtype).min).unsqueeze(-1)))
+    out = torch.matmul(probs.unsqueeze(-2), values.to(probs.device).float())  # [Hkv, R, 1, D]
+    return out.squeeze(-2).unsqueeze(0), lse.unsqueeze(0)
 
 
 def layer_budgets(k: int, layers: int, schedule: str) -> list[int]:
