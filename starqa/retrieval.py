@@ -40,7 +40,7 @@ class TopKShard:
     """A worker's blocks for top-k attention.
 
     keys: per layer [Hkv, N, D] in the compute dtype (flat), else None. ivf: per layer
-    (the merged faiss index, centroids [Hkv, D, C] fp32), else None; its ids are
+    (the merged faiss index, centroids [Hkv, D, C] numpy fp32), else None; its ids are
     head * N + row. searchers (hnsw): per layer, per KV head, [(first row in the shard,
     a block's faiss index)], else None. values: per layer [Hkv, N, D] (in memory), or per
     block (first row, [L, Hkv, T, D] memory-mapped). budgets: keys per row in each layer
@@ -151,6 +151,11 @@ class TopKShard:
         outs, lses = [], []
         for start in range(0, rows, step):
             piece = q[0, :, start:start + step]  # [Hkv, r, D]
+            if self.ivf is not None and q.device.type == "cpu":
+                out, lse = self._part_ivf(layer, piece, k, scale)
+                outs.append(out.to(q.dtype))
+                lses.append(lse)
+                continue
             scores, idx = (t.to(q.device) for t in self.select(layer, piece, k))
             values = self.value_rows(layer, idx).to(q.device)
             out, lse = topk.attend_selected(scores, idx, values, scale)
@@ -166,7 +171,9 @@ class TopKShard:
         if self.keys is not None:
             return topk.select_exact(q, self.keys[layer], k)
         if self.ivf is not None:
-            return self._select_ivf(layer, q, k)
+            scores, ids = self._select_ivf(layer, q, k)
+            return (torch.from_numpy(scores).view(*q.shape[:2], -1),
+                    torch.from_numpy(self._rows_of(ids, q.shape[1])).view(*q.shape[:2], -1))
         import numpy as np
 
         x = np.ascontiguousarray(q.float().cpu().numpy())  # [Hkv, r, D]
@@ -184,32 +191,57 @@ class TopKShard:
         idx = idx.permute(0, 2, 1, 3).reshape(shape[0], shape[2], -1)
         return topk.top_candidates(scores.masked_fill_(idx < 0, float("-inf")), idx, k)
 
-    def _select_ivf(self, layer: int, q: torch.Tensor, k: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`select` for ivf: each row's nearest lists among its KV head's, one scan of
-        them all (`indexes.scan_lists`), the k best of each row's scanned keys."""
+    def _select_ivf(self, layer: int, q: torch.Tensor, k: int):
+        """Each row's nearest lists among its KV head's, one scan of them all
+        (`indexes.scan_lists`), the k best of each row's scanned keys: numpy (scores,
+        ids) [Hkv * r, k'], ids head * N + row (-1: none). numpy throughout: these are
+        small arrays, where each torch call costs more than its work."""
         import numpy as np
 
-        index, centroids = self.ivf[layer]
+        index, centroids = self.ivf[layer]  # centroids [Hkv, D, C]
         heads, rows, dim = q.shape
-        n_lists = centroids.shape[2]
-        x = q.float().cpu()
-        coarse = torch.bmm(x, centroids).numpy()  # [Hkv, r, C]
+        x = np.ascontiguousarray(q.float().cpu().numpy())
+        coarse = np.matmul(x, centroids)  # [Hkv, r, C]
+        n_lists = coarse.shape[2]
         probes = indexes.ivf_probes(self.n_keys, n_lists, k)
-        if probes < n_lists:
-            lists = np.argpartition(-coarse, probes - 1, axis=-1)[..., :probes]
+        if probes < n_lists:  # each row's `probes` best lists
+            lists = np.argpartition(coarse, n_lists - probes, axis=-1)[..., n_lists - probes:]
+            near = np.take_along_axis(coarse, lists, -1)
         else:
-            lists = np.broadcast_to(np.arange(n_lists), coarse.shape)
-        near = np.take_along_axis(coarse, lists, -1)
-        # a head's lists follow the heads before it in the merged index
+            lists, near = np.broadcast_to(np.arange(n_lists), coarse.shape), coarse
+        # a head's lists follow the heads' before it in the merged index
         lists = lists + (np.arange(heads) * n_lists)[:, None, None]
-        lims, scores, ids = indexes.scan_lists(
-            index, x.reshape(-1, dim).numpy(), np.ascontiguousarray(lists.reshape(-1, probes)),
-            np.ascontiguousarray(near.reshape(-1, probes)))
-        scores, ids = topk.best_of_ragged(lims, scores, ids, k)  # [Hkv * r, k'], id h*N + row
-        ids = ids.view(heads, rows, -1)
-        rows_of = ids - (torch.arange(heads) * self.n_keys)[:, None, None]
-        return scores.view(heads, rows, -1), torch.where(ids >= 0, rows_of, -1)
+        lims, scores, ids = indexes.scan_lists(index, x.reshape(-1, dim),
+                                               lists.reshape(-1, probes),
+                                               np.ascontiguousarray(near).reshape(-1, probes))
+        return topk.best_of_ragged(lims, scores, ids, k)
+
+    def _rows_of(self, ids, rows: int):
+        """ivf ids head * N + row [Hkv * r, k] → rows in the shard (-1 stays -1)."""
+        import numpy as np
+
+        first = np.repeat(np.arange(len(ids) // rows) * self.n_keys, rows)[:, None]
+        return np.where(ids >= 0, ids - first, -1)
+
+    def _part_ivf(self, layer: int, q: torch.Tensor, k: int, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`parts`' work for ivf on the CPU, q [Hkv, r, D]: (out [1, Hkv, r, D] fp32,
+        lse [1, Hkv, r]). In-memory values are read by the ids directly (head * N + row
+        is their row in the layer's [Hkv * N, D])."""
+        import numpy as np
+
+        heads, rows, dim = q.shape
+        scores, ids = self._select_ivf(layer, q, k)  # [B = Hkv * r, k']
+        if self.values is not None:
+            flat = self.values[layer].view(-1, dim)
+            picked = flat.index_select(0, torch.from_numpy(np.maximum(ids, 0)).view(-1))
+        else:
+            picked = self.value_rows(layer, torch.from_numpy(self._rows_of(ids, rows)).view(
+                heads, rows, -1))
+        values = picked.float().numpy().reshape(*ids.shape, dim)
+        out, lse = topk.attend_rows(scores, values, scale)
+        return (torch.from_numpy(out).view(1, heads, rows, dim),
+                torch.from_numpy(lse).view(1, heads, rows))
 
     def value_rows(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         """[Hkv, r, k, D]: the value rows idx [Hkv, r, k] selects (-1: zeros)."""
@@ -237,13 +269,13 @@ def _starts(lengths: Sequence[int]) -> list[int]:
 def _merged_layer(keys: Sequence[torch.Tensor], index_of, layer: int, dtype: str):
     """One layer's ivf: the blocks' IVF indexes index_of(block, layer, head) merged over
     every KV head (`indexes.merge_ivf`; ids head * N + row) and their centroids
-    [Hkv, D, C] fp32. keys: the blocks' keys of this layer, each [Hkv, T, D]."""
+    [Hkv, D, C] numpy fp32. keys: the blocks' keys of this layer, each [Hkv, T, D]."""
     heads = keys[0].shape[0]
     parts = [index_of(block, layer, head) for head in range(heads) for block in range(len(keys))]
     rows = torch.cat([torch.cat([k[head] for k in keys]) for head in range(heads)])
     index = indexes.merge_ivf(parts, rows.float().numpy(), dtype)
-    centroids = torch.from_numpy(index.quantizer.reconstruct_n(0, index.nlist))
-    return index, centroids.view(heads, -1, centroids.shape[1]).transpose(1, 2).contiguous()
+    centroids = index.quantizer.reconstruct_n(0, index.nlist)  # [Hkv * C, D]
+    return index, centroids.reshape(heads, -1, centroids.shape[1]).transpose(0, 2, 1).copy()
 
 
 def _per_block(starts: Sequence[int], layers: int, heads: int, index_of):

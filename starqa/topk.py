@@ -71,13 +71,13 @@ def top_candidates(scores: torch.Tensor, idx: torch.Tensor, k: int
     return best.values, idx.gather(-1, best.indices)
 
 
-def best_of_ragged(lims, scores, ids, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def best_of_ragged(lims, scores, ids, k: int):
     """The k best candidates of every row when rows have different numbers of them (what
-    an IVF scan gives, `indexes.scan_lists`): numpy lims [R + 1] int64 (row i's candidates
-    are lims[i]:lims[i + 1]), scores and ids [lims[R]] (float32, int64). Returns (scores,
-    idx) [R, k'] torch, k' = min(k, the most candidates of a row); a row with fewer than
-    k' gets -inf and -1 in the rest. Unordered, as `torch.topk(sorted=False)`. numpy's
-    argpartition, not torch.topk: a few times faster on CPU at these sizes."""
+    an IVF scan gives, `indexes.scan_lists`): lims [R + 1] int64 (row i's candidates are
+    lims[i]:lims[i + 1]), scores and ids [lims[R]] (float32, int64), all numpy. Returns
+    numpy (scores, ids) [R, k'], k' = min(k, the most candidates of a row); a row with
+    fewer than k' gets -inf and -1 in the rest. Unordered, as `torch.topk(sorted=False)`.
+    numpy's argpartition, not torch.topk: a few times faster on CPU at these sizes."""
     import numpy as np
 
     counts = np.diff(lims)
@@ -93,7 +93,25 @@ def best_of_ragged(lims, scores, ids, k: int) -> tuple[torch.Tensor, torch.Tenso
         keep = np.argpartition(padded, width - k, axis=1)[:, width - k:]  # the k largest
         padded = np.take_along_axis(padded, keep, 1)
         found = np.take_along_axis(found, keep, 1)
-    return torch.from_numpy(padded), torch.from_numpy(found)
+    return padded, found
+
+
+def attend_rows(scores, values, scale: float):
+    """`attend_selected` in numpy for rows of candidates: scores [B, k] float32 (raw inner
+    products, -inf: no key), values [B, k, D] float32. Returns (out [B, D], lse [B])
+    float32; a row with no key gets out = 0, lse = -inf. numpy, not torch: for a decode
+    step these are a few thousand numbers, where a torch call's overhead is most of its
+    cost on a CPU."""
+    import numpy as np
+
+    top = np.maximum(scores.max(axis=1, keepdims=True, initial=-np.inf),
+                     np.finfo(np.float32).min)  # [B, 1], finite
+    weights = np.exp((scores - top) * np.float32(scale))  # [B, k], exactly 0 where -inf
+    total = weights.sum(axis=1, keepdims=True)
+    out = np.matmul(weights[:, None, :], values)[:, 0] / np.maximum(total, np.finfo(np.float32).tiny)
+    with np.errstate(divide="ignore"):  # log(0) = -inf: a row with no key
+        lse = top[:, 0] * np.float32(scale) + np.log(total[:, 0])
+    return out, lse.astype(np.float32, copy=False)
 
 
 def attend_selected(scores: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
