@@ -158,7 +158,15 @@ class TopKShard:
                 continue
             scores, idx = (t.to(q.device) for t in self.select(layer, piece, k))
             values = self.value_rows(layer, idx).to(q.device)
-            out, lse = topk.attend_selected(scores, idx, values, scale)
+            if q.device.type == "cpu":  # numpy: cheaper per call (`topk.attend_rows`)
+                rows_k = scores.shape[-1]
+                masked = scores.masked_fill(idx < 0, float("-inf")).reshape(-1, rows_k)
+                out, lse = topk.attend_rows(masked.numpy(), values.float().numpy().reshape(
+                    -1, rows_k, values.shape[-1]), scale)
+                out = torch.from_numpy(out).view(1, *piece.shape)
+                lse = torch.from_numpy(lse).view(1, *piece.shape[:2])
+            else:
+                out, lse = topk.attend_selected(scores, idx, values, scale)
             outs.append(out.to(q.dtype))
             lses.append(lse)
         if len(outs) == 1:
@@ -199,7 +207,7 @@ class TopKShard:
         import numpy as np
 
         index, centroids = self.ivf[layer]  # centroids [Hkv, D, C]
-        heads, rows, dim = q.shape
+        heads, dim = q.shape[0], q.shape[2]
         x = np.ascontiguousarray(q.float().cpu().numpy())
         coarse = np.matmul(x, centroids)  # [Hkv, r, C]
         n_lists = coarse.shape[2]
