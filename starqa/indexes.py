@@ -9,10 +9,13 @@ Index kinds (`--index`), over one (block, layer, KV head)'s keys, by inner produ
 
     flat   exact: one matmul + topk over the keys themselves (no file; the keys stay in
            memory in the cache's dtype)
-    ivf    faiss IndexIVFFlat (METRIC_INNER_PRODUCT): ~sqrt(T) k-means lists; a search
-           scans the lists nearest the query until about IVF_SCAN * k keys are seen.
-           Holds the centroids and every key in fp32 (plus an int64 id each); read memory-
-           mapped with --kv-on-disk, so only the lists a search scans are paged in.
+    ivf    faiss IndexIVFFlat (METRIC_INNER_PRODUCT): ~4 sqrt(T) k-means lists (the file
+           holds the centroids and every key in fp32, plus an int64 id each). Phase 2
+           does not search the files: it merges a worker's blocks' lists, for every KV
+           head of a layer, into one index in memory (`merge_ivf`: the keys in the cache's
+           dtype, 2 bytes each in bf16, plus an int64 id; the centroids in fp32), and a
+           row scans the lists nearest it among its KV head's until about IVF_SCAN * k
+           keys are seen (`ivf_probes`, `scan_lists`), with or without --kv-on-disk.
     hnsw   faiss IndexHNSWFlat (METRIC_INNER_PRODUCT, M = HNSW_M): every key in fp32 plus
            its graph links; with --kv-on-disk the keys are memory-mapped, the graph read.
 
@@ -47,7 +50,7 @@ SCHEDULES = ("uniform", "linear")
 DEFAULT_TOP_K = "1%"  # the paper: k ~ 1% of the context keeps >= 95% of dense accuracy
 IVF_POINTS_PER_LIST = 39  # faiss's k-means wants at least 39 training points per centroid
 IVF_LISTS_PER_SQRT = 4  # nlist ~ 4 sqrt(T), faiss's rule of thumb
-IVF_SCAN = 4  # a search scans about this many times k keys (nprobe lists of T/nlist keys)
+IVF_SCAN = 6  # a search scans about this many times k keys (nprobe lists of T/nlist keys)
 IVF_TRAIN_ITERATIONS = 10
 HNSW_M = 16
 HNSW_EF_CONSTRUCTION = 40
@@ -381,7 +384,9 @@ def merge_ivf(parts: Sequence, keys, dtype: str):
     every key stays in the list its part put it in. The keys are stored in the cache's
     dtype (`dtype`: "bfloat16" and "float16" as faiss scalar-quantizer codes of that type,
     else fp32): the cache's keys exactly, so a scan's scores are exact fp32 inner
-    products, as `topk.select_exact` recomputes them. In memory: 2 bytes a key and
+    products, as `topk.select_exact` recomputes them (faiss's bf16 and fp16 scans round
+    the query to that type too: Phase 2's folded queries are in the cache's dtype
+    already, `attention.fold_gqa`, so that loses nothing). In memory: 2 bytes a key and
     dimension (4 in fp32) + an int64 id, and the centroids in fp32. Searched with
     `scan_lists` (the caller picks the lists: a KV head's rows probe its own parts')."""
     import faiss
@@ -402,16 +407,28 @@ def merge_ivf(parts: Sequence, keys, dtype: str):
     if codes is not None:
         merged = faiss.IndexIVFScalarQuantizer(quantizer, dim, offset, codes,
                                                faiss.METRIC_INNER_PRODUCT)
+        merged.by_residual = False  # the keys themselves, not key - centroid: exact
     else:
         merged = faiss.IndexIVFFlat(quantizer, dim, offset, faiss.METRIC_INNER_PRODUCT)
     merged.is_trained = True  # the centroids are the parts'; bf16/fp16 codes need none
     merged.own_fields = True
     quantizer.this.disown()  # the merged index frees it
-    assign = np.ascontiguousarray(np.concatenate(lists))
-    ids = np.arange(keys.shape[0], dtype=np.int64)
-    keys = np.ascontiguousarray(keys, dtype=np.float32)
-    merged.add_core(keys.shape[0], faiss.swig_ptr(keys), faiss.swig_ptr(ids),
-                    faiss.swig_ptr(assign))
+    # Each list filled in one call (adding key by key grows every list's buffer by
+    # doubling: up to twice the memory).
+    assign = np.concatenate(lists)
+    ids = np.argsort(assign, kind="stable")  # keys list by list
+    ordered = np.ascontiguousarray(keys[ids], np.float32)
+    if codes is None:  # IVFFlat: the fp32 keys are the codes
+        codes = ordered.view(np.uint8)
+    else:
+        codes = merged.sq.compute_codes(ordered)  # [n, code_size] uint8
+    ends = np.cumsum(np.bincount(assign, minlength=offset))
+    for list_no in np.flatnonzero(np.diff(ends, prepend=0)):
+        begin = ends[list_no - 1] if list_no else 0
+        merged.invlists.add_entries(int(list_no), int(ends[list_no] - begin),
+                                    faiss.swig_ptr(ids[begin:ends[list_no]]),
+                                    faiss.swig_ptr(codes[begin:ends[list_no]]))
+    merged.ntotal = len(ids)
     return merged
 
 

@@ -105,7 +105,7 @@ class TopKShard:
         starts = _starts([indexes.block_shape(path)[2] for path in paths])
         keys = ivf = searchers = values = mapped = None
         if settings.index == "flat":
-            keys = _per_layer([indexes.read_block_tensor(p, "k") for p in paths], dtype, device)
+            keys = _read_per_layer(paths, "k", layers, dtype, device)
         else:
             found = indexes.find_set(manifest, settings.index)
             if found is None:
@@ -132,8 +132,7 @@ class TopKShard:
             mapped = [(start, indexes.read_block_tensor(p, "v", mapped=True))
                       for p, start in zip(paths, starts)]
         else:
-            values = _per_layer([indexes.read_block_tensor(p, "v") for p in paths], dtype,
-                                device)
+            values = _read_per_layer(paths, "v", layers, dtype, device)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
         return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped)
@@ -290,6 +289,18 @@ def _per_block(starts: Sequence[int], layers: int, heads: int, index_of):
     """hnsw: per layer, per KV head, [(block's first row, index_of(block, layer, head))]."""
     return [[[(start, index_of(block, layer, head)) for block, start in enumerate(starts[:-1])]
              for head in range(heads)] for layer in range(layers)]
+
+
+def _read_per_layer(paths: Sequence, name: str, layers: int, dtype: torch.dtype,
+                    device: torch.device | str) -> list[torch.Tensor]:
+    """Tensor `name` of the block files, per layer [Hkv, N, D] in `dtype`: read a layer at
+    a time, so loading holds one layer more than the result, never a second copy."""
+    out = []
+    for layer in range(layers):
+        blocks = [indexes.read_block_layer(path, name, layer) for path in paths]
+        whole = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
+        out.append(whole.to(device=device, dtype=dtype))
+    return out
 
 
 def _per_layer(parts: Sequence[torch.Tensor], dtype: torch.dtype | None,
