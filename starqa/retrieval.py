@@ -25,6 +25,7 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -56,12 +57,17 @@ class TopKShard:
         self.searchers = searchers
         self.values = values
         self.mapped_values = mapped_values
+        self.pool = None
         if ivf or searchers:
             import faiss
 
             # A search is a few rows: too small to split across threads (faiss's OpenMP
             # threads would also spin against torch's).
             faiss.omp_set_num_threads(1)
+        if searchers and torch.get_num_threads() > 1:
+            # hnsw: one search per block and KV head, run side by side (faiss releases
+            # the GIL)
+            self.pool = ThreadPoolExecutor(torch.get_num_threads())
 
     @classmethod
     def from_parts(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], settings: TopK,
@@ -189,10 +195,15 @@ class TopKShard:
         # shard rows (-1 stays -1: a block with fewer keys than k).
         shape = (x.shape[0], len(per_head[0]), x.shape[1], k)
         scores, ids = np.empty(shape, np.float32), np.empty(shape, np.int64)
-        for head, searchers in enumerate(per_head):
-            for j, (start, index) in enumerate(searchers):
-                indexes.search(index, x[head], k, scores[head, j], ids[head, j])
-                np.add(ids[head, j], start, out=ids[head, j], where=ids[head, j] >= 0)
+
+        def one(task: tuple[int, int]) -> None:
+            head, j = task
+            start, index = per_head[head][j]
+            indexes.search(index, x[head], k, scores[head, j], ids[head, j])
+            np.add(ids[head, j], start, out=ids[head, j], where=ids[head, j] >= 0)
+
+        tasks = [(head, j) for head in range(shape[0]) for j in range(shape[1])]
+        list(self.pool.map(one, tasks) if self.pool else map(one, tasks))
         scores, idx = torch.from_numpy(scores), torch.from_numpy(ids)
         scores = scores.permute(0, 2, 1, 3).reshape(shape[0], shape[2], -1)
         idx = idx.permute(0, 2, 1, 3).reshape(shape[0], shape[2], -1)
