@@ -33,6 +33,8 @@ import math
 
 import torch
 
+NUMPY_ROWS = 64  # select_exact ranks up to this many rows (Hkv * R) with numpy on CPU
+
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x [Hkv, N, D], idx [Hkv, R, k] (rows of x; -1 reads row 0) → [Hkv, R, k, D]."""
@@ -55,7 +57,9 @@ def select_exact(q: torch.Tensor, key: torch.Tensor, k: int
         idx = torch.arange(n, device=key.device).expand(q.shape[0], q.shape[1], n)
     else:
         coarse = torch.matmul(q.to(key.dtype), key.transpose(1, 2))  # [Hkv, R, N]
-        if coarse.device.type == "cpu":  # numpy's argpartition: ~3x torch.topk's speed here
+        if coarse.device.type == "cpu" and q.shape[0] * q.shape[1] <= NUMPY_ROWS:
+            # a decode step: numpy's argpartition is ~3x torch.topk's speed (a prefill of
+            # many rows keeps torch.topk: argpartition's index array is [Hkv, R, N] int64)
             import numpy as np
 
             best = np.argpartition(coarse.float().numpy(), n - k, axis=-1)[..., n - k:]
