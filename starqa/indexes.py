@@ -376,16 +376,17 @@ def read_index(path: Path, mapped: bool):
 
 def merge_ivf(parts: Sequence, keys, dtype: str):
     """One IVF index over several IVF indexes `parts` (a worker's blocks, for every KV head
-    of one layer) and keys [N, D] numpy float32: the keys of parts[0] (its ids 0, 1, ...),
-    then those of parts[1], and so on, so key i gets id i.
+    of one layer) and keys [N, D] numpy: the keys of parts[0] (its ids 0, 1, ...), then
+    those of parts[1], and so on, so key i gets id i. `dtype` is the cache's: the keys
+    come as their 16-bit patterns (uint16) for "bfloat16" and "float16", else float32.
 
     Its lists are the parts' lists one after the other (part j's list l is list
     l + the lists of parts before j), its coarse quantizer holds their centroids, and
     every key stays in the list its part put it in. The keys are stored in the cache's
-    dtype (`dtype`: "bfloat16" and "float16" as faiss scalar-quantizer codes of that type,
-    else fp32): the cache's keys exactly, so a scan's scores are exact fp32 inner
-    products, as `topk.select_exact` recomputes them (faiss's bf16 and fp16 scans round
-    the query to that type too: Phase 2's folded queries are in the cache's dtype
+    dtype (bf16 and fp16 as faiss scalar-quantizer codes of that type, whose bytes are the
+    keys' own; else fp32): the cache's keys exactly, so a scan's scores are exact fp32
+    inner products, as `topk.select_exact` recomputes them (faiss's bf16 and fp16 scans
+    round the query to that type too: Phase 2's folded queries are in the cache's dtype
     already, `attention.fold_gqa`, so that loses nothing). In memory: 2 bytes a key and
     dimension (4 in fp32) + an int64 id, and the centroids in fp32. Searched with
     `scan_lists` (the caller picks the lists: a KV head's rows probe its own parts')."""
@@ -393,42 +394,40 @@ def merge_ivf(parts: Sequence, keys, dtype: str):
     import numpy as np
 
     dim = keys.shape[1]
-    centroids, lists, offset = [], [], 0
-    for index in parts:
-        index = faiss.extract_index_ivf(index)
-        centroids.append(index.quantizer.reconstruct_n(0, index.nlist))
-        index.make_direct_map()  # id -> (list << 32 | offset in list), read from the file
-        lists.append((faiss.vector_to_array(index.direct_map.array) >> 32) + offset)
-        offset += index.nlist
+    parts = [faiss.extract_index_ivf(index) for index in parts]
+    total = sum(index.nlist for index in parts)
     quantizer = faiss.IndexFlatIP(dim)
-    quantizer.add(np.concatenate(centroids))
+    quantizer.add(np.concatenate([index.quantizer.reconstruct_n(0, index.nlist)
+                                  for index in parts]))
     codes = {"bfloat16": faiss.ScalarQuantizer.QT_bf16,
              "float16": faiss.ScalarQuantizer.QT_fp16}.get(dtype)
     if codes is not None:
-        merged = faiss.IndexIVFScalarQuantizer(quantizer, dim, offset, codes,
+        merged = faiss.IndexIVFScalarQuantizer(quantizer, dim, total, codes,
                                                faiss.METRIC_INNER_PRODUCT)
         merged.by_residual = False  # the keys themselves, not key - centroid: exact
     else:
-        merged = faiss.IndexIVFFlat(quantizer, dim, offset, faiss.METRIC_INNER_PRODUCT)
+        merged = faiss.IndexIVFFlat(quantizer, dim, total, faiss.METRIC_INNER_PRODUCT)
     merged.is_trained = True  # the centroids are the parts'; bf16/fp16 codes need none
     merged.own_fields = True
     quantizer.this.disown()  # the merged index frees it
-    # Each list filled in one call (adding key by key grows every list's buffer by
-    # doubling: up to twice the memory).
-    assign = np.concatenate(lists)
-    ids = np.argsort(assign, kind="stable")  # keys list by list
-    ordered = np.ascontiguousarray(keys[ids], np.float32)
-    if codes is None:  # IVFFlat: the fp32 keys are the codes
-        codes = ordered.view(np.uint8)
-    else:
-        codes = merged.sq.compute_codes(ordered)  # [n, code_size] uint8
-    ends = np.cumsum(np.bincount(assign, minlength=offset))
-    for list_no in np.flatnonzero(np.diff(ends, prepend=0)):
-        begin = ends[list_no - 1] if list_no else 0
-        merged.invlists.add_entries(int(list_no), int(ends[list_no] - begin),
-                                    faiss.swig_ptr(ids[begin:ends[list_no]]),
-                                    faiss.swig_ptr(codes[begin:ends[list_no]]))
-    merged.ntotal = len(ids)
+    lists, start = 0, 0
+    for index in parts:
+        # Each list filled in one call, part by part (adding key by key grows every list's
+        # buffer by doubling, up to twice the memory; small pieces, no large transient).
+        index.make_direct_map()  # id -> (list << 32 | offset in list), read from the file
+        where = faiss.vector_to_array(index.direct_map.array) >> 32
+        order = np.argsort(where, kind="stable")  # the part's keys list by list
+        ids = order + start
+        rows = np.ascontiguousarray(keys[ids]).view(np.uint8)  # [n, code_size]
+        ends = np.cumsum(np.bincount(where, minlength=index.nlist))
+        for list_no in np.flatnonzero(np.diff(ends, prepend=0)):
+            begin, end = (ends[list_no - 1] if list_no else 0), ends[list_no]
+            merged.invlists.add_entries(int(lists + list_no), int(end - begin),
+                                        faiss.swig_ptr(ids[begin:end]),
+                                        faiss.swig_ptr(rows[begin:end]))
+        lists += index.nlist
+        start += index.ntotal
+    merged.ntotal = start
     return merged
 
 

@@ -291,7 +291,11 @@ def _merged_layer(keys: Sequence[torch.Tensor], index_of, layer: int, dtype: str
     heads = keys[0].shape[0]
     parts = [index_of(block, layer, head) for head in range(heads) for block in range(len(keys))]
     rows = torch.cat([torch.cat([k[head] for k in keys]) for head in range(heads)])
-    index = indexes.merge_ivf(parts, rows.float().numpy(), dtype)
+    if dtype in ("bfloat16", "float16"):  # their bit patterns are the index's codes
+        rows = rows.to(getattr(torch, dtype)).view(torch.int16).numpy().view("uint16")
+    else:
+        rows = rows.float().numpy()
+    index = indexes.merge_ivf(parts, rows, dtype)
     centroids = index.quantizer.reconstruct_n(0, index.nlist)  # [Hkv * C, D]
     return index, centroids.reshape(heads, -1, centroids.shape[1]).transpose(0, 2, 1).copy()
 

@@ -131,7 +131,9 @@ def test_merged_ivf_holds_every_key_once_and_scores_it_exactly(dtype):
     torch.manual_seed(4)
     keys = torch.randn(3 * 500, 16).to(dtype)
     parts = [indexes.build("ivf", keys[i:i + 500].float().numpy()) for i in (0, 500, 1000)]
-    merged = indexes.merge_ivf(parts, keys.float().numpy(), str(dtype).removeprefix("torch."))
+    bits = keys.view(torch.int16).numpy().view("uint16") if dtype == torch.bfloat16 else \
+        keys.numpy()
+    merged = indexes.merge_ivf(parts, bits, str(dtype).removeprefix("torch."))
     assert merged.nlist == sum(p.nlist for p in parts) and merged.ntotal == len(keys)
     q = torch.randn(2, 16).to(dtype).float()
     lists = np.tile(np.arange(merged.nlist), (2, 1))
