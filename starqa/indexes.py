@@ -9,10 +9,13 @@ Index kinds (`--index`), over one (block, layer, KV head)'s keys, by inner produ
 
     flat   exact: one matmul + topk over the keys themselves (no file; the keys stay in
            memory in the cache's dtype)
-    ivf    faiss IndexIVFFlat (METRIC_INNER_PRODUCT): ~sqrt(T) k-means lists; a search
-           scans the lists nearest the query until about IVF_SCAN * k keys are seen.
-           Holds the centroids and every key in fp32 (plus an int64 id each); read memory-
-           mapped with --kv-on-disk, so only the lists a search scans are paged in.
+    ivf    faiss IndexIVFFlat (METRIC_INNER_PRODUCT): ~4 sqrt(T) k-means lists (the file
+           holds the centroids and every key in fp32, plus an int64 id each). Phase 2
+           does not search the files: it merges a worker's blocks' lists, for every KV
+           head of a layer, into one index in memory (`merge_ivf`: the keys in the cache's
+           dtype, 2 bytes each in bf16, plus an int64 id; the centroids in fp32), and a
+           row scans the lists nearest it among its KV head's until about IVF_SCAN * k
+           keys are seen (`ivf_probes`, `scan_lists`), with or without --kv-on-disk.
     hnsw   faiss IndexHNSWFlat (METRIC_INNER_PRODUCT, M = HNSW_M): every key in fp32 plus
            its graph links; with --kv-on-disk the keys are memory-mapped, the graph read.
 
@@ -47,7 +50,7 @@ SCHEDULES = ("uniform", "linear")
 DEFAULT_TOP_K = "1%"  # the paper: k ~ 1% of the context keeps >= 95% of dense accuracy
 IVF_POINTS_PER_LIST = 39  # faiss's k-means wants at least 39 training points per centroid
 IVF_LISTS_PER_SQRT = 4  # nlist ~ 4 sqrt(T), faiss's rule of thumb
-IVF_SCAN = 4  # a search scans about this many times k keys (nprobe lists of T/nlist keys)
+IVF_SCAN = 6  # a search scans about this many times k keys (nprobe lists of T/nlist keys)
 IVF_TRAIN_ITERATIONS = 10
 HNSW_M = 16
 HNSW_EF_CONSTRUCTION = 40
@@ -371,20 +374,96 @@ def read_index(path: Path, mapped: bool):
     return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if mapped else 0)
 
 
-def search(index, rows, k: int):
+def merge_ivf(parts: Sequence, keys, dtype: str):
+    """One IVF index over several IVF indexes `parts` (a worker's blocks, for every KV head
+    of one layer) and keys [N, D] numpy: the keys of parts[0] (its ids 0, 1, ...), then
+    those of parts[1], and so on, so key i gets id i. `dtype` is the cache's: the keys
+    come as their 16-bit patterns (uint16) for "bfloat16" and "float16", else float32.
+
+    Its lists are the parts' lists one after the other (part j's list l is list
+    l + the lists of parts before j), its coarse quantizer holds their centroids, and
+    every key stays in the list its part put it in. The keys are stored in the cache's
+    dtype (bf16 and fp16 as faiss scalar-quantizer codes of that type, whose bytes are the
+    keys' own; else fp32): the cache's keys exactly, so a scan's scores are exact fp32
+    inner products, as `topk.select_exact` recomputes them (faiss's bf16 and fp16 scans
+    round the query to that type too: Phase 2's folded queries are in the cache's dtype
+    already, `attention.fold_gqa`, so that loses nothing). In memory: 2 bytes a key and
+    dimension (4 in fp32) + an int64 id, and the centroids in fp32. Searched with
+    `scan_lists` (the caller picks the lists: a KV head's rows probe its own parts')."""
+    import faiss
+    import numpy as np
+
+    dim = keys.shape[1]
+    parts = [faiss.extract_index_ivf(index) for index in parts]
+    total = sum(index.nlist for index in parts)
+    quantizer = faiss.IndexFlatIP(dim)
+    quantizer.add(np.concatenate([index.quantizer.reconstruct_n(0, index.nlist)
+                                  for index in parts]))
+    codes = {"bfloat16": faiss.ScalarQuantizer.QT_bf16,
+             "float16": faiss.ScalarQuantizer.QT_fp16}.get(dtype)
+    if codes is not None:
+        merged = faiss.IndexIVFScalarQuantizer(quantizer, dim, total, codes,
+                                               faiss.METRIC_INNER_PRODUCT)
+        merged.by_residual = False  # the keys themselves, not key - centroid: exact
+    else:
+        merged = faiss.IndexIVFFlat(quantizer, dim, total, faiss.METRIC_INNER_PRODUCT)
+    merged.is_trained = True  # the centroids are the parts'; bf16/fp16 codes need none
+    merged.own_fields = True
+    quantizer.this.disown()  # the merged index frees it
+    lists, start = 0, 0
+    for index in parts:
+        # Each list filled in one call, part by part (adding key by key grows every list's
+        # buffer by doubling, up to twice the memory; small pieces, no large transient).
+        index.make_direct_map()  # id -> (list << 32 | offset in list), read from the file
+        where = faiss.vector_to_array(index.direct_map.array) >> 32
+        order = np.argsort(where, kind="stable")  # the part's keys list by list
+        ids = order + start
+        rows = np.ascontiguousarray(keys[ids]).view(np.uint8)  # [n, code_size]
+        ends = np.cumsum(np.bincount(where, minlength=index.nlist))
+        for list_no in np.flatnonzero(np.diff(ends, prepend=0)):
+            begin, end = (ends[list_no - 1] if list_no else 0), ends[list_no]
+            merged.invlists.add_entries(int(lists + list_no), int(end - begin),
+                                        faiss.swig_ptr(ids[begin:end]),
+                                        faiss.swig_ptr(rows[begin:end]))
+        lists += index.nlist
+        start += index.ntotal
+    merged.ntotal = start
+    return merged
+
+
+def ivf_probes(n_keys: int, n_lists: int, k: int) -> int:
+    """Lists an IVF search of k keys probes among n_lists holding n_keys: enough to see
+    about IVF_SCAN * k keys (every list when k is most of the keys)."""
+    return min(n_lists, max(1, math.ceil(IVF_SCAN * k * n_lists / max(n_keys, 1))))
+
+
+def scan_lists(index, rows, lists, list_scores):
+    """Every key of the given lists of an IVF `index`, with its inner product, for each
+    row: rows [R, D] numpy float32, lists and list_scores [R, P] (int64, float32: the
+    lists each row scans, e.g. its P nearest centroids, and their centroid scores). One
+    faiss call, no ranking (a range search with no threshold: what `topk.best_of_ragged`
+    then ranks). Returns (lims [R + 1] int64, scores [lims[R]] float32, ids [lims[R]]
+    int64): row i's keys are lims[i]:lims[i + 1]."""
+    import numpy as np
+
+    index.nprobe = lists.shape[1]
+    lims, scores, ids = index.range_search_preassigned(rows, -np.inf, lists, list_scores)
+    return lims.astype(np.int64), scores, ids
+
+
+def search(index, rows, k: int, scores=None, ids=None):
     """The k best keys (inner product) of `index` for rows [R, D] (numpy float32): returns
-    (scores [R, k] float32, ids [R, k] int64; -1 past the keys found). IVF scans the
-    nearest lists until about IVF_SCAN * k keys are seen (all of them when k is most of
-    the keys); HNSW searches with a candidate list of max(3k/2, 64)."""
+    (scores [R, k] float32, ids [R, k] int64; -1 past the keys found), written into
+    `scores` and `ids` when given (preallocated, C-contiguous). IVF scans the nearest lists
+    until about IVF_SCAN * k keys are seen (all of them when k is most of the keys); HNSW
+    searches with a candidate list of max(3k/2, 64)."""
     import faiss
 
-    n = index.ntotal
     if isinstance(index, faiss.IndexIVF):
-        per_list = n / index.nlist
-        nprobe = min(index.nlist, max(1, math.ceil(IVF_SCAN * k / per_list)))
-        return index.search(rows, k, params=faiss.SearchParametersIVF(nprobe=nprobe))
-    ef = max(k * 3 // 2, 64)
-    return index.search(rows, k, params=faiss.SearchParametersHNSW(efSearch=ef))
+        params = faiss.SearchParametersIVF(nprobe=ivf_probes(index.ntotal, index.nlist, k))
+    else:
+        params = faiss.SearchParametersHNSW(efSearch=max(k * 3 // 2, 64))
+    return index.search(rows, k, params=params, D=scores, I=ids)
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,6 +477,25 @@ def _header(path: Path) -> tuple[int, dict]:
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         return 8 + size, json.loads(fh.read(size))
+
+
+def read_block_layer(path: Path, name: str, layer: int):
+    """One layer [Hkv, T, D] of tensor `name` ("k" or "v", [L, Hkv, T, D]) of a block file,
+    read with one positioned read (no memory map: only this layer is ever in memory)."""
+    import torch
+
+    start, header = _header(path)
+    entry = header[name]
+    dtype = getattr(torch, _DTYPES[entry["dtype"]])
+    shape = entry["shape"][1:]
+    out = torch.empty(shape, dtype=dtype)
+    size = out.numel() * out.element_size()
+    with open(path, "rb", buffering=0) as fh:
+        got = os.preadv(fh.fileno(), [out.view(torch.uint8).reshape(-1).numpy()],
+                        start + entry["data_offsets"][0] + layer * size)
+    if got != size:
+        raise ShardError(f"{path} ends early (layer {layer} of {name!r} is short).")
+    return out
 
 
 def read_block_tensor(path: Path, name: str, mapped: bool = False):

@@ -2,13 +2,24 @@
 hnsw), its values (in memory, or memory-mapped from the shard files with --kv-on-disk),
 and `parts`, which `phase2.ShardAttention` calls in place of exact attention over a shard.
 
-Each worker retrieves k keys per query row from its own blocks (each block's index gives
-its k best, the worker keeps the k best of those), so the union over workers holds the
-context's global top k; `attention.merge` then combines the parts exactly, as for exact
-attention. Scores come back from faiss as fp32 inner products of the fp32 keys (flat
-recomputes them in fp32, see `topk.select_exact`), and only the selected value rows are
-read. Source attribution needs every key's share of the attention, which top-k never
-computes: answers under top-k name no sources.
+Each worker retrieves k keys per query row from its own blocks, so the union over workers
+holds the context's global top k; `attention.merge` then combines the parts exactly, as
+for exact attention. Scores are exact fp32 inner products with the cache's keys (flat
+recomputes them, see `topk.select_exact`; ivf stores the keys in the cache's dtype,
+hnsw in fp32), and only the selected value rows are read. Source attribution needs every
+key's share of the attention, which top-k never computes: answers under top-k name no
+sources.
+
+What each kind holds per layer (N: the worker's keys, Hkv KV heads):
+
+    flat   the keys [Hkv, N, D] in the compute dtype
+    ivf    one faiss IVF index over every block and KV head of the worker
+           (`indexes.merge_ivf`: the blocks' lists side by side, keys in the cache's dtype)
+           and its centroids [Hkv, D, C] fp32 (C: lists per KV head). A row ranks its KV
+           head's C centroids, and its nearest lists (about IVF_SCAN * k keys) are scanned
+           for all rows in one faiss call; the k best of what was scanned are kept.
+    hnsw   each block's faiss HNSW index per KV head (a graph is not merged), searched one
+           block at a time; the worker keeps the k best of the blocks' k best.
 """
 
 from __future__ import annotations
@@ -29,31 +40,34 @@ ROWS_X_KEYS = 1 << 21  # rows * k gathered at once (a prefill of many rows goes 
 class TopKShard:
     """A worker's blocks for top-k attention.
 
-    keys: per layer [Hkv, N, D] in the compute dtype (flat), else None. searchers: per
-    block (its first row in the shard, per layer per head a faiss index), else None.
-    values: per layer [Hkv, N, D] (in memory), or per block (first row, [L, Hkv, T, D]
-    memory-mapped). budgets: keys per row in each layer (`topk.layer_budgets`)."""
+    keys: per layer [Hkv, N, D] in the compute dtype (flat), else None. ivf: per layer
+    (the merged faiss index, centroids [Hkv, D, C] numpy fp32), else None; its ids are
+    head * N + row. searchers (hnsw): per layer, per KV head, [(first row in the shard,
+    a block's faiss index)], else None. values: per layer [Hkv, N, D] (in memory), or per
+    block (first row, [L, Hkv, T, D] memory-mapped). budgets: keys per row in each layer
+    (`topk.layer_budgets`)."""
 
     def __init__(self, settings: TopK, budgets: Sequence[int], n_keys: int, keys=None,
-                 searchers=None, values=None, mapped_values=None):
+                 ivf=None, searchers=None, values=None, mapped_values=None):
         self.settings = settings
         self.budgets = list(budgets)
         self.n_keys = n_keys
         self.keys = keys
+        self.ivf = ivf
         self.searchers = searchers
         self.values = values
         self.mapped_values = mapped_values
         self.pool = None
-        if searchers:
+        if ivf or searchers:
             import faiss
 
-            # One search per block and KV head, each single-threaded (a search of a few
-            # rows is too small to split; faiss's OpenMP threads would also spin against
-            # torch's), run side by side on a pool (faiss releases the GIL).
+            # A search is a few rows: too small to split across threads (faiss's OpenMP
+            # threads would also spin against torch's).
             faiss.omp_set_num_threads(1)
-            searches = len(searchers) * len(searchers[0][1][0])
-            if min(searches, torch.get_num_threads()) > 1:
-                self.pool = ThreadPoolExecutor(min(searches, torch.get_num_threads()))
+        if searchers and torch.get_num_threads() > 1:
+            # hnsw: one search per block and KV head, run side by side (faiss releases
+            # the GIL)
+            self.pool = ThreadPoolExecutor(torch.get_num_threads())
 
     @classmethod
     def from_parts(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], settings: TopK,
@@ -62,21 +76,25 @@ class TopKShard:
         (`starqa eval`, tests). None when there are no blocks."""
         if not parts:
             return None
-        layers = parts[0][0].shape[0]
-        keys, searchers, offset = None, None, 0
+        layers, heads = parts[0][0].shape[:2]
+        keys = ivf = searchers = None
         if settings.index == "flat":
             keys = _per_layer([k for k, _ in parts], dtype)
         else:
-            searchers = []
-            for k, _ in parts:
-                rows = k.float().cpu().numpy()
-                searchers.append((offset, [[indexes.build(settings.index, rows[layer, head])
-                                            for head in range(k.shape[1])]
-                                           for layer in range(layers)]))
-                offset += k.shape[2]
+            def index_of(block: int, layer: int, head: int):
+                return indexes.build(settings.index, parts[block][0][layer, head].float().numpy())
+
+            if settings.index == "ivf":
+                cache_dtype = str(dtype or parts[0][0].dtype).removeprefix("torch.")
+                ivf = [_merged_layer([k[layer] for k, _ in parts], index_of, layer, cache_dtype)
+                       for layer in range(layers)]
+            else:
+                searchers = _per_block(_starts([k.shape[2] for k, _ in parts]), layers, heads,
+                                       index_of)
         n = sum(k.shape[2] for k, _ in parts)
         budgets = topk.layer_budgets(settings.keys(n_tokens), layers, settings.schedule)
-        return cls(settings, budgets, n, keys, searchers, _per_layer([v for _, v in parts], dtype))
+        return cls(settings, budgets, n, keys, ivf, searchers,
+                   _per_layer([v for _, v in parts], dtype))
 
     @classmethod
     def from_cache(cls, manifest: Manifest, blocks: Sequence[int], settings: TopK,
@@ -90,12 +108,10 @@ class TopKShard:
         verify_checksums(manifest, blocks)
         paths = [manifest.folder / block_file(b) for b in blocks]
         layers, heads = indexes.block_shape(paths[0])[:2]
-        starts = [0]
-        for path in paths:
-            starts.append(starts[-1] + indexes.block_shape(path)[2])
-        keys = searchers = values = mapped = None
+        starts = _starts([indexes.block_shape(path)[2] for path in paths])
+        keys = ivf = searchers = values = mapped = None
         if settings.index == "flat":
-            keys = _per_layer([indexes.read_block_tensor(p, "k") for p in paths], dtype, device)
+            keys = _read_per_layer(paths, "k", layers, dtype, device)
         else:
             found = indexes.find_set(manifest, settings.index)
             if found is None:
@@ -105,19 +121,27 @@ class TopKShard:
             files = {(e.block, e.layer, e.head): e.file for e in found.files}
             indexes.verify(manifest, found, blocks)
             where = manifest.folder / found.folder
-            searchers = [(start, [[indexes.read_index(where / files[(b, layer, head)],
-                                                      settings.kv_on_disk)
-                                   for head in range(heads)] for layer in range(layers)])
-                         for b, start in zip(blocks, starts)]
+
+            def index_of(block: int, layer: int, head: int, mapped: bool = settings.kv_on_disk):
+                return indexes.read_index(where / files[(blocks[block], layer, head)], mapped)
+
+            if settings.index == "ivf":
+                # The blocks' files are read mapped (only centroids and ids are used), the
+                # keys one layer at a time.
+                ivf = [_merged_layer([indexes.read_block_layer(p, "k", layer) for p in paths],
+                                     lambda b, lay, h: index_of(b, lay, h, True), layer,
+                                     manifest.dtype)
+                       for layer in range(layers)]
+            else:
+                searchers = _per_block(starts, layers, heads, index_of)
         if settings.kv_on_disk:
             mapped = [(start, indexes.read_block_tensor(p, "v", mapped=True))
                       for p, start in zip(paths, starts)]
         else:
-            values = _per_layer([indexes.read_block_tensor(p, "v") for p in paths], dtype,
-                                device)
+            values = _read_per_layer(paths, "v", layers, dtype, device)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
-        return cls(settings, budgets, starts[-1], keys, searchers, values, mapped)
+        return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped)
 
     # -- Phase 2 ------------------------------------------------------------------------
 
@@ -132,9 +156,22 @@ class TopKShard:
         outs, lses = [], []
         for start in range(0, rows, step):
             piece = q[0, :, start:start + step]  # [Hkv, r, D]
+            if self.ivf is not None and q.device.type == "cpu":
+                out, lse = self._part_ivf(layer, piece, k, scale)
+                outs.append(out.to(q.dtype))
+                lses.append(lse)
+                continue
             scores, idx = (t.to(q.device) for t in self.select(layer, piece, k))
             values = self.value_rows(layer, idx).to(q.device)
-            out, lse = topk.attend_selected(scores, idx, values, scale)
+            if q.device.type == "cpu":  # numpy: cheaper per call (`topk.attend_rows`)
+                rows_k = scores.shape[-1]
+                masked = scores.masked_fill(idx < 0, float("-inf")).reshape(-1, rows_k)
+                out, lse = topk.attend_rows(masked.numpy(), values.float().numpy().reshape(
+                    -1, rows_k, values.shape[-1]), scale)
+                out = torch.from_numpy(out).view(1, *piece.shape)
+                lse = torch.from_numpy(lse).view(1, *piece.shape[:2])
+            else:
+                out, lse = topk.attend_selected(scores, idx, values, scale)
             outs.append(out.to(q.dtype))
             lses.append(lse)
         if len(outs) == 1:
@@ -142,29 +179,87 @@ class TopKShard:
         return [torch.cat(outs, dim=2)], [torch.cat(lses, dim=2)]
 
     def select(self, layer: int, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """scores, idx [Hkv, r, k]: each row's k best keys of this worker's blocks."""
+        """scores, idx [Hkv, r, k'] (k' <= k where fewer keys were found or exist): each
+        row's k best keys of this worker's blocks; idx -1 (score -inf) where none."""
         if self.keys is not None:
             return topk.select_exact(q, self.keys[layer], k)
+        if self.ivf is not None:
+            scores, ids = self._select_ivf(layer, q, k)
+            return (torch.from_numpy(scores).view(*q.shape[:2], -1),
+                    torch.from_numpy(self._rows_of(ids, q.shape[1])).view(*q.shape[:2], -1))
         import numpy as np
 
-        x = q.float().cpu().numpy()  # [Hkv, r, D]
-        rows = [np.ascontiguousarray(x[head]) for head in range(x.shape[0])]
-        tasks = [(start, head, index) for start, per_layer in self.searchers
-                 for head, index in enumerate(per_layer[layer])]
+        x = np.ascontiguousarray(q.float().cpu().numpy())  # [Hkv, r, D]
+        per_head = self.searchers[layer]
+        # [Hkv, B, r, k]: one search per KV head and block, written in place; ids become
+        # shard rows (-1 stays -1: a block with fewer keys than k).
+        shape = (x.shape[0], len(per_head[0]), x.shape[1], k)
+        scores, ids = np.empty(shape, np.float32), np.empty(shape, np.int64)
 
-        def one(task):
-            start, head, index = task
-            found, block_ids = indexes.search(index, rows[head], min(k, index.ntotal))
-            return found, np.where(block_ids >= 0, block_ids + start, -1)
+        def one(task: tuple[int, int]) -> None:
+            head, j = task
+            start, index = per_head[head][j]
+            indexes.search(index, x[head], k, scores[head, j], ids[head, j])
+            np.add(ids[head, j], start, out=ids[head, j], where=ids[head, j] >= 0)
 
-        done = list(self.pool.map(one, tasks) if self.pool else map(one, tasks))
-        heads = x.shape[0]  # tasks run block by block, head by head: regroup per block
-        scores = [np.stack([s for s, _ in done[b:b + heads]]) for b in range(0, len(done), heads)]
-        ids = [np.stack([i for _, i in done[b:b + heads]]) for b in range(0, len(done), heads)]
-        scores = torch.from_numpy(np.concatenate(scores, axis=-1))
-        idx = torch.from_numpy(np.concatenate(ids, axis=-1))
-        scores = scores.masked_fill(idx < 0, float("-inf"))
-        return topk.top_candidates(scores, idx, k)
+        tasks = [(head, j) for head in range(shape[0]) for j in range(shape[1])]
+        list(self.pool.map(one, tasks) if self.pool else map(one, tasks))
+        scores, idx = torch.from_numpy(scores), torch.from_numpy(ids)
+        scores = scores.permute(0, 2, 1, 3).reshape(shape[0], shape[2], -1)
+        idx = idx.permute(0, 2, 1, 3).reshape(shape[0], shape[2], -1)
+        return topk.top_candidates(scores.masked_fill_(idx < 0, float("-inf")), idx, k)
+
+    def _select_ivf(self, layer: int, q: torch.Tensor, k: int):
+        """Each row's nearest lists among its KV head's, one scan of them all
+        (`indexes.scan_lists`), the k best of each row's scanned keys: numpy (scores,
+        ids) [Hkv * r, k'], ids head * N + row (-1: none). numpy throughout: these are
+        small arrays, where each torch call costs more than its work."""
+        import numpy as np
+
+        index, centroids = self.ivf[layer]  # centroids [Hkv, D, C]
+        heads, dim = q.shape[0], q.shape[2]
+        x = np.ascontiguousarray(q.float().cpu().numpy())
+        coarse = np.matmul(x, centroids)  # [Hkv, r, C]
+        n_lists = coarse.shape[2]
+        probes = indexes.ivf_probes(self.n_keys, n_lists, k)
+        if probes < n_lists:  # each row's `probes` best lists
+            lists = np.argpartition(coarse, n_lists - probes, axis=-1)[..., n_lists - probes:]
+            near = np.take_along_axis(coarse, lists, -1)
+        else:
+            lists, near = np.broadcast_to(np.arange(n_lists), coarse.shape), coarse
+        # a head's lists follow the heads' before it in the merged index
+        lists = lists + (np.arange(heads) * n_lists)[:, None, None]
+        lims, scores, ids = indexes.scan_lists(index, x.reshape(-1, dim),
+                                               lists.reshape(-1, probes),
+                                               np.ascontiguousarray(near).reshape(-1, probes))
+        return topk.best_of_ragged(lims, scores, ids, k)
+
+    def _rows_of(self, ids, rows: int):
+        """ivf ids head * N + row [Hkv * r, k] → rows in the shard (-1 stays -1)."""
+        import numpy as np
+
+        first = np.repeat(np.arange(len(ids) // rows) * self.n_keys, rows)[:, None]
+        return np.where(ids >= 0, ids - first, -1)
+
+    def _part_ivf(self, layer: int, q: torch.Tensor, k: int, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`parts`' work for ivf on the CPU, q [Hkv, r, D]: (out [1, Hkv, r, D] fp32,
+        lse [1, Hkv, r]). In-memory values are read by the ids directly (head * N + row
+        is their row in the layer's [Hkv * N, D])."""
+        import numpy as np
+
+        heads, rows, dim = q.shape
+        scores, ids = self._select_ivf(layer, q, k)  # [B = Hkv * r, k']
+        if self.values is not None:
+            flat = self.values[layer].view(-1, dim)
+            picked = flat.index_select(0, torch.from_numpy(np.maximum(ids, 0)).view(-1))
+        else:
+            picked = self.value_rows(layer, torch.from_numpy(self._rows_of(ids, rows)).view(
+                heads, rows, -1))
+        values = picked.float().numpy().reshape(*ids.shape, dim)
+        out, lse = topk.attend_rows(scores, values, scale)
+        return (torch.from_numpy(out).view(1, heads, rows, dim),
+                torch.from_numpy(lse).view(1, heads, rows))
 
     def value_rows(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
         """[Hkv, r, k, D]: the value rows idx [Hkv, r, k] selects (-1: zeros)."""
@@ -181,10 +276,51 @@ class TopKShard:
         return out
 
 
+def _starts(lengths: Sequence[int]) -> list[int]:
+    """Each block's first row in the shard, and the shard's length last."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+def _merged_layer(keys: Sequence[torch.Tensor], index_of, layer: int, dtype: str):
+    """One layer's ivf: the blocks' IVF indexes index_of(block, layer, head) merged over
+    every KV head (`indexes.merge_ivf`; ids head * N + row) and their centroids
+    [Hkv, D, C] numpy fp32. keys: the blocks' keys of this layer, each [Hkv, T, D]."""
+    heads = keys[0].shape[0]
+    parts = [index_of(block, layer, head) for head in range(heads) for block in range(len(keys))]
+    rows = torch.cat([torch.cat([k[head] for k in keys]) for head in range(heads)])
+    if dtype in ("bfloat16", "float16"):  # their bit patterns are the index's codes
+        rows = rows.to(getattr(torch, dtype)).view(torch.int16).numpy().view("uint16")
+    else:
+        rows = rows.float().numpy()
+    index = indexes.merge_ivf(parts, rows, dtype)
+    centroids = index.quantizer.reconstruct_n(0, index.nlist)  # [Hkv * C, D]
+    return index, centroids.reshape(heads, -1, centroids.shape[1]).transpose(0, 2, 1).copy()
+
+
+def _per_block(starts: Sequence[int], layers: int, heads: int, index_of):
+    """hnsw: per layer, per KV head, [(block's first row, index_of(block, layer, head))]."""
+    return [[[(start, index_of(block, layer, head)) for block, start in enumerate(starts[:-1])]
+             for head in range(heads)] for layer in range(layers)]
+
+
+def _read_per_layer(paths: Sequence, name: str, layers: int, dtype: torch.dtype,
+                    device: torch.device | str) -> list[torch.Tensor]:
+    """Tensor `name` of the block files, per layer [Hkv, N, D] in `dtype`: read a layer at
+    a time, so loading holds one layer more than the result, never a second copy."""
+    out = []
+    for layer in range(layers):
+        blocks = [indexes.read_block_layer(path, name, layer) for path in paths]
+        whole = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
+        out.append(whole.to(device=device, dtype=dtype))
+    return out
+
+
 def _per_layer(parts: Sequence[torch.Tensor], dtype: torch.dtype | None,
                device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Blocks' tensors [L, Hkv, T_i, D] → per layer [Hkv, N, D] (one copy, in `dtype`)."""
     whole = torch.cat(list(parts), dim=2) if len(parts) > 1 else parts[0]
     whole = whole.to(device=device, dtype=dtype or whole.dtype)
     return list(whole.unbind(0))
-

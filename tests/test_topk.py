@@ -121,6 +121,44 @@ def test_index_search_finds_most_of_the_exact_top_k(kind):
     assert (probs.gather(-1, found).sum(-1) / probs.gather(-1, exact).sum(-1)).min() >= 0.9
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merged_ivf_holds_every_key_once_and_scores_it_exactly(dtype):
+    """Phase 2 merges a worker's blocks' IVF indexes into one (keys in the cache's dtype):
+    every key is in it once under its row, and a scan's scores are the exact fp32 inner
+    products of the (cache-dtype) query with the keys."""
+    import numpy as np
+
+    torch.manual_seed(4)
+    keys = torch.randn(3 * 500, 16).to(dtype)
+    parts = [indexes.build("ivf", keys[i:i + 500].float().numpy()) for i in (0, 500, 1000)]
+    bits = keys.view(torch.int16).numpy().view("uint16") if dtype == torch.bfloat16 else \
+        keys.numpy()
+    merged = indexes.merge_ivf(parts, bits, str(dtype).removeprefix("torch."))
+    assert merged.nlist == sum(p.nlist for p in parts) and merged.ntotal == len(keys)
+    q = torch.randn(2, 16).to(dtype).float()
+    lists = np.tile(np.arange(merged.nlist), (2, 1))
+    lims, scores, ids = indexes.scan_lists(merged, q.numpy(), lists,
+                                           np.zeros(lists.shape, np.float32))
+    assert lims.tolist() == [0, len(keys), 2 * len(keys)]
+    for row in range(2):
+        got = ids[lims[row]:lims[row + 1]]
+        assert sorted(got.tolist()) == list(range(len(keys)))
+        ref = (q[row] @ keys.float().T)[torch.from_numpy(got)]
+        assert torch.allclose(torch.from_numpy(scores[lims[row]:lims[row + 1]]), ref,
+                              rtol=1e-5, atol=1e-5)
+
+
+def test_best_of_ragged_keeps_each_rows_k_best():
+    import numpy as np
+
+    lims = np.array([0, 3, 3, 7])  # rows of 3, 0 and 4 candidates
+    scores = np.array([1.0, 5.0, 3.0, 2.0, 9.0, 4.0, 7.0], np.float32)
+    ids = np.array([10, 11, 12, 20, 21, 22, 23])
+    best, found = topk.best_of_ragged(lims, scores, ids, 2)
+    assert [sorted(r) for r in found.tolist()] == [[11, 12], [-1, -1], [21, 23]]
+    assert np.isneginf(best[1]).all() and sorted(best[2].tolist()) == [7.0, 9.0]
+
+
 def test_linear_schedule_grows_with_depth_for_the_same_budget():
     assert topk.layer_budgets(10, 4, "uniform") == [10] * 4
     linear = topk.layer_budgets(100, 30, "linear")
