@@ -79,7 +79,7 @@ def main() -> None:
     star = engine.ingest(engine.IngestOptions(
         paths=(str(corpus),), model=str(model_path), method="star", workers=2,
         name="bench-star")).manifest
-    ctx_ids = context_ids(tokenizer, corpus)
+    ctx_ids = context_ids(tokenizer, corpus, star)
     query_ids = prompt.tokenize_query(tokenizer, QUESTION)
     full = ctx_ids + query_ids
 
@@ -111,11 +111,11 @@ def main() -> None:
     shutil.rmtree(home, ignore_errors=True)
 
 
-def context_ids(tokenizer, corpus: Path):
+def context_ids(tokenizer, corpus: Path, manifest):
     from starqa import corpus as corpus_mod
-    from starqa import prompt
+    from starqa import packorder, prompt
 
-    files = corpus_mod.collect([corpus]).files
+    files = packorder.as_packed(corpus_mod.collect([corpus]).files, manifest)
     packed, spans = corpus_mod.pack(files)
     return prompt.tokenize_context(tokenizer, packed, spans).ids
 

@@ -65,7 +65,7 @@ def starqa_cold(name: str, new_tokens: int) -> tuple[float, str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.read(1)
     first = time.perf_counter() - started
-    rest = proc.stdout.read()
+    proc.stdout.read()  # the rest of the answer
     err = proc.stderr.read().decode(errors="replace")
     if proc.wait() != 0:
         raise SystemExit(f"starqa ask failed:\n{err}")
@@ -148,7 +148,7 @@ def main() -> None:
 
     import torch
 
-    from starqa import corpus, engine, models, paths, prompt, store
+    from starqa import corpus, engine, models, packorder, paths, prompt, store
 
     embedded = models.embedded_model(args.model)
     if embedded is None:
@@ -165,7 +165,7 @@ def main() -> None:
         ingested = engine.ingest(engine.IngestOptions(paths=(str(folder / name),),
                                                       model=embedded.name, name=name))
         manifest = ingested.manifest
-        files = corpus.collect([str(folder / name)]).files
+        files = packorder.as_packed(corpus.collect([str(folder / name)]).files, manifest)
         packed, spans = corpus.pack(files)
         context = prompt.tokenize_context(tokenizer, packed, spans).ids
         query = prompt.tokenize_query(tokenizer, QUESTION)

@@ -101,15 +101,22 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
                 ).removeprefix("torch.")
     root = paths.contexts_dir()
-    # The files' order: the last context of these sources sets it (whatever its method or
-    # model); across machines every launcher must pack alike, and mtimes differ between copies.
-    corpus = replace(corpus, files=tuple(sorted(corpus.files, key=lambda f: f.path))
-                     if opts.nnodes > 1 else packorder.order(corpus.files, _previous(
-                         root, opts.paths)))
+    # The files' order (starqa.packorder): the last context of these sources sets it,
+    # whatever its method or model; across machines every launcher must pack alike, and
+    # mtimes differ between copies: path order.
+    layout = None if opts.nnodes > 1 else _previous(root, opts.paths)
+    files = tuple(sorted(corpus.files, key=lambda f: f.path)) if opts.nnodes > 1 else \
+        packorder.keeping(corpus.files, [f.path for f in layout.files]) if layout else \
+        packorder.by_age(corpus.files)
     with ui.status("Tokenising"):
-        packed, spans = corpus_mod.pack(corpus.files)
+        packed, spans = corpus_mod.pack(files)
         tokens = prompt.tokenize_context(tokenizer, packed, spans)
+        if layout is not None and not packorder.head_kept(layout, tokens.ids):
+            files = packorder.by_age(corpus.files)  # all encoded again anyway: laid out afresh
+            packed, spans = corpus_mod.pack(files)
+            tokens = prompt.tokenize_context(tokenizer, packed, spans)
         ids = tokens.ids
+    corpus = replace(corpus, files=files)
     n = len(ids)
     if opts.index is not None and opts.index not in ("ivf", "hnsw"):
         raise StarqaError(f"--index {opts.index!r} is not an index to build.",

@@ -12,9 +12,9 @@ edit re-encodes every block after it). So the files that change least go first:
 - A re-ingest keeps the previous version's order for every file still there, and puts new
   files after them (oldest first): an edited file stays where it was, so only the blocks
   that hold it change, and later blocks at most move (star re-rotates them).
-- Except when a file in the previous version's first block (or star's anchor, when longer)
-  changed or went: every block is encoded again then anyway, so the layout is chosen afresh,
-  oldest first, at no extra cost. (`--force` keeps the layout: it re-encodes the same
+- Except when that order changes the previous version's first block (or star's anchor,
+  when longer), token for token: every block is encoded again then anyway, so the layout
+  is chosen afresh, oldest first, at no extra cost (`ingest` packs twice then). (`--force` keeps the layout: it re-encodes the same
   context.)
 
 Pure Python, no torch.
@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 from starqa.corpus import SourceFile
 from starqa.manifest import Manifest
-from starqa.reuse import file_sha
 
 
 def by_age(files: Sequence[SourceFile]) -> tuple[SourceFile, ...]:
@@ -42,24 +41,28 @@ def keeping(files: Sequence[SourceFile], previous: Sequence[str]) -> tuple[Sourc
     return (*kept, *(f for f in by_age(files) if f.path not in rank))
 
 
-def head_changed(previous: Manifest, files: Sequence[SourceFile]) -> str | None:
-    """The first file of `previous`'s head (its block 0, or star's anchor when longer) that
-    is gone or changed in `files`, else None."""
+def head_kept(previous: Manifest, ids: Sequence[int]) -> bool:
+    """Whether context `ids` starts with the same head as `previous`: its first block (or
+    star's anchor, when longer), read back from the block files' own token ids. Unknown
+    (a block file unreadable) counts as kept: the reuse plan decides what to encode."""
+    from safetensors import safe_open
+
     head = max(previous.blocks[0].end if previous.blocks else 0,
                previous.method.anchor_size or 0)
-    now = {f.path: f for f in files}
-    for old in previous.files:
-        if old.token_start >= head:
-            break
-        new = now.get(old.path)
-        if new is None or old.sha256 is None or file_sha(new.text) != old.sha256:
-            return old.path
-    return None
+    old: list[int] = []
+    try:
+        for block in previous.blocks:
+            if block.start >= head:
+                break
+            with safe_open(str(previous.folder / block.file), framework="numpy") as f:
+                old += f.get_tensor("ids").tolist()
+    except Exception:  # noqa: BLE001 (any unreadable file: unknown)
+        return True
+    return list(ids[:head]) == old[:head]
 
 
-def order(files: Sequence[SourceFile], previous: Manifest | None) -> tuple[SourceFile, ...]:
-    """The packing order of `files` (see the module docstring); `previous`: the last context
-    of the same sources, method, model and dtype, if any."""
-    if previous is None or head_changed(previous, files) is not None:
-        return by_age(files)
-    return keeping(files, [f.path for f in previous.files])
+def as_packed(files: Sequence[SourceFile], manifest: Manifest) -> tuple[SourceFile, ...]:
+    """`files` (e.g. `corpus.collect`'s, sorted by path) in the order `manifest` packed them:
+    a reference prompt rebuilt outside `ingest` (tests, benchmarks) is then the very one."""
+    by_path = {f.path: f for f in files}
+    return tuple(by_path[f.path] for f in manifest.files)

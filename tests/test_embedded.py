@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from starqa import corpus, engine, models, prompt
+from starqa import corpus, engine, models, packorder, prompt
 from starqa.models import load_model, load_tokenizer
 from starqa.paths import contexts_dir
 
@@ -21,7 +21,7 @@ def test_dense_two_workers_equal_one_transformers_generate(embedded_model, home,
     answer = engine.ask(engine.AskOptions(QUESTION, workers=2, max_new_tokens=12))
 
     tok = load_tokenizer(embedded_model)
-    packed, spans = corpus.pack(corpus.collect([samples]).files)
+    packed, spans = corpus.pack(packorder.as_packed(corpus.collect([samples]).files, manifest))
     context_ids = prompt.tokenize_context(tok, packed, spans).ids
     ids = context_ids + prompt.tokenize_query(tok, QUESTION)
     model = load_model(embedded_model, dtype=torch.float32)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from starqa import blockstore, engine, methods, packorder, paths, shards, store
-from starqa.corpus import SourceFile
+from starqa.corpus import SourceFile, collect
 from starqa.cli import app
 from starqa.manifest import read_manifest
 from starqa.methods import method_config, plan_blocks, plan_file_blocks
@@ -191,6 +191,8 @@ def test_files_go_oldest_first_and_keep_their_place_until_the_head_changes(home,
         touch(f"f{i}.md", 1_700_000_000 - 1000 * i)
     first = _ingest(repo, tiny_model, reserve=0).manifest
     assert [f.path for f in first.files] == [f"f{i}.md" for i in range(8, -1, -1)]
+    rebuilt = packorder.as_packed(collect([repo]).files, first)  # a reference prompt's files
+    assert [f.path for f in rebuilt] == [f.path for f in first.files]
 
     _append(repo / "f5.md")  # in the middle, now the newest
     (repo / "new.md").write_text("seven")
@@ -200,7 +202,13 @@ def test_files_go_oldest_first_and_keep_their_place_until_the_head_changes(home,
     assert [f.path for f in result.manifest.files] == [f.path for f in first.files] + ["new.md"]
     assert 0 < result.reuse.encoded < result.reuse.blocks
 
-    _append(repo / "f8.md")  # the first file: in block 0, the anchor
+    order = [f.path for f in result.manifest.files]
+    _append(repo / "f8.md")  # the first file, but past the first block: the head is kept
+    touch("f8.md", 1_800_000_200)
+    result = _ingest(repo, tiny_model, reserve=0)
+    assert [f.path for f in result.manifest.files] == order and result.reuse.encoded == 1
+
+    (repo / "f8.md").write_text("travel " + (repo / "f8.md").read_text())  # in the head
     touch("f8.md", 1_800_000_200)
     result = _ingest(repo, tiny_model, reserve=0)
     assert result.reuse.encoded == result.reuse.blocks
