@@ -89,8 +89,9 @@ class _Globs:
 # `.git/config` that names programs. Of the keys that run programs, `ls-files`,
 # `check-ignore` and `rev-parse` reach only core.fsmonitor (verified on git 2.39: filters,
 # textconv, diff.external, credential and ssh helpers are not used by them), `log` also
-# gpg's programs (log.showSignature), `diff` diff.external; the others are pinned too, so that a later git, or a later command here, stays safe. Command-line `-c`
-# outranks every config file (includes and worktree config too).
+# gpg's programs (log.showSignature), `diff` diff.external; the others are pinned too, so
+# that a later git, or a later command here, stays safe. Command-line `-c` outranks every
+# config file (includes and worktree config too).
 _GIT_SAFE = ("--no-pager", "--no-optional-locks", "-c", "core.fsmonitor=false",
              "-c", "core.hooksPath=/dev/null", "-c", "core.pager=cat",
              "-c", "core.untrackedCache=false", "-c", "diff.external=",

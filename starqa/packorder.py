@@ -14,10 +14,10 @@ edit re-encodes every block after it). So the files that change least go first:
   that hold it change, and later blocks at most move (star re-rotates them).
 - Except when that order changes the previous version's first block (or star's anchor,
   when longer), token for token: every block is encoded again then anyway, so the layout
-  is chosen afresh, oldest first, at no extra cost (`ingest` packs twice then). (`--force` keeps the layout: it re-encodes the same
-  context.)
+  is chosen afresh, oldest first, at no extra cost (`ingest` packs twice then).
+  `--force` keeps the layout: it re-encodes the same context.
 
-Pure Python, no torch.
+Pure Python, no torch (the block files' token ids are read with safetensors' numpy API).
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ class Chat:
     def run(self) -> None:
         """Answer what is typed until /exit or Ctrl-D; from a pipe or a file (`echo q |
         starqa chat`), every non-empty line is one question or command."""
-        for text in self._prompts() if sys.stdin.isatty() else (line.strip() for line in sys.stdin):
+        typed = self._prompts() if sys.stdin.isatty() else (line.strip() for line in sys.stdin)
+        for text in typed:
             if not text:
                 continue
             try:
