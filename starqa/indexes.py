@@ -15,7 +15,8 @@ Index kinds (`--index`), over one (block, layer, KV head)'s keys, by inner produ
            head of a layer, into one index in memory (`merge_ivf`: the keys in the cache's
            dtype, 2 bytes each in bf16, plus an int64 id; the centroids in fp32), and a
            row scans the lists nearest it among its KV head's until about IVF_SCAN * k
-           keys are seen (`ivf_probes`, `scan_lists`), with or without --kv-on-disk.
+           keys per block are seen (`ivf_probes`, `scan_lists`), with or without
+           --kv-on-disk.
     hnsw   faiss IndexHNSWFlat (METRIC_INNER_PRODUCT, M = HNSW_M): every key in fp32 plus
            its graph links; with --kv-on-disk the keys are memory-mapped, the graph read.
 
@@ -50,7 +51,7 @@ SCHEDULES = ("uniform", "linear")
 DEFAULT_TOP_K = "1%"  # the paper: k ~ 1% of the context keeps >= 95% of dense accuracy
 IVF_POINTS_PER_LIST = 39  # faiss's k-means wants at least 39 training points per centroid
 IVF_LISTS_PER_SQRT = 4  # nlist ~ 4 sqrt(T), faiss's rule of thumb
-IVF_SCAN = 6  # a search scans about this many times k keys (nprobe lists of T/nlist keys)
+IVF_SCAN = 4  # a search scans about this many times k keys per block (nprobe lists)
 IVF_TRAIN_ITERATIONS = 10
 HNSW_M = 16
 HNSW_EF_CONSTRUCTION = 40

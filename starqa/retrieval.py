@@ -16,8 +16,9 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
     ivf    one faiss IVF index over every block and KV head of the worker
            (`indexes.merge_ivf`: the blocks' lists side by side, keys in the cache's dtype)
            and its centroids [Hkv, D, C] fp32 (C: lists per KV head). A row ranks its KV
-           head's C centroids, and its nearest lists (about IVF_SCAN * k keys) are scanned
-           for all rows in one faiss call; the k best of what was scanned are kept.
+           head's C centroids, and its nearest lists (about IVF_SCAN * k keys per block)
+           are scanned for all rows in one faiss call; the k best of what was scanned are
+           kept.
     hnsw   each block's faiss HNSW index per KV head (a graph is not merged), searched one
            block at a time; the worker keeps the k best of the blocks' k best.
 """
@@ -48,10 +49,11 @@ class TopKShard:
     (`topk.layer_budgets`)."""
 
     def __init__(self, settings: TopK, budgets: Sequence[int], n_keys: int, keys=None,
-                 ivf=None, searchers=None, values=None, mapped_values=None):
+                 ivf=None, searchers=None, values=None, mapped_values=None, blocks: int = 1):
         self.settings = settings
         self.budgets = list(budgets)
         self.n_keys = n_keys
+        self.blocks = blocks  # ivf scans IVF_SCAN * k keys per block (see _select_ivf)
         self.keys = keys
         self.ivf = ivf
         self.searchers = searchers
@@ -94,7 +96,7 @@ class TopKShard:
         n = sum(k.shape[2] for k, _ in parts)
         budgets = topk.layer_budgets(settings.keys(n_tokens), layers, settings.schedule)
         return cls(settings, budgets, n, keys, ivf, searchers,
-                   _per_layer([v for _, v in parts], dtype))
+                   _per_layer([v for _, v in parts], dtype), blocks=len(parts))
 
     @classmethod
     def from_cache(cls, manifest: Manifest, blocks: Sequence[int], settings: TopK,
@@ -141,7 +143,8 @@ class TopKShard:
             values = _read_per_layer(paths, "v", layers, dtype, device)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
-        return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped)
+        return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped,
+                   blocks=len(blocks))
 
     # -- Phase 2 ------------------------------------------------------------------------
 
@@ -221,7 +224,11 @@ class TopKShard:
         x = np.ascontiguousarray(q.float().cpu().numpy())
         coarse = np.matmul(x, centroids)  # [Hkv, r, C]
         n_lists = coarse.shape[2]
-        probes = indexes.ivf_probes(self.n_keys, n_lists, k)
+        # As many keys as one search per block scanned (IVF_SCAN * k in each): a budget of
+        # IVF_SCAN * k over the whole shard lost most of the recall on short contexts
+        # (SmolLM2 at 4K, k = 5%: garbage answers), and nearest lists chosen over every
+        # block at once only add to it.
+        probes = indexes.ivf_probes(self.n_keys, n_lists, k * self.blocks)
         if probes < n_lists:  # each row's `probes` best lists
             lists = np.argpartition(coarse, n_lists - probes, axis=-1)[..., n_lists - probes:]
             near = np.take_along_axis(coarse, lists, -1)
