@@ -337,13 +337,15 @@ def _starqaignore(root: Path) -> pathspec.GitIgnoreSpec | None:
     return pathspec.GitIgnoreSpec.from_lines(path.read_text(errors="replace").splitlines())
 
 
-def _candidates(root: Path, label: str, include: _Globs,
-                exclude: _Globs) -> Iterator[tuple[str, Path] | Skipped]:
-    """(display path, path on disk) of files to read under one root, or Skipped entries."""
+def _candidates(root: Path, label: str, include: _Globs, exclude: _Globs,
+                git: bool | None = None) -> Iterator[tuple[str, Path] | Skipped]:
+    """(display path, path on disk) of files to read under one root, or Skipped entries.
+    git: whether `root` is read through git (`_use_git`, asked here when not given)."""
     if root.is_file():  # named explicitly: no hidden, ignore, lock or glob rules
         yield root.name if not label else label, root
         return
-    walk = _walk_git(root) if _use_git(root) else _walk_plain(root, exclude)
+    walk = _walk_git(root) if (_use_git(root) if git is None else git) else \
+        _walk_plain(root, exclude)
     prefix = f"{label}/" if label else ""
     own_ignore = _starqaignore(root)
     for item in walk:
@@ -395,9 +397,10 @@ def collect(paths: Sequence[str | Path], *, max_file_bytes: int = 1_000_000,
     files: dict[str, SourceFile] = {}  # real path -> file
     skipped: list[Skipped] = []
     for root, label in zip(roots, labels):
-        committed = _git_times(root) if root.is_dir() and _use_git(root) else {}
+        git = root.is_dir() and _use_git(root)
+        committed = _git_times(root) if git else {}
         prefix = f"{label}/" if label else ""
-        for item in _candidates(root, label, inc, exc):
+        for item in _candidates(root, label, inc, exc, git):
             if isinstance(item, Skipped):
                 skipped.append(item)
                 continue
