@@ -1,3 +1,3 @@
-from starqa.cli import main
+from starqa.cli import run
 
-main()
+run()
