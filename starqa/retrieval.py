@@ -2,6 +2,12 @@
 hnsw), its values (in memory, or memory-mapped from the shard files with --kv-on-disk),
 and `parts`, which `phase2.ShardAttention` calls in place of exact attention over a shard.
 
+The worker holding the context's first block also attends exactly to its first
+`TopK.sink` tokens (StreamingLLM's attention sinks: the template and system prompt, where
+much of every head's attention mass rests), in addition to the k keys it retrieves from
+the rest; the sink is a part of its own for the LSE merge, and the retrieval never returns
+its rows, so every key is counted once and k >= the shard is still exact.
+
 Each worker retrieves k keys per query row from its own blocks, so the union over workers
 holds the context's global top k; `attention.merge` then combines the parts exactly, as
 for exact attention. Scores are exact fp32 inner products with the cache's keys (flat
@@ -31,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from starqa import indexes, topk
+from starqa.attention import attend
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
 from starqa.manifest import Manifest, block_file
@@ -46,13 +53,17 @@ class TopKShard:
     head * N + row. searchers (hnsw): per layer, per KV head, [(first row in the shard,
     a block's faiss index)], else None. values: per layer [Hkv, N, D] (in memory), or per
     block (first row, [L, Hkv, T, D] memory-mapped). budgets: keys per row in each layer
-    (`topk.layer_budgets`)."""
+    (`topk.layer_budgets`). sinks: per layer (keys, values) [1, Hkv, S, D] fp32, the
+    context's first S tokens, on the worker that holds them, else None."""
 
     def __init__(self, settings: TopK, budgets: Sequence[int], n_keys: int, keys=None,
-                 ivf=None, searchers=None, values=None, mapped_values=None, blocks: int = 1):
+                 ivf=None, searchers=None, values=None, mapped_values=None, blocks: int = 1,
+                 sinks=None):
         self.settings = settings
         self.budgets = list(budgets)
         self.n_keys = n_keys
+        self.sinks = sinks
+        self.n_sink = sinks[0][0].shape[2] if sinks else 0  # shard rows [0, n_sink)
         self.blocks = blocks  # ivf scans IVF_SCAN * k keys per block (see _select_ivf)
         self.keys = keys
         self.ivf = ivf
@@ -73,9 +84,11 @@ class TopKShard:
 
     @classmethod
     def from_parts(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], settings: TopK,
-                   n_tokens: int, dtype: torch.dtype | None = None) -> TopKShard | None:
+                   n_tokens: int, dtype: torch.dtype | None = None, first: bool = True
+                   ) -> TopKShard | None:
         """From blocks' (k, v), each [L, Hkv, T, D], in memory, building any index here
-        (`starqa eval`, tests). None when there are no blocks."""
+        (`starqa eval`, tests); first: they begin with the context's first block (the
+        sink's). None when there are no blocks."""
         if not parts:
             return None
         layers, heads = parts[0][0].shape[:2]
@@ -96,7 +109,8 @@ class TopKShard:
         n = sum(k.shape[2] for k, _ in parts)
         budgets = topk.layer_budgets(settings.keys(n_tokens), layers, settings.schedule)
         return cls(settings, budgets, n, keys, ivf, searchers,
-                   _per_layer([v for _, v in parts], dtype), blocks=len(parts))
+                   _per_layer([v for _, v in parts], dtype), blocks=len(parts),
+                   sinks=_sinks(*parts[0], settings.sink) if first else None)
 
     @classmethod
     def from_cache(cls, manifest: Manifest, blocks: Sequence[int], settings: TopK,
@@ -143,8 +157,13 @@ class TopKShard:
             values = _read_per_layer(paths, "v", layers, dtype, device)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
+        sinks = None
+        if blocks[0] == 0:
+            sinks = _sinks(indexes.read_block_tensor(paths[0], "k", mapped=True),
+                           indexes.read_block_tensor(paths[0], "v", mapped=True),
+                           settings.sink, device)
         return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped,
-                   blocks=len(blocks))
+                   blocks=len(blocks), sinks=sinks)
 
     # -- Phase 2 ------------------------------------------------------------------------
 
@@ -152,11 +171,18 @@ class TopKShard:
               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The top-k partial attention of folded queries q [1, Hkv, R, D] over this
         worker's blocks in `layer`: ([out [1, Hkv, R, D] in q's dtype], [lse [1, Hkv, R]
-        fp32]), one part for `attention.merge`."""
-        k = min(self.budgets[layer], self.n_keys)
+        fp32]), a part for `attention.merge` (two on the sink's worker)."""
+        k = min(self.budgets[layer], self.n_keys - self.n_sink)
         rows = q.shape[2]
-        step = max(1, ROWS_X_KEYS // (k * q.shape[1]))
         outs, lses = [], []
+        if self.sinks is not None:
+            out, lse = attend(q, *self.sinks[layer], scale)
+            outs.append(out.to(q.dtype))
+            lses.append(lse)
+            if k < 1:  # the whole shard is the sink
+                return outs, lses
+        parts = len(outs)
+        step = max(1, ROWS_X_KEYS // (k * q.shape[1]))
         for start in range(0, rows, step):
             piece = q[0, :, start:start + step]  # [Hkv, r, D]
             if self.ivf is not None and q.device.type == "cpu":
@@ -177,15 +203,18 @@ class TopKShard:
                 out, lse = topk.attend_selected(scores, idx, values, scale)
             outs.append(out.to(q.dtype))
             lses.append(lse)
-        if len(outs) == 1:
+        if len(outs) == parts + 1:
             return outs, lses
-        return [torch.cat(outs, dim=2)], [torch.cat(lses, dim=2)]
+        return outs[:parts] + [torch.cat(outs[parts:], dim=2)], \
+            lses[:parts] + [torch.cat(lses[parts:], dim=2)]
 
     def select(self, layer: int, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """scores, idx [Hkv, r, k'] (k' <= k where fewer keys were found or exist): each
-        row's k best keys of this worker's blocks; idx -1 (score -inf) where none."""
+        row's k best keys of this worker's blocks past the sink; idx -1 (score -inf) where
+        none."""
+        sink = self.n_sink
         if self.keys is not None:
-            return topk.select_exact(q, self.keys[layer], k)
+            return topk.select_exact(q, self.keys[layer], k, sink)
         if self.ivf is not None:
             scores, ids = self._select_ivf(layer, q, k)
             return (torch.from_numpy(scores).view(*q.shape[:2], -1),
@@ -196,14 +225,16 @@ class TopKShard:
         per_head = self.searchers[layer]
         # [Hkv, B, r, k]: one search per KV head and block, written in place; ids become
         # shard rows (-1 stays -1: a block with fewer keys than k).
-        shape = (x.shape[0], len(per_head[0]), x.shape[1], k)
+        shape = (x.shape[0], len(per_head[0]), x.shape[1], min(k + sink, self.n_keys))
         scores, ids = np.empty(shape, np.float32), np.empty(shape, np.int64)
 
         def one(task: tuple[int, int]) -> None:
             head, j = task
             start, index = per_head[head][j]
-            indexes.search(index, x[head], k, scores[head, j], ids[head, j])
+            indexes.search(index, x[head], shape[3], scores[head, j], ids[head, j])
             np.add(ids[head, j], start, out=ids[head, j], where=ids[head, j] >= 0)
+            if start < sink:  # the sink's rows are attended apart
+                np.copyto(ids[head, j], -1, where=ids[head, j] < sink)
 
         tasks = [(head, j) for head in range(shape[0]) for j in range(shape[1])]
         list(self.pool.map(one, tasks) if self.pool else map(one, tasks))
@@ -239,6 +270,8 @@ class TopKShard:
         lims, scores, ids = indexes.scan_lists(index, x.reshape(-1, dim),
                                                lists.reshape(-1, probes),
                                                np.ascontiguousarray(near).reshape(-1, probes))
+        if self.n_sink:  # the sink's rows (head * N + row, row < sink) are attended apart
+            scores[ids % self.n_keys < self.n_sink] = -np.inf
         return topk.best_of_ragged(lims, scores, ids, k)
 
     def _rows_of(self, ids, rows: int):
@@ -281,6 +314,16 @@ class TopKShard:
             if inside.any():  # only these rows of the file are read
                 out[inside] = mapped[layer][heads[inside], idx[inside] - start]
         return out
+
+
+def _sinks(key: torch.Tensor, value: torch.Tensor, size: int, device="cpu"):
+    """The sink: per layer (keys, values) [1, Hkv, S, D] fp32 of the first S = min(size,
+    T) rows of a block's key, value [L, Hkv, T, D]; None when size is 0."""
+    size = min(size, key.shape[2])
+    if size < 1:
+        return None
+    return [(k[None, :, :size].to(device, torch.float32), v[None, :, :size].to(device, torch.float32))
+            for k, v in zip(key, value)]
 
 
 def _starts(lengths: Sequence[int]) -> list[int]:

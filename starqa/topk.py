@@ -44,19 +44,22 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.reshape(heads * n, dim).index_select(0, rows.view(-1)).view(*idx.shape, dim)
 
 
-def select_exact(q: torch.Tensor, key: torch.Tensor, k: int
+def select_exact(q: torch.Tensor, key: torch.Tensor, k: int, skip: int = 0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact top-k keys of every row: q [Hkv, R, D] against key [Hkv, N, D].
+    """The exact top-k keys of every row among rows [skip, N): q [Hkv, R, D] against key
+    [Hkv, N, D].
 
     The ranking is one matmul in the keys' dtype and a topk; the selected keys' scores are
     then recomputed in fp32 from the rows themselves, so the attention over them is as
     exact as `attention.attend`'s (a bf16 ranking may swap two near-equal keys at the
-    k-th place, never when k >= N). Returns (scores [Hkv, R, min(k, N)] fp32, idx)."""
+    k-th place, never when k >= N - skip). Returns (scores [Hkv, R, min(k, N - skip)]
+    fp32, idx)."""
     n = key.shape[1]
-    if k >= n:  # every key: no ranking needed
-        idx = torch.arange(n, device=key.device).expand(q.shape[0], q.shape[1], n)
+    if k >= n - skip:  # every key: no ranking needed
+        idx = torch.arange(skip, n, device=key.device).expand(q.shape[0], q.shape[1], n - skip)
     else:
         coarse = torch.matmul(q.to(key.dtype), key.transpose(1, 2))  # [Hkv, R, N]
+        coarse[..., :skip] = -math.inf  # never picked: k < N - skip keys are left
         if coarse.device.type == "cpu" and q.shape[0] * q.shape[1] <= NUMPY_ROWS:
             # a decode step: numpy's argpartition is ~3x torch.topk's speed (a prefill of
             # many rows keeps torch.topk: argpartition's index array is [Hkv, R, N] int64)

@@ -102,6 +102,40 @@ def test_each_index_kind_with_every_key_is_exact_and_merges_across_workers(kind)
     assert torch.allclose(lse.reshape(ref_lse.shape), ref_lse, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", indexes.KINDS)
+def test_the_sink_is_attended_apart_and_never_retrieved(kind):
+    """The first worker attends to the context's first `sink` rows exactly, in addition
+    to the k keys it retrieves from the rest: flat gives attention over exactly the sink
+    and the k best of the rest; no kind's retrieval returns a sink row (counted twice);
+    a worker without the context's start has no sink."""
+    torch.manual_seed(5)
+    hkv, g, dim, sink, k = 2, 3, 16, 4, 5
+    blocks = [(torch.randn(1, hkv, t, dim), torch.randn(1, hkv, t, dim)) for t in (60, 50)]
+    blocks[0][0][:, :, :sink] *= 0.1  # small inner products: never among a row's best
+    settings = TopK(count=k, index=kind, sink=sink)
+    first = TopKShard.from_parts(blocks, settings, 110)
+    other = TopKShard.from_parts(blocks[1:], settings, 110, first=False)
+    assert first.n_sink == sink and other.n_sink == 0 and other.sinks is None
+    q = torch.randn(hkv, g, dim)
+    _, idx = first.select(0, q, k)
+    assert ((idx < 0) | (idx >= sink)).all() and (idx >= sink).sum() > 0
+    if kind != "flat":
+        return
+    outs, lses = first.parts(0, q[None], dim ** -0.5)
+    assert len(outs) == 2  # the sink's part and the retrieved part
+    out, lse = merge(torch.cat(outs), torch.cat(lses))
+    keys = torch.cat([b[0][0] for b in blocks], dim=1)  # [Hkv, N, D]
+    values = torch.cat([b[1][0] for b in blocks], dim=1)
+    best = (q @ keys[:, sink:].transpose(1, 2)).topk(k).indices + sink  # [Hkv, g, k]
+    for head in range(hkv):
+        for row in range(g):
+            rows = torch.cat([torch.arange(sink), best[head, row]])
+            ref, ref_lse = attend(q[head, row][None, None, None], keys[head, rows][None, None],
+                                  values[head, rows][None, None], dim ** -0.5)
+            assert torch.allclose(out[head, row], ref.flatten(), atol=1e-5)
+            assert torch.allclose(lse[head, row], ref_lse.flatten(), atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["ivf", "hnsw"])
 def test_index_search_finds_most_of_the_exact_top_k(kind):
     """Approximate retrieval on keys with structure (clusters, as real keys have): the
