@@ -33,8 +33,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from starqa import dist, indexes, models, prompt
+    from starqa import dist, indexes, models
     from starqa.answering import Answerer
+    from starqa.ask import question_ids
     from starqa.manifest import read_manifest
 
     def rss_mb() -> float:
@@ -47,7 +48,9 @@ def main() -> None:
                                          args.kv_on_disk)
         manifest = indexes.ensure(manifest, args.attention)
     path = models.resolve_model(manifest.model.spec)
-    query = prompt.tokenize_query(models.load_tokenizer(path), args.question)
+    # as `starqa ask` does: the plain tokenizers library (transformers' import alone is
+    # ~170 MB of resident memory, which would count in both peaks)
+    query = question_ids(manifest, path, args.question)[1]
     started = time.perf_counter()
     answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), path, "int4", settings)
     loaded, load_rss = time.perf_counter() - started, rss_mb()

@@ -81,7 +81,7 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
             return _ask_warm(opts, manifest, group, ui, started)
     with ui.status("Checking model and shards"):
         model_path = _checked_model(manifest, opts.model, ui)
-        tokenizer, query_ids = _question(manifest, model_path, opts.question)
+        tokenizer, query_ids = question_ids(manifest, model_path, opts.question)
     if opts.nnodes == 1:  # no group to fetch blocks kept on other machines from
         try:
             hosts.check_here(manifest)
@@ -125,7 +125,7 @@ def _with_indexes(manifest: Manifest, topk: TopK | None, ui: UI) -> Manifest:
     return indexes.ensure(manifest, topk.index, on_build=ui.waiting)
 
 
-def _question(manifest: Manifest, model_path: Path, question: str) -> tuple[Any, list[int]]:
+def question_ids(manifest: Manifest, model_path: Path, question: str) -> tuple[Any, list[int]]:
     """(tokenizer, the question's query ids). With the manifest's query template the plain
     `tokenizers` library does it (no transformers import on a cold ask's way to its first
     token); without (older caches, templates that reshape the question), transformers."""

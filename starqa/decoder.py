@@ -300,20 +300,22 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
     config = DecoderConfig.read(folder)
     if weights == "dense" or torch.device(device).type != "cpu":
         return _build(folder, config, dtype, weights, device)
-    from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from starqa import tensorfile
+    from starqa.errors import ShardError
 
     cached = Path(folder) / f".starqa-phase2-{weights}-{str(dtype).removeprefix('torch.')}" \
                             ".safetensors"
     stamp = {"weights_sha256": weights_digest(folder), "torch": torch.__version__,
              "layout": PREPARED_LAYOUT}
     try:
-        with safe_open(str(cached), framework="pt") as f:
-            if f.metadata() == stamp:
-                return Decoder.from_tensors(config, {k: f.get_tensor(k) for k in f.keys()},
-                                            dtype, weights)
-    except (OSError, ValueError, KeyError, RuntimeError):  # absent, damaged or stale
+        # Read, not memory-mapped: the packed kernels want 64-byte aligned weights, and a
+        # mapped tensor at an unaligned offset had to be copied while its pages stayed
+        # resident too (136 MB twice over for SmolLM2's int4).
+        if tensorfile.header(cached)[1].get("__metadata__") == stamp:
+            return Decoder.from_tensors(config, tensorfile.read_all(cached)[0], dtype, weights)
+    except (OSError, ValueError, KeyError, ShardError):  # absent, damaged or stale
         pass
     decoder = _build(folder, config, dtype, weights, device)
     try:  # write next to it, then rename: a reader sees the old file or the whole new one

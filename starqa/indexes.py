@@ -8,7 +8,8 @@ the manifest, verified, read and searched.
 Index kinds (`--index`), over one (block, layer, KV head)'s keys, by inner product:
 
     flat   exact: one matmul + topk over the keys themselves (no file; the keys stay in
-           memory in the cache's dtype)
+           memory in the cache's dtype, or with --kv-on-disk are read from the block files
+           a layer at a time, memory-mapped, and their pages released after the layer)
     ivf    faiss IndexIVFFlat (METRIC_INNER_PRODUCT): ~4 sqrt(T) k-means lists (the file
            holds the centroids and every key in fp32, plus an int64 id each). Phase 2
            does not search the files: it merges a worker's blocks' lists, for every KV
@@ -29,7 +30,6 @@ one; faiss's own file format, never pickle. Nothing here imports torch or faiss 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -44,6 +44,7 @@ from starqa.errors import ShardError, StarqaError
 from starqa.manifest import (IndexFile, IndexSet, Manifest, block_file, index_file,
                              write_json_atomic, write_manifest)
 from starqa.shards import read_verified
+from starqa.tensorfile import block_shape, read_tensor
 
 ATTENTIONS = ("exact", "topk")
 KINDS = ("flat", "ivf", "hnsw")
@@ -164,7 +165,7 @@ def memory_bytes(manifest: Manifest, settings: TopK) -> int:
     half = sum(b.bytes for b in manifest.blocks) // 2
     found = find_set(manifest, settings.index)
     if settings.index == "flat":
-        keys = half
+        keys = 0 if settings.kv_on_disk else half
     else:
         keys = 0 if settings.kv_on_disk or found is None else sum(f.bytes for f in found.files)
     return keys + (0 if settings.kv_on_disk else half)
@@ -263,11 +264,6 @@ def hash_set(context: Path, folder: str, kind: str, n_blocks: int, seconds: floa
                     build_seconds=round(seconds, 3), files=tuple(files))
 
 
-def block_shape(path: Path) -> list[int]:
-    """The shape of a block file's keys, [L, Hkv, T, D], from its header (no data read)."""
-    return _header(path)[1]["k"]["shape"]
-
-
 # ---------------------------------------------------------------------------------------
 # the lazy build, and the command that (re)builds
 
@@ -316,7 +312,7 @@ def ensure(manifest: Manifest, kind: str, *, rebuild: bool = False,
                 if on_build is not None:
                     on_build(f"Building {kind} indexes for top-k attention: block {block + 1} "
                              f"of {len(manifest.blocks)}")
-                seconds += write_block(staging, kind, block, read_block_tensor(
+                seconds += write_block(staging, kind, block, read_tensor(
                     folder / block_file(block), "k"))
             os.replace(staging, folder / name)
             built = hash_set(folder, name, kind, len(manifest.blocks), seconds)
@@ -469,52 +465,3 @@ def search(index, rows, k: int, scores=None, ids=None):
     else:
         params = faiss.SearchParametersHNSW(efSearch=max(k * 3 // 2, 64))
     return index.search(rows, k, params=params, D=scores, I=ids)
-
-
-# ---------------------------------------------------------------------------------------
-# safetensors, read by hand: one tensor of a block file, read or memory-mapped
-
-
-_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-def _header(path: Path) -> tuple[int, dict]:
-    with open(path, "rb") as fh:
-        size = int.from_bytes(fh.read(8), "little")
-        return 8 + size, json.loads(fh.read(size))
-
-
-def read_block_layer(path: Path, name: str, layer: int):
-    """One layer [Hkv, T, D] of tensor `name` ("k" or "v", [L, Hkv, T, D]) of a block file,
-    read with one positioned read (no memory map: only this layer is ever in memory)."""
-    import torch
-
-    start, header = _header(path)
-    entry = header[name]
-    dtype = getattr(torch, _DTYPES[entry["dtype"]])
-    shape = entry["shape"][1:]
-    out = torch.empty(shape, dtype=dtype)
-    size = out.numel() * out.element_size()
-    with open(path, "rb", buffering=0) as fh:
-        got = os.preadv(fh.fileno(), [out.view(torch.uint8).reshape(-1).numpy()],
-                        start + entry["data_offsets"][0] + layer * size)
-    if got != size:
-        raise ShardError(f"{path} ends early (layer {layer} of {name!r} is short).")
-    return out
-
-
-def read_block_tensor(path: Path, name: str, mapped: bool = False):
-    """Tensor `name` ("k" or "v", [L, Hkv, T, D]) of a block file: read into memory, or
-    (`mapped`) a memory map of the file, so indexing it reads only the rows it touches."""
-    import numpy as np
-    import torch
-
-    start, header = _header(path)
-    entry = header[name]
-    dtype = getattr(torch, _DTYPES[entry["dtype"]])
-    begin, end = entry["data_offsets"]
-    raw = np.memmap(path, dtype=np.uint8, mode="c", offset=start + begin, shape=(end - begin,))
-    tensor = torch.from_numpy(raw).view(dtype).view(entry["shape"])
-    return tensor if mapped else tensor.clone()
-
-

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from starqa import blockstore, indexes, methods, packorder, paths, prompt, reuse, shards, store
+from starqa import (blockstore, indexes, methods, packorder, paths, prompt, reuse, shards, store,
+                    tensorfile)
 from starqa import corpus as corpus_mod
 from starqa.errors import StarqaError
 from starqa.incremental import adopt as adopt_blocks
@@ -347,7 +348,7 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
             for i in (i for i in range(len(blocks)) if i not in encoded):
                 index_seconds.append(indexes.write_block(
                     staging / index_job["folder"], opts.index, i,
-                    indexes.read_block_tensor(staging / block_file(i), "k")))
+                    tensorfile.read_tensor(staging / block_file(i), "k")))
             built = (indexes.hash_set(staging, index_job["folder"], opts.index, len(blocks),
                                       sum(index_seconds)),)
         store.commit(staging, final, Manifest(

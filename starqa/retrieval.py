@@ -18,7 +18,9 @@ sources.
 
 What each kind holds per layer (N: the worker's keys, Hkv KV heads):
 
-    flat   the keys [Hkv, N, D] in the compute dtype
+    flat   the keys [Hkv, N, D] in the compute dtype; with --kv-on-disk, none: each
+           block's keys are memory-mapped, scanned a layer at a time and that layer's pages
+           released (every key is still read, from the page cache)
     ivf    one faiss IVF index over every block and KV head of the worker
            (`indexes.merge_ivf`: the blocks' lists side by side, keys in the cache's dtype)
            and its centroids [Hkv, D, C] fp32 (C: lists per KV head). A row ranks its KV
@@ -36,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from starqa import indexes, topk
+from starqa import indexes, tensorfile, topk
 from starqa.attention import attend
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
@@ -51,14 +53,15 @@ class TopKShard:
     keys: per layer [Hkv, N, D] in the compute dtype (flat), else None. ivf: per layer
     (the merged faiss index, centroids [Hkv, D, C] numpy fp32), else None; its ids are
     head * N + row. searchers (hnsw): per layer, per KV head, [(first row in the shard,
-    a block's faiss index)], else None. values: per layer [Hkv, N, D] (in memory), or per
-    block (first row, [L, Hkv, T, D] memory-mapped). budgets: keys per row in each layer
+    a block's faiss index)], else None. values: per layer [Hkv, N, D] (in memory), or
+    mapped_values: per block (first row, its values `tensorfile.MappedTensor`); mapped_keys
+    likewise for flat with --kv-on-disk. budgets: keys per row in each layer
     (`topk.layer_budgets`). sinks: per layer (keys, values) [1, Hkv, S, D] fp32, the
     context's first S tokens, on the worker that holds them, else None."""
 
     def __init__(self, settings: TopK, budgets: Sequence[int], n_keys: int, keys=None,
                  ivf=None, searchers=None, values=None, mapped_values=None, blocks: int = 1,
-                 sinks=None):
+                 sinks=None, mapped_keys=None):
         self.settings = settings
         self.budgets = list(budgets)
         self.n_keys = n_keys
@@ -70,6 +73,7 @@ class TopKShard:
         self.searchers = searchers
         self.values = values
         self.mapped_values = mapped_values
+        self.mapped_keys = mapped_keys
         self.pool = None
         if ivf or searchers:
             import faiss
@@ -123,10 +127,12 @@ class TopKShard:
             return None
         verify_checksums(manifest, blocks)
         paths = [manifest.folder / block_file(b) for b in blocks]
-        layers, heads = indexes.block_shape(paths[0])[:2]
-        starts = _starts([indexes.block_shape(path)[2] for path in paths])
-        keys = ivf = searchers = values = mapped = None
-        if settings.index == "flat":
+        layers, heads = tensorfile.block_shape(paths[0])[:2]
+        starts = _starts([tensorfile.block_shape(path)[2] for path in paths])
+        keys = ivf = searchers = values = mapped = mapped_keys = None
+        if settings.index == "flat" and settings.kv_on_disk:
+            mapped_keys = [(start, tensorfile.MappedTensor(p, "k")) for p, start in zip(paths, starts)]
+        elif settings.index == "flat":
             keys = _read_per_layer(paths, "k", layers, dtype, device)
         else:
             found = indexes.find_set(manifest, settings.index)
@@ -144,26 +150,25 @@ class TopKShard:
             if settings.index == "ivf":
                 # The blocks' files are read mapped (only centroids and ids are used), the
                 # keys one layer at a time.
-                ivf = [_merged_layer([indexes.read_block_layer(p, "k", layer) for p in paths],
+                ivf = [_merged_layer([tensorfile.read_layer(p, "k", layer) for p in paths],
                                      lambda b, lay, h: index_of(b, lay, h, True), layer,
                                      manifest.dtype)
                        for layer in range(layers)]
             else:
                 searchers = _per_block(starts, layers, heads, index_of)
         if settings.kv_on_disk:
-            mapped = [(start, indexes.read_block_tensor(p, "v", mapped=True))
-                      for p, start in zip(paths, starts)]
+            mapped = [(start, tensorfile.MappedTensor(p, "v")) for p, start in zip(paths, starts)]
         else:
             values = _read_per_layer(paths, "v", layers, dtype, device)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
         sinks = None
         if blocks[0] == 0:
-            sinks = _sinks(indexes.read_block_tensor(paths[0], "k", mapped=True),
-                           indexes.read_block_tensor(paths[0], "v", mapped=True),
-                           settings.sink, device)
+            key, value = (tensorfile.MappedTensor(paths[0], name) for name in ("k", "v"))
+            sinks = _sinks(key.tensor, value.tensor, settings.sink, device,
+                           lambda layer: (key.release(layer), value.release(layer)))
         return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped,
-                   blocks=len(blocks), sinks=sinks)
+                   blocks=len(blocks), sinks=sinks, mapped_keys=mapped_keys)
 
     # -- Phase 2 ------------------------------------------------------------------------
 
@@ -215,6 +220,8 @@ class TopKShard:
         sink = self.n_sink
         if self.keys is not None:
             return topk.select_exact(q, self.keys[layer], k, sink)
+        if self.mapped_keys is not None:
+            return self._select_mapped(layer, q, k)
         if self.ivf is not None:
             scores, ids = self._select_ivf(layer, q, k)
             return (torch.from_numpy(scores).view(*q.shape[:2], -1),
@@ -242,6 +249,21 @@ class TopKShard:
         scores = scores.permute(0, 2, 1, 3).reshape(shape[0], shape[2], -1)
         idx = idx.permute(0, 2, 1, 3).reshape(shape[0], shape[2], -1)
         return topk.top_candidates(scores.masked_fill_(idx < 0, float("-inf")), idx, k)
+
+    def _select_mapped(self, layer: int, q: torch.Tensor, k: int):
+        """`select` for flat with --kv-on-disk: each block's k best of its mapped keys in
+        this layer (past the sink), then the k best of those; the layer's pages are
+        released block by block."""
+        scores, idx = [], []
+        for start, mapped in self.mapped_keys:
+            key = mapped.tensor[layer]  # [Hkv, T, D]
+            skip = min(max(self.n_sink - start, 0), key.shape[1])
+            if key.shape[1] > skip:
+                found, rows = topk.select_exact(q, key, k, skip)
+                scores.append(found)
+                idx.append(rows + start)
+            mapped.release(layer)
+        return topk.top_candidates(torch.cat(scores, -1), torch.cat(idx, -1), k)
 
     def _select_ivf(self, layer: int, q: torch.Tensor, k: int):
         """Each row's nearest lists among its KV head's, one scan of them all
@@ -305,25 +327,34 @@ class TopKShard:
         """[Hkv, r, k, D]: the value rows idx [Hkv, r, k] selects (-1: zeros)."""
         if self.values is not None:
             return topk.gather_rows(self.values[layer], idx)
-        first = self.mapped_values[0][1]
+        first = self.mapped_values[0][1].tensor
         out = torch.zeros(*idx.shape, first.shape[-1], dtype=first.dtype)
         idx = idx.cpu()
         heads = torch.arange(idx.shape[0])[:, None, None].expand_as(idx)
         for start, mapped in self.mapped_values:
-            inside = (idx >= start) & (idx < start + mapped.shape[2])
+            values = mapped.tensor
+            inside = (idx >= start) & (idx < start + values.shape[2])
             if inside.any():  # only these rows of the file are read
-                out[inside] = mapped[layer][heads[inside], idx[inside] - start]
+                out[inside] = values[layer][heads[inside], idx[inside] - start]
+                mapped.release(layer)
         return out
 
 
-def _sinks(key: torch.Tensor, value: torch.Tensor, size: int, device="cpu"):
+def _sinks(key: torch.Tensor, value: torch.Tensor, size: int, device="cpu", release=None):
     """The sink: per layer (keys, values) [1, Hkv, S, D] fp32 of the first S = min(size,
-    T) rows of a block's key, value [L, Hkv, T, D]; None when size is 0."""
+    T) rows of a block's key, value [L, Hkv, T, D]; None when size is 0. release(layer),
+    when given, is called once a layer is copied (mapped files: a read touches whole
+    page-cache folios, megabytes for a few rows)."""
     size = min(size, key.shape[2])
     if size < 1:
         return None
-    return [(k[None, :, :size].to(device, torch.float32), v[None, :, :size].to(device, torch.float32))
-            for k, v in zip(key, value)]
+    sinks = []
+    for layer, (k, v) in enumerate(zip(key, value)):
+        sinks.append((k[None, :, :size].to(device, torch.float32),
+                      v[None, :, :size].to(device, torch.float32)))
+        if release is not None:
+            release(layer)
+    return sinks
 
 
 def _starts(lengths: Sequence[int]) -> list[int]:
@@ -362,7 +393,7 @@ def _read_per_layer(paths: Sequence, name: str, layers: int, dtype: torch.dtype,
     a time, so loading holds one layer more than the result, never a second copy."""
     out = []
     for layer in range(layers):
-        blocks = [indexes.read_block_layer(path, name, layer) for path in paths]
+        blocks = [tensorfile.read_layer(path, name, layer) for path in paths]
         whole = torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]
         out.append(whole.to(device=device, dtype=dtype))
     return out

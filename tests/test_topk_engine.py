@@ -104,10 +104,10 @@ def test_corrupt_index_is_caught_by_its_checksum_and_rebuilt(home, docs, tiny_mo
 
 
 def test_kv_on_disk_answers_as_in_memory(home, docs, tiny_model):
-    """Values (and ivf's lists) memory-mapped from the cache: the same keys, the same
-    tokens. (Each worker keeps its own k: 2 workers attend to up to 2k keys.)"""
+    """Values (and flat's keys, ivf's lists) memory-mapped from the cache: the same
+    keys, the same tokens. (Each worker keeps its own k: 2 workers attend to up to 2k keys.)"""
     ingest(docs, tiny_model, method="dense", block_size=50)
-    for kind, workers in (("flat", None), ("ivf", None), ("ivf", 2)):
+    for kind, workers in (("flat", None), ("flat", 2), ("ivf", None), ("ivf", 2)):
         wanted = ask(topk=TopK(count=20, index=kind), workers=workers).token_ids
         assert ask(topk=TopK(count=20, index=kind, kv_on_disk=True),
                    workers=workers).token_ids == wanted
