@@ -21,12 +21,12 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
     flat   the keys [Hkv, N, D] in the compute dtype; with --kv-on-disk, none: each
            block's keys are memory-mapped, scanned a layer at a time and that layer's pages
            released (every key is still read, from the page cache)
-    ivf    one faiss IVF index over every block and KV head of the worker
-           (`indexes.merge_ivf`: the blocks' lists side by side, keys in the cache's dtype)
-           and its centroids [Hkv, D, C] fp32 (C: lists per KV head). A row ranks its KV
-           head's C centroids, and its nearest lists (about IVF_SCAN * k keys per block)
-           are scanned for all rows in one faiss call; the k best of what was scanned are
-           kept.
+    ivf    every KV head's IVF lists over all the worker's blocks (`IvfLayer`: the
+           blocks' lists side by side, their keys in list order in the cache's dtype,
+           their centroids [Hkv, D, C] fp32). A row ranks its KV head's C centroids and
+           picks its nearest lists (about IVF_ROW_SCAN * k keys); the keys of the
+           union of the head's rows' lists are scored in one matmul, and each row keeps
+           its k best.
     hnsw   each block's faiss HNSW index per KV head (a graph is not merged), searched one
            block at a time; the worker keeps the k best of the blocks' k best.
 """
@@ -44,15 +44,15 @@ from starqa.errors import StarqaError
 from starqa.indexes import TopK
 from starqa.manifest import Manifest, block_file
 
-ROWS_X_KEYS = 1 << 21  # rows * k gathered at once (a prefill of many rows goes in pieces)
+ROWS_X_KEYS = 1 << 21  # rows * keys scored at once (a prefill of many rows goes in pieces)
+SCAN_STEP = 512  # ivf scans a multiple of this many keys per KV head (see _select_ivf)
 
 
 class TopKShard:
     """A worker's blocks for top-k attention.
 
     keys: per layer [Hkv, N, D] in the compute dtype (flat), else None. ivf: per layer
-    (the merged faiss index, centroids [Hkv, D, C] numpy fp32), else None; its ids are
-    head * N + row. searchers (hnsw): per layer, per KV head, [(first row in the shard,
+    an `IvfLayer`, else None (its selections' ids are head * N + row). searchers (hnsw): per layer, per KV head, [(first row in the shard,
     a block's faiss index)], else None. values: per layer [Hkv, N, D] (in memory), or
     mapped_values: per block (first row, its values `tensorfile.MappedTensor`); mapped_keys
     likewise for flat with --kv-on-disk. budgets: keys per row in each layer
@@ -60,14 +60,13 @@ class TopKShard:
     context's first S tokens, on the worker that holds them, else None."""
 
     def __init__(self, settings: TopK, budgets: Sequence[int], n_keys: int, keys=None,
-                 ivf=None, searchers=None, values=None, mapped_values=None, blocks: int = 1,
+                 ivf=None, searchers=None, values=None, mapped_values=None,
                  sinks=None, mapped_keys=None):
         self.settings = settings
         self.budgets = list(budgets)
         self.n_keys = n_keys
         self.sinks = sinks
         self.n_sink = sinks[0][0].shape[2] if sinks else 0  # shard rows [0, n_sink)
-        self.blocks = blocks  # ivf scans IVF_SCAN * k keys per block (see _select_ivf)
         self.keys = keys
         self.ivf = ivf
         self.searchers = searchers
@@ -104,8 +103,7 @@ class TopKShard:
                 return indexes.build(settings.index, parts[block][0][layer, head].float().numpy())
 
             if settings.index == "ivf":
-                cache_dtype = str(dtype or parts[0][0].dtype).removeprefix("torch.")
-                ivf = [_merged_layer([k[layer] for k, _ in parts], index_of, layer, cache_dtype)
+                ivf = [IvfLayer.of([k[layer] for k, _ in parts], index_of, layer, dtype)
                        for layer in range(layers)]
             else:
                 searchers = _per_block(_starts([k.shape[2] for k, _ in parts]), layers, heads,
@@ -113,7 +111,7 @@ class TopKShard:
         n = sum(k.shape[2] for k, _ in parts)
         budgets = topk.layer_budgets(settings.keys(n_tokens), layers, settings.schedule)
         return cls(settings, budgets, n, keys, ivf, searchers,
-                   _per_layer([v for _, v in parts], dtype), blocks=len(parts),
+                   _per_layer([v for _, v in parts], dtype),
                    sinks=_sinks(*parts[0], settings.sink) if first else None)
 
     @classmethod
@@ -150,9 +148,8 @@ class TopKShard:
             if settings.index == "ivf":
                 # The blocks' files are read mapped (only centroids and ids are used), the
                 # keys one layer at a time.
-                ivf = [_merged_layer([tensorfile.read_layer(p, "k", layer) for p in paths],
-                                     lambda b, lay, h: index_of(b, lay, h, True), layer,
-                                     manifest.dtype)
+                ivf = [IvfLayer.of([tensorfile.read_layer(p, "k", layer) for p in paths],
+                                   lambda b, lay, h: index_of(b, lay, h, True), layer, dtype)
                        for layer in range(layers)]
             else:
                 searchers = _per_block(starts, layers, heads, index_of)
@@ -168,7 +165,7 @@ class TopKShard:
             sinks = _sinks(key.tensor, value.tensor, settings.sink, device,
                            lambda layer: (key.release(layer), value.release(layer)))
         return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped,
-                   blocks=len(blocks), sinks=sinks, mapped_keys=mapped_keys)
+                   sinks=sinks, mapped_keys=mapped_keys)
 
     # -- Phase 2 ------------------------------------------------------------------------
 
@@ -187,7 +184,10 @@ class TopKShard:
             if k < 1:  # the whole shard is the sink
                 return outs, lses
         parts = len(outs)
-        step = max(1, ROWS_X_KEYS // (k * q.shape[1]))
+        # flat and ivf score up to every key per row (a prefill's rows choose most lists),
+        # hnsw k: rows go in pieces of at most ROWS_X_KEYS scores
+        width = k if self.searchers is not None else self.n_keys
+        step = max(1, ROWS_X_KEYS // (width * q.shape[1]))
         for start in range(0, rows, step):
             piece = q[0, :, start:start + step]  # [Hkv, r, D]
             if self.ivf is not None and q.device.type == "cpu":
@@ -266,35 +266,63 @@ class TopKShard:
         return topk.top_candidates(torch.cat(scores, -1), torch.cat(idx, -1), k)
 
     def _select_ivf(self, layer: int, q: torch.Tensor, k: int):
-        """Each row's nearest lists among its KV head's, one scan of them all
-        (`indexes.scan_lists`), the k best of each row's scanned keys: numpy (scores,
-        ids) [Hkv * r, k'], ids head * N + row (-1: none). numpy throughout: these are
-        small arrays, where each torch call costs more than its work."""
+        """The k best keys of each row among the lists its KV head's rows chose: numpy
+        (scores, ids) [Hkv * r, k], ids head * N + row (-1, score -inf: none). Every row
+        of a KV head (its G query heads, and a prefill's positions) picks its nearest
+        lists; the head's keys in the union of them are ranked in one batched matmul in
+        the keys' dtype, and each row's k best are scored again in fp32 (exact), as
+        `topk.select_exact` does. The union only adds keys a row would not have scanned
+        alone, and reads each list once for all the head's rows. Every KV head is done at
+        once (a few array calls per layer, not per head): each call costs more here than
+        its work."""
         import numpy as np
 
-        index, centroids = self.ivf[layer]  # centroids [Hkv, D, C]
-        heads, dim = q.shape[0], q.shape[2]
-        x = np.ascontiguousarray(q.float().cpu().numpy())
-        coarse = np.matmul(x, centroids)  # [Hkv, r, C]
+        lay = self.ivf[layer]
+        heads, rows, dim = q.shape
+        n = self.n_keys
+        x = q.float().cpu()
+        coarse = np.matmul(x.numpy(), lay.centroids)  # [Hkv, r, C]
         n_lists = coarse.shape[2]
-        # As many keys as one search per block scanned (IVF_SCAN * k in each): a budget of
-        # IVF_SCAN * k over the whole shard lost most of the recall on short contexts
-        # (SmolLM2 at 4K, k = 5%: garbage answers), and nearest lists chosen over every
-        # block at once only add to it.
-        probes = indexes.ivf_probes(self.n_keys, n_lists, k * self.blocks)
-        if probes < n_lists:  # each row's `probes` best lists
-            lists = np.argpartition(coarse, n_lists - probes, axis=-1)[..., n_lists - probes:]
-            near = np.take_along_axis(coarse, lists, -1)
+        probes = indexes.ivf_probes(n, n_lists, k, indexes.IVF_ROW_SCAN)
+        if probes < n_lists:
+            chosen = np.argpartition(coarse, n_lists - probes, axis=-1)[..., n_lists - probes:]
+            union = np.zeros((heads, n_lists), bool)
+            union[np.arange(heads)[:, None, None], chosen] = True
+            head_of, lists = np.nonzero(union)  # by head, then list
+            begin, end = lay.offsets[head_of, lists], lay.offsets[head_of, lists + 1]
+            per_head = np.bincount(head_of, weights=end - begin, minlength=heads).astype(np.int64)
+            # padded to a multiple of SCAN_STEP keys (the padding is masked below): a bf16
+            # matmul of a shape oneDNN has not seen costs ~10x one it has
+            width = -(-int(per_head.max()) // SCAN_STEP) * SCAN_STEP
+            where = np.zeros((heads, width), np.int64)  # positions in the head's list order
+            valid = np.arange(width) < per_head[:, None]
+            where[valid] = _ranges(begin, end)  # row-major: head by head, in order
         else:
-            lists, near = np.broadcast_to(np.arange(n_lists), coarse.shape), coarse
-        # a head's lists follow the heads' before it in the merged index
-        lists = lists + (np.arange(heads) * n_lists)[:, None, None]
-        lims, scores, ids = indexes.scan_lists(index, x.reshape(-1, dim),
-                                               lists.reshape(-1, probes),
-                                               np.ascontiguousarray(near).reshape(-1, probes))
-        if self.n_sink:  # the sink's rows (head * N + row, row < sink) are attended apart
-            scores[ids % self.n_keys < self.n_sink] = -np.inf
-        return topk.best_of_ragged(lims, scores, ids, k)
+            width = n
+            where = np.broadcast_to(np.arange(n), (heads, n))
+            valid = np.ones((heads, n), bool)
+        flat = where + (np.arange(heads) * n)[:, None]  # [Hkv, W] rows of keys [Hkv * N]
+        keys = lay.keys.view(-1, dim)
+        scanned = keys.index_select(0, torch.from_numpy(flat.reshape(-1))).view(heads, width, dim)
+        rank = torch.matmul(q.to(keys.dtype), scanned.transpose(1, 2)).float().numpy()
+        found = np.take_along_axis(lay.rows, where, 1)  # [Hkv, W] rows in the shard
+        # the padding, and the sink's rows (attended apart), are never picked
+        np.putmask(rank, np.broadcast_to((~valid | (found < self.n_sink))[:, None], rank.shape),
+                   -np.inf)
+        take = min(k, width)
+        best = np.argpartition(rank, width - take, axis=-1)[..., width - take:]  # [Hkv, r, take]
+        picked = keys.index_select(0, torch.from_numpy(np.take_along_axis(
+            np.broadcast_to(flat[:, None], rank.shape), best, -1).reshape(-1)))
+        exact = torch.einsum("hrd,hrkd->hrk", x, picked.view(heads, rows, take, dim).float())
+        exact = exact.numpy()
+        missing = np.isneginf(np.take_along_axis(rank, best, -1))
+        exact[missing] = -np.inf
+        ids = np.take_along_axis(np.broadcast_to(found[:, None], rank.shape), best, -1)
+        ids = np.where(missing, -1, ids + (np.arange(heads) * n)[:, None, None])
+        if take < k:  # fewer keys than k in the shard
+            exact = np.pad(exact, ((0, 0), (0, 0), (0, k - take)), constant_values=-np.inf)
+            ids = np.pad(ids, ((0, 0), (0, 0), (0, k - take)), constant_values=-1)
+        return exact.reshape(heads * rows, k), ids.reshape(heads * rows, k)
 
     def _rows_of(self, ids, rows: int):
         """ivf ids head * N + row [Hkv * r, k] → rows in the shard (-1 stays -1)."""
@@ -365,20 +393,62 @@ def _starts(lengths: Sequence[int]) -> list[int]:
     return starts
 
 
-def _merged_layer(keys: Sequence[torch.Tensor], index_of, layer: int, dtype: str):
-    """One layer's ivf: the blocks' IVF indexes index_of(block, layer, head) merged over
-    every KV head (`indexes.merge_ivf`; ids head * N + row) and their centroids
-    [Hkv, D, C] numpy fp32. keys: the blocks' keys of this layer, each [Hkv, T, D]."""
-    heads = keys[0].shape[0]
-    parts = [index_of(block, layer, head) for head in range(heads) for block in range(len(keys))]
-    rows = torch.cat([torch.cat([k[head] for k in keys]) for head in range(heads)])
-    if dtype in ("bfloat16", "float16"):  # their bit patterns are the index's codes
-        rows = rows.to(getattr(torch, dtype)).view(torch.int16).numpy().view("uint16")
-    else:
-        rows = rows.float().numpy()
-    index = indexes.merge_ivf(parts, rows, dtype)
-    centroids = index.quantizer.reconstruct_n(0, index.nlist)  # [Hkv * C, D]
-    return index, centroids.reshape(heads, -1, centroids.shape[1]).transpose(0, 2, 1).copy()
+class IvfLayer:
+    """One layer's ivf on a worker, every KV head's lists over all of the worker's blocks:
+
+        centroids [Hkv, D, C] numpy fp32   each head's lists (the blocks' IVF lists side by
+                                           side: C = the lists of every block)
+        offsets   [Hkv, C + 1] numpy int64 list c of head h is keys[h][offsets[h, c]:
+                                           offsets[h, c + 1]]
+        rows      [Hkv, N] numpy int64     each listed key's row in the shard
+        keys      [Hkv, N, D] torch        the keys in list order, in the cache's dtype
+
+    The lists are the blocks' own (their IVF files: centroids, and which list each key
+    went to); the keys are the cache's, so scores are exact. In memory: the keys (2 bytes
+    a dimension in bf16), an int64 row each, and the centroids."""
+
+    def __init__(self, centroids, offsets, rows, keys):
+        self.centroids, self.offsets, self.rows, self.keys = centroids, offsets, rows, keys
+
+    @classmethod
+    def of(cls, keys: Sequence[torch.Tensor], index_of, layer: int,
+           dtype: torch.dtype | None = None) -> IvfLayer:
+        """From the blocks' keys of this layer (each [Hkv, T, D]) and their IVF indexes
+        index_of(block, layer, head)."""
+        import faiss
+        import numpy as np
+
+        heads = keys[0].shape[0]
+        centroids, offsets, rows, ordered = [], [], [], []
+        for head in range(heads):
+            cents, lists, first = [], [], 0
+            for block in range(len(keys)):
+                owner = index_of(block, layer, head)  # alive while its IVF view is used
+                index = faiss.extract_index_ivf(owner)
+                cents.append(index.quantizer.reconstruct_n(0, index.nlist))
+                index.make_direct_map()  # key -> (list << 32 | offset in list)
+                lists.append((faiss.vector_to_array(index.direct_map.array) >> 32) + first)
+                first += index.nlist
+            assigned = np.concatenate(lists)
+            order = np.argsort(assigned, kind="stable")  # the head's keys, list by list
+            centroids.append(np.concatenate(cents).T)
+            offsets.append(np.concatenate([[0], np.cumsum(np.bincount(assigned,
+                                                                      minlength=first))]))
+            rows.append(order)
+            whole = torch.cat([k[head] for k in keys]) if len(keys) > 1 else keys[0][head]
+            ordered.append(whole.index_select(0, torch.from_numpy(order)).to(
+                dtype or whole.dtype))
+        return cls(np.ascontiguousarray(np.stack(centroids), dtype=np.float32),
+                   np.stack(offsets), np.stack(rows), torch.stack(ordered))
+
+
+def _ranges(begin, end):
+    """The positions of ranges [begin_i, end_i) one after the other, numpy int64."""
+    import numpy as np
+
+    lengths = end - begin
+    before = np.cumsum(lengths) - lengths  # where range i starts in the result
+    return np.arange(lengths.sum()) - np.repeat(before - begin, lengths)
 
 
 def _per_block(starts: Sequence[int], layers: int, heads: int, index_of):
