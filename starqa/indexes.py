@@ -381,81 +381,10 @@ def read_index(path: Path, mapped: bool):
     return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if mapped else 0)
 
 
-def merge_ivf(parts: Sequence, keys, dtype: str):
-    """One IVF index over several IVF indexes `parts` (a worker's blocks, for every KV head
-    of one layer) and keys [N, D] numpy: the keys of parts[0] (its ids 0, 1, ...), then
-    those of parts[1], and so on, so key i gets id i. `dtype` is the cache's: the keys
-    come as their 16-bit patterns (uint16) for "bfloat16" and "float16", else float32.
-
-    Its lists are the parts' lists one after the other (part j's list l is list
-    l + the lists of parts before j), its coarse quantizer holds their centroids, and
-    every key stays in the list its part put it in. The keys are stored in the cache's
-    dtype (bf16 and fp16 as faiss scalar-quantizer codes of that type, whose bytes are the
-    keys' own; else fp32): the cache's keys exactly, so a scan's scores are exact fp32
-    inner products, as `topk.select_exact` recomputes them (faiss's bf16 and fp16 scans
-    round the query to that type too: Phase 2's folded queries are in the cache's dtype
-    already, `attention.fold_gqa`, so that loses nothing). In memory: 2 bytes a key and
-    dimension (4 in fp32) + an int64 id, and the centroids in fp32. Searched with
-    `scan_lists` (the caller picks the lists: a KV head's rows probe its own parts')."""
-    import faiss
-    import numpy as np
-
-    dim = keys.shape[1]
-    parts = [faiss.extract_index_ivf(index) for index in parts]
-    total = sum(index.nlist for index in parts)
-    quantizer = faiss.IndexFlatIP(dim)
-    quantizer.add(np.concatenate([index.quantizer.reconstruct_n(0, index.nlist)
-                                  for index in parts]))
-    codes = {"bfloat16": faiss.ScalarQuantizer.QT_bf16,
-             "float16": faiss.ScalarQuantizer.QT_fp16}.get(dtype)
-    if codes is not None:
-        merged = faiss.IndexIVFScalarQuantizer(quantizer, dim, total, codes,
-                                               faiss.METRIC_INNER_PRODUCT)
-        merged.by_residual = False  # the keys themselves, not key - centroid: exact
-    else:
-        merged = faiss.IndexIVFFlat(quantizer, dim, total, faiss.METRIC_INNER_PRODUCT)
-    merged.is_trained = True  # the centroids are the parts'; bf16/fp16 codes need none
-    merged.own_fields = True
-    quantizer.this.disown()  # the merged index frees it
-    lists, start = 0, 0
-    for index in parts:
-        # Each list filled in one call, part by part (adding key by key grows every list's
-        # buffer by doubling, up to twice the memory; small pieces, no large transient).
-        index.make_direct_map()  # id -> (list << 32 | offset in list), read from the file
-        where = faiss.vector_to_array(index.direct_map.array) >> 32
-        order = np.argsort(where, kind="stable")  # the part's keys list by list
-        ids = order + start
-        rows = np.ascontiguousarray(keys[ids]).view(np.uint8)  # [n, code_size]
-        ends = np.cumsum(np.bincount(where, minlength=index.nlist))
-        for list_no in np.flatnonzero(np.diff(ends, prepend=0)):
-            begin, end = (ends[list_no - 1] if list_no else 0), ends[list_no]
-            merged.invlists.add_entries(int(lists + list_no), int(end - begin),
-                                        faiss.swig_ptr(ids[begin:end]),
-                                        faiss.swig_ptr(rows[begin:end]))
-        lists += index.nlist
-        start += index.ntotal
-    merged.ntotal = start
-    return merged
-
-
 def ivf_probes(n_keys: int, n_lists: int, k: int, scan: int = IVF_SCAN) -> int:
     """Lists an IVF search of k keys probes among n_lists holding n_keys: enough to see
     about scan * k keys (every list when k is most of the keys)."""
     return min(n_lists, max(1, math.ceil(scan * k * n_lists / max(n_keys, 1))))
-
-
-def scan_lists(index, rows, lists, list_scores):
-    """Every key of the given lists of an IVF `index`, with its inner product, for each
-    row: rows [R, D] numpy float32, lists and list_scores [R, P] (int64, float32: the
-    lists each row scans, e.g. its P nearest centroids, and their centroid scores). One
-    faiss call, no ranking (a range search with no threshold: what `topk.best_of_ragged`
-    then ranks). Returns (lims [R + 1] int64, scores [lims[R]] float32, ids [lims[R]]
-    int64): row i's keys are lims[i]:lims[i + 1]."""
-    import numpy as np
-
-    index.nprobe = lists.shape[1]
-    lims, scores, ids = index.range_search_preassigned(rows, -np.inf, lists, list_scores)
-    return lims.astype(np.int64), scores, ids
 
 
 def search(index, rows, k: int, scores=None, ids=None):

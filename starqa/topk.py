@@ -84,31 +84,6 @@ def top_candidates(scores: torch.Tensor, idx: torch.Tensor, k: int
     return best.values, idx.gather(-1, best.indices)
 
 
-def best_of_ragged(lims, scores, ids, k: int):
-    """The k best candidates of every row when rows have different numbers of them (what
-    an IVF scan gives, `indexes.scan_lists`): lims [R + 1] int64 (row i's candidates are
-    lims[i]:lims[i + 1]), scores and ids [lims[R]] (float32, int64), all numpy. Returns
-    numpy (scores, ids) [R, k'], k' = min(k, the most candidates of a row); a row with
-    fewer than k' gets -inf and -1 in the rest. Unordered, as `torch.topk(sorted=False)`.
-    numpy's argpartition, not torch.topk: a few times faster on CPU at these sizes."""
-    import numpy as np
-
-    counts = np.diff(lims)
-    width = int(counts.max(initial=0))
-    # [R, W]: row i's candidates first, then -inf / -1 (a row-major mask fill keeps the
-    # rows' order of the flat arrays)
-    inside = np.arange(width) < counts[:, None]
-    padded = np.full(inside.shape, -np.inf, np.float32)
-    padded[inside] = scores
-    found = np.full(inside.shape, -1, np.int64)
-    found[inside] = ids
-    if k < width:
-        keep = np.argpartition(padded, width - k, axis=1)[:, width - k:]  # the k largest
-        padded = np.take_along_axis(padded, keep, 1)
-        found = np.take_along_axis(found, keep, 1)
-    return padded, found
-
-
 def attend_rows(scores, values, scale: float):
     """`attend_selected` in numpy for rows of candidates: scores [B, k] float32 (raw inner
     products, -inf: no key), values [B, k, D] float32. Returns (out [B, D], lse [B])

@@ -157,41 +157,52 @@ def test_index_search_finds_most_of_the_exact_top_k(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_merged_ivf_holds_every_key_once_and_scores_it_exactly(dtype):
-    """Phase 2 merges a worker's blocks' IVF indexes into one (keys in the cache's dtype):
-    every key is in it once under its row, and a scan's scores are the exact fp32 inner
-    products of the (cache-dtype) query with the keys."""
-    import numpy as np
+def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
+    """Phase 2 keeps a worker's blocks' IVF lists (every KV head) list by list: every key
+    once, in the cache's dtype, under its row in the shard and in the list its block's
+    index put it in."""
+    from starqa.retrieval import IvfLayer
 
     torch.manual_seed(4)
-    keys = torch.randn(3 * 500, 16).to(dtype)
-    parts = [indexes.build("ivf", keys[i:i + 500].float().numpy()) for i in (0, 500, 1000)]
-    bits = keys.view(torch.int16).numpy().view("uint16") if dtype == torch.bfloat16 else \
-        keys.numpy()
-    merged = indexes.merge_ivf(parts, bits, str(dtype).removeprefix("torch."))
-    assert merged.nlist == sum(p.nlist for p in parts) and merged.ntotal == len(keys)
-    q = torch.randn(2, 16).to(dtype).float()
-    lists = np.tile(np.arange(merged.nlist), (2, 1))
-    lims, scores, ids = indexes.scan_lists(merged, q.numpy(), lists,
-                                           np.zeros(lists.shape, np.float32))
-    assert lims.tolist() == [0, len(keys), 2 * len(keys)]
-    for row in range(2):
-        got = ids[lims[row]:lims[row + 1]]
-        assert sorted(got.tolist()) == list(range(len(keys)))
-        ref = (q[row] @ keys.float().T)[torch.from_numpy(got)]
-        assert torch.allclose(torch.from_numpy(scores[lims[row]:lims[row + 1]]), ref,
-                              rtol=1e-5, atol=1e-5)
+    hkv, dim = 2, 16
+    blocks = [torch.randn(hkv, t, dim).to(dtype) for t in (500, 300, 400)]
+    built = {(b, h): indexes.build("ivf", blocks[b][h].float().numpy())
+             for b in range(3) for h in range(hkv)}
+    layer = IvfLayer.of(blocks, lambda b, _layer, h: built[(b, h)], 0)
+    n = sum(b.shape[1] for b in blocks)
+    whole = torch.cat(blocks, dim=1)  # [Hkv, N, D]
+    for head in range(hkv):
+        assert sorted(layer.rows[head].tolist()) == list(range(n))
+        assert torch.equal(layer.keys[head], whole[head][torch.from_numpy(layer.rows[head])])
+        assert layer.keys.dtype == dtype and layer.offsets[head, -1] == n
+        # each list's keys are nearest (by inner product) to its centroid among the
+        # centroids of their own block
+        for c in range(0, layer.centroids.shape[2], 7):
+            rows = layer.rows[head, layer.offsets[head, c]:layer.offsets[head, c + 1]]
+            block = int(rows[0] >= 500) + int(rows[0] >= 800) if len(rows) else 0
+            lists = built[(block, head)].nlist
+            first = sum(built[(b, head)].nlist for b in range(block))
+            if len(rows):
+                scores = whole[head][torch.from_numpy(rows)].float() @ torch.from_numpy(
+                    layer.centroids[head][:, first:first + lists])
+                assert (scores.argmax(-1) == c - first).all()
 
 
-def test_best_of_ragged_keeps_each_rows_k_best():
-    import numpy as np
-
-    lims = np.array([0, 3, 3, 7])  # rows of 3, 0 and 4 candidates
-    scores = np.array([1.0, 5.0, 3.0, 2.0, 9.0, 4.0, 7.0], np.float32)
-    ids = np.array([10, 11, 12, 20, 21, 22, 23])
-    best, found = topk.best_of_ragged(lims, scores, ids, 2)
-    assert [sorted(r) for r in found.tolist()] == [[11, 12], [-1, -1], [21, 23]]
-    assert np.isneginf(best[1]).all() and sorted(best[2].tolist()) == [7.0, 9.0]
+def test_ivf_finds_the_exact_top_k_when_every_list_is_scanned():
+    """With k at least the keys (every list scanned), ivf selects exactly flat's keys
+    with flat's scores, sink or not."""
+    torch.manual_seed(6)
+    blocks = [(torch.randn(1, 2, t, 16), torch.randn(1, 2, t, 16)) for t in (300, 200)]
+    q = torch.randn(2, 3, 16)
+    for sink in (0, 4):
+        flat = TopKShard.from_parts(blocks, TopK(count=496, index="flat", sink=sink), 500)
+        ivf = TopKShard.from_parts(blocks, TopK(count=496, index="ivf", sink=sink), 500)
+        s_flat, i_flat = flat.select(0, q, 500 - sink)
+        s_ivf, i_ivf = ivf.select(0, q, 500 - sink)
+        order_f, order_i = i_flat.sort(-1), i_ivf.sort(-1)
+        assert torch.equal(order_f.values, order_i.values)
+        assert torch.allclose(s_flat.gather(-1, order_f.indices), s_ivf.gather(-1, order_i.indices),
+                              atol=1e-5)
 
 
 def test_linear_schedule_grows_with_depth_for_the_same_budget():
