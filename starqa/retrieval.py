@@ -52,8 +52,9 @@ class TopKShard:
     """A worker's blocks for top-k attention.
 
     keys: per layer [Hkv, N, D] in the compute dtype (flat), else None. ivf: per layer
-    an `IvfLayer`, else None (its selections' ids are head * N + row). searchers (hnsw): per layer, per KV head, [(first row in the shard,
-    a block's faiss index)], else None. values: per layer [Hkv, N, D] (in memory), or
+    an `IvfLayer`, else None (its selections' ids are head * N + row). searchers (hnsw):
+    per layer, per KV head, [(first row in the shard, a block's faiss index)], else None.
+    values: per layer [Hkv, N, D] (in memory), or
     mapped_values: per block (first row, its values `tensorfile.MappedTensor`); mapped_keys
     likewise for flat with --kv-on-disk. budgets: keys per row in each layer
     (`topk.layer_budgets`). sinks: per layer (keys, values) [1, Hkv, S, D] fp32, the
