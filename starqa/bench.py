@@ -246,7 +246,7 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
             started = time.perf_counter()
             with new_ui() as ui:
                 ingested = engine.ingest_tokens(
-                    ids, root, model=str(plan.model_path), method=r.method, workers=r.workers,
+                    ids, root, model=opts.model, method=r.method, workers=r.workers,
                     dtype=opts.dtype, name=f"bench-{r.method}-{r.tokens}", measure=True,
                     allow_over_window=True, device=opts.device, ui=ui)
             manifest = ingested.manifest

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import time
@@ -212,9 +213,10 @@ def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
     from starqa import dist, models
 
     started = time.perf_counter()
-    model_path = models.resolve_model(model, ui)
+    spec = model or os.environ.get("STARQA_MODEL") or models.DEFAULT_MODEL  # as resolved
+    model_path = models.resolve_model(spec, ui)
     window = models.context_window(_config(model_path))
-    identity = ModelIdentity.of(model_path, model or models.DEFAULT_MODEL, window,
+    identity = ModelIdentity.of(model_path, spec, window,
                                 models.fingerprint(model_path))
     if len(ids) > window and not allow_over_window:
         raise StarqaError(f"The context is {len(ids):,} tokens > {window:,} the model was "
