@@ -315,7 +315,7 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
         # resident too (136 MB twice over for SmolLM2's int4).
         if tensorfile.header(cached)[1].get("__metadata__") == stamp:
             return Decoder.from_tensors(config, tensorfile.read_all(cached)[0], dtype, weights)
-    except (OSError, ValueError, KeyError, ShardError):  # absent, damaged or stale
+    except (OSError, ValueError, KeyError, RuntimeError, ShardError):  # absent, damaged, stale
         pass
     decoder = _build(folder, config, dtype, weights, device)
     try:  # write next to it, then rename: a reader sees the old file or the whole new one
