@@ -150,6 +150,47 @@ def partial_slots(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     return out, lse
 
 
+def partial_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention of folded queries q [Hkv, R, D] (R = G*M rows, M fastest, see
+    `fold_gqa`) over key/value [Hkv, N, D] (N >= 1; rows contiguous, heads any distance
+    apart, so a slice of a longer buffer is read in place).
+
+    own = M > 0: the last M keys are the M queries' own, attended causally (query i sees
+    the first i + 1 of them); every other key is seen by every query. Returns out
+    [Hkv, R, D] and lse [Hkv, R], fp32, for `merge`.
+
+    On CPU, starqa's compiled kernel (starqa/_attend.c: one pass over the keys, fp32
+    scores, softmax and output; see there why) where it was built, else `attend_gemm`."""
+    from starqa import native
+
+    if native.supports(key):
+        return native.attend(q, key, value, scale, own)
+    return attend_gemm(q, key, value, scale, own)
+
+
+def attend_gemm(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`partial_rows` by two GEMMs in the keys' dtype (any device). The GEMMs accumulate in
+    fp32, but the scores leave the first one rounded to the keys' dtype (as transformers'
+    eager attention in that dtype rounds them) and the probabilities are rounded to it for
+    the second (as torch's flash kernel does); softmax and LSE are fp32. In fp32 nothing
+    is rounded."""
+    # Scores head by head: each head's keys [:N] are contiguous even when they are a slice
+    # of a longer buffer, which one batched GEMM over the slice would first copy.
+    heads, rows, n = key.shape[0], q.shape[1], key.shape[1]
+    raw = q.new_empty(heads, rows, n, dtype=key.dtype)
+    for head in range(heads):
+        torch.mm(q[head], key[head].t(), out=raw[head])
+    scores = raw.float().mul_(scale)  # [Hkv, R, N]
+    if own > 1:
+        hidden = torch.ones(own, own, dtype=torch.bool, device=q.device).triu_(1)
+        scores[..., -own:].masked_fill_(hidden.repeat(rows // own, 1), -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, R]
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_().to(value.dtype)
+    return torch.matmul(probs, value).float(), lse
+
+
 def attend_fused(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scale: float | None = None, chunk: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:

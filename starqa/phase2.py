@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from starqa import dist
-from starqa.attention import (attend, fold_gqa, fused_available, merge, partial_chunks,
-                              partial_slots, slot_layout)
+from starqa.attention import (attend, partial_rows, fold_gqa, fused_available, merge,
+                              partial_chunks)
 
-SLOT = 128  # shard keys per slot of the CPU kernel layout (attention.slot_layout)
+SLOT = 128  # shard keys per fused kernel call on CUDA (attention.partial_chunks)
 
 
 class ShardAttention:
@@ -48,14 +48,11 @@ class ShardAttention:
         self.head = min(head, self.n_keys)
         self.track = False
         self.fused = shard is not None and fused_available(shard[0][0])
-        self.slots, self.mask = None, None
-        if self.fused and shard[0][0].device.type == "cpu":
-            # One kernel call per layer over padded slots (attention.slot_layout) instead of
-            # views plus a head and a tail call; the original layout is dropped.
-            laid = [slot_layout(k, v, SLOT, self.head) for k, v in shard]
-            self.slots, self.mask = [(k, v) for k, v, _ in laid], laid[0][2]
-            self.first = -(-self.head // SLOT)  # slots holding the head
-            self.shard = None
+        # CPU: per layer one buffer (k, v) [Hkv, N + room, D]: the shard, then (query host)
+        # this question's and answer's KV, written in place; a decode step attends to all of
+        # it in one `partial_rows` call. Laid out by the first `begin`, regrown by a longer one.
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.cpu = shard is not None and shard[0][0].device.type == "cpu"
         # Per layer, each tracked forward's last query row [Hkv, G, D] and its global LSE
         # [Hkv, G] (see `key_mass`).
         self._rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
@@ -68,9 +65,51 @@ class ShardAttention:
         one's KV. Buffers of that size are allocated once and reused by later questions;
         they grow if a question needs more."""
         self.length = 0
-        self._rows = [[] for _ in self.slots or self.shard or ()]
-        if capacity > self._capacity:
+        self._rows = [[] for _ in self.kv or self.shard or ()]
+        if self.cpu:
+            self._lay_out(capacity if self.query_host else 0)
+        elif capacity > self._capacity:
             self._own, self._capacity = [], capacity
+
+    def _lay_out(self, room: int) -> None:
+        """(CPU) The shard, and the question's KV so far, in buffers with room for `room`
+        question keys; kept if they have it."""
+        if self.kv is not None and self.kv[0][0].shape[1] >= self.n_keys + room:
+            return
+        n, room = self.n_keys, max(room, self._capacity) if room else 0
+        kept = n + self.length
+        if self.kv is not None:
+            old = self.kv
+        else:
+            old, self.shard = [(k[0], v[0]) for k, v in self.shard], None
+        self.kv = []
+        for layer in range(len(old)):
+            k, v = old[layer]
+            if not room and k.shape[1] == n:  # no question here: the shard as it is
+                self.kv.append((k, v))
+                continue
+            grown = (k.new_empty(k.shape[0], n + room, k.shape[2]),
+                     v.new_empty(v.shape[0], n + room, v.shape[2]))
+            grown[0][:, :kept], grown[1][:, :kept] = k[:, :kept], v[:, :kept]
+            self.kv.append(grown)
+            old[layer] = None  # each layer's old copy goes as soon as it is copied
+        self._capacity = max(self._capacity, room)
+
+    def _attend_buffer(self, layer: int, q: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor, scale: float, m: int):
+        """(CPU) This layer's part over its buffer: the shard and, on the query host, the
+        question's KV so far with this forward's written after it (seen causally)."""
+        end = self.n_keys
+        if self.kv is None:  # attention without `begin` (a hook driven by transformers)
+            self._lay_out(self.length + m if self.query_host else 0)
+        if self.query_host:
+            end += self.length + m
+            if self.kv[layer][0].shape[1] < end:
+                self._lay_out(max(self.length + m, 2 * self._capacity))
+            k, v = self.kv[layer]
+            k[:, end - m:end], v[:, end - m:end] = key[0], value[0]
+        k, v = self.kv[layer]
+        return partial_rows(q[0], k[:, :end], v[:, :end], scale, m if self.query_host else 0)
 
     def advance(self, tokens: int) -> None:
         """The forward that just ran added `tokens` to the question's KV."""
@@ -84,23 +123,23 @@ class ShardAttention:
         _, q_heads, m, dim = query.shape
         kv_heads = key.shape[1]
         scale = dim**-0.5 if scale is None else scale
-        stored = self.slots or self.shard
+        stored = self.kv or self.shard
         dtype = stored[layer][0].dtype if stored is not None else key.dtype
         # Work in the folded layout [*, Hkv, R = G*M, D]: query heads of a KV head as rows.
         q = fold_gqa(query, kv_heads, dtype)
         outs, lses = [], []
-        if self.retriever is not None:
+        if self.cpu:
+            out, lse = self._attend_buffer(layer, q, key, value, scale, m)
+            outs, lses = [out[None]], [lse[None]]
+        elif self.retriever is not None:
             outs, lses = self.retriever.parts(layer, q, scale)
-        elif self.slots is not None:
-            out, lse = partial_slots(q, *self.slots[layer], self.mask, scale)
-            outs, lses = [out], [lse]
         elif self.shard is not None:
             if self.fused:
                 outs, lses = partial_chunks(q, *self.shard[layer], scale, SLOT, self.head)
             else:  # no fused kernel here: one exact part, attribution per shard
                 out, lse = _folded(attend(query, *self.shard[layer], scale), kv_heads)
                 outs, lses = [out], [lse]
-        if self.query_host:
+        if self.query_host and not self.cpu:
             keys, values = self._append(layer, key, value)
             if m == 1 and fused_available(query):  # one new token sees every key: no mask
                 own_outs, own_lses = partial_chunks(q, keys, values, scale, keys.shape[2])
@@ -111,11 +150,14 @@ class ShardAttention:
                 outs.append(out), lses.append(lse)
         if not outs:  # no blocks and not the query host: contribute nothing
             outs, lses = [q.new_zeros(1, *q.shape[1:])], [q.new_full(q.shape[:3], -math.inf)]
-        out, lse = merge(torch.cat(outs) if len(outs) > 1 else outs[0],
-                         torch.cat(lses) if len(lses) > 1 else lses[0])  # parts [P, Hkv, R]
+        if len(outs) == 1 and outs[0].shape[0] == 1:  # one part: already the attention
+            out, lse = outs[0][0], lses[0][0]
+        else:  # parts [P, Hkv, R(, D)]
+            out, lse = merge(torch.cat(outs), torch.cat(lses))
         if self.info.world_size > 1:
             # One collective: [out ‖ lse] as [Hkv, R, D + 1], gathered to [W, Hkv, R, D + 1].
-            gathered = dist.all_gather(self.info, torch.cat([out, lse.unsqueeze(-1)], dim=-1))
+            gathered = dist.all_gather(self.info, torch.cat([out.float(), lse.unsqueeze(-1)],
+                                                            dim=-1))
             out, lse = merge(gathered[..., :-1], gathered[..., -1])
         if self.track and self.n_keys:
             # Kept, not computed, here (views, no kernels): the last query row and its global
@@ -185,8 +227,8 @@ class ShardAttention:
 
     def _keys_at(self, layer: int, offsets: torch.Tensor) -> torch.Tensor:
         """Keys [U, Hkv, D] of this layer at shard positions head + offsets."""
-        if self.slots is not None:
-            return self.slots[layer][0][self.first + offsets // SLOT, :, offsets % SLOT]
+        if self.kv is not None:
+            return self.kv[layer][0][:, self.head + offsets].transpose(0, 1)
         return self.shard[layer][0][0, :, self.head + offsets].transpose(0, 1)
 
 

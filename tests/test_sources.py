@@ -74,7 +74,7 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token():
     from starqa import dist, phase2
 
     torch.manual_seed(0)
-    n, head, layers = 2 * phase2.SLOT * 3 + 37, 11, 2
+    n, head, layers = 2 * 128 * 3 + 37, 11, 2
     ids = torch.randint(0, 12, (n,))
     shard = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for _ in range(layers)]
     hook = phase2.ShardAttention(dist.local_world(), shard, query_host=True, head=head, ids=ids)
@@ -82,15 +82,14 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token():
     hook.track = True
     tokens = [3, 7, 3, 11]  # what each tracked row emitted (the last row's pick is cut off)
     expected = torch.zeros(n, dtype=torch.float64)
+    keys, values = [list(kv) for kv in zip(*shard)]  # per layer: the shard, then the question's
     for step in range(5):  # a 4-token question, then single tokens
         m = 4 if step == 0 else 1
         for layer in range(layers):
             q, k, v = torch.randn(1, 6, m, 8), torch.randn(1, 2, m, 8), torch.randn(1, 2, m, 8)
             hook.attention(layer, q, k, v)
-            own_k = hook._own[layer][0][:, :, :hook.length + m]
-            own_v = hook._own[layer][1][:, :, :hook.length + m]
-            keys, values = torch.cat([shard[layer][0], own_k], 2), torch.cat([shard[layer][1], own_v], 2)
-            _, lse = attend(q, keys, values, 8 ** -0.5, causal=True)
+            keys[layer], values[layer] = torch.cat([keys[layer], k], 2), torch.cat([values[layer], v], 2)
+            _, lse = attend(q, keys[layer], values[layer], 8 ** -0.5, causal=True)
             if step < len(tokens):
                 mass = key_mass(q[:, :, -1:], shard[layer][0], 8 ** -0.5, lse[..., -1:]).double()
                 expected += mass * (ids == tokens[step])

@@ -1,0 +1,12 @@
+"""The one compiled part of starqa: its CPU attention kernel (starqa/_attend.c), loaded by
+starqa.native through ctypes. Optional: without a C compiler starqa installs all the same
+and attends with torch's kernels (`starqa.native.available()` says which)."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "starqa._attend", ["starqa/_attend.c"], optional=True,
+    # OpenMP: loaded after torch, the kernel shares torch's libgomp and its threads.
+    extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-std=gnu11"],
+    libraries=["m"],
+    extra_link_args=["-fopenmp"])])

@@ -1,0 +1,328 @@
+/* starqa's CPU attention kernel (loaded by starqa.native through ctypes; plain C, no
+   Python headers, so any C compiler builds it): partial attention with its log-sum-exp over a cached shard, on CPU.
+
+   One call attends R query rows of each of H KV heads to the first n keys of that head
+   (keys and values bf16 or fp32, rows of D contiguous elements, heads `stride` elements
+   apart: a slice of a longer buffer is read in place) and returns, per row, the attention
+   output and the LSE that starqa.attention.merge combines across shards and workers.
+
+   Why starqa has its own kernel: a decode step has only R = G rows per KV head (G query
+   heads share one KV head), so attention is a pass over the shard that should run at
+   memory speed. torch's CPU flash kernel spends most of such a step in the fixed costs of
+   its per-block GEMM calls (about 19 ms per token for SmolLM2 over 7.5K keys on a 2-core
+   Zen 5), and two oneDNN GEMMs with a softmax between them leave the scores rounded to
+   bf16 and still cost 13 ms. Here each key and value row is read once, widened to fp32,
+   and used at once by every row: scores, softmax and output accumulate in fp32 (online
+   softmax over blocks of keys, as in FlashAttention), so nothing is rounded to bf16 but
+   the inputs themselves.
+
+   Work is split into (head, run of keys) tasks over OpenMP threads; loaded after torch,
+   this module shares torch's libgomp and so its thread pool. Each task keeps its running
+   maximum, sum and unnormalised output; the tasks of a head are merged at the end by the
+   same LSE rule as starqa.attention.merge.
+
+   Causal tail: with own = M > 0, the last M keys are the M queries' own, and the rows are
+   G blocks of M (the query index fastest, starqa.attention.fold_gqa's layout): row r sees
+   the keys before n - M + (r % M) + 1. A row that sees no key gets output 0, LSE -inf. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 64      /* keys per online-softmax step */
+#define ROWS 8        /* query rows per pass over a task's keys */
+#define TASK_KEYS 512 /* keys per task */
+#define MAX_DIM 256
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SIMD_CLONES
+#endif
+
+/* exp(x) for x <= 0 (fp32 accuracy; 0 below -87, where fp32 would go subnormal). Written
+   for vectorisation: a rounding by the 1.5 * 2^23 trick, a degree-6 polynomial for 2^f on
+   [-0.5, 0.5] (Cephes' exp2f), and the exponent bits. */
+static inline float exp_nonpositive(float x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    float t = (x < -87.0f ? -87.0f : x) * 1.44269504088896341f;
+    float n = (t + magic) - magic;
+    float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
+/* Rows of D keys or values, widened to fp32: `count` rows from src into dst [count][D]. */
+static inline void widen(const char *src, int bf16, int64_t count, int64_t d, float *dst) {
+    if (bf16) {
+        const uint16_t *h = (const uint16_t *)src;
+#pragma omp simd
+        for (int64_t i = 0; i < count * d; i++) {
+            union { uint32_t u; float f; } wide = {.u = (uint32_t)h[i] << 16};
+            dst[i] = wide.f;
+        }
+    } else {
+        memcpy(dst, src, (size_t)(count * d) * sizeof(float));
+    }
+}
+
+/* The online-softmax step for one block of jn keys: the scores s[r][0..jn) become the
+   weights exp(s - m[r]) under each row's running maximum m[r], whose sum joins l[r]; the
+   row's output so far (acc) shrinks when the maximum grows. */
+static inline void softmax_block(int64_t rows, int64_t jn, int64_t d, float s[][BLOCK],
+                                 float *m, float *l, float *acc) {
+    for (int64_t r = 0; r < rows; r++) {
+        float top = -INFINITY;
+        for (int64_t j = 0; j < jn; j++) top = s[r][j] > top ? s[r][j] : top;
+        if (top == -INFINITY) { /* every key of the block hidden from this row */
+            for (int64_t j = 0; j < jn; j++) s[r][j] = 0.0f;
+            continue;
+        }
+        if (top > m[r]) {
+            float shrink = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
+            l[r] *= shrink;
+            float *ar = acc + r * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) ar[i] *= shrink;
+            m[r] = top;
+        }
+        float mr = m[r], sum = 0.0f;
+        float *sr = s[r];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < jn; j++) {
+            float p = exp_nonpositive(sr[j] - mr);
+            sr[j] = p;
+            sum += p;
+        }
+        l[r] += sum;
+    }
+}
+
+/* Arguments of a task: rows [r0, r0 + rows) (at most ROWS) of one head, whose queries are
+   q [R, D], over its keys [a, b); each row's running max m, sum l and unnormalised output
+   acc [rows, D], at r - r0. */
+#define TASK_ARGS                                                                          \
+    const float *q, int64_t d, const char *k, const char *v, int bf16, int64_t a, int64_t b, \
+        int64_t n, int64_t own, int64_t r0, int64_t rows, float scale, float *m, float *l,   \
+        float *acc
+#define TASK_PASS q, d, k, v, bf16, a, b, n, own, r0, rows, scale, m, l, acc
+
+static void task_start(TASK_ARGS, int64_t *limit) {
+    (void)q, (void)k, (void)v, (void)bf16, (void)a, (void)b, (void)scale;
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        memset(acc + r * d, 0, (size_t)d * sizeof(float));
+        limit[r] = own ? n - own + (r0 + r) % own + 1 : n;
+    }
+}
+
+/* Any D: plain loops the compiler vectorises. */
+SIMD_CLONES static void task_any(TASK_ARGS) {
+    const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);
+    float s[ROWS][BLOCK];
+    float block[BLOCK * MAX_DIM]; /* this block's keys, then its values, in fp32 */
+    int64_t limit[ROWS];
+    task_start(TASK_PASS, limit);
+    for (int64_t j0 = a; j0 < b; j0 += BLOCK) {
+        int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;
+        const float *keys = block;
+        if (bf16)
+            widen(k + (size_t)j0 * row_bytes, 1, jn, d, block);
+        else
+            keys = (const float *)(k + (size_t)j0 * row_bytes);
+        for (int64_t r = 0; r < rows; r++) {
+            const float *qr = q + (r0 + r) * d;
+            for (int64_t j = 0; j < jn; j++) {
+                const float *key = keys + j * d;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < d; i++) dot += qr[i] * key[i];
+                s[r][j] = j0 + j < limit[r] ? dot * scale : -INFINITY;
+            }
+        }
+        softmax_block(rows, jn, d, s, m, l, acc);
+        const float *values = block;
+        if (bf16)
+            widen(v + (size_t)j0 * row_bytes, 1, jn, d, block);
+        else
+            values = (const float *)(v + (size_t)j0 * row_bytes);
+        for (int64_t r = 0; r < rows; r++) {
+            float *ar = acc + r * d;
+            for (int64_t j = 0; j < jn; j++) {
+                const float p = s[r][j], *value = values + j * d;
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++) ar[i] += p * value[i];
+            }
+        }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
+
+/* 16 zmm partial sums (one per key) → one zmm of the 16 totals, in key order. */
+AVX512 static inline __m512 sum16(const __m512 *x) {
+    __m512 quad[4];
+    for (int g = 0; g < 4; g++) { /* 4 keys → 4 lanes of 128 bits, each [k0 k1 k2 k3] */
+        const __m512 *y = x + 4 * g;
+        __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
+        __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(y[2], y[3]), _mm512_unpackhi_ps(y[2], y[3]));
+        quad[g] = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
+    }
+    __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x44),
+                               _mm512_shuffle_f32x4(quad[0], quad[1], 0xEE));
+    __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x44),
+                               _mm512_shuffle_f32x4(quad[2], quad[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88),
+                         _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+/* 16 bf16 or fp32 elements → 16 fp32 lanes. */
+AVX512 static inline __m512 load16(const char *src, int bf16) {
+    if (!bf16) return _mm512_loadu_ps(src);
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* D = 16 * NC (NC = 4: D 64, NC = 8: D 128), AVX-512: scores 16 keys at a time with one
+   transposed reduction, each output row in registers over the block. */
+#define TASK_AVX512(NC)                                                                    \
+    AVX512 static void task_avx512_##NC(TASK_ARGS) {                                      \
+        const size_t esize = bf16 ? 2 : 4, row_bytes = (size_t)d * esize;                  \
+        float s[ROWS][BLOCK] __attribute__((aligned(64)));                                 \
+        float block[BLOCK * 16 * NC] __attribute__((aligned(64)));                         \
+        int64_t limit[ROWS];                                                               \
+        task_start(TASK_PASS, limit);                                                      \
+        for (int64_t j0 = a; j0 < b; j0 += BLOCK) {                                        \
+            int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;                                  \
+            for (int64_t j = 0; j < jn; j++) /* the block's keys, widened once */          \
+                for (int c = 0; c < NC; c++)                                               \
+                    _mm512_store_ps(block + (j * NC + c) * 16,                             \
+                                    load16(k + (size_t)(j0 + j) * row_bytes + c * 16 * esize, bf16)); \
+            for (int64_t j = jn; j < (jn + 15) / 16 * 16; j++) /* pad to 16 keys */        \
+                for (int c = 0; c < NC; c++)                                               \
+                    _mm512_store_ps(block + (j * NC + c) * 16, _mm512_setzero_ps());       \
+            for (int64_t r = 0; r < rows; r++) {                                           \
+                __m512 qr[NC];                                                             \
+                for (int c = 0; c < NC; c++) qr[c] = _mm512_loadu_ps(q + (r0 + r) * d + c * 16); \
+                for (int64_t j = 0; j < jn; j += 16) {                                     \
+                    __m512 dots[16];                                                       \
+                    for (int x = 0; x < 16; x++) {                                         \
+                        const float *key = block + (j + x) * NC * 16;                      \
+                        __m512 acc0 = _mm512_mul_ps(qr[0], _mm512_load_ps(key));           \
+                        for (int c = 1; c < NC; c++)                                       \
+                            acc0 = _mm512_fmadd_ps(qr[c], _mm512_load_ps(key + c * 16), acc0); \
+                        dots[x] = acc0;                                                    \
+                    }                                                                      \
+                    _mm512_store_ps(&s[r][j], _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale))); \
+                }                                                                          \
+                for (int64_t j = 0; j < jn; j++)                                           \
+                    if (j0 + j >= limit[r]) s[r][j] = -INFINITY;                           \
+            }                                                                              \
+            softmax_block(rows, jn, d, s, m, l, acc);                                      \
+            for (int64_t j = 0; j < jn; j++) /* the block's values, widened once */        \
+                for (int c = 0; c < NC; c++)                                               \
+                    _mm512_store_ps(block + (j * NC + c) * 16,                             \
+                                    load16(v + (size_t)(j0 + j) * row_bytes + c * 16 * esize, bf16)); \
+            for (int64_t r = 0; r < rows; r++) {                                           \
+                __m512 out[NC];                                                            \
+                for (int c = 0; c < NC; c++) out[c] = _mm512_loadu_ps(acc + r * d + c * 16); \
+                for (int64_t j = 0; j < jn; j++) {                                         \
+                    __m512 p = _mm512_set1_ps(s[r][j]);                                    \
+                    for (int c = 0; c < NC; c++)                                           \
+                        out[c] = _mm512_fmadd_ps(p, _mm512_load_ps(block + (j * NC + c) * 16), out[c]); \
+                }                                                                          \
+                for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + r * d + c * 16, out[c]); \
+            }                                                                              \
+        }                                                                                  \
+    }
+TASK_AVX512(4)
+TASK_AVX512(8)
+
+static int has_avx512(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    }
+    return known;
+}
+#endif
+
+static void task(TASK_ARGS) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (has_avx512() && (d == 64 || d == 128)) {
+        (d == 64 ? task_avx512_4 : task_avx512_8)(TASK_PASS);
+        return;
+    }
+#endif
+    task_any(TASK_PASS);
+}
+
+/* Addresses: q fp32 [H, R, D]; k, v [H, >= n, D] (bf16 if `bf16` else fp32) with heads
+   k_stride / v_stride elements apart; out fp32 [H, R, D] and lse fp32 [H, R], written.
+   Returns 0, or 1 for impossible shapes, 2 when out of memory. */
+int starqa_attend(int bf16, const float *q, const char *k, const char *v, float *out,
+                  float *lse, int64_t heads, int64_t rows, int64_t d, int64_t k_stride,
+                  int64_t v_stride, int64_t n, int64_t own, float scale, int threads) {
+    if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || own < 0 || own > n ||
+        (own && rows % own))
+        return 1;
+    int64_t spans = n ? (n + TASK_KEYS - 1) / TASK_KEYS : 1;
+    int64_t groups = (rows + ROWS - 1) / ROWS;
+    int64_t tasks = heads * spans * groups;
+    size_t esize = bf16 ? 2 : 4;
+    float *state = malloc((size_t)tasks * ROWS * (size_t)(d + 2) * sizeof(float));
+    if (!state) return 2;
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t h = t / (spans * groups), rest = t % (spans * groups);
+        int64_t g = rest / spans, span = rest % spans;
+        int64_t a = span * TASK_KEYS, b = a + TASK_KEYS < n ? a + TASK_KEYS : n;
+        int64_t r0 = g * ROWS, rn = rows - r0 < ROWS ? rows - r0 : ROWS;
+        float *m = state + (size_t)t * ROWS * (d + 2), *l = m + ROWS, *acc = l + ROWS;
+        task(q + h * rows * d, d, k + (size_t)(h * k_stride) * esize,
+             v + (size_t)(h * v_stride) * esize, bf16, a, b, n, own, r0, rn, scale, m, l,
+             acc);
+    }
+    /* merge each row's spans (starqa.attention.merge's rule) */
+    for (int64_t h = 0; h < heads; h++) {
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t g = r / ROWS, i = r % ROWS;
+            float top = -INFINITY, total = 0.0f;
+            float *o = out + (h * rows + r) * d;
+            for (int64_t span = 0; span < spans; span++) {
+                float *m = state + (size_t)((h * groups + g) * spans + span) * ROWS * (d + 2);
+                top = m[i] > top ? m[i] : top;
+            }
+            memset(o, 0, (size_t)d * sizeof(float));
+            if (top == -INFINITY) {
+                lse[h * rows + r] = -INFINITY;
+                continue;
+            }
+            for (int64_t span = 0; span < spans; span++) {
+                float *m = state + (size_t)((h * groups + g) * spans + span) * ROWS * (d + 2);
+                if (m[i] == -INFINITY) continue;
+                float w = expf(m[i] - top);
+                total += w * m[ROWS + i];
+                const float *acc = m + 2 * ROWS + i * d;
+                for (int64_t x = 0; x < d; x++) o[x] += w * acc[x];
+            }
+            for (int64_t x = 0; x < d; x++) o[x] /= total;
+            lse[h * rows + r] = top + logf(total);
+        }
+    }
+    free(state);
+    return 0;
+}
