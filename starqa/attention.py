@@ -120,36 +120,6 @@ def partial_chunks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scal
     return outs, lses
 
 
-def slot_layout(key: torch.Tensor, value: torch.Tensor, chunk: int, head: int = 0
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A shard's keys and values, [1, Hkv, N, D], re-laid (one copy, at load) as slots of
-    `chunk` keys for `partial_slots`: first ceil(head / chunk) slots hold the `head` keys,
-    then every run of `chunk` keys after them has a slot of its own; a slot's unused end is
-    masked. Returns k, v [S, Hkv, chunk, D] contiguous and the additive mask [S, 1, 1, chunk]
-    (0 on keys, -inf on padding) in the keys' dtype."""
-    kv_heads, n, dim = key.shape[1], key.shape[2], key.shape[3]
-    spans = [(a, min(a + chunk, head)) for a in range(0, head, chunk)] + \
-            [(a, min(a + chunk, n)) for a in range(head, n, chunk)]
-    k = key.new_zeros(len(spans), kv_heads, chunk, dim)
-    v = value.new_zeros(len(spans), kv_heads, chunk, dim)
-    mask = key.new_full((len(spans), 1, 1, chunk), -math.inf)
-    for slot, (a, b) in enumerate(spans):
-        k[slot, :, :b - a], v[slot, :, :b - a] = key[0, :, a:b], value[0, :, a:b]
-        mask[slot, ..., :b - a] = 0
-    return k, v, mask
-
-
-def partial_slots(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked partial attentions (padding aside) of folded queries q [1, Hkv, R, D] over
-    each slot of `slot_layout`, in one call of torch's CPU flash kernel (the slots are its
-    batch, so one question's work spreads over every core). Returns out [S, Hkv, R, D] in
-    the keys' dtype and lse [S, Hkv, R] fp32: one part per slot, for `merge`."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.expand(key.shape[0], -1, -1, -1), key, value, attn_mask=mask, scale=scale)[:2]
-    return out, lse
-
-
 def partial_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                 own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of folded queries q [Hkv, R, D] (R = G*M rows, M fastest, see

@@ -136,16 +136,67 @@ def test_fused_chunks_within_the_reference_error(dtype, q_heads, kv_heads, m, n,
     # The parts themselves: one per chunk (plus the head), each an exact partial attention.
     outs, lses = partial_chunks(fold_gqa(q, kv_heads, dtype), k, v, 64 ** -0.5, chunk, head)
     outs, lses = check_chunk_parts(q, k, v, outs, lses, chunk, head, want, budget)
-    # The CPU layout: the same parts from one call over padded, masked slots.
-    from starqa.attention import partial_slots, slot_layout
 
-    k_slots, v_slots, mask = slot_layout(k, v, chunk, head)
-    assert k_slots.shape[0] == outs.shape[0] + (head > chunk) * (-(-head // chunk) - 1)
-    slot_outs, slot_lses = partial_slots(fold_gqa(q, kv_heads, dtype), k_slots, v_slots, mask,
-                                         64 ** -0.5)
-    if head <= chunk:  # one slot per part: the very same LSEs
-        torch.testing.assert_close(slot_lses, lses, rtol=0, atol=1e-4)
-    merged, merged_lse = merge(slot_outs, slot_lses)
-    assert (merged.reshape(1, q_heads, m, 64).double() - want).abs().max().item() <= budget
-    torch.testing.assert_close(merged_lse.reshape(1, q_heads, m).double(), want_lse, rtol=0,
-                               atol=1e-4)
+
+ROW_SHAPES = [  # (q_heads, kv_heads, m, n, dim, own): batch 1, as Phase 2 runs
+    (9, 3, 1, 7 * 512 + 37, 64, 0),  # SmolLM2 decode: several kernel tasks, partial blocks
+    (12, 2, 1, 1000, 128, 1),        # Qwen2.5 decode, the last key the token's own
+    (9, 3, 5, 300, 64, 5),           # a question's prefill after a shard: causal tail
+    (9, 3, 5, 300, 64, 0),           # the same rows on a worker without the question
+    (12, 2, 13, 13, 128, 13),        # only the question's own keys
+    (4, 4, 3, 50, 32, 0),            # another head size: the portable loops
+    (8, 2, 2, 70, 80, 2),            # a head size that is no multiple of 16
+]
+
+
+@pytest.mark.parametrize("kernel", ["native", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_heads,kv_heads,m,n,dim,own", ROW_SHAPES)
+def test_partial_rows_within_the_reference_error(kernel, dtype, q_heads, kv_heads, m, n, dim,
+                                                 own):
+    """Phase 2's CPU attention over a slice of a longer buffer (the shard, then the
+    question's keys), against fp64. starqa's kernel computes in fp32 from the inputs, so
+    its error is fp32 rounding (1e-5) whatever the dtype; the GEMM fallback rounds scores
+    and probabilities to the dtype, so it is bounded by twice the error of transformers'
+    eager attention in that dtype, which rounds them the same way."""
+    from starqa import native
+    from starqa.attention import attend_gemm, fold_gqa, partial_rows
+
+    if kernel == "native" and not native.available():
+        pytest.skip("starqa's kernel is not built here")
+    torch.manual_seed(n + dim)
+    q = torch.randn(1, q_heads, m, dim, dtype=dtype)
+    buffer = torch.randn(2, kv_heads, n + 7, dim, dtype=dtype)  # room after the keys
+    k, v = buffer[0, :, :n], buffer[1, :, :n]
+    want, want_lse = reference(q, k[None], v[None], causal=own > 0)
+    groups = q_heads // kv_heads
+    scores = q @ k[None].repeat_interleave(groups, 1).transpose(-1, -2) * dim ** -0.5
+    if own:
+        scores = scores.masked_fill(~torch.ones(m, n, dtype=torch.bool).tril(n - m), -math.inf)
+    eager = torch.softmax(scores, -1, dtype=torch.float32).to(dtype) @ \
+        v[None].repeat_interleave(groups, 1)
+    budget = 2 * (eager.double() - want).abs().max().item() + 1e-6
+    rows = fold_gqa(q, kv_heads, dtype)[0]
+    out, lse = (partial_rows if kernel == "native" else attend_gemm)(rows, k, v, dim ** -0.5,
+                                                                     own)
+    assert out.shape == (kv_heads, groups * m, dim) and lse.shape == (kv_heads, groups * m)
+    assert out.dtype == lse.dtype == torch.float32
+    error = (out.reshape(1, q_heads, m, dim).double() - want).abs().max().item()
+    assert error <= (1e-5 if kernel == "native" else budget)
+    torch.testing.assert_close(lse.reshape(1, q_heads, m).double(), want_lse, rtol=0,
+                               atol=1e-5 if kernel == "native" else 1e-2)
+
+
+def test_the_kernel_is_built_where_a_compiler_is():
+    """`pip install` builds starqa's attention kernel wherever a C compiler is found (it is
+    optional, so a failed build would otherwise go unnoticed and every answer slow)."""
+    import os
+    import shutil
+
+    from starqa import native
+
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler here: starqa attends with torch's GEMMs")
+    assert native.available()
+    assert native.supports(torch.zeros(2, 5, 64, dtype=torch.bfloat16))
+    assert not native.supports(torch.zeros(2, 5, 64, dtype=torch.float16))  # → GEMMs
