@@ -43,9 +43,11 @@ class Answerer:
 
     @classmethod
     def from_cache(cls, manifest: Manifest, info: dist.DistInfo, model_path: Path,
-                   weights: str = "dense", topk: TopK | None = None) -> Answerer:
+                   weights: str = "dense", topk: TopK | None = None,
+                   room: int = 512) -> Answerer:
         """Load the model and this rank's share of the context's blocks (checksums verified);
-        with `topk`, for top-k attention (starqa.retrieval) instead of exact."""
+        with `topk`, for top-k attention (starqa.retrieval) instead of exact. `room`: the
+        question and answer tokens the query host's buffers hold without growing."""
         from starqa.decoder import load_decoder
 
         # contiguous per machine, then per rank: what each machine keeps (starqa.hosts)
@@ -54,7 +56,8 @@ class Answerer:
         decoder = load_decoder(model_path, dtype, weights, info.device)
         shard, ids, retriever = None, None, None
         if topk is None:
-            shard, ids = load_shard(manifest, blocks, device=info.device, dtype=dtype)
+            shard, ids = load_shard(manifest, blocks, device=info.device, dtype=dtype,
+                                    room=room if info.is_last else 0)
         else:
             from starqa.retrieval import TopKShard
 

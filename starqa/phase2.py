@@ -81,7 +81,11 @@ class ShardAttention:
         if self.kv is not None:
             old = self.kv
         else:
-            old, self.shard = [(k[0], v[0]) for k, v in self.shard], None
+            old, self.shard = [(_with_room(k[0]), _with_room(v[0])) for k, v in self.shard], None
+            if old[0][0].shape[1] >= n + room:  # loaded with room to spare (load_shard)
+                self.kv = old
+                self._capacity = max(self._capacity, old[0][0].shape[1] - n)
+                return
         self.kv = []
         for layer in range(len(old)):
             k, v = old[layer]
@@ -230,6 +234,19 @@ class ShardAttention:
         if self.kv is not None:
             return self.kv[layer][0][:, self.head + offsets].transpose(0, 1)
         return self.shard[layer][0][0, :, self.head + offsets].transpose(0, 1)
+
+
+def _with_room(keys: torch.Tensor) -> torch.Tensor:
+    """keys [Hkv, N, D] with rows contiguous, widened over the room its storage holds after
+    its N rows (a view of `load_shard`'s buffer [Hkv, N + room, D]): [Hkv, N + room, D]."""
+    heads, n, dim = keys.shape
+    if keys.stride(1) != dim or keys.stride(2) != 1 or heads < 1:
+        return keys
+    rows = keys.stride(0) // dim if heads > 1 else n
+    last = keys.storage_offset() + (heads - 1) * keys.stride(0) + rows * dim
+    if rows < n or last > keys.untyped_storage().nbytes() // keys.element_size():
+        return keys
+    return keys.as_strided((heads, rows, dim), (keys.stride(0), dim, 1))
 
 
 def _folded(result: tuple[torch.Tensor, torch.Tensor], kv_heads: int

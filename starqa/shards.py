@@ -168,15 +168,37 @@ def _fix(manifest: Manifest) -> str:
     return f"re-ingest to rebuild it: {command}"
 
 
-def load_shard(manifest: Manifest, indices, device="cpu", dtype=None):
+def load_shard(manifest: Manifest, indices, device="cpu", dtype=None, room: int = 0):
     """The KV of blocks `indices` (contiguous, in order) as one shard (see `shard_of`) and
     their token ids ([N] int64, None for no blocks), checksum-verified (hashing only shards
-    changed since they were last verified)."""
+    changed since they were last verified).
+
+    On the CPU each layer's keys and values are copied once, from the block files' pages
+    (memory-mapped) into one buffer [Hkv, N + room, D] per layer; the shard's tensors are
+    views of its first N keys, and the `room` keys after them are where Phase 2 writes the
+    question's KV (starqa.phase2.ShardAttention), so nothing is copied again."""
     import torch
 
+    from starqa import tensorfile
+
     verify_checksums(manifest, indices)
-    parts = [load_block(manifest, i, device=device, verified=True) for i in indices]
-    return shard_of(parts, dtype), (torch.cat([p[2] for p in parts]) if parts else None)
+    if str(device) != "cpu" or not indices:
+        parts = [load_block(manifest, i, device=device, verified=True) for i in indices]
+        return shard_of(parts, dtype), (torch.cat([p[2] for p in parts]) if parts else None)
+    mapped = [tensorfile.map_all(manifest.folder / block_file(i))[0] for i in indices]
+    layers, heads, _, dim = mapped[0]["k"].shape
+    n = sum(t["k"].shape[2] for t in mapped)
+    dtype = dtype or mapped[0]["k"].dtype
+    buffers = [torch.empty(layers, heads, n + room, dim, dtype=dtype) for _ in "kv"]
+    start = 0
+    for tensors in mapped:
+        size = tensors["k"].shape[2]
+        for buffer, name in zip(buffers, "kv"):
+            buffer[:, :, start:start + size].copy_(tensors[name])
+        start += size
+    ids = torch.cat([t["ids"].long() for t in mapped])
+    k, v = buffers
+    return [(k[layer, :, :n][None], v[layer, :, :n][None]) for layer in range(layers)], ids
 
 
 def shard_of(parts, dtype=None):

@@ -1,7 +1,7 @@
 """safetensors files read by hand: a header, one tensor or one layer of it with a positioned
-read, a whole file into fresh aligned tensors, or a tensor memory-mapped with its layers'
-pages released on demand. What the safetensors library does not offer: reading part of a
-tensor, and control over which pages stay resident.
+read, a tensor memory-mapped with its layers' pages released on demand, or a whole file
+written with its tensors aligned and mapped in place. What the safetensors library does not
+offer: reading part of a tensor, control over which pages stay resident, and alignment.
 
 The format: 8 bytes (little-endian header size), a JSON header {name: {dtype, shape,
 data_offsets [begin, end)}, "__metadata__": {...}}, then the data, offsets relative to its
@@ -66,20 +66,67 @@ def read_layer(path: Path, name: str, layer: int):
     return out
 
 
-def read_all(path: Path) -> tuple[dict, dict]:
-    """Every tensor of a file, each read by one positioned read into a fresh tensor (so
-    64-byte aligned, as the packed CPU kernels want), and the header's metadata. Unlike a
-    memory map, nothing of the file stays resident but the tensors themselves."""
+ALIGN = 64  # bytes: where `save_aligned` starts every tensor's data in the file
+PAD = "__pad__."  # names of the padding tensors that keep the file valid safetensors
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+def save_aligned(tensors: dict, path: Path, metadata: dict[str, str]) -> None:
+    """Write `tensors` as a safetensors file whose every tensor starts at a multiple of
+    ALIGN bytes from the file's start, so `map_all` maps them in place as aligned tensors
+    (what the packed CPU kernels want). The gaps are uint8 tensors named PAD + a number,
+    so the file stays valid for any safetensors reader."""
+    import torch
+
+    entries, parts, offset = {}, [], 0
+    # The header's size is not known before its offsets; they are relative to the data, so
+    # the data starts at a multiple of ALIGN (the header padded with spaces) and offsets
+    # aligned in the data are aligned in the file.
+    for name, tensor in tensors.items():
+        if gap := -offset % ALIGN:
+            entries[f"{PAD}{len(entries)}"] = {"dtype": "U8", "shape": [gap],
+                                               "data_offsets": [offset, offset + gap]}
+            parts.append(bytes(gap))
+            offset += gap
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        entries[name] = {"dtype": _CODES[str(tensor.dtype).removeprefix("torch.")],
+                         "shape": list(tensor.shape),
+                         "data_offsets": [offset, offset + data.nbytes]}
+        parts.append(data)
+        offset += data.nbytes
+    text = json.dumps({"__metadata__": metadata, **entries}).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    with open(path, "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little"))
+        fh.write(text)
+        for part in parts:
+            fh.write(part)
+
+
+def map_all(path: Path) -> tuple[dict, dict]:
+    """Every tensor of a file, memory-mapped in place (nothing read until used; pages
+    shared with the page cache and with other processes mapping the file), and the
+    header's metadata. A private mapping: writing to a tensor never reaches the file. A
+    tensor that does not start at a multiple of ALIGN bytes (a file `save_aligned` did not
+    write) is still mapped, unaligned."""
+    import mmap
+
+    import numpy as np
     import torch
 
     start, found = header(path)
     metadata = found.pop("__metadata__", None) or {}
+    with open(path, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
     tensors = {}
-    with open(path, "rb", buffering=0) as fh:
-        for name, entry in found.items():
-            out = torch.empty(entry["shape"], dtype=_dtype(entry))
-            _pread_into(fh, out, start + entry["data_offsets"][0], path, repr(name))
-            tensors[name] = out
+    for name, entry in found.items():
+        if name.startswith(PAD):
+            continue
+        begin, end = entry["data_offsets"]
+        if start + end > len(mapped):
+            raise ShardError(f"{path} ends early ({name!r} is short).")
+        raw = np.frombuffer(mapped, dtype=np.uint8, count=end - begin, offset=start + begin)
+        tensors[name] = torch.from_numpy(raw).view(_dtype(entry)).view(entry["shape"])
     return tensors, metadata
 
 
