@@ -218,14 +218,16 @@ class ShardAttention:
         where = torch.isin(ids, emitted).nonzero().flatten()
         if not where.numel():
             return mass
-        match = (emitted[:, None] == ids[where][None, :]).float()
+        # Only the (row, key) pairs whose tokens match count: P pairs, about one row per
+        # candidate key, instead of every row against every candidate.
+        row, pick = (emitted[:, None] == ids[where][None, :]).nonzero(as_tuple=True)
         for layer, rows in enumerate(self._rows):
             queries = torch.stack([r[0] for r in rows[:steps]]).float()  # [S, Hkv, G, D]
             lses = torch.stack([r[1] for r in rows[:steps]]).float()  # [S, Hkv, G]
             keys = self._keys_at(layer, where).float()  # [U, Hkv, D]
-            scores = torch.einsum("shgd,uhd->shgu", queries, keys) * self._scale
-            probs = torch.exp(scores - lses[..., None]).sum(dim=(1, 2)).cpu()  # [S, U]
-            mass.index_add_(0, where + self.head, (probs * match).sum(dim=0).double())
+            scores = torch.einsum("phgd,phd->phg", queries[row], keys[pick]) * self._scale
+            probs = torch.exp(scores - lses[row]).sum(dim=(1, 2)).cpu()  # [P]
+            mass.index_add_(0, where[pick] + self.head, probs.double())
         heads = self._rows[0][0][0].shape[0] * self._rows[0][0][0].shape[1]
         return mass / (steps * len(self._rows) * heads)
 
