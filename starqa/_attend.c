@@ -205,10 +205,13 @@ AVX512 static inline __m512 load16(const char *src, int bf16) {
         task_start(TASK_PASS, limit);                                                      \
         for (int64_t j0 = a; j0 < b; j0 += BLOCK) {                                        \
             int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;                                  \
-            for (int64_t j = 0; j < jn; j++) /* the block's keys, widened once */          \
+            for (int64_t j = 0; j < jn; j++) { /* the block's keys, widened once */        \
+                const char *row = k + (size_t)(j0 + j) * row_bytes;                        \
+                for (size_t x = 0; x < row_bytes; x += 64) /* the next block's, fetched */ \
+                    _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);                \
                 for (int c = 0; c < NC; c++)                                               \
-                    _mm512_store_ps(block + (j * NC + c) * 16,                             \
-                                    load16(k + (size_t)(j0 + j) * row_bytes + c * 16 * esize, bf16)); \
+                    _mm512_store_ps(block + (j * NC + c) * 16, load16(row + c * 16 * esize, bf16)); \
+            }                                                                              \
             for (int64_t j = jn; j < (jn + 15) / 16 * 16; j++) /* pad to 16 keys */        \
                 for (int c = 0; c < NC; c++)                                               \
                     _mm512_store_ps(block + (j * NC + c) * 16, _mm512_setzero_ps());       \
@@ -230,10 +233,13 @@ AVX512 static inline __m512 load16(const char *src, int bf16) {
                     if (j0 + j >= limit[r]) s[r][j] = -INFINITY;                           \
             }                                                                              \
             softmax_block(rows, jn, d, s, m, l, acc);                                      \
-            for (int64_t j = 0; j < jn; j++) /* the block's values, widened once */        \
+            for (int64_t j = 0; j < jn; j++) { /* the block's values, widened once */      \
+                const char *row = v + (size_t)(j0 + j) * row_bytes;                        \
+                for (size_t x = 0; x < row_bytes; x += 64)                                 \
+                    _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);                \
                 for (int c = 0; c < NC; c++)                                               \
-                    _mm512_store_ps(block + (j * NC + c) * 16,                             \
-                                    load16(v + (size_t)(j0 + j) * row_bytes + c * 16 * esize, bf16)); \
+                    _mm512_store_ps(block + (j * NC + c) * 16, load16(row + c * 16 * esize, bf16)); \
+            }                                                                              \
             for (int64_t r = 0; r < rows; r++) {                                           \
                 __m512 out[NC];                                                            \
                 for (int c = 0; c < NC; c++) out[c] = _mm512_loadu_ps(acc + r * d + c * 16); \
