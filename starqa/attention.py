@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from starqa import native
+
 # Scores are materialised for this many query rows at a time: [B, Hkv, G*rows, N] fp32.
 DEFAULT_QUERY_CHUNK = 256
 
@@ -132,8 +134,6 @@ def partial_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale:
 
     On CPU, starqa's compiled kernel (starqa/_attend.c: one pass over the keys, fp32
     scores, softmax and output; see there why) where it was built, else `attend_gemm`."""
-    from starqa import native
-
     if native.supports(key):
         return native.attend(q, key, value, scale, own)
     return attend_gemm(q, key, value, scale, own)

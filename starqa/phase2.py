@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from starqa import dist
-from starqa.attention import (attend, partial_rows, fold_gqa, fused_available, merge,
-                              partial_chunks)
+from starqa.attention import (attend, fold_gqa, fused_available, merge, partial_chunks,
+                              partial_rows)
 
 SLOT = 128  # shard keys per fused kernel call on CUDA (attention.partial_chunks)
 
