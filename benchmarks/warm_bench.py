@@ -50,7 +50,7 @@ def main() -> None:
         warm = [ask(QUESTION, 1)["first_token_s"] for _ in range(5)]
 
         model = models.load_model(model_path, dtype=torch.bfloat16)
-        full = torch.tensor([context_ids(tokenizer, home / "corpus") +
+        full = torch.tensor([context_ids(tokenizer, home / "corpus", manifest) +
                              prompt.tokenize_query(tokenizer, QUESTION)])
         dense = []
         with torch.inference_mode():
