@@ -134,7 +134,7 @@ def partial_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale:
 
     On CPU, starqa's compiled kernel (starqa/_attend.c: one pass over the keys, fp32
     scores, softmax and output; see there why) where it was built, else `attend_gemm`."""
-    if native.supports(key):
+    if native.supports(key, value):
         return native.attend(q, key, value, scale, own)
     return attend_gemm(q, key, value, scale, own)
 

@@ -35,18 +35,23 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def supports(key: torch.Tensor) -> bool:
-    """Whether `attend` takes keys like `key` [H, N, D]: CPU, bf16 or fp32, rows contiguous."""
-    return (key.device.type == "cpu" and key.dtype in (torch.bfloat16, torch.float32)
-            and key.stride(-1) == 1 and key.stride(-2) == key.shape[-1]
-            and key.shape[-1] <= 256 and available())
+def supports(key: torch.Tensor, value: torch.Tensor | None = None) -> bool:
+    """Whether `attend` takes keys (and values) like these, [H, N, D]: CPU, bf16 or fp32,
+    rows contiguous, D at most 256; values of the keys' shape and dtype."""
+    def fits(x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+                and x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+                and x.shape[-1] <= 256)
+
+    return (fits(key) and (value is None or fits(value) and value.shape == key.shape
+                           and value.dtype == key.dtype) and available())
 
 
 def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
            own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """starqa.attention.attend_native's kernel: q [H, R, D], key/value [H, N, D] (as
-    `supports` says; heads may lie any distance apart). Returns out [H, R, D] and lse
-    [H, R], both fp32."""
+    """The kernel behind starqa.attention.partial_rows (see there): q [H, R, D], key/value
+    [H, N, D] as `supports` says (heads may lie any distance apart). Returns out [H, R, D]
+    and lse [H, R], both fp32."""
     heads, rows, dim = q.shape
     q = q.to(torch.float32).contiguous()
     out = q.new_empty(heads, rows, dim)
