@@ -60,18 +60,19 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale.f;
 }
 
-/* Rows of D keys or values, widened to fp32: `count` rows from src into dst [count][D]. */
-static inline void widen(const char *src, int bf16, int64_t count, int64_t d, float *dst) {
-    if (bf16) {
-        const uint16_t *h = (const uint16_t *)src;
+/* Rows j0 .. j0 + jn of keys or values (D each, rows row_bytes apart) in fp32: bf16 rows
+   widened into `block`, fp32 rows used where they lie. */
+static inline const float *fp32_rows(const char *src, int bf16, int64_t j0, int64_t jn,
+                                     int64_t d, size_t row_bytes, float *block) {
+    src += (size_t)j0 * row_bytes;
+    if (!bf16) return (const float *)src;
+    const uint16_t *h = (const uint16_t *)src;
 #pragma omp simd
-        for (int64_t i = 0; i < count * d; i++) {
-            union { uint32_t u; float f; } wide = {.u = (uint32_t)h[i] << 16};
-            dst[i] = wide.f;
-        }
-    } else {
-        memcpy(dst, src, (size_t)(count * d) * sizeof(float));
+    for (int64_t i = 0; i < jn * d; i++) {
+        union { uint32_t u; float f; } wide = {.u = (uint32_t)h[i] << 16};
+        block[i] = wide.f;
     }
+    return block;
 }
 
 /* The online-softmax step for one block of jn keys: the scores s[r][0..jn) become the
@@ -134,11 +135,7 @@ SIMD_CLONES static void task_any(TASK_ARGS) {
     task_start(TASK_PASS, limit);
     for (int64_t j0 = a; j0 < b; j0 += BLOCK) {
         int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;
-        const float *keys = block;
-        if (bf16)
-            widen(k + (size_t)j0 * row_bytes, 1, jn, d, block);
-        else
-            keys = (const float *)(k + (size_t)j0 * row_bytes);
+        const float *keys = fp32_rows(k, bf16, j0, jn, d, row_bytes, block);
         for (int64_t r = 0; r < rows; r++) {
             const float *qr = q + (r0 + r) * d;
             for (int64_t j = 0; j < jn; j++) {
@@ -150,11 +147,7 @@ SIMD_CLONES static void task_any(TASK_ARGS) {
             }
         }
         softmax_block(rows, jn, d, s, m, l, acc);
-        const float *values = block;
-        if (bf16)
-            widen(v + (size_t)j0 * row_bytes, 1, jn, d, block);
-        else
-            values = (const float *)(v + (size_t)j0 * row_bytes);
+        const float *values = fp32_rows(v, bf16, j0, jn, d, row_bytes, block);
         for (int64_t r = 0; r < rows; r++) {
             float *ar = acc + r * d;
             for (int64_t j = 0; j < jn; j++) {
@@ -194,24 +187,32 @@ AVX512 static inline __m512 load16(const char *src, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+/* Rows j0 .. j0 + jn (nc * 16 elements each, rows row_bytes apart) widened into `block`
+   [jn][nc * 16] fp32, the next block's rows fetched into the cache meanwhile. */
+AVX512 static inline void widen_rows(const char *src, int bf16, int64_t j0, int64_t jn,
+                                     int nc, size_t row_bytes, float *block) {
+    const size_t esize = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < jn; j++) {
+        const char *row = src + (size_t)(j0 + j) * row_bytes;
+        for (size_t x = 0; x < row_bytes; x += 64)
+            _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);
+        for (int c = 0; c < nc; c++)
+            _mm512_store_ps(block + (j * nc + c) * 16, load16(row + c * 16 * esize, bf16));
+    }
+}
+
 /* D = 16 * NC (NC = 4: D 64, NC = 8: D 128), AVX-512: scores 16 keys at a time with one
    transposed reduction, each output row in registers over the block. */
 #define TASK_AVX512(NC)                                                                    \
     AVX512 static void task_avx512_##NC(TASK_ARGS) {                                      \
-        const size_t esize = bf16 ? 2 : 4, row_bytes = (size_t)d * esize;                  \
+        const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);                               \
         float s[ROWS][BLOCK] __attribute__((aligned(64)));                                 \
         float block[BLOCK * 16 * NC] __attribute__((aligned(64)));                         \
         int64_t limit[ROWS];                                                               \
         task_start(TASK_PASS, limit);                                                      \
         for (int64_t j0 = a; j0 < b; j0 += BLOCK) {                                        \
             int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;                                  \
-            for (int64_t j = 0; j < jn; j++) { /* the block's keys, widened once */        \
-                const char *row = k + (size_t)(j0 + j) * row_bytes;                        \
-                for (size_t x = 0; x < row_bytes; x += 64) /* the next block's, fetched */ \
-                    _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);                \
-                for (int c = 0; c < NC; c++)                                               \
-                    _mm512_store_ps(block + (j * NC + c) * 16, load16(row + c * 16 * esize, bf16)); \
-            }                                                                              \
+            widen_rows(k, bf16, j0, jn, NC, row_bytes, block); /* the block's keys */       \
             for (int64_t j = jn; j < (jn + 15) / 16 * 16; j++) /* pad to 16 keys */        \
                 for (int c = 0; c < NC; c++)                                               \
                     _mm512_store_ps(block + (j * NC + c) * 16, _mm512_setzero_ps());       \
@@ -233,13 +234,7 @@ AVX512 static inline __m512 load16(const char *src, int bf16) {
                     if (j0 + j >= limit[r]) s[r][j] = -INFINITY;                           \
             }                                                                              \
             softmax_block(rows, jn, d, s, m, l, acc);                                      \
-            for (int64_t j = 0; j < jn; j++) { /* the block's values, widened once */      \
-                const char *row = v + (size_t)(j0 + j) * row_bytes;                        \
-                for (size_t x = 0; x < row_bytes; x += 64)                                 \
-                    _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);                \
-                for (int c = 0; c < NC; c++)                                               \
-                    _mm512_store_ps(block + (j * NC + c) * 16, load16(row + c * 16 * esize, bf16)); \
-            }                                                                              \
+            widen_rows(v, bf16, j0, jn, NC, row_bytes, block); /* and its values */         \
             for (int64_t r = 0; r < rows; r++) {                                           \
                 __m512 out[NC];                                                            \
                 for (int c = 0; c < NC; c++) out[c] = _mm512_loadu_ps(acc + r * d + c * 16); \

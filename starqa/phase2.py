@@ -76,22 +76,19 @@ class ShardAttention:
         question keys; kept if they have it."""
         if self.kv is not None and self.kv[0][0].shape[1] >= self.n_keys + room:
             return
-        n, room = self.n_keys, max(room, self._capacity) if room else 0
-        kept = n + self.length
-        if self.kv is not None:
-            old = self.kv
-        else:
+        n = self.n_keys
+        if self.kv is None:  # first lay-out: the shard as loaded, if it has the room
             old, self.shard = [(_with_room(k[0]), _with_room(v[0])) for k, v in self.shard], None
-            if old[0][0].shape[1] >= n + room:  # loaded with room to spare (load_shard)
+            if old[0][0].shape[1] >= n + room:  # (always so for room 0: no question here)
                 self.kv = old
                 self._capacity = max(self._capacity, old[0][0].shape[1] - n)
                 return
+        else:
+            old = self.kv
+        room, kept = max(room, self._capacity), n + self.length
         self.kv = []
         for layer in range(len(old)):
             k, v = old[layer]
-            if not room and k.shape[1] == n:  # no question here: the shard as it is
-                self.kv.append((k, v))
-                continue
             grown = (k.new_empty(k.shape[0], n + room, k.shape[2]),
                      v.new_empty(v.shape[0], n + room, v.shape[2]))
             grown[0][:, :kept], grown[1][:, :kept] = k[:, :kept], v[:, :kept]

@@ -109,25 +109,32 @@ def map_all(path: Path) -> tuple[dict, dict]:
     header's metadata. A private mapping: writing to a tensor never reaches the file. A
     tensor that does not start at a multiple of ALIGN bytes (a file `save_aligned` did not
     write) is still mapped, unaligned."""
+    start, found = header(path)
+    metadata = found.pop("__metadata__", None) or {}
+    mapped = _map(path)
+    tensors = {name: _mapped_view(mapped, start, entry, path, name)
+               for name, entry in found.items() if not name.startswith(PAD)}
+    return tensors, metadata
+
+
+def _map(path: Path):
+    """The whole file, memory-mapped privately (copy on write: nothing reaches the file)."""
     import mmap
 
+    with open(path, "rb") as fh:
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+def _mapped_view(mapped, start: int, entry: dict, path: Path, name: str):
+    """Tensor `entry` of the header as a view of `mapped` (the file; data from `start`)."""
     import numpy as np
     import torch
 
-    start, found = header(path)
-    metadata = found.pop("__metadata__", None) or {}
-    with open(path, "rb") as fh:
-        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-    tensors = {}
-    for name, entry in found.items():
-        if name.startswith(PAD):
-            continue
-        begin, end = entry["data_offsets"]
-        if start + end > len(mapped):
-            raise ShardError(f"{path} ends early ({name!r} is short).")
-        raw = np.frombuffer(mapped, dtype=np.uint8, count=end - begin, offset=start + begin)
-        tensors[name] = torch.from_numpy(raw).view(_dtype(entry)).view(entry["shape"])
-    return tensors, metadata
+    begin, end = entry["data_offsets"]
+    if start + end > len(mapped):
+        raise ShardError(f"{path} ends early ({name!r} is short).")
+    raw = np.frombuffer(mapped, dtype=np.uint8, count=end - begin, offset=start + begin)
+    return torch.from_numpy(raw).view(_dtype(entry)).view(entry["shape"])
 
 
 def read_tensor(path: Path, name: str, mapped: bool = False):
@@ -145,19 +152,12 @@ class MappedTensor:
     tensor would never reach the file."""
 
     def __init__(self, path: Path, name: str):
-        import mmap
-
-        import numpy as np
-        import torch
-
         start, found = header(path)
         entry = found[name]
         begin, end = entry["data_offsets"]
-        with open(path, "rb") as fh:
-            self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._map = _map(path)
         self._first = start + begin  # the tensor's first byte in the file (and the map)
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=end - begin, offset=self._first)
-        self.tensor = torch.from_numpy(raw).view(_dtype(entry)).view(entry["shape"])
+        self.tensor = _mapped_view(self._map, start, entry, path, name)
         self._layer_bytes = (end - begin) // max(entry["shape"][0], 1)
 
     def release(self, layer: int) -> None:
