@@ -31,7 +31,7 @@
 #include <string.h>
 
 #define BLOCK 64      /* keys per online-softmax step */
-#define ROWS 8        /* query rows per pass over a task's keys */
+#define ROWS 32       /* query rows per pass over a task's keys */
 #define TASK_KEYS 512 /* keys per task */
 #define MAX_DIM 256
 

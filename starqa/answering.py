@@ -68,15 +68,18 @@ class Answerer:
 
     def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
                on_token: Callable[[int], None] | None = None,
-               should_stop: Callable[[], bool] | None = None
+               should_stop: Callable[[], bool] | None = None, draft_tokens: int | None = None
                ) -> tuple[list[int], list[dict] | None]:
         """Generate on every rank; returns (tokens, top sources on the query host, else None;
-        None under top-k attention, which never sees every key's attention)."""
+        None under top-k attention, which never sees every key's attention). draft_tokens:
+        per forward (phase2.generate), default STARQA_DRAFT_TOKENS or phase2.DRAFT_TOKENS."""
         import time
 
         tokens = phase2.generate(self.decoder, self.info, self.hook, query_ids,
                                  self.query_position, max_new_tokens, set(stop_ids),
-                                 on_token, should_stop)
+                                 on_token, should_stop, context_ids=self.hook.ids,
+                                 draft_tokens=phase2.draft_tokens_setting()
+                                 if draft_tokens is None else draft_tokens)
         if self.hook.retriever is not None:  # top-k attention (every rank): no attribution
             return tokens, None
         started = time.perf_counter()

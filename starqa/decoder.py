@@ -120,8 +120,11 @@ class Linear:
             return cls(fmt, *_int4_pack(weight.float(), dtype), bias, *copy)
         return cls("dense", weight.to(dtype).contiguous(), None, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w8 is not None and x.shape[0] >= W8A8_MIN_ROWS:
+    def __call__(self, x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
+        """rowwise: compute every row as a forward of that row alone would, bit for bit
+        (no W8A8; torch's int8/int4 kernels are row-independent), so a forward that checks
+        drafted tokens picks exactly the tokens one-token steps would."""
+        if self.w8 is not None and x.shape[0] >= W8A8_MIN_ROWS and not rowwise:
             y = _w8a8(x, self.w8, self.w8_scale)
         elif self.format == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
@@ -221,9 +224,11 @@ class Decoder:
         emb = torch.cat([angles, angles], dim=-1)[:, None, :]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attention: Attention
-                ) -> torch.Tensor:
-        """Hidden states [M, H] after the final norm, for token `ids` [M] at `positions` [M]."""
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
+                rowwise: bool = False) -> torch.Tensor:
+        """Hidden states [M, H] after the final norm, for token `ids` [M] at `positions` [M].
+        rowwise: each row's arithmetic is that of a one-token forward (see `Linear`): for
+        checking drafted tokens (starqa.phase2.generate), not for a question's prefill."""
         c = self.config
         m = ids.shape[0]
         q_size = c.heads * c.head_dim
@@ -231,15 +236,16 @@ class Decoder:
         hidden = self.embed[ids]  # [M, H]
         for index, layer in enumerate(self.layers):
             x = _rms_norm(hidden, layer.attn_norm, c.eps)
-            qkv = layer.qkv(x).view(m, c.heads + 2 * c.kv_heads, c.head_dim)
+            qkv = layer.qkv(x, rowwise).view(m, c.heads + 2 * c.kv_heads, c.head_dim)
             qk = _rotate(qkv[:, :c.heads + c.kv_heads], cos, sin)  # RoPE on q and k at once
             q, k, v = qk[:, :c.heads], qk[:, c.heads:], qkv[:, c.heads + c.kv_heads:]
             out = attention(index, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                             v.transpose(0, 1)[None])  # [1, Hq, M, D]
-            hidden = hidden + layer.out(out[0].transpose(0, 1).reshape(m, q_size).to(self.dtype))
+            hidden = hidden + layer.out(out[0].transpose(0, 1).reshape(m, q_size).to(self.dtype),
+                                       rowwise)
             x = _rms_norm(hidden, layer.mlp_norm, c.eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            gate, up = layer.gate_up(x, rowwise).chunk(2, dim=-1)
+            hidden = hidden + layer.down(F.silu(gate) * up, rowwise)
         return _rms_norm(hidden, self.norm, c.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,15 +13,34 @@ same, exact attention output. A world of one is the same code with no collective
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import torch
 
 from starqa import dist
+from starqa.errors import StarqaError
+from starqa.lookup import Drafter
 from starqa.attention import (attend, fold_gqa, fused_available, merge, partial_chunks,
                               partial_rows)
 
 SLOT = 128  # shard keys per fused kernel call on CUDA (attention.partial_chunks)
+# Drafted tokens checked per forward (`generate`): 3 makes a forward of 4 rows, which costs
+# torch's int4 kernel 1.8x a row's time (measured, Qwen2.5-Coder-1.5B's shapes, 2-core
+# Zen 5) where a fifth row would double it.
+DRAFT_TOKENS = 3
+
+
+def draft_tokens_setting() -> int:
+    """Drafted tokens per forward: STARQA_DRAFT_TOKENS if set (0 turns drafts off), else
+    DRAFT_TOKENS. They never change the answer on CPU (see `generate`), only its speed."""
+    raw = os.environ.get("STARQA_DRAFT_TOKENS")
+    if raw is None:
+        return DRAFT_TOKENS
+    if not raw.strip().isdigit() or int(raw) > 16:
+        raise StarqaError(f"STARQA_DRAFT_TOKENS={raw!r} is not a number of tokens from 0 to 16.",
+                          hint="export STARQA_DRAFT_TOKENS=3   (or 0 to answer without drafts)")
+    return int(raw)
 
 
 class ShardAttention:
@@ -53,9 +72,10 @@ class ShardAttention:
         # it in one `partial_rows` call. Laid out by the first `begin`, regrown by a longer one.
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.cpu = shard is not None and shard[0][0].device.type == "cpu"
-        # Per layer, each tracked forward's last query row [Hkv, G, D] and its global LSE
-        # [Hkv, G] (see `key_mass`).
+        # Per layer, each tracked forward's query rows that picked a token [Hkv, G, P, D]
+        # and their global LSE [Hkv, G, P] (see `key_mass`).
         self._rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self._last: list = []  # per layer, the running forward's rows (see `attention`)
         self._own: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [1, Hkv, cap, D]
         self._capacity = 64
         self.length = 0  # tokens of the question and answer in the own buffers
@@ -66,6 +86,7 @@ class ShardAttention:
         they grow if a question needs more."""
         self.length = 0
         self._rows = [[] for _ in self.kv or self.shard or ()]
+        self._last = [None] * len(self._rows)
         if self.cpu:
             self._lay_out(capacity if self.query_host else 0)
         elif capacity > self._capacity:
@@ -112,10 +133,17 @@ class ShardAttention:
         k, v = self.kv[layer]
         return partial_rows(q[0], k[:, :end], v[:, :end], scale, m if self.query_host else 0)
 
-    def advance(self, tokens: int) -> None:
-        """The forward that just ran added `tokens` to the question's KV."""
+    def advance(self, kept: int, picked: slice | None = None) -> None:
+        """The forward that just ran added its first `kept` tokens to the question's KV (the
+        rest, drafted tokens the model did not pick, are written over by the next); its rows
+        `picked` (default: the last) each picked a token of the answer, in order."""
         if self.query_host:
-            self.length += tokens
+            self.length += kept
+        if self.track and self.n_keys and self._last:
+            picked = picked or slice(-1, None)
+            for layer, (q, lse) in enumerate(self._last):
+                self._rows[layer].append((q[:, :, picked], lse[:, :, picked]))
+            self._last = [None] * len(self._last)
 
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
@@ -161,11 +189,11 @@ class ShardAttention:
                                                             dim=-1))
             out, lse = merge(gathered[..., :-1], gathered[..., -1])
         if self.track and self.n_keys:
-            # Kept, not computed, here (views, no kernels): the last query row and its global
-            # LSE; rows are (g, m) with m fastest. key_mass() uses them once the answer is done.
+            # Kept, not computed, here (views, no kernels): this forward's query rows and
+            # their global LSE, rows (g, m) with m fastest; `advance` keeps those that
+            # picked a token, and key_mass() uses them once the answer is done.
             self._scale = scale
-            self._rows[layer].append((q.view(kv_heads, -1, m, dim)[:, :, -1],
-                                      lse.view(kv_heads, -1, m)[:, :, -1]))
+            self._last[layer] = (q.view(kv_heads, -1, m, dim), lse.view(kv_heads, -1, m))
         return out.view(1, q_heads, m, dim)
 
     def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor):
@@ -205,7 +233,8 @@ class ShardAttention:
         Sources, has the comparison). It costs one dot product per (row, matching key),
         after the answer: no pass over the keys while decoding. The head gets nothing."""
         mass = torch.zeros(self.n_keys, dtype=torch.float64)
-        steps = min(len(tokens), len(self._rows[0])) if self._rows else 0
+        rows_kept = sum(q.shape[2] for q, _ in self._rows[0]) if self._rows else 0
+        steps = min(len(tokens), rows_kept)
         if self.ids is None or not steps:
             return mass
         emitted = torch.as_tensor(list(tokens[:steps]), dtype=self.ids.dtype)
@@ -219,8 +248,9 @@ class ShardAttention:
         # candidate key, instead of every row against every candidate.
         row, pick = (emitted[:, None] == ids[where][None, :]).nonzero(as_tuple=True)
         for layer, rows in enumerate(self._rows):
-            queries = torch.stack([r[0] for r in rows[:steps]]).float()  # [S, Hkv, G, D]
-            lses = torch.stack([r[1] for r in rows[:steps]]).float()  # [S, Hkv, G]
+            queries = torch.cat([r[0] for r in rows], dim=2)[:, :, :steps]  # [Hkv, G, S, D]
+            queries = queries.permute(2, 0, 1, 3).float()  # [S, Hkv, G, D]
+            lses = torch.cat([r[1] for r in rows], dim=2)[:, :, :steps].permute(2, 0, 1).float()
             keys = self._keys_at(layer, where).float()  # [U, Hkv, D]
             scores = torch.einsum("phgd,phd->phg", queries[row], keys[pick]) * self._scale
             probs = torch.exp(scores - lses[row]).sum(dim=(1, 2)).cpu()  # [P]
@@ -260,33 +290,89 @@ def _folded(result: tuple[torch.Tensor, torch.Tensor], kv_heads: int
 def generate(decoder, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequence[int],
              start_position: int, max_new_tokens: int, stop_ids: set[int],
              on_token: Callable[[int], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> list[int]:
+             should_stop: Callable[[], bool] | None = None,
+             context_ids: torch.Tensor | None = None,
+             draft_tokens: int = DRAFT_TOKENS) -> list[int]:
     """Greedy generation of up to `max_new_tokens` after `query_ids` (at positions from
-    `start_position`). The query host picks each token and broadcasts it; it broadcasts -1
-    instead when `should_stop()` (evaluated there only) asks to stop early."""
+    `start_position`). The query host picks the tokens and broadcasts them; it sends a stop
+    instead when `should_stop()` (evaluated there only) asks to stop early.
+
+    Drafts (`draft_tokens` > 0): after the question, each forward is the answer's last token
+    and up to `draft_tokens` tokens guessed by prompt lookup (starqa.lookup) in the
+    context's ids (`context_ids`, the query host's), the question and the answer so far.
+    Every row picks its next token; the guesses are kept up to the first the model did not
+    pick, and the pick after the last kept one is the answer's next token, so one forward
+    gives 1 to draft_tokens + 1 tokens. On CPU with int8/int4 weights each row's arithmetic
+    is that of a one-token forward (`Decoder.forward(rowwise=True)`, the attention kernel
+    treats rows alike), so the answer is bit for bit the one without drafts; elsewhere it
+    is the same up to rounding."""
     device = decoder.device
     src = info.world_size - 1
-    ids = torch.tensor(query_ids, device=device)
-    positions = torch.arange(start_position, start_position + len(query_ids), device=device)
+    draft_tokens = max(0, draft_tokens)
+    drafter = (Drafter(context_ids, query_ids, max_new_tokens)
+               if hook.query_host and draft_tokens else None)
+    # What the query host broadcasts after each forward, the same on every rank:
+    # [n tokens picked, finished?, the picked tokens (<= D + 1), n drafts, the drafts (<= D)]
+    message = torch.zeros(2 * draft_tokens + 4, dtype=torch.long, device=device)
+    ids, drafts, position = list(query_ids), 0, start_position
     generated: list[int] = []
-    hook.begin(len(query_ids) + max_new_tokens)
+    hook.begin(len(query_ids) + max_new_tokens + draft_tokens)
     hook.track = True
-    choice = torch.zeros(1, dtype=torch.long, device=device)
     try:
-        for _ in range(max_new_tokens):
-            hidden = decoder.forward(ids, positions, hook.attention)
-            hook.advance(len(ids))
+        while len(generated) < max_new_tokens:
+            hidden = decoder.forward(torch.tensor(ids, device=device),
+                                     torch.arange(position, position + len(ids), device=device),
+                                     hook.attention, rowwise=drafts > 0)
+            first = len(ids) - 1 - drafts  # the row that picks the answer's next token
             if hook.query_host:
-                stop = should_stop is not None and should_stop()
-                choice[0] = -1 if stop else decoder.logits(hidden[-1:]).argmax(dim=-1)[0]
-            token = int(dist.broadcast(info, choice, src=src)[0])
-            if token < 0 or token in stop_ids:
+                message.copy_(_pick(decoder, hidden[first:], ids[first:], drafter, stop_ids,
+                                    max_new_tokens - len(generated), draft_tokens,
+                                    should_stop is not None and should_stop()))
+            got = dist.broadcast(info, message, src=src).tolist()
+            picked, finished = got[0], got[1]
+            # The rows before `first` and the `picked` from it hold the answer's tokens.
+            hook.advance(first + picked, slice(first, first + picked))
+            position += first + picked
+            tokens = got[2:2 + picked]
+            for token in tokens:
+                generated.append(token)
+                if on_token is not None:
+                    on_token(token)
+            if finished or not tokens:
                 break
-            generated.append(token)
-            if on_token is not None:
-                on_token(token)
-            ids = choice.clone()
-            positions = positions[-1:] + 1
+            drafts = got[3 + draft_tokens]
+            ids = [tokens[-1], *got[4 + draft_tokens:4 + draft_tokens + drafts]]
     finally:
         hook.track = False
     return generated
+
+
+def _pick(decoder, hidden: torch.Tensor, ids: list[int], drafter: Drafter | None,
+          stop_ids: set[int], budget: int, draft_tokens: int, stop: bool) -> torch.Tensor:
+    """(Query host) The message `generate` broadcasts, from the last forward's rows that
+    pick tokens: hidden [1 + d, H] for its input ids [1 + d] (the answer's last token and
+    d drafts). At most `budget` tokens, none from a stop token on."""
+    message = torch.zeros(2 * draft_tokens + 4, dtype=torch.long)
+    if stop:
+        message[1] = 1
+        return message
+    picks = decoder.logits(hidden).argmax(dim=-1).tolist()
+    kept = 0  # drafts the model picked itself
+    while kept < len(ids) - 1 and picks[kept] == ids[1 + kept]:
+        kept += 1
+    tokens, finished = picks[:kept + 1][:budget], False
+    for i, token in enumerate(tokens):
+        if token in stop_ids:
+            tokens, finished = tokens[:i], True
+            break
+    budget -= len(tokens)
+    drafts: list[int] = []
+    if drafter is not None and not finished and budget > 1:
+        drafter.extend(tokens)
+        drafts = drafter.propose(min(draft_tokens, budget - 1))
+    message[0], message[1] = len(tokens), int(finished or budget < 1)
+    message[2:2 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    message[3 + draft_tokens] = len(drafts)
+    message[4 + draft_tokens:4 + draft_tokens + len(drafts)] = torch.tensor(drafts,
+                                                                           dtype=torch.long)
+    return message
