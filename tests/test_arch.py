@@ -352,3 +352,39 @@ def test_phase2_on_workers_equals_one_worker(name, model, decoder, reference, to
     assert three == one and len(one) >= 3
     if name == "ring":
         assert one == greedy_reference(reference, ids.tolist() + query, stops)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_drafts_give_the_same_tokens_and_sources(workers, model, qwen_path, tok, context_ids,
+                                                 monkeypatch):
+    """Prompt-lookup drafts (phase2.generate) on int4 weights: right drafts are kept (24
+    tokens in 7 forwards of 1 + 3 rows), wrong ones are dropped, and either way every rank
+    gets the tokens and the per-key source mass of one token per forward, bit for bit."""
+    decoder = load_decoder(qwen_path, torch.bfloat16, "int4")
+    assert decoder.layers[0].qkv.format == "int4"  # rows computed alike (Linear, rowwise)
+    ids = context_ids
+    kv = [(k.bfloat16(), v.bfloat16()) for k, v in dense_kv(model, ids)]
+    query = prompt.tokenize_query(tok, QUESTION)
+
+    def run(drafts, lookup=None):
+        def one(info, hook):
+            forwards = []
+            attend = hook.attention
+            hook.attention = lambda layer, *a: (forwards.append(1) if layer == 0 else None,
+                                                attend(layer, *a))[1]
+            tokens = phase2.generate(decoder, info, hook, query, len(ids), 24, set(),
+                                     context_ids=lookup, draft_tokens=drafts)
+            return tokens, len(forwards), hook.key_mass(tokens)
+        return on_workers(kv, workers, monkeypatch, one)
+
+    plain = run(0)
+    expected = plain[-1][0]
+    assert len(expected) == 24 and plain[-1][1] == 24  # a forward per token
+    right = torch.tensor(query + expected)  # a context in which the answer follows the question
+    wrong = torch.tensor(query + [(t + 1) % decoder.config.vocab for t in expected])
+    for lookup, forwards in ((right, 7), (wrong, None)):
+        got = run(3, lookup)
+        for (tokens, count, mass), (_, _, plain_mass) in zip(got, plain):
+            assert tokens == expected
+            assert torch.equal(mass, plain_mass)
+            assert count == forwards if forwards else count <= 24
