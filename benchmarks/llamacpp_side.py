@@ -3,6 +3,9 @@ imports nothing of starqa).
 
     python llamacpp_side.py save    GGUF STATE JOB.json   # context → state file on disk
     python llamacpp_side.py restore GGUF STATE JOB.json   # fresh process: load, restore, ask
+    python llamacpp_side.py lookup  GGUF STATE JOB.json   # the same, decoding with
+        llama-cpp-python's prompt-lookup drafts (LlamaPromptLookupDecoding, job's "lookup"
+        tokens per draft): its answer to starqa's drafts
 
 JOB.json: {"context_ids": [...], "query_ids": [...], "new_tokens": N, "threads": T,
 "n_ctx": C}. Prints one JSON line of timings (seconds) and the greedy tokens generated.
@@ -17,10 +20,10 @@ import llama_cpp
 import numpy as np
 
 
-def load(gguf: str, job: dict) -> llama_cpp.Llama:
+def load(gguf: str, job: dict, draft=None) -> llama_cpp.Llama:
     return llama_cpp.Llama(model_path=gguf, n_ctx=job["n_ctx"], n_batch=512,
                            n_threads=job["threads"], n_threads_batch=job["threads"],
-                           logits_all=False, verbose=False)
+                           logits_all=False, verbose=False, draft_model=draft)
 
 
 def last_argmax(llm: llama_cpp.Llama) -> int:
@@ -43,9 +46,14 @@ def save(gguf: str, state: str, job: dict) -> dict:
             "save_s": time.perf_counter() - encoded}
 
 
-def restore(gguf: str, state: str, job: dict) -> dict:
+def restore(gguf: str, state: str, job: dict, lookup: bool = False) -> dict:
     started = time.perf_counter()
-    llm = load(gguf, job)
+    draft = None
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=job["lookup"])
+    llm = load(gguf, job, draft)
     loaded = time.perf_counter()
     capacity = job["n_ctx"]
     tokens = (llama_cpp.llama_token * capacity)()
@@ -56,14 +64,23 @@ def restore(gguf: str, state: str, job: dict) -> dict:
     llm.n_tokens = count.value
     llm.input_ids[:count.value] = np.asarray(tokens[:count.value])
     restored = time.perf_counter()
-    llm.eval(job["query_ids"])
-    token = last_argmax(llm)
-    first = time.perf_counter()
-    generated = [token]
-    for _ in range(job["new_tokens"] - 1):
-        llm.eval([token])
+    if lookup:  # Llama.generate: the restored context is its cached prefix, the draft model
+        # proposes, greedy (temp 0) picks and checks
+        tokens = llm.generate(job["context_ids"] + job["query_ids"], top_k=1, temp=0.0,
+                              repeat_penalty=1.0)
+        generated = [next(tokens)]
+        first = time.perf_counter()
+        while len(generated) < job["new_tokens"]:
+            generated.append(next(tokens))
+    else:
+        llm.eval(job["query_ids"])
         token = last_argmax(llm)
-        generated.append(token)
+        first = time.perf_counter()
+        generated = [token]
+        for _ in range(job["new_tokens"] - 1):
+            llm.eval([token])
+            token = last_argmax(llm)
+            generated.append(token)
     end = time.perf_counter()
     return {"load_s": loaded - started, "restore_s": restored - loaded,
             "question_s": first - restored,
@@ -74,4 +91,6 @@ def restore(gguf: str, state: str, job: dict) -> dict:
 if __name__ == "__main__":
     mode, gguf, state, job_file = sys.argv[1:5]
     job = json.loads(open(job_file).read())
-    print(json.dumps({"save": save, "restore": restore}[mode](gguf, state, job)), flush=True)
+    run = {"save": save, "restore": restore,
+           "lookup": lambda *a: restore(*a, lookup=True)}[mode]
+    print(json.dumps(run(gguf, state, job)), flush=True)

@@ -9,12 +9,14 @@ Prints, for this machine's CPU:
   context cached, no warm group used), from the command's start to the first byte of the
   answer;
 - starqa warm first token and decode ms/token: a warm group (`starqa serve`), as the server
-  measures them (question received → first token; first → last token);
+  measures them (question received → first token; first → last token), with its default
+  prompt-lookup drafts and without them (the same tokens either way);
 - transformers (bf16, SDPA) with the context's KV kept in memory: question → first token,
   decode ms/token;
 - llama.cpp on the embedded model's own GGUF: the context evaluated and its state saved to
   disk once; then a fresh process loads the model, restores the state and asks; load,
-  restore, question → first token, decode ms/token.
+  restore, question → first token, decode ms/token; and the same with llama-cpp-python's
+  own prompt-lookup drafts (`LlamaPromptLookupDecoding`, as many tokens as starqa drafts).
 Every engine decodes greedily the same number of tokens (starqa's answer length). The
 engines run interleaved, `--rounds` times (warm question, llama.cpp restore, cold ask in
 each round), and the medians are compared: on a shared VM the speed of every engine drifts
@@ -44,6 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_bench import build_corpus  # noqa: E402
+
+from starqa.phase2 import DRAFT_TOKENS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Who approved the 2026 travel budget, and what does the travel policy say about it?"
@@ -88,8 +92,9 @@ class StarqaWarm:
         self.conn = client.Client(self.group)
         self.weights = self.group.get("weights")
 
-    def ask(self, new_tokens: int) -> dict:
-        done = next(e for e in self.conn.ask(QUESTION, (), new_tokens) if e["event"] == "done")
+    def ask(self, new_tokens: int, draft_tokens: int | None = None) -> dict:
+        done = next(e for e in self.conn.ask(QUESTION, (), new_tokens, draft_tokens=draft_tokens)
+                    if e["event"] == "done")
         return {"first_token_s": done["first_token_s"], "tokens": done["token_ids"],
                 "decode_ms_per_token": done["decode_s"] / max(len(done["token_ids"]) - 1, 1)
                 * 1e3, "text": done["text"]}
@@ -134,7 +139,8 @@ class LlamaCpp:
         self.job, self.state = folder / "job.json", folder / "state.bin"
         self.job.write_text(json.dumps({
             "context_ids": context, "query_ids": query, "new_tokens": new_tokens,
-            "threads": os.cpu_count(), "n_ctx": len(context) + len(query) + new_tokens + 16}))
+            "threads": os.cpu_count(), "n_ctx": len(context) + len(query) + new_tokens + 16,
+            "lookup": DRAFT_TOKENS}))
         self.saved = self._side("save")
         self.saved["state_bytes"] = self.state.stat().st_size
 
@@ -145,8 +151,8 @@ class LlamaCpp:
             raise SystemExit(f"llama.cpp ({mode}) failed:\n{proc.stderr[-3000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
-    def restore(self) -> dict:
-        out = self._side("restore")
+    def restore(self, lookup: bool = False) -> dict:
+        out = self._side("lookup" if lookup else "restore")
         out["cold_s"] = out["load_s"] + out["restore_s"] + out["question_s"]
         return out
 
@@ -198,7 +204,8 @@ def main() -> None:
             cpp = LlamaCpp(args.llamacpp_python, gguf, context, query, n_new, folder)
             rounds = []
             for index in range(args.rounds):
-                rounds.append({"warm": group.ask(n_new), "cpp": cpp.restore(),
+                rounds.append({"warm": group.ask(n_new), "plain": group.ask(n_new, 0),
+                               "cpp": cpp.restore(), "cpp_lookup": cpp.restore(lookup=True),
                                "cold": starqa_cold(name, n_new)})
                 print(f"round {index + 1}: " + round_line(rounds[-1]), flush=True)
         finally:
@@ -217,11 +224,16 @@ def main() -> None:
     load, restore = median("cpp", "load_s"), median("cpp", "restore_s")
     rows = [
         ("starqa cold ask (command start → first byte)", cold, None),
-        (f"starqa warm group ({group.weights} weights)", warm_first, warm_decode),
+        (f"starqa warm group ({group.weights} weights, {DRAFT_TOKENS} drafted tokens)",
+         warm_first, warm_decode),
+        ("starqa warm group, no drafts (draft_tokens 0)", median("plain", "first_token_s"),
+         median("plain", "decode_ms_per_token")),
         ("transformers bf16, context KV in memory", dense["first_token_s"],
          dense["decode_ms_per_token"]),
         (f"llama.cpp, state restored (load {load:.2f} s + restore {restore:.2f} s + question)",
          cpp_question, cpp_decode),
+        (f"llama.cpp, the same, prompt-lookup drafts ({DRAFT_TOKENS} tokens)",
+         median("cpp_lookup", "question_s"), median("cpp_lookup", "decode_ms_per_token")),
     ]
     print(f"\n{n_new} tokens decoded greedily by each engine; medians of {args.rounds} rounds "
           "(transformers: one run)\n")
@@ -229,6 +241,9 @@ def main() -> None:
     for label, first, decode in rows:
         dec = f"{decode:.1f} ms/token" if decode is not None else "—"
         print(f"{label:<72} {first:>10.2f} s {dec:>14}")
+    print("\nLike for like: without drafts starqa / llama.cpp "
+          f"{median('plain', 'decode_ms_per_token') / cpp_decode:.2f}; both with drafts "
+          f"{warm_decode / median('cpp_lookup', 'decode_ms_per_token'):.2f}")
     print("\nTargets (ratios of the medians; per round: min-max):")
     for label, ours, theirs, target, field in (
             ("decode", warm_decode, cpp_decode, 1, "decode"),
@@ -241,6 +256,9 @@ def main() -> None:
     print(f"\nstarqa's answer: {last['warm']['text']!r}")
     print(f"starqa cold ask's own report: {last['cold'][1]} (from its start, after Python "
           "began)")
+    print(f"starqa's tokens with and without drafts equal: "
+          f"{last['warm']['tokens'] == last['plain']['tokens'][:len(last['warm']['tokens'])]}; "
+          f"llama.cpp's: {last['cpp_lookup']['tokens'] == last['cpp']['tokens']}")
     same = sum(a == b for a, b in zip(last["warm"]["tokens"], last["cpp"]["tokens"]))
     print(f"greedy tokens equal to llama.cpp's: {same} of {min(len(last['warm']['tokens']), n_new)}"
           " (different 4-bit kernels round differently)")
@@ -262,7 +280,8 @@ def round_line(one: dict) -> str:
             f"{one['cpp']['decode_ms_per_token']:.1f} ms/token ({r['decode']:.2f}); warm first "
             f"token {one['warm']['first_token_s']:.2f} vs {one['cpp']['question_s']:.2f} s "
             f"({r['warm']:.2f}); cold {one['cold'][0]:.2f} vs {one['cpp']['cold_s']:.2f} s "
-            f"({r['cold']:.2f})")
+            f"({r['cold']:.2f}); no drafts {one['plain']['decode_ms_per_token']:.1f}, llama.cpp "
+            f"drafts {one['cpp_lookup']['decode_ms_per_token']:.1f} ms/token")
 
 if __name__ == "__main__":
     main()

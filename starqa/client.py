@@ -176,10 +176,12 @@ class Client:
                           f"see {run_dir() / (self.info['key'] + '.log')}).")
 
     def ask(self, question: str, history=(), max_new_tokens: int = 256,
-            beyond_window: bool = False) -> Iterator[dict]:
-        """Stream events for one question: token events, then done (or error)."""
+            beyond_window: bool = False, draft_tokens: int | None = None) -> Iterator[dict]:
+        """Stream events for one question: token events, then done (or error).
+        draft_tokens: per forward (phase2.generate); None: the group's default."""
         self.send({"op": "ask", "question": question, "history": [list(t) for t in history],
-                   "max_new_tokens": max_new_tokens, "beyond_window": beyond_window})
+                   "max_new_tokens": max_new_tokens, "beyond_window": beyond_window,
+                   **({} if draft_tokens is None else {"draft_tokens": draft_tokens})})
         for event in self.events():
             if event["event"] == "error":
                 raise StarqaError(event["message"], hint=event.get("hint"))

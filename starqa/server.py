@@ -3,6 +3,7 @@
 Runs inside the query-host worker of a `serve` group. Requests and events are JSON lines:
 
     → {"op": "ask", "question": "...", "history": [[q, a], ...], "max_new_tokens": 256}
+      (optional "draft_tokens": 0-16, drafted tokens per forward, phase2.generate; 0: none)
     ← {"event": "token", "text": "..."} ...  {"event": "done", "sources": [...], ...}
     → {"op": "cancel"}   (while an answer streams: stop it, keep the session)
     → {"op": "ping"}     ← {"event": "pong", ...}        → {"op": "stop"}: end the group
@@ -44,7 +45,7 @@ def serve_group(job: dict, info, answerer, manifest: Manifest, on_ready) -> None
                     server.answer(request)
                 else:
                     answerer.answer(request["query_ids"], request["max_new_tokens"],
-                                    request["stop_ids"])
+                                    request["stop_ids"], draft_tokens=request["draft_tokens"])
     finally:
         if server:
             server.close()
@@ -110,6 +111,7 @@ class Server:
         question = message.get("question", "")
         max_new = message.get("max_new_tokens", 256)
         history = message.get("history", [])
+        drafts = message.get("draft_tokens")
         problem = (
             "the question is empty" if not isinstance(question, str) or not question.strip()
             else "max_new_tokens must be a positive integer"
@@ -118,6 +120,9 @@ class Server:
             if not isinstance(history, list) or not all(
                 isinstance(turn, list) and len(turn) == 2 and all(isinstance(x, str) for x in turn)
                 for turn in history)
+            else "draft_tokens must be an integer from 0 to 16"
+            if drafts is not None and (not isinstance(drafts, int) or isinstance(drafts, bool)
+                                       or not 0 <= drafts <= 16)
             else None)
         if problem:
             self._send({"event": "error", "message": f"Bad request: {problem}."})
@@ -134,7 +139,7 @@ class Server:
                 return None
             history.pop(0)  # oldest turn first
         return {"op": "ask", "query_ids": ids, "max_new_tokens": max_new,
-                "stop_ids": self.stop_ids, "turns_used": len(history)}
+                "stop_ids": self.stop_ids, "turns_used": len(history), "draft_tokens": drafts}
 
     def answer(self, request: dict) -> None:
         from starqa.prompt import TextStream
@@ -149,7 +154,8 @@ class Server:
                 self._send({"event": "token", "text": piece})
 
         tokens, top = self.ctx.answer(request["query_ids"], request["max_new_tokens"],
-                                      request["stop_ids"], on_token, self._cancelled)
+                                      request["stop_ids"], on_token, self._cancelled,
+                                      draft_tokens=request["draft_tokens"])
         if piece := stream.finish():
             self._send({"event": "token", "text": piece})
         text = stream.text

@@ -497,12 +497,16 @@ def test_malformed_requests_get_an_error_and_the_group_keeps_serving(warm_group)
                     json.dumps({"op": "ask", "question": "who", "max_new_tokens": "x"}).encode(),
                     json.dumps({"op": "ask", "question": 5}).encode(),
                     json.dumps({"op": "ask", "question": "who", "history": [[1]]}).encode(),
-                    json.dumps({"op": "ask", "question": "who", "max_new_tokens": 0}).encode()):
+                    json.dumps({"op": "ask", "question": "who", "max_new_tokens": 0}).encode(),
+                    json.dumps({"op": "ask", "question": "who", "draft_tokens": -1}).encode(),
+                    json.dumps({"op": "ask", "question": "who", "draft_tokens": "3"}).encode()):
             conn.sock.sendall(bad + b"\n")
             event = next(conn.events())
             assert event["event"] == "error" and "Bad request" in event["message"], (bad, event)
         done = [e for e in conn.ask("who approved the travel budget", (), 4)][-1]
         assert done["event"] == "done" and done["token_ids"]
+        plain = [e for e in conn.ask("who approved the travel budget", (), 4, draft_tokens=0)]
+        assert plain[-1]["token_ids"] == done["token_ids"]  # drafts never change the answer
     finally:
         conn.close()
 

@@ -34,3 +34,20 @@ def test_no_proposal_without_budget_or_history_and_the_buffer_grows():
     drafter.extend(list(range(100, 100 + 4 * MAX_MATCH)))  # past the room: grows
     drafter.extend([100, 101])
     assert drafter.propose(2) == [102, 103]
+
+
+def test_draft_tokens_setting(monkeypatch):
+    import pytest
+
+    from starqa import phase2
+    from starqa.errors import StarqaError
+
+    monkeypatch.delenv("STARQA_DRAFT_TOKENS", raising=False)
+    assert phase2.draft_tokens_setting() == phase2.DRAFT_TOKENS
+    monkeypatch.setenv("STARQA_DRAFT_TOKENS", "0")
+    assert phase2.draft_tokens_setting() == 0
+    for bad in ("-1", "three", "17"):
+        monkeypatch.setenv("STARQA_DRAFT_TOKENS", bad)
+        with pytest.raises(StarqaError, match="STARQA_DRAFT_TOKENS") as raised:
+            phase2.draft_tokens_setting()
+        assert "export STARQA_DRAFT_TOKENS=3" in raised.value.hint
