@@ -23,7 +23,9 @@ import numpy as np
 def load(gguf: str, job: dict, draft=None) -> llama_cpp.Llama:
     return llama_cpp.Llama(model_path=gguf, n_ctx=job["n_ctx"], n_batch=512,
                            n_threads=job["threads"], n_threads_batch=job["threads"],
-                           logits_all=False, verbose=False, draft_model=draft)
+                           # with a draft model, llama-cpp-python 0.3.36 keeps every
+                           # row's logits but sizes that array by logits_all: ask for it
+                           logits_all=draft is not None, verbose=False, draft_model=draft)
 
 
 def last_argmax(llm: llama_cpp.Llama) -> int:
