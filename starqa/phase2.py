@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from starqa import dist
-from starqa.errors import StarqaError
-from starqa.lookup import Drafter
 from starqa.attention import (attend, fold_gqa, fused_available, merge, partial_chunks,
                               partial_rows)
+from starqa.errors import StarqaError
+from starqa.lookup import Drafter
 
 SLOT = 128  # shard keys per fused kernel call on CUDA (attention.partial_chunks)
 # Drafted tokens checked per forward (`generate`): 3 makes a forward of 4 rows, which costs
