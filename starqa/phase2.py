@@ -29,6 +29,7 @@ SLOT = 128  # shard keys per fused kernel call on CUDA (attention.partial_chunks
 # torch's int4 kernel 1.8x a row's time (measured, Qwen2.5-Coder-1.5B's shapes, 2-core
 # Zen 5) where a fifth row would double it.
 DRAFT_TOKENS = 3
+MAX_DRAFT_TOKENS = 16  # the most a setting or a request may ask for
 
 
 def draft_tokens_setting() -> int:
@@ -37,8 +38,9 @@ def draft_tokens_setting() -> int:
     raw = os.environ.get("STARQA_DRAFT_TOKENS")
     if raw is None:
         return DRAFT_TOKENS
-    if not raw.strip().isdigit() or int(raw) > 16:
-        raise StarqaError(f"STARQA_DRAFT_TOKENS={raw!r} is not a number of tokens from 0 to 16.",
+    if not raw.strip().isdigit() or int(raw) > MAX_DRAFT_TOKENS:
+        raise StarqaError(f"STARQA_DRAFT_TOKENS={raw!r} is not a number of tokens from 0 to "
+                          f"{MAX_DRAFT_TOKENS}.",
                           hint="export STARQA_DRAFT_TOKENS=3   (or 0 to answer without drafts)")
     return int(raw)
 
@@ -311,8 +313,7 @@ def generate(decoder, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequ
     draft_tokens = max(0, draft_tokens)
     drafter = (Drafter(context_ids, query_ids, max_new_tokens)
                if hook.query_host and draft_tokens else None)
-    # What the query host broadcasts after each forward, the same on every rank:
-    # [n tokens picked, finished?, the picked tokens (<= D + 1), n drafts, the drafts (<= D)]
+    # What the query host broadcasts after each forward (`_pack`), the same on every rank.
     message = torch.zeros(2 * draft_tokens + 4, dtype=torch.long, device=device)
     ids, drafts, position = list(query_ids), 0, start_position
     generated: list[int] = []
@@ -325,37 +326,34 @@ def generate(decoder, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequ
                                      hook.attention, rowwise=drafts > 0)
             first = len(ids) - 1 - drafts  # the row that picks the answer's next token
             if hook.query_host:
-                message.copy_(_pick(decoder, hidden[first:], ids[first:], drafter, stop_ids,
-                                    max_new_tokens - len(generated), draft_tokens,
-                                    should_stop is not None and should_stop()))
-            got = dist.broadcast(info, message, src=src).tolist()
-            picked, finished = got[0], got[1]
-            # The rows before `first` and the `picked` from it hold the answer's tokens.
-            hook.advance(first + picked, slice(first, first + picked))
-            position += first + picked
-            tokens = got[2:2 + picked]
+                stop = should_stop is not None and should_stop()
+                _pack(message, *_pick(decoder, hidden[first:], ids[first:], drafter, stop_ids,
+                                      max_new_tokens - len(generated), draft_tokens, stop))
+            tokens, finished, next_drafts = _unpack(dist.broadcast(info, message, src=src))
+            # The rows before `first` and the len(tokens) from it hold the answer's tokens.
+            hook.advance(first + len(tokens), slice(first, first + len(tokens)))
+            position += first + len(tokens)
             for token in tokens:
                 generated.append(token)
                 if on_token is not None:
                     on_token(token)
             if finished or not tokens:
                 break
-            drafts = got[3 + draft_tokens]
-            ids = [tokens[-1], *got[4 + draft_tokens:4 + draft_tokens + drafts]]
+            drafts, ids = len(next_drafts), [tokens[-1], *next_drafts]
     finally:
         hook.track = False
     return generated
 
 
 def _pick(decoder, hidden: torch.Tensor, ids: list[int], drafter: Drafter | None,
-          stop_ids: set[int], budget: int, draft_tokens: int, stop: bool) -> torch.Tensor:
-    """(Query host) The message `generate` broadcasts, from the last forward's rows that
-    pick tokens: hidden [1 + d, H] for its input ids [1 + d] (the answer's last token and
-    d drafts). At most `budget` tokens, none from a stop token on."""
-    message = torch.zeros(2 * draft_tokens + 4, dtype=torch.long)
+          stop_ids: set[int], budget: int, draft_tokens: int, stop: bool
+          ) -> tuple[list[int], bool, list[int]]:
+    """(Query host) From the last forward's rows that pick tokens, hidden [1 + d, H] for its
+    input ids [1 + d] (the answer's last token and d drafts): the answer's next tokens (at
+    most `budget`, none from a stop token on), whether the answer is finished, and the
+    drafts for the next forward."""
     if stop:
-        message[1] = 1
-        return message
+        return [], True, []
     picks = decoder.logits(hidden).argmax(dim=-1).tolist()
     kept = 0  # drafts the model picked itself
     while kept < len(ids) - 1 and picks[kept] == ids[1 + kept]:
@@ -370,9 +368,23 @@ def _pick(decoder, hidden: torch.Tensor, ids: list[int], drafter: Drafter | None
     if drafter is not None and not finished and budget > 1:
         drafter.extend(tokens)
         drafts = drafter.propose(min(draft_tokens, budget - 1))
-    message[0], message[1] = len(tokens), int(finished or budget < 1)
-    message[2:2 + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    message[3 + draft_tokens] = len(drafts)
-    message[4 + draft_tokens:4 + draft_tokens + len(drafts)] = torch.tensor(drafts,
-                                                                           dtype=torch.long)
-    return message
+    return tokens, finished or budget < 1, drafts
+
+
+def _pack(message: torch.Tensor, tokens: list[int], finished: bool, drafts: list[int]) -> None:
+    """`_pick`'s result into the broadcast message [2 D + 4] (D drafted tokens at most):
+    [len(tokens), finished, tokens padded to D + 1, len(drafts), drafts padded to D]."""
+    room = (len(message) - 4) // 2
+    values = [0] * len(message)
+    values[0], values[1] = len(tokens), int(finished)
+    values[2:2 + len(tokens)] = tokens
+    values[3 + room] = len(drafts)
+    values[4 + room:4 + room + len(drafts)] = drafts
+    message.copy_(torch.tensor(values, dtype=torch.long))
+
+
+def _unpack(message: torch.Tensor) -> tuple[list[int], bool, list[int]]:
+    """`_pack`'s inverse, on every rank: (tokens, finished, drafts)."""
+    values, room = message.tolist(), (len(message) - 4) // 2
+    at = 4 + room  # the drafts, after their count
+    return values[2:2 + values[0]], bool(values[1]), values[at:at + values[at - 1]]

@@ -3,7 +3,7 @@
 Runs inside the query-host worker of a `serve` group. Requests and events are JSON lines:
 
     → {"op": "ask", "question": "...", "history": [[q, a], ...], "max_new_tokens": 256}
-      (optional "draft_tokens": 0-16, drafted tokens per forward, phase2.generate; 0: none)
+      (optional "draft_tokens": 0 to phase2.MAX_DRAFT_TOKENS per forward; 0: none)
     ← {"event": "token", "text": "..."} ...  {"event": "done", "sources": [...], ...}
     → {"op": "cancel"}   (while an answer streams: stop it, keep the session)
     → {"op": "ping"}     ← {"event": "pong", ...}        → {"op": "stop"}: end the group
@@ -107,6 +107,7 @@ class Server:
         """Check the request, then tokenise the question with as many earlier turns as fit
         the window. A malformed request gets an error event; the group keeps serving."""
         from starqa import prompt
+        from starqa.phase2 import MAX_DRAFT_TOKENS
 
         question = message.get("question", "")
         max_new = message.get("max_new_tokens", 256)
@@ -120,9 +121,9 @@ class Server:
             if not isinstance(history, list) or not all(
                 isinstance(turn, list) and len(turn) == 2 and all(isinstance(x, str) for x in turn)
                 for turn in history)
-            else "draft_tokens must be an integer from 0 to 16"
+            else f"draft_tokens must be an integer from 0 to {MAX_DRAFT_TOKENS}"
             if drafts is not None and (not isinstance(drafts, int) or isinstance(drafts, bool)
-                                       or not 0 <= drafts <= 16)
+                                       or not 0 <= drafts <= MAX_DRAFT_TOKENS)
             else None)
         if problem:
             self._send({"event": "error", "message": f"Bad request: {problem}."})
