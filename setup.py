@@ -1,11 +1,12 @@
-"""The one compiled part of starqa: its CPU attention kernel (starqa/_attend.c), loaded by
-starqa.native through ctypes. Optional: without a C compiler starqa installs all the same
-and attends with torch's kernels (`starqa.native.available()` says which)."""
+"""The one compiled part of starqa: its CPU attention kernels (starqa/_attend.c, exact;
+starqa/_topk.c, top-k), loaded by starqa.native through ctypes. Optional: without a C
+compiler starqa installs all the same and attends with torch's and numpy's code
+(`starqa.native.available()` says which)."""
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
-    "starqa._attend", ["starqa/_attend.c"], optional=True,
+    "starqa._attend", ["starqa/_attend.c", "starqa/_topk.c"], optional=True,
     # OpenMP: loaded after torch, the kernel shares torch's libgomp and its threads.
     extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-std=gnu11"],
     libraries=["m"],

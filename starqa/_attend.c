@@ -35,11 +35,7 @@
 #define TASK_KEYS 512 /* keys per task */
 #define MAX_DIM 256
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SIMD_CLONES
-#endif
+#include "_simd.h"
 
 /* exp(x) for x <= 0 (fp32 accuracy; 0 below -87, where fp32 would go subnormal). Written
    for vectorisation: a rounding by the 1.5 * 2^23 trick, a degree-6 polynomial for 2^f on
@@ -159,34 +155,7 @@ SIMD_CLONES static void task_any(TASK_ARGS) {
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma")))
-
-/* 16 zmm partial sums (one per key) → one zmm of the 16 totals, in key order. */
-AVX512 static inline __m512 sum16(const __m512 *x) {
-    __m512 quad[4];
-    for (int g = 0; g < 4; g++) { /* 4 keys → 4 lanes of 128 bits, each [k0 k1 k2 k3] */
-        const __m512 *y = x + 4 * g;
-        __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
-        __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(y[2], y[3]), _mm512_unpackhi_ps(y[2], y[3]));
-        quad[g] = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, 0x44), _mm512_shuffle_ps(t0, t1, 0xEE));
-    }
-    __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[0], quad[1], 0x44),
-                               _mm512_shuffle_f32x4(quad[0], quad[1], 0xEE));
-    __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(quad[2], quad[3], 0x44),
-                               _mm512_shuffle_f32x4(quad[2], quad[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88),
-                         _mm512_shuffle_f32x4(w01, w23, 0xDD));
-}
-
-/* 16 bf16 or fp32 elements → 16 fp32 lanes. */
-AVX512 static inline __m512 load16(const char *src, int bf16) {
-    if (!bf16) return _mm512_loadu_ps(src);
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
+#ifdef STARQA_X86
 /* Rows j0 .. j0 + jn (nc * 16 elements each, rows row_bytes apart) widened into `block`
    [jn][nc * 16] fp32, the next block's rows fetched into the cache meanwhile. */
 AVX512 static inline void widen_rows(const char *src, int bf16, int64_t j0, int64_t jn,
@@ -250,19 +219,10 @@ AVX512 static inline void widen_rows(const char *src, int bf16, int64_t j0, int6
 TASK_AVX512(4)
 TASK_AVX512(8)
 
-static int has_avx512(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-    }
-    return known;
-}
 #endif
 
 static void task(TASK_ARGS) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef STARQA_X86
     if (has_avx512() && (d == 64 || d == 128)) {
         (d == 64 ? task_avx512_4 : task_avx512_8)(TASK_PASS);
         return;

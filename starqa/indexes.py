@@ -54,7 +54,8 @@ IVF_POINTS_PER_LIST = 39  # faiss's k-means wants at least 39 training points pe
 IVF_LISTS_PER_SQRT = 4  # nlist ~ 4 sqrt(T), faiss's rule of thumb
 IVF_SCAN = 4  # a search scans about this many times k keys per block (nprobe lists)
 # Phase 2's ivf (`retrieval.IvfLayer`): each row picks the nearest lists holding about this
-# many times k of the worker's keys, and a KV head's rows scan the union of their lists.
+# many times k of the worker's keys and keeps the k best of their keys (its own lists only:
+# since the compiled kernel, a row's keys never depend on the forward's other rows).
 # Measured on SmolLM2's keys and queries at 32K (7 blocks, k = 328): 4k per row found 0.83
 # of the exact top k (0.92 of its attention mass), 8k 0.95 (0.98), scanning 13% of the
 # keys for the head's 3 rows; the earlier 4k per block scanned 28% per row.

@@ -1,33 +1,45 @@
-"""starqa's compiled CPU attention kernel (starqa/_attend.c, built by `pip install` where a
-C compiler is found), called through ctypes. Without it, `available()` is False and
-starqa.attention falls back to torch's kernels."""
+"""starqa's compiled CPU attention kernels (starqa/_attend.c: exact; starqa/_topk.c:
+top-k), built by `pip install` where a C compiler is found and called through ctypes.
+Without them, `available()` is False and starqa.attention and starqa.retrieval fall back
+to torch's and numpy's code."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import importlib.machinery
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
 
 @functools.cache
-def _kernel():
+def _library():
     folder = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = folder / f"_attend{suffix}"
         if path.exists():
             try:
-                function = ctypes.CDLL(str(path)).starqa_attend
+                library = ctypes.CDLL(str(path))
+                exact, top = library.starqa_attend, library.starqa_topk_attend
             except (OSError, AttributeError):  # built for another platform, or damaged
                 return None
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            function.restype = ctypes.c_int
-            function.argtypes = [ctypes.c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
-                                 i64, i64, i64, ctypes.c_float, ctypes.c_int]
-            return function
+            exact.restype = top.restype = ctypes.c_int
+            exact.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
+                              _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+            top.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _I64,
+                            _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
+                            _PTR, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, ctypes.c_int]
+            return library
     return None
+
+
+def _kernel():
+    library = _library()
+    return None if library is None else library.starqa_attend
 
 
 def available() -> bool:
@@ -35,16 +47,18 @@ def available() -> bool:
     return _kernel() is not None
 
 
+def _fits(x: torch.Tensor) -> bool:
+    """[H, N, D] on the CPU, bf16 or fp32, rows contiguous, D at most 256."""
+    return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
+            and x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+            and x.shape[-1] <= 256)
+
+
 def supports(key: torch.Tensor, value: torch.Tensor | None = None) -> bool:
     """Whether `attend` takes keys (and values) like these, [H, N, D]: CPU, bf16 or fp32,
     rows contiguous, D at most 256; values of the keys' shape and dtype."""
-    def fits(x: torch.Tensor) -> bool:
-        return (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32)
-                and x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
-                and x.shape[-1] <= 256)
-
-    return (fits(key) and (value is None or fits(value) and value.shape == key.shape
-                           and value.dtype == key.dtype) and available())
+    return (_fits(key) and (value is None or _fits(value) and value.shape == key.shape
+                            and value.dtype == key.dtype) and available())
 
 
 def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -64,4 +78,63 @@ def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
         raise (MemoryError() if code == 2 else ValueError(
             f"attention kernel: impossible shapes q {tuple(q.shape)}, keys "
             f"{tuple(key.shape)}, own {own}"))
+    return out, lse
+
+
+def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> bool:
+    """Whether `topk_attend` takes these key and value buffers (see there)."""
+    buffers = list(keys) + list(values)
+    return (available() and all(_fits(x) for x in buffers)
+            and len({x.dtype for x in keys}) == 1 and len({x.dtype for x in values}) == 1
+            and len({x.shape[-1] for x in buffers}) == 1)
+
+
+def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
+                values: Sequence[tuple[int, torch.Tensor]], k: int, skip: int, scale: float,
+                key_map: torch.Tensor | None = None,
+                lists: tuple[torch.Tensor, torch.Tensor, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k partial attention of every row of q [H, R, D] over one layer of a shard (the
+    kernel in starqa/_topk.c, which says how; `supports_topk` says which buffers it takes).
+
+    keys: [(first position, [H, T, D])] the buffers holding positions 0 .. N-1 of every head,
+    in order; key_map [H, N] int64: each position's row in the shard (None: the same).
+    values: [(first row, [H, T, D])] the buffers holding the shard's value rows. lists (ivf):
+    (centroids [H, C, D] fp32, offsets [H, C + 1] int64, probes): position ranges, and how
+    many of the nearest a row scans; None scans every position. Rows below `skip` are never
+    picked. Returns out [H, R, D] and lse [H, R], fp32 (a row with no key: 0 and -inf)."""
+    heads, rows, dim = q.shape
+    q = q.to(torch.float32).contiguous()
+    out, lse = q.new_empty(heads, rows, dim), q.new_empty(heads, rows)
+    n = keys[-1][0] + keys[-1][1].shape[1]
+
+    def table(buffers):
+        return (torch.tensor([first for first, _ in buffers] + [n], dtype=torch.int64),
+                torch.tensor([x.data_ptr() for _, x in buffers], dtype=torch.int64),
+                torch.tensor([x.stride(0) for _, x in buffers], dtype=torch.int64))
+
+    kstart, kptr, kstride = table(keys)
+    vstart, vptr, vstride = table(values)
+    if key_map is not None:
+        key_map = key_map.to(torch.int64).contiguous()
+    centroids = offsets = None
+    n_lists, probes = 1, 1
+    if lists is not None:
+        centroids = lists[0].to(torch.float32).contiguous()
+        offsets = lists[1].to(torch.int64).contiguous()
+        n_lists, probes = centroids.shape[1], lists[2]
+
+    def address(x):
+        return None if x is None else x.data_ptr()
+
+    code = _library().starqa_topk_attend(
+        int(keys[0][1].dtype == torch.bfloat16), int(values[0][1].dtype == torch.bfloat16),
+        q.data_ptr(), heads, rows, dim, n, len(keys), kstart.data_ptr(), kptr.data_ptr(),
+        kstride.data_ptr(), address(key_map), len(values), vstart.data_ptr(),
+        vptr.data_ptr(), vstride.data_ptr(), n_lists, address(centroids), address(offsets),
+        probes, k, skip, scale, out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+    if code:
+        raise (MemoryError() if code == 2 else ValueError(
+            f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "
+            f"{n_lists} lists, {probes} probes"))
     return out, lse

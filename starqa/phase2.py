@@ -233,7 +233,8 @@ class ShardAttention:
         (the mass from a neutral question, or the answer's mean) or keeping only the
         sharpest heads or the later layers all did worse than matching tokens (README,
         Sources, has the comparison). It costs one dot product per (row, matching key),
-        after the answer: no pass over the keys while decoding. The head gets nothing."""
+        after the answer, a matmul per distinct token: no pass over the keys while
+        decoding. The head gets nothing."""
         mass = torch.zeros(self.n_keys, dtype=torch.float64)
         rows_kept = sum(q.shape[2] for q, _ in self._rows[0]) if self._rows else 0
         steps = min(len(tokens), rows_kept)
@@ -246,17 +247,28 @@ class ShardAttention:
         where = torch.isin(ids, emitted).nonzero().flatten()
         if not where.numel():
             return mass
-        # Only the (row, key) pairs whose tokens match count: P pairs, about one row per
-        # candidate key, instead of every row against every candidate.
-        row, pick = (emitted[:, None] == ids[where][None, :]).nonzero(as_tuple=True)
+        # Only the (row, key) pairs whose tokens match count. The rows that emitted one
+        # token all match the same keys, so each token is one matmul of its rows against
+        # its keys (gathering a row per pair instead made the pairs' queries a tensor of
+        # pairs x heads x D: at 32K tokens of context attribution took as long as decoding).
+        key_ids = ids[where]
+        groups = []  # (the rows that emitted token t, the candidates holding it)
+        for token in emitted.unique().tolist():
+            pick = (key_ids == token).nonzero().flatten()
+            if pick.numel():
+                groups.append(((emitted == token).nonzero().flatten(), pick))
         for layer, rows in enumerate(self._rows):
-            queries = torch.cat([r[0] for r in rows], dim=2)[:, :, :steps]  # [Hkv, G, S, D]
-            queries = queries.permute(2, 0, 1, 3).float()  # [S, Hkv, G, D]
-            lses = torch.cat([r[1] for r in rows], dim=2)[:, :, :steps].permute(2, 0, 1).float()
+            queries = torch.cat([r[0] for r in rows], dim=2)[:, :, :steps].float()  # [Hkv, G, S, D]
+            lses = torch.cat([r[1] for r in rows], dim=2)[:, :, :steps].float()  # [Hkv, G, S]
             keys = self._keys_at(layer, where).float()  # [U, Hkv, D]
-            scores = torch.einsum("phgd,phd->phg", queries[row], keys[pick]) * self._scale
-            probs = torch.exp(scores - lses[row]).sum(dim=(1, 2)).cpu()  # [P]
-            mass.index_add_(0, where[pick] + self.head, probs.double())
+            kv_heads, _, _, dim = queries.shape
+            for emitters, pick in groups:
+                q = queries[:, :, emitters].reshape(kv_heads, -1, dim)  # [Hkv, G * S_t, D]
+                # [Hkv, G * S_t, U_t]
+                scores = torch.matmul(q, keys[pick].permute(1, 2, 0)) * self._scale
+                scores -= lses[:, :, emitters].reshape(kv_heads, -1, 1)
+                probs = scores.exp_().sum(dim=(0, 1))  # [U_t]
+                mass.index_add_(0, where[pick] + self.head, probs.double().cpu())
         heads = self._rows[0][0][0].shape[0] * self._rows[0][0][0].shape[1]
         return mass / (steps * len(self._rows) * heads)
 

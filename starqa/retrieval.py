@@ -8,6 +8,13 @@ much of every head's attention mass rests), in addition to the k keys it retriev
 the rest; the sink is a part of its own for the LSE merge, and the retrieval never returns
 its rows, so every key is counted once and k >= the shard is still exact.
 
+On the CPU, flat and ivf attend through starqa's compiled top-k kernel (`native.topk_attend`,
+starqa/_topk.c): one call per layer scores each row's keys exactly in fp32, keeps its k
+best and attends to them; a row's result never depends on the other rows of the forward
+(drafted tokens are checked as extra rows). hnsw, CUDA, and machines where the kernel was
+not built take the torch/numpy/faiss code below, which selects the same keys up to a bf16
+ranking's near-ties at the k-th place.
+
 Each worker retrieves k keys per query row from its own blocks, so the union over workers
 holds the context's global top k; `attention.merge` then combines the parts exactly, as
 for exact attention. Scores are exact fp32 inner products with the cache's keys (flat
@@ -23,10 +30,10 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
            released (every key is still read, from the page cache)
     ivf    every KV head's IVF lists over all the worker's blocks (`IvfLayer`: the
            blocks' lists side by side, their keys in list order in the cache's dtype,
-           their centroids [Hkv, D, C] fp32). A row ranks its KV head's C centroids and
-           picks its nearest lists (about IVF_ROW_SCAN * k keys); the keys of the
-           union of the head's rows' lists are scored in one matmul, and each row keeps
-           its k best.
+           their centroids [Hkv, C, D] fp32). A row ranks its KV head's C centroids,
+           picks its nearest lists (about IVF_ROW_SCAN * k keys) and keeps the k best
+           of their keys (`native.topk_attend`, one call per layer; numpy's
+           `_select_ivf` where no kernel was built).
     hnsw   each block's faiss HNSW index per KV head (a graph is not merged), searched one
            block at a time; the worker keeps the k best of the blocks' k best.
 """
@@ -38,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from starqa import indexes, tensorfile, topk
+from starqa import indexes, native, tensorfile, topk
 from starqa.attention import attend
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
@@ -130,7 +137,8 @@ class TopKShard:
         starts = _starts([tensorfile.block_shape(path)[2] for path in paths])
         keys = ivf = searchers = values = mapped = mapped_keys = None
         if settings.index == "flat" and settings.kv_on_disk:
-            mapped_keys = [(start, tensorfile.MappedTensor(p, "k")) for p, start in zip(paths, starts)]
+            mapped_keys = [(start, tensorfile.MappedTensor(p, "k"))
+                           for p, start in zip(paths, starts)]
         elif settings.index == "flat":
             keys = _read_per_layer(paths, "k", layers, dtype, device)
         else:
@@ -189,8 +197,14 @@ class TopKShard:
         # hnsw k: rows go in pieces of at most ROWS_X_KEYS scores
         width = k if self.searchers is not None else self.n_keys
         step = max(1, ROWS_X_KEYS // (width * q.shape[1]))
+        native_ok = q.device.type == "cpu" and self.searchers is None and native.available()
         for start in range(0, rows, step):
             piece = q[0, :, start:start + step]  # [Hkv, r, D]
+            found = self._part_native(layer, piece, k, scale) if native_ok else None
+            if found is not None:
+                outs.append(found[0].to(q.dtype))
+                lses.append(found[1])
+                continue
             if self.ivf is not None and q.device.type == "cpu":
                 out, lse = self._part_ivf(layer, piece, k, scale)
                 outs.append(out.to(q.dtype))
@@ -213,6 +227,35 @@ class TopKShard:
             return outs, lses
         return outs[:parts] + [torch.cat(outs[parts:], dim=2)], \
             lses[:parts] + [torch.cat(lses[parts:], dim=2)]
+
+    def _part_native(self, layer: int, q: torch.Tensor, k: int, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`parts`' work for flat and ivf on the CPU in one call of the compiled kernel
+        (`native.topk_attend`: each row scans its own lists, or every key, and keeps its k
+        best in fp32), q [Hkv, r, D]: (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32; None
+        where the kernel does not take these buffers. Mapped pages of the layer are
+        released after the call."""
+        key_map = lists = None
+        if self.keys is not None:
+            keys = [(0, self.keys[layer])]
+        elif self.mapped_keys is not None:
+            keys = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_keys]
+        else:
+            lay = self.ivf[layer]
+            keys, key_map = [(0, lay.keys)], torch.from_numpy(lay.rows)
+            n_lists = lay.centroids.shape[1]
+            lists = (torch.from_numpy(lay.centroids), torch.from_numpy(lay.offsets),
+                     indexes.ivf_probes(self.n_keys, n_lists, k, indexes.IVF_ROW_SCAN))
+        if self.values is not None:
+            values = [(0, self.values[layer])]
+        else:
+            values = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_values]
+        if not native.supports_topk([x for _, x in keys], [x for _, x in values]):
+            return None
+        out, lse = native.topk_attend(q, keys, values, k, self.n_sink, scale, key_map, lists)
+        for _, mapped in (self.mapped_keys or []) + (self.mapped_values or []):
+            mapped.release(layer)
+        return out.unsqueeze(0), lse.unsqueeze(0)
 
     def select(self, layer: int, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """scores, idx [Hkv, r, k'] (k' <= k where fewer keys were found or exist): each
@@ -267,22 +310,23 @@ class TopKShard:
         return topk.top_candidates(torch.cat(scores, -1), torch.cat(idx, -1), k)
 
     def _select_ivf(self, layer: int, q: torch.Tensor, k: int):
-        """The k best keys of each row among the lists its KV head's rows chose: numpy
-        (scores, ids) [Hkv * r, k], ids head * N + row (-1, score -inf: none). Every row
-        of a KV head (its G query heads, and a prefill's positions) picks its nearest
-        lists; the head's keys in the union of them are ranked in one batched matmul in
-        the keys' dtype, and each row's k best are scored again in fp32 (exact), as
-        `topk.select_exact` does. The union only adds keys a row would not have scanned
-        alone, and reads each list once for all the head's rows. Every KV head is done at
-        once (a few array calls per layer, not per head): each call costs more here than
-        its work."""
+        """The k best keys of each row among its own nearest lists: numpy (scores, ids)
+        [Hkv * r, k], ids head * N + row (-1, score -inf: none); the same selection as the
+        compiled kernel's (`native.topk_attend`), for a machine without it. Every row of a
+        KV head (its G query heads, and a prefill's positions) picks its nearest lists;
+        the head's keys in the union of them are ranked in one batched matmul in the keys'
+        dtype, each row seeing only the keys of its own lists (so a row's keys never
+        depend on the other rows of the forward), and each row's k best are scored again
+        in fp32 (exact), as `topk.select_exact` does. Every KV head is done at once (a
+        few array calls per layer, not per head): each call costs more here than its
+        work."""
         import numpy as np
 
         lay = self.ivf[layer]
         heads, rows, dim = q.shape
         n = self.n_keys
         x = q.float().cpu()
-        coarse = np.matmul(x.numpy(), lay.centroids)  # [Hkv, r, C]
+        coarse = np.matmul(x.numpy(), lay.centroids.transpose(0, 2, 1))  # [Hkv, r, C]
         n_lists = coarse.shape[2]
         probes = indexes.ivf_probes(n, n_lists, k, indexes.IVF_ROW_SCAN)
         if probes < n_lists:
@@ -298,18 +342,25 @@ class TopKShard:
             where = np.zeros((heads, width), np.int64)  # positions in the head's list order
             valid = np.arange(width) < per_head[:, None]
             where[valid] = _ranges(begin, end)  # row-major: head by head, in order
+            list_of = np.zeros((heads, width), np.int64)  # each scanned key's list
+            list_of[valid] = np.repeat(lists, end - begin)
+            mine = np.zeros((heads, rows, n_lists), bool)  # the lists each row chose
+            np.put_along_axis(mine, chosen, True, axis=-1)
+            outside = ~np.take_along_axis(
+                mine, np.broadcast_to(list_of[:, None], (heads, rows, width)), -1)
         else:
             width = n
             where = np.broadcast_to(np.arange(n), (heads, n))
             valid = np.ones((heads, n), bool)
+            outside = np.zeros((heads, rows, n), bool)
         flat = where + (np.arange(heads) * n)[:, None]  # [Hkv, W] rows of keys [Hkv * N]
         keys = lay.keys.view(-1, dim)
         scanned = keys.index_select(0, torch.from_numpy(flat.reshape(-1))).view(heads, width, dim)
         rank = torch.matmul(q.to(keys.dtype), scanned.transpose(1, 2)).float().numpy()
         found = np.take_along_axis(lay.rows, where, 1)  # [Hkv, W] rows in the shard
         # the padding, and the sink's rows (attended apart), are never picked
-        np.putmask(rank, np.broadcast_to((~valid | (found < self.n_sink))[:, None], rank.shape),
-                   -np.inf)
+        np.putmask(rank, np.broadcast_to((~valid | (found < self.n_sink))[:, None], rank.shape)
+                   | outside, -np.inf)
         take = min(k, width)
         best = np.argpartition(rank, width - take, axis=-1)[..., width - take:]  # [Hkv, r, take]
         picked = keys.index_select(0, torch.from_numpy(np.take_along_axis(
@@ -397,7 +448,7 @@ def _starts(lengths: Sequence[int]) -> list[int]:
 class IvfLayer:
     """One layer's ivf on a worker, every KV head's lists over all of the worker's blocks:
 
-        centroids [Hkv, D, C] numpy fp32   each head's lists (the blocks' IVF lists side by
+        centroids [Hkv, C, D] numpy fp32   each head's lists (the blocks' IVF lists side by
                                            side: C = the lists of every block)
         offsets   [Hkv, C + 1] numpy int64 list c of head h is keys[h][offsets[h, c]:
                                            offsets[h, c + 1]]
@@ -432,7 +483,7 @@ class IvfLayer:
                 first += index.nlist
             assigned = np.concatenate(lists)
             order = np.argsort(assigned, kind="stable")  # the head's keys, list by list
-            centroids.append(np.concatenate(cents).T)
+            centroids.append(np.concatenate(cents))
             offsets.append(np.concatenate([[0], np.cumsum(np.bincount(assigned,
                                                                       minlength=first))]))
             rows.append(order)

@@ -177,14 +177,14 @@ def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
         assert layer.keys.dtype == dtype and layer.offsets[head, -1] == n
         # each list's keys are nearest (by inner product) to its centroid among the
         # centroids of their own block
-        for c in range(0, layer.centroids.shape[2], 7):
+        for c in range(0, layer.centroids.shape[1], 7):
             rows = layer.rows[head, layer.offsets[head, c]:layer.offsets[head, c + 1]]
             block = int(rows[0] >= 500) + int(rows[0] >= 800) if len(rows) else 0
             lists = built[(block, head)].nlist
             first = sum(built[(b, head)].nlist for b in range(block))
             if len(rows):
                 scores = whole[head][torch.from_numpy(rows)].float() @ torch.from_numpy(
-                    layer.centroids[head][:, first:first + lists])
+                    layer.centroids[head][first:first + lists].T)
                 assert (scores.argmax(-1) == c - first).all()
 
 

@@ -1,0 +1,508 @@
+/* starqa's CPU top-k attention kernel (METHODS.md section 6; loaded with _attend.c's by
+   starqa.native through ctypes; plain C): one call per layer gives every query row the
+   softmax attention, with its log-sum-exp, over the k keys of a worker's shard that have
+   the largest inner product with it.
+
+   Layout. H KV heads; R query rows per head (starqa.attention.fold_gqa's order), q fp32
+   [H, R, D]. A head's N keys are numbered by *position* 0 .. N-1: for flat the shard's
+   rows themselves, for ivf the keys in list order (list c of head h holds the positions
+   offsets[h][c] .. offsets[h][c + 1]), where map [H, N] gives each position's row in the
+   shard. Keys and values may lie in several buffers (a worker's blocks, memory-mapped with
+   --kv-on-disk): key buffer b holds positions kstart[b] .. kstart[b + 1] of every head,
+   head h at element h * kstride[b]; value buffer b likewise holds shard rows vstart[b] ..
+   vstart[b + 1]. Rows below `skip` (the sink, attended apart) are never picked.
+
+   Per row: (ivf) score its head's centroids and choose the `probes` nearest lists; score
+   every key of the chosen lists (all keys for flat) exactly in fp32 (bf16 keys widened);
+   keep the k best (per span of positions, then over the spans: `best_of`); attend
+   over them: out = sum_j w_j v_j / sum_j w_j with w_j = exp((s_j - max s) * scale), and
+   lse = max s * scale + log(sum_j w_j). Only the selected value rows are read.
+
+   Row independence: a row's lists, scores, selection and output depend on its own query
+   only (never on the other rows of the call), so a decode step that also checks drafted
+   tokens gives every row exactly what a one-token step gives it.
+
+   Work: (head, rows, span of positions) tasks over OpenMP threads: flat scores a group of
+   GROUP rows against each key it reads, ivf a row against its own lists; keys are widened
+   CHUNK at a time (with AVX-512 a row's CHUNK dot products are reduced together, as in
+   _attend.c), each row's scores kept, and its best picked (`best_of`). Then one task per
+   (head, row) merges its spans' selections and attends. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "_simd.h"
+
+#define GROUP 8           /* flat: rows of one head scored in one pass over a span's keys */
+#define MIN_SPAN 4096     /* key positions per task, at least (fewer keys: one span) */
+#define CHUNK 16          /* keys scored at once */
+#define MAX_DIM 256
+#define AHEAD 64          /* keys prefetched ahead of a scan */
+#define AHEAD_ROWS 8      /* value rows prefetched ahead of the one read */
+#define PREFETCH_LISTS 3  /* ivf: lists prefetched ahead of the one scanned */
+#define PREFETCH_KEYS 512 /* ... when they are at most this long (longer: the scan's own) */
+
+static const float zeros[MAX_DIM]; /* a key row past a chunk's end (zero bits: bf16 too) */
+
+typedef struct {
+    float s;     /* raw inner product q . key (unscaled) */
+    int64_t row; /* the key's row in the shard */
+} cand;
+
+/* Scratch memory kept by each thread between calls (OpenMP's threads live on): a call
+   per layer per token would otherwise allocate its buffers every time (above glibc's mmap
+   threshold: fresh pages, cleared by the kernel). A slot grows to the largest size asked
+   of it and is never returned. */
+enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_IDS, S_BEST, S_BLOCK, S_SCORES, S_WHERE, S_POOL,
+       S_ALL, S_TMP, S_ORDER, SLOTS };
+static __thread struct { void *p; size_t size; } scratch[SLOTS];
+
+static void *scratch_get(int slot, size_t bytes) {
+    bytes = (bytes + 63) / 64 * 64;
+    if (scratch[slot].size < bytes) {
+        free(scratch[slot].p);
+        scratch[slot].p = aligned_alloc(64, bytes);
+        scratch[slot].size = scratch[slot].p ? bytes : 0;
+    }
+    return scratch[slot].p;
+}
+
+static inline float median3(float x, float y, float z) {
+    return x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
+}
+
+/* The k-th largest of v[0 .. n) (1 <= k <= n), v and tmp [n] both used as scratch: a
+   quickselect whose partitions write out of place without branches (those above the pivot
+   from the front of the other buffer, those below from its back): a branch on random
+   scores is mispredicted half the time, and swapping in place waits on its own stores. */
+static float kth_largest(float *v, int64_t n, int64_t k, float *tmp) {
+    float *src = v, *dst = tmp;
+    while (n > 1) {
+        const float x = median3(src[0], src[n / 2], src[n - 1]);
+        int64_t above = 0, below = n; /* dst[0 .. above) > x, dst[below .. n) < x */
+        for (int64_t i = 0; i < n; i++) {
+            const float y = src[i];
+            dst[above] = y;
+            dst[below - 1] = y;
+            above += y > x;
+            below -= y < x;
+        }
+        if (k <= above) {
+            n = above;
+        } else if (k <= below) {
+            return x; /* the k-th is one of those equal to x (NaN: any will do) */
+        } else {
+            k -= below;
+            n -= below;
+            dst += below;
+        }
+        float *next = src; /* the region just written is read next; the other buffer is free */
+        src = dst;
+        dst = next;
+    }
+    return src[0];
+}
+
+/* Moves the k best (largest s) of a[0 .. n) to a[0 .. k), in their order (ties at the
+   k-th score: the first ones). tmp: scratch of 2n floats. */
+static void keep_best(cand *a, int64_t n, int64_t k, float *tmp) {
+    if (k <= 0 || k >= n) return;
+    for (int64_t i = 0; i < n; i++) tmp[i] = a[i].s;
+    const float t = kth_largest(tmp, n, k, tmp + n);
+    int64_t above = 0;
+    for (int64_t i = 0; i < n; i++) above += a[i].s > t;
+    int64_t ties = k - above, got = 0; /* how many equal to t still fit */
+    for (int64_t i = 0; i < n && got < k; i++) {
+        const int64_t tie = a[i].s == t, keep = (a[i].s > t) | (tie & (ties > 0));
+        a[got] = a[i];
+        got += keep;
+        ties -= tie & keep;
+    }
+}
+
+/* The k best of m scored candidates (scores[i] of the key at shard row rows[i]) whose
+   rows are not below `skip`, into out as (score, row); returns how many (at most k). A
+   bar is set first from a sample of the scores (the 2k/m-th quantile of every step-th
+   one), so that the selection looks at about 2k candidates instead of all m; where fewer
+   than k clear it, every candidate is looked at.
+   Either way the result is the k best: the bar only skips candidates that cannot be.
+   out: room for m; tmp: scratch of 2m floats. */
+SIMD_CLONES static int64_t best_of(const float *scores, const int32_t *rows, int64_t m,
+                                   int64_t skip, int64_t k, cand *out, float *tmp) {
+    float bar = -INFINITY;
+    if (m > 2 * k && m > 256) {
+        const int64_t step = m / 256, samples = m / step;
+        int64_t rank = (2 * k * samples + m - 1) / m; /* about 2k of the m clear the bar */
+        for (int64_t i = 0; i < samples; i++) out[i] = (cand){scores[i * step], 0};
+        keep_best(out, samples, rank, tmp);
+        bar = INFINITY;
+        for (int64_t i = 0; i < rank; i++) bar = out[i].s < bar ? out[i].s : bar;
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        int64_t got = 0;
+        for (int64_t i0 = 0; i0 < m; i0 += CHUNK) { /* a chunk at a time: most fall short */
+            const int64_t end = i0 + CHUNK < m ? i0 + CHUNK : m;
+            float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+            for (int64_t i = i0; i < end; i++) top = scores[i] > top ? scores[i] : top;
+            if (!(top >= bar)) continue;
+            for (int64_t i = i0; i < end; i++) {
+                if (!(scores[i] >= bar)) continue;
+                if (rows[i] >= skip) out[got++] = (cand){scores[i], rows[i]};
+            }
+        }
+        if (got >= k || bar == -INFINITY) {
+            keep_best(out, got, k, tmp);
+            return got < k ? got : k;
+        }
+        bar = -INFINITY; /* too few cleared the bar: look at every candidate */
+    }
+    return 0; /* not reached */
+}
+
+/* The buffer holding position (or row) p: the b with start[b] <= p < start[b + 1]. */
+static inline int64_t buffer_of(const int64_t *start, int64_t buffers, int64_t p) {
+    int64_t lo = 0, hi = buffers - 1;
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (start[mid] <= p) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+static inline const char *row_at(const int64_t *start, const int64_t *ptr,
+                                 const int64_t *stride, int64_t buffers, int64_t h,
+                                 int64_t p, int64_t d, size_t esize) {
+    int64_t b = buffer_of(start, buffers, p);
+    return (const char *)(intptr_t)ptr[b] +
+           ((size_t)(h * stride[b]) + (size_t)(p - start[b]) * d) * esize;
+}
+
+
+/* Inner product of two fp32 rows. */
+SIMD_CLONES static float dot(const float *a, const float *b, int64_t d) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < d; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+/* Arguments of a scan: keys [lo, hi) of one buffer (key row lo at `base`, rows row_bytes
+   apart), scored against the rows who[0 .. many) of a group (queries q + r * d); row r's
+   scores and the keys' shard rows (rowmap[position], or the position where rowmap is
+   NULL) are appended at scores / where + r * stride + got[r] (a row's room holds a chunk
+   more than its candidates: a chunk is written whole). */
+#define SCAN_ARGS                                                                          \
+    const char *base, size_t row_bytes, int bf16, int64_t lo, int64_t hi, const float *q, \
+        int64_t d, const int64_t *who, int64_t many, float *scores, int32_t *where,        \
+        int64_t stride, int64_t *got, float *block, const int64_t *rowmap
+#define SCAN_PASS base, row_bytes, bf16, lo, hi, q, d, who, many, scores, where, stride, got, \
+        block, rowmap
+
+static void scan_any(SCAN_ARGS) {
+    for (int64_t p = lo; p < hi; p += CHUNK) {
+        const int width = hi - p < CHUNK ? (int)(hi - p) : CHUNK;
+        for (int x = 0; x < width; x++) {
+            const char *src = base + (size_t)(p - lo + x) * row_bytes;
+            float *to = block + x * d;
+            if (bf16)
+                for (int64_t i = 0; i < d; i++) {
+                    const uint16_t half = ((const uint16_t *)src)[i];
+                    union { uint32_t u; float f; } wide = {.u = (uint32_t)half << 16};
+                    to[i] = wide.f;
+                }
+            else
+                memcpy(to, src, (size_t)d * sizeof(float));
+        }
+        for (int64_t w = 0; w < many; w++) {
+            const int64_t r = who[w];
+            for (int x = 0; x < width; x++) {
+                scores[r * stride + got[r] + x] = dot(q + r * d, block + x * d, d);
+                where[r * stride + got[r] + x] = (int32_t)(rowmap ? rowmap[p + x] : p + x);
+            }
+            got[r] += width;
+        }
+    }
+}
+
+#ifdef STARQA_X86
+/* D = 16 * NC (NC = 4: D 64, NC = 8: D 128): a chunk's keys widened once, then each row's
+   16 scores in one vector (16 dot products reduced together, as in _attend.c). */
+#define SCAN_AVX512(NC)                                                                    \
+    AVX512 static void scan_avx512_##NC(SCAN_ARGS) {                                      \
+        const size_t esize = bf16 ? 2 : 4;                                                 \
+        const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,   \
+                                               3, 2, 1, 0);                                \
+        for (int64_t p = lo; p < hi; p += CHUNK) {                                         \
+            const int width = hi - p < CHUNK ? (int)(hi - p) : CHUNK;                      \
+            for (int x = 0; x < CHUNK; x++) {                                              \
+                const char *src = x < width ? base + (size_t)(p - lo + x) * row_bytes      \
+                                            : (const char *)zeros;                         \
+                if (p + x + AHEAD < hi) /* rows a few chunks on, into the cache */         \
+                    for (size_t y = 0; y < row_bytes; y += 64)                             \
+                        _mm_prefetch(src + AHEAD * row_bytes + y, _MM_HINT_T0);            \
+                for (int c = 0; c < NC; c++)                                               \
+                    _mm512_store_ps(block + (x * NC + c) * 16,                             \
+                                    load16(src + c * 16 * esize, bf16));                   \
+            }                                                                              \
+            __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int32_t)p), lanes);           \
+            if (rowmap) { /* the rows of positions p .. p + width - 1 */                 \
+                const __mmask8 first = width >= 8 ? 0xFF : (__mmask8)((1u << width) - 1);   \
+                const __mmask8 second = width > 8 ? (__mmask8)((1u << (width - 8)) - 1) : 0; \
+                at = _mm512_inserti64x4(                                                   \
+                    _mm512_castsi256_si512(_mm512_cvtepi64_epi32(                           \
+                        _mm512_maskz_loadu_epi64(first, rowmap + p))),                     \
+                    _mm512_cvtepi64_epi32(_mm512_maskz_loadu_epi64(second, rowmap + p + 8)), 1); \
+            }                                                                              \
+            for (int64_t w = 0; w < many; w++) {                                           \
+                const int64_t r = who[w];                                                  \
+                __m512 qr[NC], dots[CHUNK];                                                \
+                for (int c = 0; c < NC; c++) qr[c] = _mm512_loadu_ps(q + r * d + c * 16);  \
+                for (int x = 0; x < CHUNK; x++) {                                          \
+                    const float *key = block + x * NC * 16;                                \
+                    __m512 acc = _mm512_mul_ps(qr[0], _mm512_load_ps(key));                \
+                    for (int c = 1; c < NC; c++)                                           \
+                        acc = _mm512_fmadd_ps(qr[c], _mm512_load_ps(key + c * 16), acc);   \
+                    dots[x] = acc;                                                         \
+                }                                                                          \
+                _mm512_storeu_ps(scores + r * stride + got[r], sum16(dots));               \
+                _mm512_storeu_si512(where + r * stride + got[r], at);                      \
+                got[r] += width;                                                           \
+            }                                                                              \
+        }                                                                                  \
+    }
+SCAN_AVX512(4)
+SCAN_AVX512(8)
+#endif
+
+/* Scores keys [lo, hi) of one buffer against the group's rows who[] (see SCAN_ARGS). */
+static void scan(SCAN_ARGS) {
+#ifdef STARQA_X86
+    if (has_avx512() && (d == 64 || d == 128)) {
+        (d == 64 ? scan_avx512_4 : scan_avx512_8)(SCAN_PASS);
+        return;
+    }
+#endif
+    scan_any(SCAN_PASS);
+}
+
+/* Row output o [D] (zeroed) += sum_j w_j v_j over the selected (score, row) sel[0 .. m),
+   w_j = exp((s_j - top) * scale); returns sum_j w_j. */
+SIMD_CLONES static float attend_row(const cand *sel, int64_t m, float top, float scale,
+                                    const int64_t *vstart, const int64_t *vptr,
+                                    const int64_t *vstride, int64_t vbuffers, int64_t h,
+                                    int64_t d, size_t ves, int v_bf16, float *o) {
+    float total = 0.0f;
+    const size_t row_bytes = (size_t)d * ves;
+    for (int64_t j = 0; j < m; j++) {
+        if (j + AHEAD_ROWS < m) { /* a value row a few on, on its way meanwhile */
+            const char *next = row_at(vstart, vptr, vstride, vbuffers, h,
+                                      sel[j + AHEAD_ROWS].row, d, ves);
+            for (size_t y = 0; y < row_bytes; y += 64) __builtin_prefetch(next + y, 0, 3);
+        }
+        const float w = expf((sel[j].s - top) * scale);
+        const char *src = row_at(vstart, vptr, vstride, vbuffers, h, sel[j].row, d, ves);
+        if (v_bf16) {
+            const uint16_t *half = (const uint16_t *)src;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) {
+                union { uint32_t u; float f; } wide = {.u = (uint32_t)half[i] << 16};
+                o[i] += w * wide.f;
+            }
+        } else {
+            const float *full = (const float *)src;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) o[i] += w * full[i];
+        }
+        total += w;
+    }
+    for (int64_t i = 0; i < d; i++) o[i] /= total;
+    return total;
+}
+
+/* List c of head h, its positions within [a, b), cut where the key buffers change: each
+   piece scanned (see SCAN_ARGS) or, where q is NULL, only prefetched (keys and their rows
+   in map) so that it is in the cache when its scan comes. */
+static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets, int64_t n,
+                     int64_t a, int64_t b, const int64_t *kstart, const int64_t *kptr,
+                     const int64_t *kstride, int64_t kbuffers, int64_t d, size_t kes,
+                     const int64_t *map, const float *q, int bf16, const int64_t *who,
+                     int64_t many, float *scores, int32_t *where, int64_t stride, int64_t *got,
+                     float *block) {
+    int64_t lo = offsets ? offsets[h * (lists + 1) + c] : 0;
+    int64_t hi = offsets ? offsets[h * (lists + 1) + c + 1] : n;
+    lo = lo > a ? lo : a;
+    hi = hi < b ? hi : b;
+    while (lo < hi) {
+        const int64_t kb = buffer_of(kstart, kbuffers, lo);
+        const int64_t end = hi < kstart[kb + 1] ? hi : kstart[kb + 1];
+        const char *base = (const char *)(intptr_t)kptr[kb] +
+                           ((size_t)(h * kstride[kb]) + (size_t)(lo - kstart[kb]) * d) * kes;
+        if (q) {
+            scan(base, (size_t)d * kes, bf16, lo, end, q, d, who, many, scores, where, stride,
+                 got, block, map ? map + h * n : NULL);
+        } else if (end - lo <= PREFETCH_KEYS) {
+            for (size_t y = 0; y < (size_t)(end - lo) * d * kes; y += 64)
+                __builtin_prefetch(base + y, 0, 3);
+            if (map)
+                for (size_t y = 0; y < (size_t)(end - lo) * sizeof(int64_t); y += 64)
+                    __builtin_prefetch((const char *)(map + h * n + lo) + y, 0, 3);
+        }
+        lo = end;
+    }
+}
+
+/* Arguments: see the file's comment; pointers ptr[] are addresses. centroids fp32
+   [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one list of
+   every position); map NULL: position = row. out fp32 [H, R, D], lse fp32 [H, R].
+   Returns 0, 1 for impossible arguments, 2 when out of memory. */
+int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, int64_t rows,
+                       int64_t d, int64_t n, int64_t kbuffers, const int64_t *kstart,
+                       const int64_t *kptr, const int64_t *kstride, const int64_t *map,
+                       int64_t vbuffers, const int64_t *vstart, const int64_t *vptr,
+                       const int64_t *vstride, int64_t lists, const float *centroids,
+                       const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
+                       float scale, float *out, float *lse, int threads) {
+    if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
+        kbuffers < 1 || vbuffers < 1 || lists < 1 || (lists > 1 && (!centroids || !offsets)) ||
+        probes < 1)
+        return 1;
+    threads = threads > 0 ? threads : 1;
+    const size_t kes = k_bf16 ? 2 : 4, ves = v_bf16 ? 2 : 4;
+    /* Tasks: flat scores a group of rows against each key it reads; ivf rows read lists of
+       their own, a row a task. Keys are cut into spans only where there are too few
+       (head, rows) tasks for the threads. */
+    const int64_t group = lists > 1 ? 1 : GROUP;
+    const int64_t groups = (rows + group - 1) / group;
+    int64_t spans = (2 * threads + heads * groups - 1) / (heads * groups);
+    const int64_t most = n > MIN_SPAN ? n / MIN_SPAN : 1;
+    spans = spans < most ? spans : most;
+    const int64_t span_len = n > 0 ? ((n + spans - 1) / spans + CHUNK - 1) / CHUNK * CHUNK : 1;
+    const int64_t stride = span_len + CHUNK;
+    const int64_t kcap = k < span_len ? k : span_len; /* a span's selection per row */
+    const int64_t chosen_lists = probes < lists ? probes : lists;
+    unsigned char *chosen = scratch_get(S_CHOSEN, (size_t)(heads * rows * lists));
+    cand *sel = scratch_get(S_SEL, (size_t)(heads * rows * spans * kcap) * sizeof(cand));
+    int64_t *count = scratch_get(S_COUNT, (size_t)(heads * rows * spans) * sizeof(int64_t));
+    int failed = !chosen || !sel || !count;
+    if (failed) goto done;
+
+    /* Each row's lists: the probes nearest centroids (every list when all are probed). */
+    memset(chosen, chosen_lists == lists, (size_t)(heads * rows * lists));
+    if (chosen_lists < lists) {
+#pragma omp parallel num_threads(threads)
+        {
+            float *near = scratch_get(S_NEAR, (size_t)(lists + CHUNK) * sizeof(float));
+            int32_t *ids = scratch_get(S_IDS, (size_t)(lists + CHUNK) * sizeof(int32_t));
+            cand *best = scratch_get(S_BEST, (size_t)lists * sizeof(cand));
+            float *tmp = scratch_get(S_TMP, (size_t)(2 * lists) * sizeof(float));
+            float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
+            if (!near || !ids || !best || !block || !tmp) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < heads * rows; t++) {
+                if (!near || !ids || !best || !block || !tmp) continue;
+                const int64_t h = t / rows, self = 0;
+                int64_t got = 0; /* the centroids are fp32 rows: scored like keys */
+                scan((const char *)(centroids + h * lists * d), (size_t)d * sizeof(float), 0, 0,
+                     lists, q + t * d, d, &self, 1, near, ids, 0, &got, block, NULL);
+                best_of(near, ids, lists, 0, chosen_lists, best, tmp);
+                for (int64_t c = 0; c < chosen_lists; c++) chosen[t * lists + best[c].row] = 1;
+            }
+        }
+        if (failed) goto done;
+    }
+
+    /* Each (head, group of rows, span): every row's best kcap keys of the span. The
+       scores of a row's candidates are kept (they fit in the cache), then `best_of`
+       picks its kcap best. */
+#pragma omp parallel num_threads(threads)
+    {
+        float *scores = scratch_get(S_SCORES, (size_t)(group * stride) * sizeof(float));
+        int32_t *where = scratch_get(S_WHERE, (size_t)(group * stride) * sizeof(int32_t));
+        cand *pool = scratch_get(S_POOL, (size_t)span_len * sizeof(cand));
+        float *tmp = scratch_get(S_TMP, (size_t)(2 * span_len) * sizeof(float));
+        int64_t *order = scratch_get(S_ORDER, (size_t)lists * sizeof(int64_t));
+        float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
+        if (!scores || !where || !pool || !block || !tmp || !order) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < heads * groups * spans; t++) {
+            if (!scores || !where || !pool || !block || !tmp || !order) continue;
+            const int64_t h = t / (groups * spans), g = t / spans % groups, span = t % spans;
+            const int64_t r0 = g * group, rn = rows - r0 < group ? rows - r0 : group;
+            const int64_t a = span * span_len, b = a + span_len < n ? a + span_len : n;
+            int64_t got[GROUP] = {0};
+            int64_t todo = 0; /* the lists some row of the group scans, in order */
+            for (int64_t c = 0; c < lists; c++) {
+                int64_t any = 0;
+                for (int64_t r = 0; r < rn; r++) any |= chosen[(h * rows + r0 + r) * lists + c];
+                if (any) order[todo++] = c;
+            }
+            for (int64_t i = 0; i < todo + PREFETCH_LISTS; i++) {
+                if (i < todo) /* a list whose scan comes later: its keys on their way meanwhile */
+                    for_list(order[i], h, lists, offsets, n, a, b, kstart, kptr, kstride, kbuffers,
+                             d, kes, map, NULL, 0, NULL, 0, NULL, NULL, 0, NULL, NULL);
+                if (i < PREFETCH_LISTS) continue;
+                const int64_t c = order[i - PREFETCH_LISTS];
+                int64_t who[GROUP], many = 0;
+                for (int64_t r = 0; r < rn; r++)
+                    if (chosen[(h * rows + r0 + r) * lists + c]) who[many++] = r;
+                for_list(c, h, lists, offsets, n, a, b, kstart, kptr, kstride, kbuffers, d, kes,
+                         map, q + (h * rows + r0) * d, k_bf16, who, many, scores, where, stride,
+                         got, block);
+            }
+            for (int64_t r = 0; r < rn; r++) {
+                const int64_t slot = (h * rows + r0 + r) * spans + span;
+                count[slot] = best_of(scores + r * stride, where + r * stride, got[r], skip,
+                                      kcap, pool, tmp);
+                memcpy(sel + slot * kcap, pool, (size_t)count[slot] * sizeof(cand));
+            }
+        }
+    }
+    if (failed) goto done;
+
+    /* Each (head, row): the k best of its spans' selections, attended. */
+#pragma omp parallel num_threads(threads)
+    {
+        cand *all = scratch_get(S_ALL, (size_t)(spans * kcap) * sizeof(cand));
+        float *tmp = scratch_get(S_TMP, (size_t)(2 * spans * kcap) * sizeof(float));
+        if (!all || !tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < heads * rows; t++) {
+            if (!all || !tmp) continue;
+            const int64_t h = t / rows;
+            int64_t m = 0;
+            for (int64_t span = 0; span < spans; span++) {
+                const int64_t slot = t * spans + span;
+                memcpy(all + m, sel + slot * kcap, (size_t)count[slot] * sizeof(cand));
+                m += count[slot];
+            }
+            keep_best(all, m, k, tmp);
+            m = m < k ? m : k;
+            float *o = out + t * d;
+            memset(o, 0, (size_t)d * sizeof(float));
+            float top = -INFINITY;
+            for (int64_t j = 0; j < m; j++) top = all[j].s > top ? all[j].s : top;
+            if (m == 0 || top == -INFINITY) {
+                lse[t] = -INFINITY;
+                continue;
+            }
+            const float total = attend_row(all, m, top, scale, vstart, vptr, vstride, vbuffers,
+                                           h, d, ves, v_bf16, o);
+            lse[t] = top * scale + logf(total);
+        }
+    }
+
+done:
+    return failed ? 2 : 0;
+}

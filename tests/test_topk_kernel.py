@@ -1,0 +1,157 @@
+"""The compiled top-k kernel (starqa/_topk.c through `native.topk_attend`): each row's
+attention over exactly its own best keys, against a float64 reference, within the error
+of the same computation in fp32; row independence and buffer layouts bit for bit."""
+
+import math
+
+import pytest
+import torch
+
+from starqa import native
+from starqa.attention import attend
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="starqa's kernels not built")
+
+
+def reference(q, key, value, k, scale, skip=0, allowed=None, dtype=torch.float64):
+    """Top-k attention of q [H, R, D] over key/value [H, N, D] in `dtype`: each row's k
+    best keys among rows >= skip (and `allowed` [H, R, N], when given)."""
+    scores = torch.einsum("hrd,hnd->hrn", q.to(dtype), key.to(dtype))
+    hidden = torch.zeros_like(scores, dtype=torch.bool)
+    hidden[..., :skip] = True
+    if allowed is not None:
+        hidden |= ~allowed
+    scores = scores.masked_fill(hidden, -math.inf)
+    best = scores.topk(min(k, scores.shape[-1]), dim=-1)
+    logits = best.values * scale
+    lse = logits.logsumexp(-1)
+    picked = torch.stack([value[h].to(dtype)[best.indices[h]] for h in range(len(value))])
+    out = torch.einsum("hrk,hrkd->hrd", (logits - lse[..., None]).exp(), picked)
+    return out, lse
+
+
+def ivf_layout(key, lists, probes, seed=0):
+    """Random lists over key [H, N, D]: (keys in list order, map [H, N], centroids
+    [H, C, D], offsets [H, C + 1])."""
+    g = torch.Generator().manual_seed(seed)
+    heads, n, dim = key.shape
+    order = torch.stack([torch.randperm(n, generator=g) for _ in range(heads)])
+    cuts = torch.sort(torch.randint(0, n + 1, (heads, lists - 1), generator=g), dim=-1).values
+    offsets = torch.cat([torch.zeros(heads, 1, dtype=torch.long), cuts,
+                         torch.full((heads, 1), n)], dim=1)
+    ordered = torch.stack([key[h][order[h]] for h in range(heads)])
+    return ordered, order, torch.randn(heads, lists, dim, generator=g), offsets
+
+
+def allowed_by_lists(q, order, centroids, offsets, probes):
+    """[H, R, N]: the keys (shard rows) in each row's `probes` nearest lists."""
+    heads, rows, _ = q.shape
+    n = order.shape[1]
+    near = torch.einsum("hrd,hcd->hrc", q.double(), centroids.double()).topk(probes, -1).indices
+    allowed = torch.zeros(heads, rows, n, dtype=torch.bool)
+    for h in range(heads):
+        for r in range(rows):
+            for c in near[h, r].tolist():
+                allowed[h, r, order[h, offsets[h, c]:offsets[h, c + 1]]] = True
+    return allowed
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,rows,n,dim,k", [(2, 5, 300, 24, 17), (3, 12, 40000, 64, 300)])
+def test_each_row_attends_to_exactly_its_best_keys(kind, dtype, heads, rows, n, dim, k):
+    """40,000 keys: several spans of positions, whose selections merge, and rows whose
+    candidates overflow and are cut back to their best (see _topk.c)."""
+    torch.manual_seed(0)
+    q = torch.randn(heads, rows, dim)
+    key, value = torch.randn(heads, n, dim).to(dtype), torch.randn(heads, n, dim).to(dtype)
+    scale, skip = dim ** -0.5, 4
+    keys, key_map, lists, allowed = [(0, key)], None, None, None
+    if kind == "ivf":
+        ordered, key_map, centroids, offsets = ivf_layout(key, 9, 3)
+        keys, lists = [(0, ordered)], (centroids, offsets, 3)
+        allowed = allowed_by_lists(q, key_map, centroids, offsets, 3)
+    out, lse = native.topk_attend(q, keys, [(0, value)], k, skip, scale, key_map, lists)
+    want_out, want_lse = reference(q, key, value, k, scale, skip, allowed)
+    fp32_out, fp32_lse = reference(q, key, value, k, scale, skip, allowed, torch.float32)
+    own_out = (fp32_out.double() - want_out).abs().max().item()
+    own_lse = (fp32_lse.double() - want_lse).abs().max().item()
+    assert (out.double() - want_out).abs().max().item() <= 2 * own_out + 1e-6
+    assert (lse.double() - want_lse).abs().max().item() <= 2 * own_lse + 1e-6
+
+
+def test_every_key_is_exact_attention():
+    """k >= N: the kernel's part is exact attention's, as close to float64 as
+    attention.attend's own fp32 result is."""
+    torch.manual_seed(1)
+    q, key, value = torch.randn(3, 6, 64), torch.randn(3, 500, 64), torch.randn(3, 500, 64)
+    out, lse = native.topk_attend(q, [(0, key)], [(0, value)], 10**6, 0, 0.125)
+    want_out, want_lse = reference(q, key, value, 500, 0.125)
+    exact_out, exact_lse = attend(q[None], key[None], value[None], 0.125)
+    own_out = (exact_out[0].double() - want_out).abs().max().item()
+    own_lse = (exact_lse[0].double() - want_lse).abs().max().item()
+    assert (out.double() - want_out).abs().max().item() <= 2 * own_out + 1e-6
+    assert (lse.double() - want_lse).abs().max().item() <= 2 * own_lse + 1e-6
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_a_row_gets_the_same_bits_alone_or_among_others(kind):
+    """Phase 2 checks drafted tokens as extra rows: each must equal a one-row step."""
+    torch.manual_seed(2)
+    q = torch.randn(2, 12, 64)
+    key, value = torch.randn(2, 5000, 64).bfloat16(), torch.randn(2, 5000, 64).bfloat16()
+    keys, key_map, lists = [(0, key)], None, None
+    if kind == "ivf":
+        ordered, key_map, centroids, offsets = ivf_layout(key, 40, 6)
+        keys, lists = [(0, ordered)], (centroids, offsets, 6)
+    out, lse = native.topk_attend(q, keys, [(0, value)], 50, 0, 0.125, key_map, lists)
+    for r in (0, 5, 11):
+        one, one_lse = native.topk_attend(q[:, r:r + 1], keys, [(0, value)], 50, 0, 0.125,
+                                          key_map, lists)
+        assert torch.equal(one[:, 0], out[:, r]) and torch.equal(one_lse[:, 0], lse[:, r])
+
+
+def test_keys_and_values_in_several_buffers_give_the_same_bits():
+    """--kv-on-disk hands the kernel one buffer per block (heads apart by each block's
+    length), keys and values cut in different places."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 3, 64)
+    key, value = torch.randn(2, 3000, 64).bfloat16(), torch.randn(2, 3000, 64).bfloat16()
+    whole = native.topk_attend(q, [(0, key)], [(0, value)], 40, 7, 0.125)
+    cut = native.topk_attend(
+        q, [(0, key[:, :1000].contiguous()), (1000, key[:, 1000:2001].contiguous()),
+            (2001, key[:, 2001:].contiguous())],
+        [(0, value[:, :1500].contiguous()), (1500, value[:, 1500:].contiguous())], 40, 7, 0.125)
+    assert torch.equal(whole[0], cut[0]) and torch.equal(whole[1], cut[1])
+
+
+def test_a_row_without_keys_weighs_nothing():
+    q, key = torch.randn(1, 2, 16), torch.randn(1, 8, 16)
+    out, lse = native.topk_attend(q, [(0, key)], [(0, key)], 3, 8, 0.25)  # all in the sink
+    assert (out == 0).all() and (lse == -math.inf).all()
+
+
+def test_impossible_arguments_are_refused():
+    q, key = torch.randn(1, 2, 16), torch.randn(1, 8, 16)
+    with pytest.raises(ValueError, match="top-k kernel"):
+        native.topk_attend(q, [(0, key)], [(0, key)], 0, 0, 0.25)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
+    """A machine where the kernel was not built (no C compiler) takes torch's and numpy's
+    code: it must select each row's keys the same way (ivf: the row's own lists only), so
+    answers do not depend on whether a compiler was found. fp32 keys: no bf16 near-ties."""
+    from starqa import retrieval
+    from starqa.indexes import TopK
+    from starqa.retrieval import TopKShard
+
+    torch.manual_seed(5)
+    blocks = [(torch.randn(2, 2, t, 32), torch.randn(2, 2, t, 32)) for t in (1500, 900)]
+    shard = TopKShard.from_parts(blocks, TopK(count=60, index=kind, sink=4), 2400)
+    q = torch.randn(1, 2, 12, 32)
+    with_kernel = shard.parts(1, q, 32 ** -0.5)
+    monkeypatch.setattr(retrieval.native, "available", lambda: False)
+    without = shard.parts(1, q, 32 ** -0.5)
+    for a, b in zip(with_kernel[0] + with_kernel[1], without[0] + without[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
