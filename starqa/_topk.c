@@ -35,7 +35,7 @@
 
 #include "_simd.h"
 
-#define GROUP 8           /* flat: rows of one head scored in one pass over a span's keys */
+#define GROUP 16          /* flat: rows of one head scored in one pass over a span's keys */
 #define MIN_SPAN 4096     /* key positions per task, at least (fewer keys: one span) */
 #define CHUNK 16          /* keys scored at once */
 #define MAX_DIM 256
