@@ -14,19 +14,25 @@
 
    Per row: (ivf) score its head's centroids and choose the `probes` nearest lists; score
    every key of the chosen lists (all keys for flat) exactly in fp32 (bf16 keys widened);
-   keep the k best (per span of positions, then over the spans: `best_of`); attend
-   over them: out = sum_j w_j v_j / sum_j w_j with w_j = exp((s_j - max s) * scale), and
-   lse = max s * scale + log(sum_j w_j). Only the selected value rows are read.
+   keep the k best (per span of positions, then over the spans: `best_of`).
 
-   Row independence: a row's lists, scores, selection and output depend on its own query
-   only (never on the other rows of the call), so a decode step that also checks drafted
-   tokens gives every row exactly what a one-token step gives it.
+   GQA: the G query heads of one KV head share what they retrieve. At each position of the
+   forward, each of the G rows picks its own k keys, and every one of them attends over the
+   union of the G picks (up to G * k keys: a key that one head needs is seldom useless to
+   the others, and the union costs only G rows' dot products with keys already chosen).
+   Attention over the union U, per row: out = sum_j w_j v_j / sum_j w_j with
+   w_j = exp((s_j - max s) * scale), lse = max s * scale + log(sum_j w_j), s_j the row's
+   own inner product with key j. Only the union's value rows are read, once for the G rows.
+
+   Row independence: a position's lists, scores, picks, union and outputs depend on that
+   position's queries only (never on the other positions of the call), so a decode step
+   that also checks drafted tokens gives every token exactly what a one-token step gives.
 
    Work: (head, rows, span of positions) tasks over OpenMP threads: flat scores a group of
    GROUP rows against each key it reads, ivf a row against its own lists; keys are widened
    CHUNK at a time (with AVX-512 a row's CHUNK dot products are reduced together, as in
    _attend.c), each row's scores kept, and its best picked (`best_of`). Then one task per
-   (head, row) merges its spans' selections and attends. */
+   (head, position) merges its rows' spans' selections into the union and attends. */
 
 #include <math.h>
 #include <stdint.h>
@@ -37,6 +43,7 @@
 
 #define GROUP 16          /* flat: rows of one head scored in one pass over a span's keys */
 #define MIN_SPAN 4096     /* key positions per task, at least (fewer keys: one span) */
+#define MAX_GROUP 128     /* query heads per KV head */
 #define CHUNK 16          /* keys scored at once */
 #define MAX_DIM 256
 #define AHEAD 64          /* keys prefetched ahead of a scan */
@@ -56,7 +63,7 @@ typedef struct {
    threshold: fresh pages, cleared by the kernel). A slot grows to the largest size asked
    of it and is never returned. */
 enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_IDS, S_BEST, S_BLOCK, S_SCORES, S_WHERE, S_POOL,
-       S_ALL, S_TMP, S_ORDER, SLOTS };
+       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, SLOTS };
 static __thread struct { void *p; size_t size; } scratch[SLOTS];
 
 static void *scratch_get(int slot, size_t bytes) {
@@ -65,9 +72,14 @@ static void *scratch_get(int slot, size_t bytes) {
         free(scratch[slot].p);
         scratch[slot].p = aligned_alloc(64, bytes);
         scratch[slot].size = scratch[slot].p ? bytes : 0;
+        if (scratch[slot].p) memset(scratch[slot].p, 0, bytes); /* S_SEEN relies on it */
     }
     return scratch[slot].p;
 }
+
+/* A mark per shard row (S_SEEN): row r is in the current set iff seen[r] == *stamp. A new
+   set is one increment of the stamp, not a clearing of n marks. */
+static __thread int32_t stamp_now;
 
 static inline float median3(float x, float y, float z) {
     return x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
@@ -189,137 +201,129 @@ SIMD_CLONES static float dot(const float *a, const float *b, int64_t d) {
     return acc;
 }
 
-/* Arguments of a scan: keys [lo, hi) of one buffer (key row lo at `base`, rows row_bytes
-   apart), scored against the rows who[0 .. many) of a group (queries q + r * d); row r's
-   scores and the keys' shard rows (rowmap[position], or the position where rowmap is
-   NULL) are appended at scores / where + r * stride + got[r] (a row's room holds a chunk
-   more than its candidates: a chunk is written whole). */
-#define SCAN_ARGS                                                                          \
-    const char *base, size_t row_bytes, int bf16, int64_t lo, int64_t hi, const float *q, \
-        int64_t d, const int64_t *who, int64_t many, float *scores, int32_t *where,        \
-        int64_t stride, int64_t *got, float *block, const int64_t *rowmap
-#define SCAN_PASS base, row_bytes, bf16, lo, hi, q, d, who, many, scores, where, stride, got, \
-        block, rowmap
-
-static void scan_any(SCAN_ARGS) {
-    for (int64_t p = lo; p < hi; p += CHUNK) {
-        const int width = hi - p < CHUNK ? (int)(hi - p) : CHUNK;
-        for (int x = 0; x < width; x++) {
-            const char *src = base + (size_t)(p - lo + x) * row_bytes;
-            float *to = block + x * d;
-            if (bf16)
-                for (int64_t i = 0; i < d; i++) {
-                    const uint16_t half = ((const uint16_t *)src)[i];
-                    union { uint32_t u; float f; } wide = {.u = (uint32_t)half << 16};
-                    to[i] = wide.f;
-                }
-            else
-                memcpy(to, src, (size_t)d * sizeof(float));
-        }
-        for (int64_t w = 0; w < many; w++) {
-            const int64_t r = who[w];
-            for (int x = 0; x < width; x++) {
-                scores[r * stride + got[r] + x] = dot(q + r * d, block + x * d, d);
-                where[r * stride + got[r] + x] = (int32_t)(rowmap ? rowmap[p + x] : p + x);
+/* The inner products of nq query rows qs[i] [D] with the CHUNK key rows kp[x] (bf16 or
+   fp32; the first `width` real, the rest zeros), into outs[i][0 .. CHUNK); block: scratch
+   of CHUNK * D floats (the keys widened once for every row). */
+static void score_any(const char *const *kp, int width, int bf16, const float *const *qs,
+                      int64_t nq, int64_t d, float *const *outs, float *block) {
+    for (int x = 0; x < width; x++) {
+        float *to = block + x * d;
+        if (bf16)
+            for (int64_t i = 0; i < d; i++) {
+                const uint16_t half = ((const uint16_t *)kp[x])[i];
+                union { uint32_t u; float f; } wide = {.u = (uint32_t)half << 16};
+                to[i] = wide.f;
             }
-            got[r] += width;
-        }
+        else
+            memcpy(to, kp[x], (size_t)d * sizeof(float));
     }
+    for (int64_t i = 0; i < nq; i++)
+        for (int x = 0; x < CHUNK; x++) outs[i][x] = x < width ? dot(qs[i], block + x * d, d) : 0.0f;
 }
 
 #ifdef STARQA_X86
-/* D = 16 * NC (NC = 4: D 64, NC = 8: D 128): a chunk's keys widened once, then each row's
-   16 scores in one vector (16 dot products reduced together, as in _attend.c). */
-#define SCAN_AVX512(NC)                                                                    \
-    AVX512 static void scan_avx512_##NC(SCAN_ARGS) {                                      \
+/* D = 16 * NC (NC = 4: D 64, NC = 8: D 128): each row's CHUNK scores in one vector (16 dot
+   products reduced together, as in _attend.c). */
+#define SCORE_AVX512(NC)                                                                   \
+    AVX512 static void score_avx512_##NC(const char *const *kp, int bf16,                 \
+                                         const float *const *qs, int64_t nq,              \
+                                         float *const *outs, float *block) {              \
         const size_t esize = bf16 ? 2 : 4;                                                 \
-        const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,   \
-                                               3, 2, 1, 0);                                \
-        for (int64_t p = lo; p < hi; p += CHUNK) {                                         \
-            const int width = hi - p < CHUNK ? (int)(hi - p) : CHUNK;                      \
+        for (int x = 0; x < CHUNK; x++)                                                    \
+            for (int c = 0; c < NC; c++)                                                   \
+                _mm512_store_ps(block + (x * NC + c) * 16, load16(kp[x] + c * 16 * esize, bf16)); \
+        for (int64_t i = 0; i < nq; i++) {                                                 \
+            __m512 qr[NC], dots[CHUNK];                                                    \
+            for (int c = 0; c < NC; c++) qr[c] = _mm512_loadu_ps(qs[i] + c * 16);          \
             for (int x = 0; x < CHUNK; x++) {                                              \
-                const char *src = x < width ? base + (size_t)(p - lo + x) * row_bytes      \
-                                            : (const char *)zeros;                         \
-                if (p + x + AHEAD < hi) /* rows a few chunks on, into the cache */         \
-                    for (size_t y = 0; y < row_bytes; y += 64)                             \
-                        _mm_prefetch(src + AHEAD * row_bytes + y, _MM_HINT_T0);            \
-                for (int c = 0; c < NC; c++)                                               \
-                    _mm512_store_ps(block + (x * NC + c) * 16,                             \
-                                    load16(src + c * 16 * esize, bf16));                   \
+                const float *key = block + x * NC * 16;                                    \
+                __m512 acc = _mm512_mul_ps(qr[0], _mm512_load_ps(key));                    \
+                for (int c = 1; c < NC; c++)                                               \
+                    acc = _mm512_fmadd_ps(qr[c], _mm512_load_ps(key + c * 16), acc);       \
+                dots[x] = acc;                                                             \
             }                                                                              \
-            __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int32_t)p), lanes);           \
-            if (rowmap) { /* the rows of positions p .. p + width - 1 */                 \
-                const __mmask8 first = width >= 8 ? 0xFF : (__mmask8)((1u << width) - 1);   \
-                const __mmask8 second = width > 8 ? (__mmask8)((1u << (width - 8)) - 1) : 0; \
-                at = _mm512_inserti64x4(                                                   \
-                    _mm512_castsi256_si512(_mm512_cvtepi64_epi32(                           \
-                        _mm512_maskz_loadu_epi64(first, rowmap + p))),                     \
-                    _mm512_cvtepi64_epi32(_mm512_maskz_loadu_epi64(second, rowmap + p + 8)), 1); \
-            }                                                                              \
-            for (int64_t w = 0; w < many; w++) {                                           \
-                const int64_t r = who[w];                                                  \
-                __m512 qr[NC], dots[CHUNK];                                                \
-                for (int c = 0; c < NC; c++) qr[c] = _mm512_loadu_ps(q + r * d + c * 16);  \
-                for (int x = 0; x < CHUNK; x++) {                                          \
-                    const float *key = block + x * NC * 16;                                \
-                    __m512 acc = _mm512_mul_ps(qr[0], _mm512_load_ps(key));                \
-                    for (int c = 1; c < NC; c++)                                           \
-                        acc = _mm512_fmadd_ps(qr[c], _mm512_load_ps(key + c * 16), acc);   \
-                    dots[x] = acc;                                                         \
-                }                                                                          \
-                _mm512_storeu_ps(scores + r * stride + got[r], sum16(dots));               \
-                _mm512_storeu_si512(where + r * stride + got[r], at);                      \
-                got[r] += width;                                                           \
-            }                                                                              \
+            _mm512_storeu_ps(outs[i], sum16(dots));                                        \
         }                                                                                  \
     }
-SCAN_AVX512(4)
-SCAN_AVX512(8)
+SCORE_AVX512(4)
+SCORE_AVX512(8)
 #endif
 
-/* Scores keys [lo, hi) of one buffer against the group's rows who[] (see SCAN_ARGS). */
-static void scan(SCAN_ARGS) {
+/* score_any, with AVX-512 where D is 64 or 128. kp[x] for x >= width must point at zeros. */
+static void score_keys(const char *const *kp, int width, int bf16, const float *const *qs,
+                       int64_t nq, int64_t d, float *const *outs, float *block) {
 #ifdef STARQA_X86
     if (has_avx512() && (d == 64 || d == 128)) {
-        (d == 64 ? scan_avx512_4 : scan_avx512_8)(SCAN_PASS);
+        (d == 64 ? score_avx512_4 : score_avx512_8)(kp, bf16, qs, nq, outs, block);
         return;
     }
 #endif
-    scan_any(SCAN_PASS);
+    score_any(kp, width, bf16, qs, nq, d, outs, block);
 }
 
-/* Row output o [D] (zeroed) += sum_j w_j v_j over the selected (score, row) sel[0 .. m),
-   w_j = exp((s_j - top) * scale); returns sum_j w_j. */
-SIMD_CLONES static float attend_row(const cand *sel, int64_t m, float top, float scale,
-                                    const int64_t *vstart, const int64_t *vptr,
-                                    const int64_t *vstride, int64_t vbuffers, int64_t h,
-                                    int64_t d, size_t ves, int v_bf16, float *o) {
-    float total = 0.0f;
-    const size_t row_bytes = (size_t)d * ves;
-    for (int64_t j = 0; j < m; j++) {
-        if (j + AHEAD_ROWS < m) { /* a value row a few on, on its way meanwhile */
-            const char *next = row_at(vstart, vptr, vstride, vbuffers, h,
-                                      sel[j + AHEAD_ROWS].row, d, ves);
-            for (size_t y = 0; y < row_bytes; y += 64) __builtin_prefetch(next + y, 0, 3);
+/* Keys [lo, hi) of one buffer (key row lo at `base`, rows row_bytes apart), scored against
+   the rows who[0 .. many) of a group (queries q + r * d): row r's scores and the keys'
+   shard rows (rowmap[position], or the position where rowmap is NULL) are appended at
+   scores / where + r * stride + got[r] (a row's room holds a chunk more than its
+   candidates: a chunk is written whole). */
+static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64_t hi,
+                 const float *q, int64_t d, const int64_t *who, int64_t many, float *scores,
+                 int32_t *where, int64_t stride, int64_t *got, float *block,
+                 const int64_t *rowmap) {
+    const float *qs[GROUP];
+    float *outs[GROUP];
+    for (int64_t p = lo; p < hi; p += CHUNK) {
+        const int width = hi - p < CHUNK ? (int)(hi - p) : CHUNK;
+        const char *kp[CHUNK];
+        for (int x = 0; x < CHUNK; x++) {
+            kp[x] = x < width ? base + (size_t)(p - lo + x) * row_bytes : (const char *)zeros;
+            if (p + x + AHEAD < hi) /* rows a few chunks on, into the cache meanwhile */
+                for (size_t y = 0; y < row_bytes; y += 64)
+                    __builtin_prefetch(kp[x] + AHEAD * row_bytes + y, 0, 3);
         }
-        const float w = expf((sel[j].s - top) * scale);
-        const char *src = row_at(vstart, vptr, vstride, vbuffers, h, sel[j].row, d, ves);
-        if (v_bf16) {
-            const uint16_t *half = (const uint16_t *)src;
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++) {
-                union { uint32_t u; float f; } wide = {.u = (uint32_t)half[i] << 16};
-                o[i] += w * wide.f;
-            }
-        } else {
-            const float *full = (const float *)src;
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++) o[i] += w * full[i];
+        for (int64_t w = 0; w < many; w++) {
+            qs[w] = q + who[w] * d;
+            outs[w] = scores + who[w] * stride + got[who[w]];
         }
-        total += w;
+        score_keys(kp, width, bf16, qs, many, d, outs, block);
+        for (int64_t w = 0; w < many; w++) {
+            int32_t *to = where + who[w] * stride + got[who[w]];
+            for (int x = 0; x < width; x++) to[x] = (int32_t)(rowmap ? rowmap[p + x] : p + x);
+            got[who[w]] += width;
+        }
     }
-    for (int64_t i = 0; i < d; i++) o[i] /= total;
+}
+
+/* Scores s[0 .. m) (raw inner products) → weights exp((s - max s) * scale), in place;
+   returns their sum, and the maximum in *top. */
+SIMD_CLONES static float weigh(float *s, int64_t m, float scale, float *top) {
+    float best = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : best)
+    for (int64_t j = 0; j < m; j++) best = s[j] > best ? s[j] : best;
+    for (int64_t j = 0; j < m; j++) {
+        s[j] = expf((s[j] - best) * scale);
+        total += s[j];
+    }
+    *top = best;
     return total;
+}
+
+/* One value row (bf16 or fp32) in fp32. */
+static inline void widen_row(const char *src, int bf16, int64_t d, float *to) {
+    if (!bf16) {
+        memcpy(to, src, (size_t)d * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < d; i++) {
+        union { uint32_t u; float f; } wide = {.u = (uint32_t)((const uint16_t *)src)[i] << 16};
+        to[i] = wide.f;
+    }
+}
+
+/* o [D] += weight * v. */
+SIMD_CLONES static void accumulate(float *o, const float *v, float weight, int64_t d) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; i++) o[i] += weight * v[i];
 }
 
 /* List c of head h, its positions within [a, b), cut where the key buffers change: each
@@ -354,20 +358,23 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
     }
 }
 
-/* Arguments: see the file's comment; pointers ptr[] are addresses. centroids fp32
-   [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one list of
-   every position); map NULL: position = row. out fp32 [H, R, D], lse fp32 [H, R].
+/* Arguments: see the file's comment; pointers ptr[] are addresses. R = G * tokens rows (G
+   query heads, each at `tokens` positions of the forward, the position fastest). centroids
+   fp32 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
+   list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
+   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R].
    Returns 0, 1 for impossible arguments, 2 when out of memory. */
 int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, int64_t rows,
-                       int64_t d, int64_t n, int64_t kbuffers, const int64_t *kstart,
-                       const int64_t *kptr, const int64_t *kstride, const int64_t *map,
+                       int64_t tokens, int64_t d, int64_t n, int64_t kbuffers,
+                       const int64_t *kstart, const int64_t *kptr, const int64_t *kstride,
+                       const int64_t *map, const int32_t *inv,
                        int64_t vbuffers, const int64_t *vstart, const int64_t *vptr,
                        const int64_t *vstride, int64_t lists, const float *centroids,
                        const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
                        float scale, float *out, float *lse, int threads) {
     if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
         kbuffers < 1 || vbuffers < 1 || lists < 1 || (lists > 1 && (!centroids || !offsets)) ||
-        probes < 1)
+        probes < 1 || tokens < 1 || rows % tokens || rows / tokens > MAX_GROUP)
         return 1;
     threads = threads > 0 ? threads : 1;
     const size_t kes = k_bf16 ? 2 : 4, ves = v_bf16 ? 2 : 4;
@@ -468,38 +475,92 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     }
     if (failed) goto done;
 
-    /* Each (head, row): the k best of its spans' selections, attended. */
+    /* Each (head, token): the G query heads of the KV head at that token share
+       retrieval. Each row's k best of its spans' selections; the union of the G rows'
+       keys; every row's attention over the union (its scores computed afresh, the
+       values read once for the G rows). */
+    const int64_t per = rows / tokens; /* G */
 #pragma omp parallel num_threads(threads)
     {
+        const int64_t kk = k < n ? k : n;
         cand *all = scratch_get(S_ALL, (size_t)(spans * kcap) * sizeof(cand));
         float *tmp = scratch_get(S_TMP, (size_t)(2 * spans * kcap) * sizeof(float));
-        if (!all || !tmp) {
+        int64_t *uni = scratch_get(S_UNION, (size_t)(per * kk + 1) * sizeof(int64_t));
+        const int64_t room = per * kk + CHUNK; /* a row's scores of the union (chunks whole) */
+        float *w = scratch_get(S_WEIGHTS, (size_t)(per * room) * sizeof(float));
+        int32_t *seen = scratch_get(S_SEEN, (size_t)(n > 0 ? n : 1) * sizeof(int32_t));
+        float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
+        float *value = scratch_get(S_VALUE, (size_t)MAX_DIM * sizeof(float));
+        const int ok = all && tmp && uni && w && seen && block && value;
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < heads * rows; t++) {
-            if (!all || !tmp) continue;
-            const int64_t h = t / rows;
-            int64_t m = 0;
-            for (int64_t span = 0; span < spans; span++) {
-                const int64_t slot = t * spans + span;
-                memcpy(all + m, sel + slot * kcap, (size_t)count[slot] * sizeof(cand));
-                m += count[slot];
+        for (int64_t t = 0; t < heads * tokens; t++) {
+            if (!ok) continue;
+            const int64_t h = t / tokens, m = t % tokens;
+            if (stamp_now == INT32_MAX) { /* a new set each task: start the marks over */
+                memset(seen, 0, (size_t)(n > 0 ? n : 1) * sizeof(int32_t));
+                stamp_now = 0;
             }
-            keep_best(all, m, k, tmp);
-            m = m < k ? m : k;
-            float *o = out + t * d;
-            memset(o, 0, (size_t)d * sizeof(float));
-            float top = -INFINITY;
-            for (int64_t j = 0; j < m; j++) top = all[j].s > top ? all[j].s : top;
-            if (m == 0 || top == -INFINITY) {
-                lse[t] = -INFINITY;
-                continue;
+            const int32_t stamp = ++stamp_now;
+            int64_t nu = 0;
+            for (int64_t g = 0; g < per; g++) {
+                const int64_t row = h * rows + g * tokens + m;
+                int64_t got = 0;
+                for (int64_t span = 0; span < spans; span++) {
+                    const int64_t slot = row * spans + span;
+                    memcpy(all + got, sel + slot * kcap, (size_t)count[slot] * sizeof(cand));
+                    got += count[slot];
+                }
+                keep_best(all, got, k, tmp);
+                for (int64_t j = 0; j < (got < k ? got : k); j++)
+                    if (seen[all[j].row] != stamp) {
+                        seen[all[j].row] = stamp;
+                        uni[nu++] = all[j].row;
+                    }
             }
-            const float total = attend_row(all, m, top, scale, vstart, vptr, vstride, vbuffers,
-                                           h, d, ves, v_bf16, o);
-            lse[t] = top * scale + logf(total);
+            const float *qs[MAX_GROUP];
+            float *outs[MAX_GROUP];
+            for (int64_t g = 0; g < per; g++) {
+                const int64_t row = h * rows + g * tokens + m;
+                qs[g] = q + row * d;
+                memset(out + row * d, 0, (size_t)d * sizeof(float));
+                lse[row] = -INFINITY;
+            }
+            if (!nu) continue;
+            for (int64_t u0 = 0; u0 < nu; u0 += CHUNK) { /* each row's scores of the union */
+                const int width = nu - u0 < CHUNK ? (int)(nu - u0) : CHUNK;
+                const char *kp[CHUNK];
+                for (int x = 0; x < CHUNK; x++) {
+                    const int64_t r = x < width ? uni[u0 + x] : 0;
+                    kp[x] = x < width ? row_at(kstart, kptr, kstride, kbuffers, h,
+                                               inv ? inv[h * n + r] : r, d, kes)
+                                      : (const char *)zeros;
+                }
+                for (int64_t g = 0; g < per; g++) outs[g] = w + g * room + u0;
+                score_keys(kp, width, k_bf16, qs, per, d, outs, block);
+            }
+            float tops[MAX_GROUP], totals[MAX_GROUP];
+            for (int64_t g = 0; g < per; g++) /* scores → weights exp((s - max s) * scale) */
+                totals[g] = weigh(w + g * room, nu, scale, &tops[g]);
+            for (int64_t u = 0; u < nu; u++) { /* each value row read once for the G rows */
+                if (u + AHEAD_ROWS < nu) {
+                    const char *next = row_at(vstart, vptr, vstride, vbuffers, h,
+                                              uni[u + AHEAD_ROWS], d, ves);
+                    for (size_t y = 0; y < (size_t)d * ves; y += 64) __builtin_prefetch(next + y, 0, 3);
+                }
+                widen_row(row_at(vstart, vptr, vstride, vbuffers, h, uni[u], d, ves), v_bf16, d,
+                          value);
+                for (int64_t g = 0; g < per; g++)
+                    accumulate(out + (h * rows + g * tokens + m) * d, value, w[g * room + u], d);
+            }
+            for (int64_t g = 0; g < per; g++) {
+                const int64_t row = h * rows + g * tokens + m;
+                for (int64_t i = 0; i < d; i++) out[row * d + i] /= totals[g];
+                lse[row] = tops[g] * scale + logf(totals[g]);
+            }
         }
     }
 

@@ -30,9 +30,10 @@ def _library():
             exact.restype = top.restype = ctypes.c_int
             exact.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
                               _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
-            top.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _I64,
-                            _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-                            _PTR, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR, ctypes.c_int]
+            top.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _I64,
+                            _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
+                            _PTR, _PTR, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR,
+                            ctypes.c_int]
             return library
     return None
 
@@ -92,13 +93,17 @@ def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
 def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
                 values: Sequence[tuple[int, torch.Tensor]], k: int, skip: int, scale: float,
                 key_map: torch.Tensor | None = None,
-                lists: tuple[torch.Tensor, torch.Tensor, int] | None = None
+                lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                tokens: int | None = None, key_at: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k partial attention of every row of q [H, R, D] over one layer of a shard (the
     kernel in starqa/_topk.c, which says how; `supports_topk` says which buffers it takes).
 
     keys: [(first position, [H, T, D])] the buffers holding positions 0 .. N-1 of every head,
-    in order; key_map [H, N] int64: each position's row in the shard (None: the same).
+    in order; key_map [H, N] int64: each position's row in the shard, key_at [H, N] int32
+    each row's position (both None: the same). tokens: the forward's positions M, the rows
+    being G blocks of M (`attention.fold_gqa`); the G rows of a position share their keys
+    (None: M = R, nothing shared).
     values: [(first row, [H, T, D])] the buffers holding the shard's value rows. lists (ivf):
     (centroids [H, C, D] fp32, offsets [H, C + 1] int64, probes): position ranges, and how
     many of the nearest a row scans; None scans every position. Rows below `skip` are never
@@ -117,6 +122,10 @@ def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
     vstart, vptr, vstride = table(values)
     if key_map is not None:
         key_map = key_map.to(torch.int64).contiguous()
+        if key_at is None:  # the inverse permutation
+            key_at = torch.empty_like(key_map, dtype=torch.int32).scatter_(
+                1, key_map, torch.arange(n, dtype=torch.int32).expand_as(key_map).contiguous())
+        key_at = key_at.to(torch.int32).contiguous()
     centroids = offsets = None
     n_lists, probes = 1, 1
     if lists is not None:
@@ -129,8 +138,9 @@ def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
 
     code = _library().starqa_topk_attend(
         int(keys[0][1].dtype == torch.bfloat16), int(values[0][1].dtype == torch.bfloat16),
-        q.data_ptr(), heads, rows, dim, n, len(keys), kstart.data_ptr(), kptr.data_ptr(),
-        kstride.data_ptr(), address(key_map), len(values), vstart.data_ptr(),
+        q.data_ptr(), heads, rows, rows if tokens is None else tokens, dim, n, len(keys),
+        kstart.data_ptr(), kptr.data_ptr(), kstride.data_ptr(), address(key_map),
+        address(key_at), len(values), vstart.data_ptr(),
         vptr.data_ptr(), vstride.data_ptr(), n_lists, address(centroids), address(offsets),
         probes, k, skip, scale, out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
     if code:

@@ -163,7 +163,7 @@ class ShardAttention:
             out, lse = self._attend_buffer(layer, q, key, value, scale, m)
             outs, lses = [out[None]], [lse[None]]
         elif self.retriever is not None:
-            outs, lses = self.retriever.parts(layer, q, scale)
+            outs, lses = self.retriever.parts(layer, q, scale, m)
         elif self.shard is not None:
             if self.fused:
                 outs, lses = partial_chunks(q, *self.shard[layer], scale, SLOT, self.head)

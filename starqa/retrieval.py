@@ -8,12 +8,17 @@ much of every head's attention mass rests), in addition to the k keys it retriev
 the rest; the sink is a part of its own for the LSE merge, and the retrieval never returns
 its rows, so every key is counted once and k >= the shard is still exact.
 
+GQA: the G query heads of a KV head share what they retrieve at each position (each
+picks its k keys, each attends over the union of the G picks: `topk.share`), except under
+hnsw, which holds no keys to score another head's picks with (its rows attend to their
+own k).
+
 On the CPU, flat and ivf attend through starqa's compiled top-k kernel (`native.topk_attend`,
 starqa/_topk.c): one call per layer scores each row's keys exactly in fp32, keeps its k
-best and attends to them; a row's result never depends on the other rows of the forward
-(drafted tokens are checked as extra rows). hnsw, CUDA, and machines where the kernel was
-not built take the torch/numpy/faiss code below, which selects the same keys up to a bf16
-ranking's near-ties at the k-th place.
+best, shares them and attends; a position's result never depends on the forward's other
+positions (drafted tokens are checked as extra positions). hnsw, CUDA, and machines where
+the kernel was not built take the torch/numpy/faiss code below, which selects the same
+keys up to a bf16 ranking's near-ties at the k-th place.
 
 Each worker retrieves k keys per query row from its own blocks, so the union over workers
 holds the context's global top k; `attention.merge` then combines the parts exactly, as
@@ -178,13 +183,17 @@ class TopKShard:
 
     # -- Phase 2 ------------------------------------------------------------------------
 
-    def parts(self, layer: int, q: torch.Tensor, scale: float
+    def parts(self, layer: int, q: torch.Tensor, scale: float, tokens: int | None = None
               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The top-k partial attention of folded queries q [1, Hkv, R, D] over this
         worker's blocks in `layer`: ([out [1, Hkv, R, D] in q's dtype], [lse [1, Hkv, R]
-        fp32]), a part for `attention.merge` (two on the sink's worker)."""
+        fp32]), a part for `attention.merge` (two on the sink's worker). tokens: the
+        forward's positions M, R = G * M (`attention.fold_gqa`): the G query heads of a
+        position share their keys (module docstring); None: M = R, nothing shared."""
         k = min(self.budgets[layer], self.n_keys - self.n_sink)
-        rows = q.shape[2]
+        _, heads, rows, dim = q.shape
+        tokens = tokens or rows
+        groups = rows // tokens
         outs, lses = [], []
         if self.sinks is not None:
             out, lse = attend(q, *self.sinks[layer], scale)
@@ -192,57 +201,60 @@ class TopKShard:
             lses.append(lse)
             if k < 1:  # the whole shard is the sink
                 return outs, lses
-        parts = len(outs)
         # flat and ivf score up to every key per row (a prefill's rows choose most lists),
-        # hnsw k: rows go in pieces of at most ROWS_X_KEYS scores
+        # hnsw k: positions go in pieces of at most ROWS_X_KEYS scores
         width = k if self.searchers is not None else self.n_keys
-        step = max(1, ROWS_X_KEYS // (width * q.shape[1]))
+        step = max(1, ROWS_X_KEYS // (width * heads * groups))
         native_ok = q.device.type == "cpu" and self.searchers is None and native.available()
-        for start in range(0, rows, step):
-            piece = q[0, :, start:start + step]  # [Hkv, r, D]
-            found = self._part_native(layer, piece, k, scale) if native_ok else None
-            if found is not None:
-                outs.append(found[0].to(q.dtype))
-                lses.append(found[1])
-                continue
-            if self.ivf is not None and q.device.type == "cpu":
-                out, lse = self._part_ivf(layer, piece, k, scale)
-                outs.append(out.to(q.dtype))
-                lses.append(lse)
-                continue
-            scores, idx = (t.to(q.device) for t in self.select(layer, piece, k))
-            values = self.value_rows(layer, idx).to(q.device)
-            if q.device.type == "cpu":  # numpy: cheaper per call (`topk.attend_rows`)
-                rows_k = scores.shape[-1]
-                masked = scores.masked_fill(idx < 0, float("-inf")).reshape(-1, rows_k)
-                out, lse = topk.attend_rows(masked.numpy(), values.float().numpy().reshape(
-                    -1, rows_k, values.shape[-1]), scale)
-                out = torch.from_numpy(out).view(1, *piece.shape)
-                lse = torch.from_numpy(lse).view(1, *piece.shape[:2])
-            else:
-                out, lse = topk.attend_selected(scores, idx, values, scale)
-            outs.append(out.to(q.dtype))
-            lses.append(lse)
-        if len(outs) == parts + 1:
-            return outs, lses
-        return outs[:parts] + [torch.cat(outs[parts:], dim=2)], \
-            lses[:parts] + [torch.cat(lses[parts:], dim=2)]
+        by_token = q[0].view(heads, groups, tokens, dim)
+        pieces, piece_lses = [], []
+        for start in range(0, tokens, step):
+            piece = by_token[:, :, start:start + step].reshape(heads, -1, dim)  # [Hkv, G*m, D]
+            m = piece.shape[1] // groups
+            found = self._part_native(layer, piece, k, scale, m) if native_ok else None
+            if found is None:
+                found = self._part_selected(layer, piece, k, scale, m)
+            pieces.append(found[0].to(q.dtype).view(heads, groups, m, dim))
+            piece_lses.append(found[1].view(heads, groups, m))
+        outs.append(torch.cat(pieces, dim=2).view(1, heads, rows, dim))
+        lses.append(torch.cat(piece_lses, dim=2).view(1, heads, rows))
+        return outs, lses
 
-    def _part_native(self, layer: int, q: torch.Tensor, k: int, scale: float
+    def _part_selected(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`parts`' work where the compiled kernel does not run (hnsw, CUDA, no C compiler):
+        `select`, the GQA union (`topk.share`; hnsw keeps no keys to score another head's
+        picks with, so its rows attend to their own), then attention over the selected
+        rows. q [Hkv, G * tokens, D] → (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32."""
+        scores, idx = (t.to(q.device) for t in self.select(layer, q, k))
+        if self.searchers is None:
+            scores, idx = topk.share(q, scores, idx, tokens,
+                                     lambda rows: self.key_rows(layer, rows).to(q.device))
+        values = self.value_rows(layer, idx).to(q.device)
+        if q.device.type != "cpu":
+            return topk.attend_selected(scores, idx, values, scale)
+        # numpy: cheaper per call (`topk.attend_rows`)
+        width = scores.shape[-1]
+        masked = scores.masked_fill(idx < 0, float("-inf")).reshape(-1, width)
+        out, lse = topk.attend_rows(masked.numpy(), values.float().numpy().reshape(
+            -1, width, values.shape[-1]), scale)
+        return torch.from_numpy(out).view(1, *q.shape), torch.from_numpy(lse).view(1, *q.shape[:2])
+
+    def _part_native(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`parts`' work for flat and ivf on the CPU in one call of the compiled kernel
         (`native.topk_attend`: each row scans its own lists, or every key, and keeps its k
         best in fp32), q [Hkv, r, D]: (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32; None
         where the kernel does not take these buffers. Mapped pages of the layer are
         released after the call."""
-        key_map = lists = None
+        key_map = key_at = lists = None
         if self.keys is not None:
             keys = [(0, self.keys[layer])]
         elif self.mapped_keys is not None:
             keys = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_keys]
         else:
             lay = self.ivf[layer]
-            keys, key_map = [(0, lay.keys)], torch.from_numpy(lay.rows)
+            keys, key_map, key_at = [(0, lay.keys)], torch.from_numpy(lay.rows), torch.from_numpy(lay.at)
             n_lists = lay.centroids.shape[1]
             lists = (torch.from_numpy(lay.centroids), torch.from_numpy(lay.offsets),
                      indexes.ivf_probes(self.n_keys, n_lists, k, indexes.IVF_ROW_SCAN))
@@ -252,7 +264,8 @@ class TopKShard:
             values = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_values]
         if not native.supports_topk([x for _, x in keys], [x for _, x in values]):
             return None
-        out, lse = native.topk_attend(q, keys, values, k, self.n_sink, scale, key_map, lists)
+        out, lse = native.topk_attend(q, keys, values, k, self.n_sink, scale, key_map, lists,
+                                      tokens, key_at)
         for _, mapped in (self.mapped_keys or []) + (self.mapped_values or []):
             mapped.release(layer)
         return out.unsqueeze(0), lse.unsqueeze(0)
@@ -383,41 +396,40 @@ class TopKShard:
         first = np.repeat(np.arange(len(ids) // rows) * self.n_keys, rows)[:, None]
         return np.where(ids >= 0, ids - first, -1)
 
-    def _part_ivf(self, layer: int, q: torch.Tensor, k: int, scale: float
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`parts`' work for ivf on the CPU, q [Hkv, r, D]: (out [1, Hkv, r, D] fp32,
-        lse [1, Hkv, r]). In-memory values are read by the ids directly (head * N + row
-        is their row in the layer's [Hkv * N, D])."""
-        import numpy as np
-
-        heads, rows, dim = q.shape
-        scores, ids = self._select_ivf(layer, q, k)  # [B = Hkv * r, k']
-        if self.values is not None:
-            flat = self.values[layer].view(-1, dim)
-            picked = flat.index_select(0, torch.from_numpy(np.maximum(ids, 0)).view(-1))
-        else:
-            picked = self.value_rows(layer, torch.from_numpy(self._rows_of(ids, rows)).view(
-                heads, rows, -1))
-        values = picked.float().numpy().reshape(*ids.shape, dim)
-        out, lse = topk.attend_rows(scores, values, scale)
-        return (torch.from_numpy(out).view(1, heads, rows, dim),
-                torch.from_numpy(lse).view(1, heads, rows))
-
     def value_rows(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
-        """[Hkv, r, k, D]: the value rows idx [Hkv, r, k] selects (-1: zeros)."""
+        """[Hkv, r, k, D]: the value rows idx [Hkv, r, k] selects (-1: row 0's)."""
         if self.values is not None:
             return topk.gather_rows(self.values[layer], idx)
-        first = self.mapped_values[0][1].tensor
-        out = torch.zeros(*idx.shape, first.shape[-1], dtype=first.dtype)
-        idx = idx.cpu()
-        heads = torch.arange(idx.shape[0])[:, None, None].expand_as(idx)
-        for start, mapped in self.mapped_values:
-            values = mapped.tensor
-            inside = (idx >= start) & (idx < start + values.shape[2])
-            if inside.any():  # only these rows of the file are read
-                out[inside] = values[layer][heads[inside], idx[inside] - start]
-                mapped.release(layer)
-        return out
+        return _mapped_rows(self.mapped_values, layer, idx)
+
+    def key_rows(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        """[Hkv, r, k, D]: the keys at the shard rows idx [Hkv, r, k] (-1: row 0's), for
+        flat and ivf (hnsw keeps none)."""
+        if self.keys is not None:
+            return topk.gather_rows(self.keys[layer], idx)
+        if self.mapped_keys is not None:
+            return _mapped_rows(self.mapped_keys, layer, idx)
+        lay = self.ivf[layer]
+        at = torch.from_numpy(lay.at).to(idx.device).long()  # [Hkv, N] row -> position
+        where = at.gather(1, idx.clamp(min=0).reshape(idx.shape[0], -1)).view_as(idx)
+        return topk.gather_rows(lay.keys, where)
+
+
+def _mapped_rows(blocks, layer: int, idx: torch.Tensor) -> torch.Tensor:
+    """[Hkv, r, k, D]: rows idx [Hkv, r, k] (-1: zeros) of the memory-mapped block files
+    [(first row, `tensorfile.MappedTensor`)], in `layer`: only those rows of the files are
+    read, and each file's layer is released after."""
+    first = blocks[0][1].tensor
+    out = torch.zeros(*idx.shape, first.shape[-1], dtype=first.dtype)
+    idx = idx.cpu()
+    heads = torch.arange(idx.shape[0])[:, None, None].expand_as(idx)
+    for start, mapped in blocks:
+        rows = mapped.tensor
+        inside = (idx >= start) & (idx < start + rows.shape[2])
+        if inside.any():
+            out[inside] = rows[layer][heads[inside], idx[inside] - start]
+            mapped.release(layer)
+    return out
 
 
 def _sinks(key: torch.Tensor, value: torch.Tensor, size: int, device="cpu", release=None):
@@ -454,13 +466,19 @@ class IvfLayer:
                                            offsets[h, c + 1]]
         rows      [Hkv, N] numpy int64     each listed key's row in the shard
         keys      [Hkv, N, D] torch        the keys in list order, in the cache's dtype
+        at        [Hkv, N] numpy int32     each shard row's position in keys (the inverse
+                                           of rows: GQA sharing scores a key by its row)
 
     The lists are the blocks' own (their IVF files: centroids, and which list each key
     went to); the keys are the cache's, so scores are exact. In memory: the keys (2 bytes
-    a dimension in bf16), an int64 row each, and the centroids."""
+    a dimension in bf16), an int64 row and an int32 position each, and the centroids."""
 
     def __init__(self, centroids, offsets, rows, keys):
+        import numpy as np
+
         self.centroids, self.offsets, self.rows, self.keys = centroids, offsets, rows, keys
+        self.at = np.empty(rows.shape, np.int32)
+        np.put_along_axis(self.at, rows, np.arange(rows.shape[1], dtype=np.int32)[None], axis=1)
 
     @classmethod
     def of(cls, keys: Sequence[torch.Tensor], index_of, layer: int,

@@ -8,10 +8,15 @@ Pure tensor functions, no I/O and no distributed code. Layout: Phase 2's folded 
     q: [Hkv, R, D]        R = G * M rows: the G query heads of KV head h at M positions
     key, value: [Hkv, N, D]   one layer of one shard
 
-GQA: the query heads of one KV head *split* retrieval. Every row (one query head at one
-position) retrieves its own k keys from its KV head's keys (one index per KV head); a KV
-head's R rows go to that index as one batched search. Heads of a group that look for
-different things each find theirs, and k >= N gives every row every key (exact).
+GQA: the query heads of one KV head *share* retrieval. Every row (one query head at one
+position) retrieves its own k keys from its KV head's keys (one index per KV head; a KV
+head's R rows go to it as one batched search), and then each of the G rows of a position
+attends over the union of the G rows' keys (`share`: up to G * k keys, each scored with
+the row's own query). Heads of a group that look for different things each find theirs,
+and what one head retrieved is seldom useless to the others: the union costs G dot
+products per key already chosen, and no search. Only rows of the same position share, so
+a row never depends on the forward's other positions (drafted tokens). k >= N gives every
+row every key (exact).
 
 A selection is, per row, k candidates:
 
@@ -72,6 +77,31 @@ def select_exact(q: torch.Tensor, key: torch.Tensor, k: int, skip: int = 0
     picked = gather_rows(key, idx)  # [Hkv, R, k, D]
     scores = torch.einsum("hrd,hrkd->hrk", q.float(), picked.float())
     return scores, idx
+
+
+def share(q: torch.Tensor, scores: torch.Tensor, idx: torch.Tensor, tokens: int, keys_of
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA sharing (module docstring) of a selection: q [Hkv, R = G * tokens, D] (the G
+    rows of a position are `tokens` apart, `attention.fold_gqa`), scores, idx [Hkv, R, k]
+    → scores, idx [Hkv, R, G * k]: each row's candidates become the union of its
+    position's G rows' keys, scored exactly (fp32) with its own query; a key picked twice,
+    or none (-1), is -1 with score -inf. keys_of(idx [Hkv, tokens, U]) gives the keys at
+    those shard rows, [Hkv, tokens, U, D] (-1: any row). G = 1: unchanged."""
+    heads, rows, k = idx.shape
+    groups = rows // tokens
+    if groups == 1:
+        return scores, idx
+    union = idx.view(heads, groups, tokens, k).transpose(1, 2).reshape(heads, tokens, -1)
+    union = union.sort(dim=-1).values
+    repeat = torch.zeros_like(union, dtype=torch.bool)
+    repeat[..., 1:] = union[..., 1:] == union[..., :-1]
+    union = union.masked_fill_(repeat, -1)  # [Hkv, tokens, U]
+    found = torch.einsum("hgmd,hmud->hgmu", q.reshape(heads, groups, tokens, -1).float(),
+                         keys_of(union).float())
+    found = found.masked_fill_((union < 0).unsqueeze(1), -math.inf)
+    width = union.shape[-1]
+    return (found.reshape(heads, rows, width),
+            union.unsqueeze(1).expand(heads, groups, tokens, width).reshape(heads, rows, width))
 
 
 def top_candidates(scores: torch.Tensor, idx: torch.Tensor, k: int

@@ -13,20 +13,24 @@ from starqa.attention import attend
 pytestmark = pytest.mark.skipif(not native.available(), reason="starqa's kernels not built")
 
 
-def reference(q, key, value, k, scale, skip=0, allowed=None, dtype=torch.float64):
+def reference(q, key, value, k, scale, skip=0, allowed=None, dtype=torch.float64, tokens=None):
     """Top-k attention of q [H, R, D] over key/value [H, N, D] in `dtype`: each row's k
-    best keys among rows >= skip (and `allowed` [H, R, N], when given)."""
+    best keys among rows >= skip (and `allowed` [H, R, N], when given); with `tokens`
+    (R = G * tokens), each row attends over the union of its position's G rows' keys."""
     scores = torch.einsum("hrd,hnd->hrn", q.to(dtype), key.to(dtype))
     hidden = torch.zeros_like(scores, dtype=torch.bool)
     hidden[..., :skip] = True
     if allowed is not None:
         hidden |= ~allowed
-    scores = scores.masked_fill(hidden, -math.inf)
-    best = scores.topk(min(k, scores.shape[-1]), dim=-1)
-    logits = best.values * scale
+    best = scores.masked_fill(hidden, -math.inf).topk(min(k, scores.shape[-1]), dim=-1)
+    chosen = torch.zeros_like(hidden).scatter_(-1, best.indices, True) & ~hidden
+    if tokens is not None:  # the union over the G rows of each position
+        heads, rows, n = chosen.shape
+        union = chosen.view(heads, rows // tokens, tokens, n).any(dim=1, keepdim=True)
+        chosen = union.expand(heads, rows // tokens, tokens, n).reshape(heads, rows, n)
+    logits = scores.masked_fill(~chosen, -math.inf) * scale
     lse = logits.logsumexp(-1)
-    picked = torch.stack([value[h].to(dtype)[best.indices[h]] for h in range(len(value))])
-    out = torch.einsum("hrk,hrkd->hrd", (logits - lse[..., None]).exp(), picked)
+    out = torch.einsum("hrn,hnd->hrd", (logits - lse[..., None]).exp(), value.to(dtype))
     return out, lse
 
 
@@ -95,6 +99,52 @@ def test_every_key_is_exact_attention():
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_query_heads_of_a_position_attend_to_the_union_of_their_keys(kind, dtype):
+    """GQA: 3 query heads per KV head at 4 positions (rows g * 4 + m)."""
+    torch.manual_seed(7)
+    heads, groups, tokens, n, dim, k = 2, 3, 4, 3000, 64, 40
+    q = torch.randn(heads, groups * tokens, dim)
+    key, value = torch.randn(heads, n, dim).to(dtype), torch.randn(heads, n, dim).to(dtype)
+    keys, key_map, lists, allowed = [(0, key)], None, None, None
+    if kind == "ivf":
+        ordered, key_map, centroids, offsets = ivf_layout(key, 30, 5)
+        keys, lists = [(0, ordered)], (centroids, offsets, 5)
+        allowed = allowed_by_lists(q, key_map, centroids, offsets, 5)
+    out, lse = native.topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens)
+    want_out, want_lse = reference(q, key, value, k, 0.125, 3, allowed, tokens=tokens)
+    fp32_out, fp32_lse = reference(q, key, value, k, 0.125, 3, allowed, torch.float32, tokens)
+    own_out = (fp32_out.double() - want_out).abs().max().item()
+    own_lse = (fp32_lse.double() - want_lse).abs().max().item()
+    assert (out.double() - want_out).abs().max().item() <= 2 * own_out + 1e-6
+    assert (lse.double() - want_lse).abs().max().item() <= 2 * own_lse + 1e-6
+    # and the union is more than a row's own k: the lse grows over the row's own
+    alone, alone_lse = native.topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists)
+    assert (lse >= alone_lse - 1e-5).all() and (lse > alone_lse + 1e-3).any()
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_a_position_gets_the_same_bits_alone_or_among_others(kind):
+    """Phase 2 checks drafted tokens as extra positions: each must equal a one-token step,
+    its G query heads sharing as they do there."""
+    torch.manual_seed(8)
+    heads, groups, tokens, dim = 2, 3, 4, 64
+    q = torch.randn(heads, groups, tokens, dim)
+    key, value = torch.randn(heads, 5000, dim).bfloat16(), torch.randn(heads, 5000, dim).bfloat16()
+    keys, key_map, lists = [(0, key)], None, None
+    if kind == "ivf":
+        ordered, key_map, centroids, offsets = ivf_layout(key, 40, 6)
+        keys, lists = [(0, ordered)], (centroids, offsets, 6)
+    out, lse = native.topk_attend(q.reshape(heads, -1, dim), keys, [(0, value)], 50, 0, 0.125,
+                                  key_map, lists, tokens)
+    out, lse = out.view(heads, groups, tokens, dim), lse.view(heads, groups, tokens)
+    for m in range(tokens):
+        one, one_lse = native.topk_attend(q[:, :, m].contiguous(), keys, [(0, value)], 50, 0,
+                                          0.125, key_map, lists, 1)
+        assert torch.equal(one, out[:, :, m]) and torch.equal(one_lse, lse[:, :, m])
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
 def test_a_row_gets_the_same_bits_alone_or_among_others(kind):
     """Phase 2 checks drafted tokens as extra rows: each must equal a one-row step."""
     torch.manual_seed(2)
@@ -140,8 +190,9 @@ def test_impossible_arguments_are_refused():
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
 def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
     """A machine where the kernel was not built (no C compiler) takes torch's and numpy's
-    code: it must select each row's keys the same way (ivf: the row's own lists only), so
-    answers do not depend on whether a compiler was found. fp32 keys: no bf16 near-ties."""
+    code: it must select each row's keys the same way (ivf: the row's own lists only) and
+    share them the same way across a position's query heads, so answers do not depend on
+    whether a compiler was found. fp32 keys: no bf16 near-ties."""
     from starqa import retrieval
     from starqa.indexes import TopK
     from starqa.retrieval import TopKShard
@@ -149,9 +200,9 @@ def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
     torch.manual_seed(5)
     blocks = [(torch.randn(2, 2, t, 32), torch.randn(2, 2, t, 32)) for t in (1500, 900)]
     shard = TopKShard.from_parts(blocks, TopK(count=60, index=kind, sink=4), 2400)
-    q = torch.randn(1, 2, 12, 32)
-    with_kernel = shard.parts(1, q, 32 ** -0.5)
+    q = torch.randn(1, 2, 12, 32)  # 3 query heads per KV head at 4 positions
+    with_kernel = shard.parts(1, q, 32 ** -0.5, 4)
     monkeypatch.setattr(retrieval.native, "available", lambda: False)
-    without = shard.parts(1, q, 32 ** -0.5)
+    without = shard.parts(1, q, 32 ** -0.5, 4)
     for a, b in zip(with_kernel[0] + with_kernel[1], without[0] + without[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
