@@ -30,6 +30,7 @@ SLOT = 128  # shard keys per fused kernel call on CUDA (attention.partial_chunks
 # Zen 5) where a fifth row would double it.
 DRAFT_TOKENS = 3
 MAX_DRAFT_TOKENS = 16  # the most a setting or a request may ask for
+MASS_BYTES = 32 << 20  # key_mass holds every layer's keys (fp32) of this much of its candidates
 
 
 def draft_tokens_setting() -> int:
@@ -233,8 +234,8 @@ class ShardAttention:
         (the mass from a neutral question, or the answer's mean) or keeping only the
         sharpest heads or the later layers all did worse than matching tokens (README,
         Sources, has the comparison). It costs one dot product per (row, matching key),
-        after the answer, a matmul per distinct token: no pass over the keys while
-        decoding. The head gets nothing."""
+        after the answer, in one batched matmul per distinct token: no pass over the keys
+        while decoding. The head gets nothing."""
         mass = torch.zeros(self.n_keys, dtype=torch.float64)
         rows_kept = sum(q.shape[2] for q, _ in self._rows[0]) if self._rows else 0
         steps = min(len(tokens), rows_kept)
@@ -248,27 +249,38 @@ class ShardAttention:
         if not where.numel():
             return mass
         # Only the (row, key) pairs whose tokens match count. The rows that emitted one
-        # token all match the same keys, so each token is one matmul of its rows against
-        # its keys (gathering a row per pair instead made the pairs' queries a tensor of
-        # pairs x heads x D: at 32K tokens of context attribution took as long as decoding).
-        key_ids = ids[where]
-        groups = []  # (the rows that emitted token t, the candidates holding it)
-        for token in emitted.unique().tolist():
-            pick = (key_ids == token).nonzero().flatten()
-            if pick.numel():
-                groups.append(((emitted == token).nonzero().flatten(), pick))
-        for layer, rows in enumerate(self._rows):
-            queries = torch.cat([r[0] for r in rows], dim=2)[:, :, :steps].float()  # [Hkv, G, S, D]
-            lses = torch.cat([r[1] for r in rows], dim=2)[:, :, :steps].float()  # [Hkv, G, S]
-            keys = self._keys_at(layer, where).float()  # [U, Hkv, D]
-            kv_heads, _, _, dim = queries.shape
-            for emitters, pick in groups:
-                q = queries[:, :, emitters].reshape(kv_heads, -1, dim)  # [Hkv, G * S_t, D]
-                # [Hkv, G * S_t, U_t]
-                scores = torch.matmul(q, keys[pick].permute(1, 2, 0)) * self._scale
-                scores -= lses[:, :, emitters].reshape(kv_heads, -1, 1)
-                probs = scores.exp_().sum(dim=(0, 1))  # [U_t]
-                mass.index_add_(0, where[pick] + self.head, probs.double().cpu())
+        # token all match the same keys: each token is one batched matmul of its rows
+        # against its keys, every layer at once (gathering a query per pair made a tensor
+        # of pairs x heads x D: at 32K tokens of context attribution took as long as
+        # decoding; a matmul per token and layer spent 13% of decode on op overhead at 8K).
+        order = torch.argsort(ids[where], stable=True)
+        where = where[order]  # the candidates, token by token
+        tokens_of = ids[where]
+        queries = torch.stack([torch.cat([r[0] for r in rows], dim=2)[:, :, :steps]
+                               for rows in self._rows]).float()  # [L, Hkv, G, S, D]
+        lses = torch.stack([torch.cat([r[1] for r in rows], dim=2)[:, :, :steps]
+                            for rows in self._rows]).float()  # [L, Hkv, G, S]
+        layers, kv_heads, groups, _, dim = queries.shape
+        queries = queries.mul_(self._scale).view(layers * kv_heads, groups, steps, dim)
+        lses = lses.view(layers * kv_heads, groups, steps)
+        # candidates in pieces whose keys (every layer, fp32) take at most MASS_BYTES
+        piece = max(1, MASS_BYTES // (layers * kv_heads * dim * 4))
+        for start in range(0, len(where), piece):
+            chosen = where[start:start + piece]
+            keys = torch.stack([self._keys_at(layer, chosen) for layer in range(layers)])
+            keys = keys.float().permute(0, 2, 3, 1).reshape(layers * kv_heads, dim, -1)
+            probs = torch.empty(len(chosen))
+            runs = torch.unique_consecutive(tokens_of[start:start + piece], return_counts=True)
+            first = 0
+            for token, count in zip(*(t.tolist() for t in runs)):
+                emitters = (emitted == token).nonzero().flatten()
+                q = queries[:, :, emitters].reshape(layers * kv_heads, -1, dim)
+                lse = lses[:, :, emitters].reshape(layers * kv_heads, -1, 1)
+                # [L * Hkv, G * S_t, U_t]: the token's rows against its keys, every layer
+                scores = torch.baddbmm(-lse, q, keys[:, :, first:first + count])
+                probs[first:first + count] = scores.exp_().sum(dim=(0, 1)).cpu()
+                first += count
+            mass.index_add_(0, chosen + self.head, probs.double())
         heads = self._rows[0][0][0].shape[0] * self._rows[0][0][0].shape[1]
         return mass / (steps * len(self._rows) * heads)
 
