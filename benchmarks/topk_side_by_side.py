@@ -5,6 +5,7 @@ default, so another job on the other core changes little).
 
     python benchmarks/topk_side_by_side.py CONTEXT_DIR exact
     python benchmarks/topk_side_by_side.py CONTEXT_DIR ivf --kv-on-disk [--top-k 1%]
+    python benchmarks/topk_side_by_side.py CONTEXT_DIR flat --threads 2 --new 32 --draft-tokens 0
 
 CONTEXT_DIR: a context folder (its manifest.json), e.g. one `starqa bench --json` kept, or
 `starqa ingest`'s. Each variant should run in a fresh process (peak memory is the
@@ -28,6 +29,8 @@ def main() -> None:
     parser.add_argument("--kv-on-disk", action="store_true")
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="drafted tokens per step (default: starqa's; 0: one token a step)")
     parser.add_argument("--question", default="Which function merges the partial attentions "
                                               "of the workers?")
     args = parser.parse_args()
@@ -60,7 +63,8 @@ def main() -> None:
         if not first:
             first.append((time.perf_counter(), time.process_time()))
 
-    tokens, _ = answerer.answer(query, args.new, set(), on_token)
+    tokens, _ = answerer.answer(query, args.new, set(), on_token,
+                                draft_tokens=args.draft_tokens)
     wall, cpu = time.perf_counter(), time.process_time()
     steps = max(1, len(tokens) - 1)
     label = args.attention + (" kv-on-disk" if args.kv_on_disk else "")

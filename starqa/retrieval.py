@@ -238,15 +238,16 @@ class TopKShard:
         masked = scores.masked_fill(idx < 0, float("-inf")).reshape(-1, width)
         out, lse = topk.attend_rows(masked.numpy(), values.float().numpy().reshape(
             -1, width, values.shape[-1]), scale)
-        return torch.from_numpy(out).view(1, *q.shape), torch.from_numpy(lse).view(1, *q.shape[:2])
+        return (torch.from_numpy(out).view(1, *q.shape),
+                torch.from_numpy(lse).view(1, *q.shape[:2]))
 
     def _part_native(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`parts`' work for flat and ivf on the CPU in one call of the compiled kernel
-        (`native.topk_attend`: each row scans its own lists, or every key, and keeps its k
-        best in fp32), q [Hkv, r, D]: (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32; None
-        where the kernel does not take these buffers. Mapped pages of the layer are
-        released after the call."""
+        (`native.topk_attend`: each row scans its own lists, or every key, keeps its k
+        best in fp32, and a position's G rows attend over their union), q [Hkv, G *
+        tokens, D]: (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32; None where the kernel does
+        not take these buffers. Mapped pages of the layer are released after the call."""
         key_map = key_at = lists = None
         if self.keys is not None:
             keys = [(0, self.keys[layer])]
@@ -254,7 +255,8 @@ class TopKShard:
             keys = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_keys]
         else:
             lay = self.ivf[layer]
-            keys, key_map, key_at = [(0, lay.keys)], torch.from_numpy(lay.rows), torch.from_numpy(lay.at)
+            keys = [(0, lay.keys)]
+            key_map, key_at = torch.from_numpy(lay.rows), torch.from_numpy(lay.at)
             n_lists = lay.centroids.shape[1]
             lists = (torch.from_numpy(lay.centroids), torch.from_numpy(lay.offsets),
                      indexes.ivf_probes(self.n_keys, n_lists, k, indexes.IVF_ROW_SCAN))
