@@ -201,24 +201,28 @@ SIMD_CLONES static float dot(const float *a, const float *b, int64_t d) {
     return acc;
 }
 
+/* One key or value row (bf16 or fp32) in fp32. */
+static inline void widen_row(const char *src, int bf16, int64_t d, float *to) {
+    if (!bf16) {
+        memcpy(to, src, (size_t)d * sizeof(float));
+        return;
+    }
+    for (int64_t i = 0; i < d; i++) {
+        const uint16_t half = ((const uint16_t *)src)[i];
+        union { uint32_t u; float f; } wide = {.u = (uint32_t)half << 16};
+        to[i] = wide.f;
+    }
+}
+
 /* The inner products of nq query rows qs[i] [D] with the CHUNK key rows kp[x] (bf16 or
    fp32; the first `width` real, the rest zeros), into outs[i][0 .. CHUNK); block: scratch
    of CHUNK * D floats (the keys widened once for every row). */
 static void score_any(const char *const *kp, int width, int bf16, const float *const *qs,
                       int64_t nq, int64_t d, float *const *outs, float *block) {
-    for (int x = 0; x < width; x++) {
-        float *to = block + x * d;
-        if (bf16)
-            for (int64_t i = 0; i < d; i++) {
-                const uint16_t half = ((const uint16_t *)kp[x])[i];
-                union { uint32_t u; float f; } wide = {.u = (uint32_t)half << 16};
-                to[i] = wide.f;
-            }
-        else
-            memcpy(to, kp[x], (size_t)d * sizeof(float));
-    }
+    for (int x = 0; x < width; x++) widen_row(kp[x], bf16, d, block + x * d);
     for (int64_t i = 0; i < nq; i++)
-        for (int x = 0; x < CHUNK; x++) outs[i][x] = x < width ? dot(qs[i], block + x * d, d) : 0.0f;
+        for (int x = 0; x < CHUNK; x++)
+            outs[i][x] = x < width ? dot(qs[i], block + x * d, d) : 0.0f;
 }
 
 #ifdef STARQA_X86
@@ -231,7 +235,8 @@ static void score_any(const char *const *kp, int width, int bf16, const float *c
         const size_t esize = bf16 ? 2 : 4;                                                 \
         for (int x = 0; x < CHUNK; x++)                                                    \
             for (int c = 0; c < NC; c++)                                                   \
-                _mm512_store_ps(block + (x * NC + c) * 16, load16(kp[x] + c * 16 * esize, bf16)); \
+                _mm512_store_ps(block + (x * NC + c) * 16,                                 \
+                                load16(kp[x] + c * 16 * esize, bf16));                     \
         for (int64_t i = 0; i < nq; i++) {                                                 \
             __m512 qr[NC], dots[CHUNK];                                                    \
             for (int c = 0; c < NC; c++) qr[c] = _mm512_loadu_ps(qs[i] + c * 16);          \
@@ -308,18 +313,6 @@ SIMD_CLONES static float weigh(float *s, int64_t m, float scale, float *top) {
     return total;
 }
 
-/* One value row (bf16 or fp32) in fp32. */
-static inline void widen_row(const char *src, int bf16, int64_t d, float *to) {
-    if (!bf16) {
-        memcpy(to, src, (size_t)d * sizeof(float));
-        return;
-    }
-    for (int64_t i = 0; i < d; i++) {
-        union { uint32_t u; float f; } wide = {.u = (uint32_t)((const uint16_t *)src)[i] << 16};
-        to[i] = wide.f;
-    }
-}
-
 /* o [D] += weight * v. */
 SIMD_CLONES static void accumulate(float *o, const float *v, float weight, int64_t d) {
 #pragma omp simd
@@ -327,7 +320,7 @@ SIMD_CLONES static void accumulate(float *o, const float *v, float weight, int64
 }
 
 /* List c of head h, its positions within [a, b), cut where the key buffers change: each
-   piece scanned (see SCAN_ARGS) or, where q is NULL, only prefetched (keys and their rows
+   piece scanned (see `scan`) or, where q is NULL, only prefetched (keys and their rows
    in map) so that it is in the cache when its scan comes. */
 static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets, int64_t n,
                      int64_t a, int64_t b, const int64_t *kstart, const int64_t *kptr,
@@ -549,7 +542,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 if (u + AHEAD_ROWS < nu) {
                     const char *next = row_at(vstart, vptr, vstride, vbuffers, h,
                                               uni[u + AHEAD_ROWS], d, ves);
-                    for (size_t y = 0; y < (size_t)d * ves; y += 64) __builtin_prefetch(next + y, 0, 3);
+                    for (size_t y = 0; y < (size_t)d * ves; y += 64)
+                        __builtin_prefetch(next + y, 0, 3);
                 }
                 widen_row(row_at(vstart, vptr, vstride, vbuffers, h, uni[u], d, ves), v_bf16, d,
                           value);
