@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from starqa import dist, phase2, sources
+from starqa import dist, gcpause, phase2, sources
 from starqa.indexes import TopK
 from starqa.manifest import Manifest, SourceFile
 from starqa.shards import load_shard
@@ -63,6 +63,7 @@ class Answerer:
 
             retriever = TopKShard.from_cache(manifest, blocks, topk, dtype, info.device)
         start = manifest.blocks[blocks[0]].start if blocks else 0
+        gcpause.settle()  # started: what is alive now lives as long as the process
         return cls(info, decoder, shard, manifest.query_position, manifest.files, start, blocks,
                    ids, retriever)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from starqa import hosts, paths, prompt, shards, store
+from starqa import headstart, hosts, paths, prompt, shards, store
 from starqa.errors import StarqaError
 from starqa.indexes import TopK, topk_of
 from starqa.launch import Launch, launch_of, run_workers
@@ -78,6 +78,7 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         group = client.find(manifest.key)
         if group is not None and opts.weights in (None, group.get("weights")) \
                 and group.get("topk") == (opts.topk.as_dict() if opts.topk else None):
+            headstart.discard()  # the group answers: no torch in this command
             return _ask_warm(opts, manifest, group, ui, started)
     with ui.status("Checking model and shards"):
         model_path = _checked_model(manifest, opts.model, ui)
@@ -99,7 +100,14 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
                                   opts.topk)
     weights = models.phase2_weights(opts.weights, manifest.model.spec, opts.device)
     stops = models.stop_ids(tokenizer, model_path)
-    if workers == 1 and opts.nnodes == 1:
+    head = headstart.take() if workers == 1 and opts.nnodes == 1 else None
+    headstart.discard()  # one not taken: a torchrun group answers
+    if head is not None:  # a world of one forked as the command started (starqa.headstart)
+        ui.waiting(f"Loading model and shards ({why})")
+        answer = _answer(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
+                         stops, launch_of(opts, 1), ui, started, weights=weights,
+                         topk=opts.topk, head=head)
+    elif workers == 1 and opts.nnodes == 1:
         answer = _answer_here(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
                               stops, weights, opts.device, why, ui, started, opts.topk)
     else:
@@ -166,8 +174,10 @@ def ask_tokens(manifest: Manifest, query_ids: list[int], *, workers: int | None 
 
 def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int],
             max_new_tokens: int, stops: set[int], launch: Launch, ui: UI, started: float,
-            measure: bool = False, weights: str = "dense", topk: TopK | None = None) -> Answer:
-    """Run Phase 2 on a torchrun group, streaming tokens to `ui`."""
+            measure: bool = False, weights: str = "dense", topk: TopK | None = None,
+            head: headstart.HeadStart | None = None) -> Answer:
+    """Run Phase 2 on a torchrun group, or on the head start (`head`: a world of one forked
+    as the command started), streaming tokens to `ui`."""
     workers = launch.workers
     job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest.dtype,
            "context_dir": str(manifest.folder), "query_ids": query_ids, "weights": weights,
@@ -190,8 +200,11 @@ def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int
         elif event["event"] == "measure":
             measures[event["rank"]] = event
 
-    ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
-    run_workers(job, launch, on_event)
+    if head is not None:
+        head.run({**job, "device": launch.device}, on_event)
+    else:
+        ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
+        run_workers(job, launch, on_event)
     store.touch(manifest)
     if piece := stream.finish():
         ui.token(piece)

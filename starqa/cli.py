@@ -732,6 +732,9 @@ def run() -> None:
     import atexit
     import threading
 
+    from starqa import gcpause
+
+    gcpause.pause()  # until the model is loaded: a cold answer's first token sooner
     try:
         main()
         code = 0

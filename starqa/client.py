@@ -37,10 +37,11 @@ def running() -> list[dict]:
     for file in sorted(run_dir().glob("*.json")):
         try:
             info = json.loads(file.read_text())
-        except (OSError, ValueError):
+            alive = store.process_alive(info["pid"]) and (info["socket"] is None
+                                                          or Path(info["socket"]).exists())
+        except (OSError, ValueError, KeyError, TypeError):  # not a run file starqa wrote
             continue
-        if store.process_alive(info["pid"]) and (info["socket"] is None
-                                                 or Path(info["socket"]).exists()):
+        if alive:
             found.append(info)
         else:
             file.unlink(missing_ok=True)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from starqa.errors import ShardError, StarqaError, WorkerError
@@ -110,33 +110,50 @@ def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:
     tail: collections.deque[str] = collections.deque(maxlen=200)
     reader = threading.Thread(target=lambda: tail.extend(proc.stderr), daemon=True)
     reader.start()
-    errors: list[dict] = []
     try:
-        for line in proc.stdout:
-            if not line.startswith(EVENT_PREFIX):
-                tail.append(line)
-                continue
-            event = json.loads(line[len(EVENT_PREFIX):])
-            if event["event"] == "error":
-                errors.append(event)
-            else:
-                on_event(event)
+        errors = follow(proc.stdout, on_event, tail)
         proc.wait()
     except BaseException:  # Ctrl-C or a callback failure: take the whole group down
         _kill(proc)
         raise
     finally:
         reader.join(timeout=5)
+    check_outcome(errors, proc.returncode, list(tail))
+
+
+def follow(lines: Iterable[str], on_event: Callable[[dict], None],
+           tail: collections.deque[str]) -> list[dict]:
+    """Read a worker's output to its end: event lines (`worker.emit`) go to `on_event`,
+    error events are returned, any other line joins `tail` (what it printed on its own)."""
+    errors: list[dict] = []
+    for line in lines:
+        if not line.startswith(EVENT_PREFIX):
+            tail.append(line)
+            continue
+        try:
+            event = json.loads(line[len(EVENT_PREFIX):])
+        except ValueError:  # cut by a line another writer interleaved: not an event
+            tail.append(line)
+            continue
+        if event["event"] == "error":
+            errors.append(event)
+        else:
+            on_event(event)
+    return errors
+
+
+def check_outcome(errors: list[dict], returncode: int, lines: list[str]) -> None:
+    """Raise what a finished run of workers failed with, if it failed: a worker's own error
+    event first, else how it died with its last lines."""
     if errors:  # a worker explained itself: that message beats any traceback
         # A worker's own failure first: the others then lose it ("Lost ...") as a result.
         first = min(errors, key=lambda e: bool(e.get("lost")))
         kind = {"ShardError": ShardError, "WorkerError": WorkerError}.get(
             first.get("kind"), StarqaError)
         raise kind(first["message"], hint=first.get("hint"))
-    if proc.returncode != 0:
-        lines = list(tail)
+    if returncode != 0:
         raise WorkerError(
-            f"A worker died ({_death(lines, proc.returncode)}). Nothing of this run was kept; "
+            f"A worker died ({_death(lines, returncode)}). Nothing of this run was kept; "
             "the cache is as it was before. The workers' last lines:\n"
             + worker_stderr_tail(lines),
             hint="run the command again; if a worker dies again, its lines above say why "

@@ -368,13 +368,21 @@ def phase2_weights(requested: str | None, spec: str | None, device: Any = "cpu")
             raise StarqaError(f"Unknown weight format {requested!r}.",
                               hint=f"choose one of: {', '.join(WEIGHT_FORMATS)}")
         return requested
-    if str(device).startswith("cuda") or (device == "auto" and _cuda_available()):
+    if str(device).startswith("cuda") or (device == "auto" and cuda_available()):
         return "dense"
     embedded = embedded_model(spec or DEFAULT_MODEL)
     return PHASE2_WEIGHTS.get(embedded.name, "dense") if embedded else "dense"
 
 
-def _cuda_available() -> bool:
+_GPU_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA, AMD ROCm, WSL2
+
+
+def cuda_available() -> bool:
+    """`torch.cuda.is_available()`, without importing torch on a Linux machine that has no
+    GPU device node at all (where torch would find none either): a cold ask's command line
+    decides where Phase 2 runs while its head start imports torch (starqa.headstart)."""
+    if sys.platform.startswith("linux") and not any(map(os.path.exists, _GPU_NODES)):
+        return False
     import torch
 
     return torch.cuda.is_available()

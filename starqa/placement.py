@@ -50,9 +50,9 @@ def _weights_bytes(model_path: Path) -> int:
 
 def _is_cuda(device: str) -> bool:
     if device == "auto":
-        import torch
+        from starqa.models import cuda_available
 
-        return torch.cuda.is_available()
+        return cuda_available()
     return device.startswith("cuda")
 
 

@@ -45,7 +45,7 @@ def _load_model(job: dict, info):
 def run_ingest(job: dict, info) -> None:
     from safetensors.torch import load_file
 
-    from starqa import dist, methods
+    from starqa import dist, gcpause, methods
     from starqa.encoding import encode_blocks
 
     method = methods.MethodConfig(**job["method"])
@@ -63,6 +63,7 @@ def run_ingest(job: dict, info) -> None:
         shared = hosts.shared_folder(info, folder.parent)
     ids = load_file(job["tokens_file"])["ids"].long()
     model = _load_model(job, info)
+    gcpause.settle()
     mine = encoder.share(todo, len(blocks), info.world_size, info.rank)
     emit("ready", rank=info.rank, blocks=mine)
     _fault("ingest", info.rank)
@@ -238,7 +239,9 @@ def _lost(lost: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from starqa import dist
+    from starqa import dist, gcpause
+
+    gcpause.pause()  # until the model is loaded (Answerer.from_cache settles it)
 
     parent = os.getppid()
     parent_death_signal()()  # torchrun gone (even by SIGKILL): this worker goes too
@@ -247,6 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     job = json.loads(open(argv[0]).read())
     info = dist.init(job.get("device", "auto"), on_lost=_lost)
+    if code := run_job(job, info):
+        return code
+    # Done. Leave without tearing the group down: now and then gloo's threads abort the
+    # process while it unwinds ("terminate called without an active exception"), turning a
+    # finished job into a failed one. Nothing is left to flush but our own streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_job(job: dict, info) -> int:
+    """Run the job's phase on this rank: 0, or 1 once the failure is reported (an `error`
+    event, or a traceback on stderr). A torchrun rank (`main`) and a cold ask's head start
+    (`starqa.headstart`, a world of one) both come here."""
+    from starqa import dist
+
     try:
         {"ingest": run_ingest, "ask": run_ask, "serve": run_serve}[job["phase"]](job, info)
         emit("peak", rank=info.rank, bytes=_peak_memory(info))
@@ -265,12 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         if (lost := dist.lost_peer(info, err)) is not None:  # another machine died or left
             _report_lost(lost)
         return 1
-    # Done. Leave without tearing the group down: now and then gloo's threads abort the
-    # process while it unwinds ("terminate called without an active exception"), turning a
-    # finished job into a failed one. Nothing is left to flush but our own streams.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0
 
 
 if __name__ == "__main__":

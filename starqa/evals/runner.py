@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from starqa import methods as methods_mod
-from starqa import paths
+from starqa import gcpause, paths
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
 from starqa.evals import edit, generators, scoring
@@ -242,6 +242,7 @@ class Evaluator:
         self.options = {m: method_options(m, plan.opts) for m in plan.methods}
         self.model_path = plan.model_path
         self.model_digest = plan.fingerprint["digest"]  # block addresses (eval --edit)
+        gcpause.settle()  # started (see starqa.gcpause)
 
     def encode(self, sample: generators.Sample, method: str) -> Encoded:
         """Phase 1 over all blocks of the sample's context, as the workers would store it."""

@@ -1,0 +1,185 @@
+"""A cold `ask`'s worker, forked the moment the command starts.
+
+A cold ask on one machine answers as a world of one. Most of its wait for the first token is
+`import torch`: ~0.65 s of ~1 s on this project's 2-core machine, which the command used to
+start only after it had imported its own modules, parsed its arguments, read the manifest,
+checked the model and tokenized the question (~0.2 s of Python, on one core). Now the entry
+point (`starqa.__main__`) forks this process first, before anything but the standard library
+is imported, when the command is an `ask` that no warm group will answer: the child imports
+torch and Phase 2 on the other core while the parent does its part, then waits for its job.
+`ask` takes it (`take`), hands it the job (`HeadStart.run`) and reads the event lines a
+torchrun rank writes (`starqa.worker.run_job`, the same Phase 2 path as every other way in).
+An ask that ends any other way (a warm group answered, more than one worker, an error,
+`--help`) lets go of it (`discard`, also at exit): the child sees its job pipe close and
+exits without a word.
+
+The child never outlives the command: the kernel signals it when the parent dies (even by
+SIGKILL), and Ctrl-C ends it quietly. Linux only (fork with a plain libc); elsewhere, and
+with `STARQA_HEADSTART=0`, the ask answers in its own process as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+_pending: HeadStart | None = None
+
+
+class HeadStart:
+    """The parent's handle on the forked child: its pid, the pipe that carries the job to it
+    and the pipe its output (event lines, and anything it prints) comes back on."""
+
+    def __init__(self, pid: int, job_fd: int, out_fd: int):
+        self.pid = pid
+        self._job = os.fdopen(job_fd, "w")
+        self._out = os.fdopen(out_fd, "r", errors="replace")
+
+    def run(self, job: dict, on_event: Callable[[dict], None]) -> None:
+        """Run `job` (a worker job, `starqa.launch.run_workers`'s kind) on the child: calls
+        `on_event` for each event, in order; raises what the worker failed with."""
+        import collections
+
+        from starqa.launch import check_outcome, follow
+
+        tail: collections.deque[str] = collections.deque(maxlen=200)
+        try:
+            self._job.write(json.dumps(job) + "\n")
+            self._job.close()
+            errors = follow(self._out, on_event, tail)
+            status = os.waitpid(self.pid, 0)[1]
+            self.pid = 0
+        except BaseException:  # Ctrl-C or a callback failure: the child goes too
+            self.close()
+            raise
+        self._out.close()
+        check_outcome(errors, os.waitstatus_to_exitcode(status), list(tail))
+
+    def close(self) -> None:
+        """End the child, if it still runs, and close the pipes."""
+        if self.pid:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            self.pid = 0
+        for pipe in (self._job, self._out):
+            try:
+                pipe.close()
+            except OSError:  # a broken pipe flushed at close
+                pass
+
+
+def fork_for(argv: list[str]) -> None:
+    """Fork the head start when `argv` (the command's arguments) is an ask that no running
+    warm group will answer; else do nothing."""
+    global _pending
+    if _pending is not None or not _wanted(argv):
+        return
+    job_r, job_w = os.pipe()
+    out_r, out_w = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(job_w)
+        os.close(out_r)
+        _child(parent, job_r, out_w)
+    os.close(job_r)
+    os.close(out_w)
+    _pending = HeadStart(pid, job_w, out_r)
+    import atexit
+
+    atexit.register(discard)
+
+
+def take() -> HeadStart | None:
+    """The head start, now the caller's to run (once); None when there is none."""
+    global _pending
+    head, _pending = _pending, None
+    return head
+
+
+def discard() -> None:
+    """Let go of a head start nobody took: its child exits."""
+    if (head := take()) is not None:
+        head.close()
+
+
+def _wanted(argv: list[str]) -> bool:
+    if not argv or argv[0] != "ask" or any(a in ("--help", "-h") for a in argv):
+        return False
+    if not sys.platform.startswith("linux") or os.environ.get("STARQA_HEADSTART") == "0":
+        return False
+    cold = "--cold" in argv or os.environ.get("STARQA_COLD", "").lower() in ("1", "true")
+    return cold or not _groups_running()
+
+
+def _groups_running() -> bool:
+    """Whether any warm group may be running on this machine (a run file whose launcher is
+    alive): then the ask is likely warm, and a child importing torch would only slow the
+    group down. Read by hand: `starqa.client` imports more than this moment can afford."""
+    from starqa import paths
+    from starqa.errors import StarqaError
+
+    try:
+        files = list((paths.home() / "run").glob("*.json"))
+    except (StarqaError, OSError):  # a bad cache root: the command will say so
+        return True
+    for file in files:
+        try:
+            os.kill(int(json.loads(file.read_text())["pid"]), 0)
+            return True
+        except PermissionError:  # alive, someone else's
+            return True
+        except (OSError, ValueError, KeyError, TypeError):  # gone, or not a run file
+            continue
+    return False
+
+
+def _child(parent: int, job_fd: int, out_fd: int) -> None:
+    """The forked process: import, wait for the job, run it, exit. Its stdout and stderr
+    are the output pipe (event lines, and whatever torch prints); stdin is /dev/null."""
+    code = 1
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: gone, no traceback
+        from starqa import gcpause
+        from starqa.worker import parent_death_signal
+
+        parent_death_signal(signal.SIGKILL)()
+        if os.getppid() != parent:  # it died before the line above
+            os._exit(1)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        for fd in (null, out_fd):
+            os.close(fd)
+        sys.stdout = os.fdopen(1, "w", buffering=1)
+        sys.stderr = os.fdopen(2, "w", buffering=1)
+        gcpause.pause()  # Answerer.from_cache settles it
+        import torch  # noqa: F401  (the point: while the parent parses and tokenizes)
+
+        from starqa import dist, worker
+
+        with os.fdopen(job_fd) as pipe:
+            line = pipe.readline()
+        if line:  # else the parent let go: nothing to do
+            job = json.loads(line)
+            code = worker.run_job(job, dist.local_world(job.get("device", "auto")))
+        else:
+            code = 0
+    except BaseException:  # nothing may escape into the parent's code (a forked copy)
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)

@@ -1,0 +1,134 @@
+"""A cold ask's head start (starqa.headstart): the Phase 2 process forked as the command
+starts. Driven through `python -m starqa` (the fork must happen before torch is imported,
+which a pytest process has done long ago)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from starqa import engine, headstart, paths, store
+from tiny import make_tiny_model
+
+QUESTION = "who approved the travel budget"
+
+
+def starqa(*args, env=None, **kwargs):
+    return subprocess.run([sys.executable, "-m", "starqa", *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})}, **kwargs)
+
+
+@pytest.fixture
+def context(home, docs, tiny_model):
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model), dtype="fp32",
+                                       block_size=60))
+    return store.find_context(paths.contexts_dir(), None)
+
+
+def test_wanted_only_for_an_ask_no_warm_group_answers(home, monkeypatch):
+    monkeypatch.delenv("STARQA_COLD", raising=False)
+    monkeypatch.delenv("STARQA_HEADSTART", raising=False)
+    assert headstart._wanted(["ask", QUESTION])
+    assert not headstart._wanted(["ask", QUESTION, "--help"])
+    assert not headstart._wanted(["list"]) and not headstart._wanted([])
+    monkeypatch.setenv("STARQA_HEADSTART", "0")
+    assert not headstart._wanted(["ask", QUESTION])
+    monkeypatch.delenv("STARQA_HEADSTART")
+
+    run = home / "run"
+    run.mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True)
+    (run / "gone.json").write_text(json.dumps({"pid": int(done.stdout)}))  # a dead launcher
+    (run / "junk.json").write_text("not json")
+    assert headstart._wanted(["ask", QUESTION])
+    (run / "live.json").write_text(json.dumps({"pid": os.getpid()}))  # a live group
+    assert not headstart._wanted(["ask", QUESTION])  # likely warm: no torch import beside it
+    assert headstart._wanted(["ask", QUESTION, "--cold"])
+    monkeypatch.setenv("STARQA_COLD", "1")
+    assert headstart._wanted(["ask", QUESTION])
+
+
+def test_head_start_answers_as_the_ask_in_process(context):
+    """The same answer either way; and the head start really answered: a fault injected
+    into a worker's ask (which the in-process path never passes) fails it."""
+    args = ("ask", QUESTION, "--json", "--max-new-tokens", "6", "--keep-alive", "0")
+    forked = starqa(*args)
+    assert forked.returncode == 0, forked.stderr
+    here = starqa(*args, env={"STARQA_HEADSTART": "0"})
+    assert here.returncode == 0, here.stderr
+    a, b = json.loads(forked.stdout), json.loads(here.stdout)
+    assert a["answer"] == b["answer"] and a["tokens"] == b["tokens"] and a["answer"]
+    assert a["workers"] == 1 and a["sources"] == b["sources"]
+    assert a["timings"]["first_token_s"] > 0
+
+    died = starqa(*args, env={"STARQA_FAULT": "ask:0"})
+    assert died.returncode == 1 and "A worker died (exit code 3)" in died.stderr
+    assert "injected fault in ask on rank 0" in died.stderr  # its last lines, shown
+    assert starqa(*args, env={"STARQA_FAULT": "ask:0", "STARQA_HEADSTART": "0"}).returncode == 0
+
+
+def test_head_start_error_is_the_workers_message(context):
+    block = context.folder / context.blocks[0].file
+    data = bytearray(block.read_bytes())
+    data[-1] ^= 0xFF
+    block.write_bytes(bytes(data))
+    proc = starqa("ask", QUESTION, "--keep-alive", "0")
+    assert proc.returncode == 1
+    assert "fails its checksum" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _gone(pid: int, within: float = 20.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):  # exited; only its parent's (or init's) wait remains
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the head start is Linux's")
+@pytest.mark.parametrize("how", ["SIGKILL", "Ctrl-C"])
+def test_head_start_never_outlives_the_command(home, docs, tmp_path, how):
+    model = make_tiny_model(tmp_path / "long-tiny", window=8192, never_stops=True)
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32",
+                                       block_size=60))
+    proc = subprocess.Popen([sys.executable, "-m", "starqa", "ask", QUESTION, "--keep-alive",
+                             "0", "--max-new-tokens", "7000"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.read(1)  # the answer streams: the child is answering
+        children = _children(proc.pid)
+        assert len(children) == 1
+        if how == "SIGKILL":
+            proc.kill()
+        else:  # the terminal's Ctrl-C reaches the whole foreground group
+            os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert _gone(children[0])
+        if how == "Ctrl-C":
+            assert proc.returncode == 130 and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
