@@ -132,3 +132,20 @@ def test_head_start_never_outlives_the_command(home, docs, tmp_path, how):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_cold_answer_keeps_the_shard_where_it_was_loaded(context, monkeypatch):
+    """The shard is loaded with room for the question, the answer and a step's drafted
+    tokens, so answering never copies it again (it did, for the drafts, before the first
+    token of every cold ask)."""
+    from starqa import dist
+    from starqa.answering import Answerer
+
+    monkeypatch.setenv("STARQA_DRAFT_TOKENS", "3")
+    query, new = [5, 6, 7, 8], 6
+    answerer = Answerer.from_cache(context, dist.local_world("cpu"), context.model.path,
+                                   room=len(query) + new)
+    loaded = [layer[0].untyped_storage().data_ptr() for layer in answerer.hook.shard]
+    tokens, _ = answerer.answer(query, new, set())
+    assert tokens
+    assert [k.untyped_storage().data_ptr() for k, _ in answerer.hook.kv] == loaded
