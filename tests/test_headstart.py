@@ -149,4 +149,3 @@ def test_a_cold_answer_keeps_the_shard_where_it_was_loaded(context, monkeypatch)
     tokens, _ = answerer.answer(query, new, set())
     assert tokens
     assert [k.untyped_storage().data_ptr() for k, _ in answerer.hook.kv] == loaded
-
