@@ -33,12 +33,12 @@ MAX_DRAFT_TOKENS = 16  # the most a setting or a request may ask for
 MASS_BYTES = 32 << 20  # key_mass holds every layer's keys (fp32) of this much of its candidates
 
 
-def draft_tokens_setting() -> int:
+def draft_tokens_setting(default: int = DRAFT_TOKENS) -> int:
     """Drafted tokens per forward: STARQA_DRAFT_TOKENS if set (0 turns drafts off), else
-    DRAFT_TOKENS. They never change the answer on CPU (see `generate`), only its speed."""
+    `default`. They never change the answer on CPU (see `generate`), only its speed."""
     raw = os.environ.get("STARQA_DRAFT_TOKENS")
     if raw is None:
-        return DRAFT_TOKENS
+        return default
     if not raw.strip().isdigit() or int(raw) > MAX_DRAFT_TOKENS:
         raise StarqaError(f"STARQA_DRAFT_TOKENS={raw!r} is not a number of tokens from 0 to "
                           f"{MAX_DRAFT_TOKENS}.",
@@ -173,7 +173,12 @@ class ShardAttention:
                 outs, lses = [out], [lse]
         if self.query_host and not self.cpu:
             keys, values = self._append(layer, key, value)
-            if m == 1 and fused_available(query):  # one new token sees every key: no mask
+            if query.device.type == "cpu":  # top-k: exact's kernel, this forward's keys
+                # causally; as there, a row's result never depends on the forward's other
+                # rows, so drafted tokens cannot change the answer
+                out, lse = partial_rows(q[0], keys[0], values[0], scale, m)
+                outs.append(out[None]), lses.append(lse[None])
+            elif m == 1 and fused_available(query):  # one new token sees every key: no mask
                 own_outs, own_lses = partial_chunks(q, keys, values, scale, keys.shape[2])
                 outs += own_outs
                 lses += own_lses

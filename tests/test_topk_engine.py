@@ -161,3 +161,54 @@ def test_a_warm_group_answers_only_with_its_own_attention(home, docs, tiny_model
         conn = client.Client(group)
         conn.stop()
         conn.close()
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_a_row_under_topk_is_the_same_alone_or_with_drafts(home, docs, tiny_model, kind):
+    """A forward's rows (a token and the tokens drafted after it, phase2.generate) each get
+    exactly what a forward of that row alone gets, the question's own keys included (seen
+    causally): drafts never change a top-k answer either. (The own part went through a
+    kernel that rounds differently for one row and for several.)"""
+    import torch
+
+    from starqa import dist, paths, store
+    from starqa.answering import Answerer
+
+    ingest(docs, tiny_model, block_size=50)
+    manifest = indexes.ensure(store.find_context(paths.contexts_dir(), None), kind)
+    answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), manifest.model.path,
+                                   topk=TopK(count=4, index=kind))
+    hook, config = answerer.hook, answerer.decoder.config
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = config.heads, config.kv_heads, config.head_dim
+    query = torch.randn(1, heads, 6, dim, generator=generator)
+    key = torch.randn(1, kv_heads, 6, dim, generator=generator)
+    value = torch.randn(1, kv_heads, 6, dim, generator=generator)
+    hook.begin(16)
+    hook.attention(0, query[:, :, :2], key[:, :, :2], value[:, :, :2])  # the question so far
+    hook.advance(2)
+    together = hook.attention(0, query[:, :, 2:], key[:, :, 2:], value[:, :, 2:])
+    for row in range(4):  # the same 4 tokens, one forward each
+        alone = hook.attention(0, query[:, :, 2 + row:3 + row], key[:, :, 2 + row:3 + row],
+                               value[:, :, 2 + row:3 + row])
+        hook.advance(1)
+        assert torch.equal(alone[:, :, 0], together[:, :, row]), row
+
+
+def test_topk_answers_without_drafts_unless_asked(home, docs, tiny_model, monkeypatch):
+    """Under top-k each drafted row selects its own keys, so drafts cost more than they
+    save: none by default; STARQA_DRAFT_TOKENS still sets them."""
+    from starqa import dist, paths, phase2, store
+    from starqa.answering import Answerer
+
+    ingest(docs, tiny_model, block_size=50)
+    manifest = store.find_context(paths.contexts_dir(), None)
+    answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), manifest.model.path,
+                                   topk=TopK(count=4))
+    seen = []
+    monkeypatch.setattr(phase2, "generate", lambda *a, **kw: seen.append(kw["draft_tokens"]))
+    monkeypatch.delenv("STARQA_DRAFT_TOKENS", raising=False)
+    answerer.answer([5, 6], 4, set())
+    monkeypatch.setenv("STARQA_DRAFT_TOKENS", "2")
+    answerer.answer([5, 6], 4, set())
+    assert seen == [0, 2]
