@@ -13,8 +13,9 @@ An ask that ends any other way (a warm group answered, more than one worker, an 
 `--help`) lets go of it (`discard`, also at exit): the child sees its job pipe close and
 exits without a word.
 
-The child never outlives the command: the kernel signals it when the parent dies (even by
-SIGKILL), and Ctrl-C ends it quietly. Linux only (fork with a plain libc); elsewhere, and
+The child never outlives the command: the kernel kills it when the parent dies (even by
+SIGKILL), and Ctrl-C interrupts it as it does the command (what it prints goes to the pipe,
+which the interrupted command no longer reads). Linux only (fork with a plain libc); elsewhere, and
 with `STARQA_HEADSTART=0`, the ask answers in its own process as before.
 """
 
@@ -24,9 +25,11 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 _pending: HeadStart | None = None
+GRACE_S = 5.0  # seconds an interrupted child has to finish its cleanup
 
 
 class HeadStart:
@@ -59,11 +62,20 @@ class HeadStart:
         check_outcome(errors, os.waitstatus_to_exitcode(status), list(tail))
 
     def close(self) -> None:
-        """End the child, if it still runs, and close the pipes."""
+        """End the child, if it still runs, and close the pipes. One that has its job is
+        interrupted as Ctrl-C would (its `finally` blocks run: a weights file it was
+        preparing is not left half written) and killed if it has not gone within
+        `GRACE_S`; one without a job has nothing to finish and is killed at once."""
         if self.pid:
             try:
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
+                os.kill(self.pid, signal.SIGINT if self._job.closed else signal.SIGKILL)
+                deadline = time.monotonic() + GRACE_S
+                while not os.waitpid(self.pid, os.WNOHANG)[0]:
+                    if time.monotonic() > deadline:
+                        os.kill(self.pid, signal.SIGKILL)
+                        os.waitpid(self.pid, 0)
+                        break
+                    time.sleep(0.01)
             except (ProcessLookupError, ChildProcessError):
                 pass
             self.pid = 0
@@ -114,8 +126,25 @@ def _wanted(argv: list[str]) -> bool:
         return False
     if not sys.platform.startswith("linux") or os.environ.get("STARQA_HEADSTART") == "0":
         return False
+    # asked for more than a world of one here: torchrun answers
+    for option, variable in (("--nnodes", "STARQA_NNODES"), ("--workers", "STARQA_WORKERS"),
+                             ("-w", "STARQA_WORKERS")):
+        if _option(argv, option, os.environ.get(variable, "1")).strip() != "1":
+            return False
     cold = "--cold" in argv or os.environ.get("STARQA_COLD", "").lower() in ("1", "true")
     return cold or not _groups_running()
+
+
+def _option(argv: list[str], name: str, default: str) -> str:
+    """The value `argv` gives option `name` (`--name VALUE` or `--name=VALUE`), else
+    `default`."""
+    value = default
+    for index, arg in enumerate(argv):
+        if arg == name and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _groups_running() -> bool:
@@ -145,7 +174,6 @@ def _child(parent: int, job_fd: int, out_fd: int) -> None:
     are the output pipe (event lines, and whatever torch prints); stdin is /dev/null."""
     code = 1
     try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C: gone, no traceback
         from starqa import gcpause
         from starqa.worker import parent_death_signal
 

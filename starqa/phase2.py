@@ -272,8 +272,9 @@ class ShardAttention:
         piece = max(1, MASS_BYTES // (layers * kv_heads * dim * 4))
         for start in range(0, len(where), piece):
             chosen = where[start:start + piece]
+            # [L * Hkv, U, D] fp32, read in place by the matmuls below as [L * Hkv, D, U]
             keys = torch.stack([self._keys_at(layer, chosen) for layer in range(layers)])
-            keys = keys.float().permute(0, 2, 3, 1).reshape(layers * kv_heads, dim, -1)
+            keys = keys.view(layers * kv_heads, -1, dim).float().transpose(1, 2)
             probs = torch.empty(len(chosen))
             runs = torch.unique_consecutive(tokens_of[start:start + piece], return_counts=True)
             first = 0
@@ -290,10 +291,9 @@ class ShardAttention:
         return mass / (steps * len(self._rows) * heads)
 
     def _keys_at(self, layer: int, offsets: torch.Tensor) -> torch.Tensor:
-        """Keys [U, Hkv, D] of this layer at shard positions head + offsets."""
-        if self.kv is not None:
-            return self.kv[layer][0][:, self.head + offsets].transpose(0, 1)
-        return self.shard[layer][0][0, :, self.head + offsets].transpose(0, 1)
+        """Keys [Hkv, U, D] of this layer at shard positions head + offsets."""
+        keys = self.kv[layer][0] if self.kv is not None else self.shard[layer][0][0]
+        return keys.index_select(1, self.head + offsets)
 
 
 def _with_room(keys: torch.Tensor) -> torch.Tensor:

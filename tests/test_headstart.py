@@ -35,6 +35,12 @@ def test_wanted_only_for_an_ask_no_warm_group_answers(home, monkeypatch):
     assert headstart._wanted(["ask", QUESTION])
     assert not headstart._wanted(["ask", QUESTION, "--help"])
     assert not headstart._wanted(["list"]) and not headstart._wanted([])
+    for more in (["--workers", "2"], ["-w", "3"], ["--nnodes=2"], ["--nnodes", "2"]):
+        assert not headstart._wanted(["ask", QUESTION, *more])  # torchrun answers
+    assert headstart._wanted(["ask", QUESTION, "--workers", "1"])
+    monkeypatch.setenv("STARQA_WORKERS", "2")
+    assert not headstart._wanted(["ask", QUESTION])
+    monkeypatch.delenv("STARQA_WORKERS")
     monkeypatch.setenv("STARQA_HEADSTART", "0")
     assert not headstart._wanted(["ask", QUESTION])
     monkeypatch.delenv("STARQA_HEADSTART")
