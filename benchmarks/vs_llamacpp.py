@@ -17,7 +17,11 @@ Prints, for this machine's CPU:
   disk once; then a fresh process loads the model, restores the state and asks; load,
   restore, question → first token, decode ms/token; and the same with llama-cpp-python's
   own prompt-lookup drafts (`LlamaPromptLookupDecoding`, as many tokens as starqa drafts).
-Every engine decodes greedily the same number of tokens (starqa's answer length). The
+Every engine decodes greedily the same number of tokens (starqa's answer length).
+starqa's modules are byte-compiled first, as an installed package's are (pip compiles a
+wheel's at install, Python an editable install's at first import): where
+PYTHONDONTWRITEBYTECODE is set, as on this project's machines, every cold ask would
+otherwise compile them again (~50 ms of its first token). The
 engines run interleaved, `--rounds` times (warm question, llama.cpp restore, cold ask in
 each round), and the medians are compared: on a shared VM the speed of every engine drifts
 by ±15% within an hour, so numbers taken minutes apart are no ratio.
@@ -167,6 +171,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of (warm, llama.cpp, cold), interleaved; medians reported")
     args = parser.parse_args()
+    import compileall
+
+    import starqa
+
+    compileall.compile_dir(Path(starqa.__file__).parent, quiet=1)  # see the docstring
 
     import torch
 
