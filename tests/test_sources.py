@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from starqa import sources
@@ -66,12 +67,18 @@ def test_key_mass_sums_to_the_shards_share_of_attention():
     torch.testing.assert_close((left.sum() + right.sum()).item(), 6 * 3.0, rtol=1e-5, atol=1e-5)
 
 
-def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token():
+@pytest.mark.parametrize("piece_bytes", [None, 2 * 2 * 8 * 4 * 7])
+def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_bytes, monkeypatch):
     """What Phase 2 attributes after the answer against `key_mass` over every key: row s
     (the one that emitted tokens[s]) counts on exactly the keys holding tokens[s], summed
     over layers and heads; keys of tokens never emitted and the keys before the first
-    document (the head) get nothing. The shard spans several kernel slots."""
+    document (the head) get nothing. The shard spans several kernel slots; with
+    `piece_bytes`, the candidates go in pieces of 7 keys (a token's keys split across
+    pieces)."""
     from starqa import dist, phase2
+
+    if piece_bytes:
+        monkeypatch.setattr(phase2, "MASS_BYTES", piece_bytes)
 
     torch.manual_seed(0)
     n, head, layers = 2 * 128 * 3 + 37, 11, 2
