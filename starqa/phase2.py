@@ -273,11 +273,15 @@ class ShardAttention:
         lses = lses.view(layers * kv_heads, groups, steps)
         # candidates in pieces whose keys (every layer, fp32) take at most MASS_BYTES
         piece = max(1, MASS_BYTES // (layers * kv_heads * dim * 4))
+        gathered = torch.empty(layers, kv_heads, min(piece, len(where)), dim)
         for start in range(0, len(where), piece):
             chosen = where[start:start + piece]
-            # [L * Hkv, U, D] fp32, read in place by the matmuls below as [L * Hkv, D, U]
-            keys = torch.stack([self._keys_at(layer, chosen) for layer in range(layers)])
-            keys = keys.view(layers * kv_heads, -1, dim).float().transpose(1, 2)
+            # [L * Hkv, U, D] fp32, gathered a layer at a time into one buffer and read in
+            # place by the matmuls below as [L * Hkv, D, U]
+            keys = gathered[:, :, :len(chosen)]
+            for layer in range(layers):
+                keys[layer].copy_(self._keys_at(layer, chosen))
+            keys = keys.reshape(layers * kv_heads, -1, dim).transpose(1, 2)
             probs = torch.empty(len(chosen))
             runs = torch.unique_consecutive(tokens_of[start:start + piece], return_counts=True)
             first = 0
