@@ -92,10 +92,18 @@ def fork_for(argv: list[str]) -> None:
     global _pending
     if _pending is not None or not _wanted(argv):
         return
-    job_r, job_w = os.pipe()
-    out_r, out_w = os.pipe()
+    try:
+        job_r, job_w = os.pipe()
+        out_r, out_w = os.pipe()
+    except OSError:  # out of file descriptors: the ask answers in its own process
+        return
     parent = os.getpid()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:  # out of processes or memory: likewise
+        for fd in (job_r, job_w, out_r, out_w):
+            os.close(fd)
+        return
     if pid == 0:  # the child: never returns
         os.close(job_w)
         os.close(out_r)

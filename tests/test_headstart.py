@@ -155,3 +155,20 @@ def test_a_cold_answer_keeps_the_shard_where_it_was_loaded(context, monkeypatch)
     tokens, _ = answerer.answer(query, new, set())
     assert tokens
     assert [k.untyped_storage().data_ptr() for k, _ in answerer.hook.kv] == loaded
+
+
+def test_an_ask_that_cannot_fork_answers_in_its_own_process(context):
+    """No process to spare (fork fails): the ask answers in its own process, as it would
+    with STARQA_HEADSTART=0 (the fault injected into a worker's ask is never reached)."""
+    script = ("import errno, os, sys\n"
+              "def refuse():\n"
+              "    raise OSError(errno.EAGAIN, 'Resource temporarily unavailable')\n"
+              "os.fork = refuse\n"
+              f"sys.argv = ['starqa', 'ask', {QUESTION!r}, '--json', '--max-new-tokens', '4',"
+              " '--keep-alive', '0']\n"
+              "from starqa.__main__ import main\n"
+              "main()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "STARQA_FAULT": "ask:0"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["answer"]
