@@ -51,8 +51,8 @@ def main() -> None:
             loaded = time.perf_counter() - started
             c = decoder.config
             shape = (1, c.kv_heads, args.tokens, c.head_dim)
-            shard = [(torch.randn(shape, dtype=dtype, device=info.device),
-                      torch.randn(shape, dtype=dtype, device=info.device))
+            shard = [[(torch.randn(shape, dtype=dtype, device=info.device),
+                       torch.randn(shape, dtype=dtype, device=info.device))]
                      for _ in range(c.layers)]
             hook = phase2.ShardAttention(info, shard, query_host=True,
                                          ids=torch.randint(0, 200, (args.tokens,)))

@@ -1,8 +1,9 @@
 /* starqa's CPU attention kernel (loaded by starqa.native through ctypes; plain C, no
    Python headers, so any C compiler builds it): partial attention with its log-sum-exp over a cached shard, on CPU.
 
-   One call attends R query rows of each of H KV heads to the first n keys of that head
-   (keys and values bf16 or fp32, rows of D contiguous elements, heads `stride` elements
+   One call attends R query rows of each of H KV heads to n keys of that head, held by one
+   or more buffers in order (the shard's blocks where they lie, then the question's own
+   keys; keys and values bf16 or fp32, rows of D contiguous elements, heads any distance
    apart: a slice of a longer buffer is read in place) and returns, per row, the attention
    output and the LSE that starqa.attention.merge combines across shards and workers.
 
@@ -16,7 +17,7 @@
    softmax over blocks of keys, as in FlashAttention), so nothing is rounded to bf16 but
    the inputs themselves.
 
-   Work is split into (head, run of keys) tasks over OpenMP threads; loaded after torch,
+   Work is split into (head, run of keys of one buffer) tasks over OpenMP threads; loaded after torch,
    this module shares torch's libgomp and so its thread pool. Each task keeps its running
    maximum, sum and unnormalised output; the tasks of a head are merged at the end by the
    same LSE rule as starqa.attention.merge.
@@ -78,7 +79,9 @@ static inline void softmax_block(int64_t rows, int64_t jn, int64_t d, float s[][
                                  float *m, float *l, float *acc) {
     for (int64_t r = 0; r < rows; r++) {
         float top = -INFINITY;
-        for (int64_t j = 0; j < jn; j++) top = s[r][j] > top ? s[r][j] : top;
+        const float *sr0 = s[r];
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < jn; j++) top = sr0[j] > top ? sr0[j] : top;
         if (top == -INFINITY) { /* every key of the block hidden from this row */
             for (int64_t j = 0; j < jn; j++) s[r][j] = 0.0f;
             continue;
@@ -199,25 +202,40 @@ AVX512 static inline void widen_rows(const char *src, int bf16, int64_t j0, int6
                     }                                                                      \
                     _mm512_store_ps(&s[r][j], _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale))); \
                 }                                                                          \
-                for (int64_t j = 0; j < jn; j++)                                           \
-                    if (j0 + j >= limit[r]) s[r][j] = -INFINITY;                           \
+                for (int64_t j = limit[r] - j0 < 0 ? 0 : limit[r] - j0; j < jn; j++)       \
+                    s[r][j] = -INFINITY; /* keys after the row's causal limit */           \
             }                                                                              \
             softmax_block(rows, jn, d, s, m, l, acc);                                      \
             widen_rows(v, bf16, j0, jn, NC, row_bytes, block); /* and its values */         \
             for (int64_t r = 0; r < rows; r++) {                                           \
-                __m512 out[NC];                                                            \
-                for (int c = 0; c < NC; c++) out[c] = _mm512_loadu_ps(acc + r * d + c * 16); \
-                for (int64_t j = 0; j < jn; j++) {                                         \
-                    __m512 p = _mm512_set1_ps(s[r][j]);                                    \
-                    for (int c = 0; c < NC; c++)                                           \
-                        out[c] = _mm512_fmadd_ps(p, _mm512_load_ps(block + (j * NC + c) * 16), out[c]); \
+                /* even and odd keys into separate sums: 2 * NC chains of FMAs, enough to   \
+                   keep both FMA units busy (NC alone left them waiting on latency) */     \
+                __m512 even[NC], odd[NC];                                                  \
+                for (int c = 0; c < NC; c++) {                                             \
+                    even[c] = _mm512_loadu_ps(acc + r * d + c * 16);                       \
+                    odd[c] = _mm512_setzero_ps();                                          \
                 }                                                                          \
-                for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc + r * d + c * 16, out[c]); \
+                int64_t j = 0;                                                             \
+                for (; j + 1 < jn; j += 2) {                                               \
+                    __m512 p0 = _mm512_set1_ps(s[r][j]), p1 = _mm512_set1_ps(s[r][j + 1]);  \
+                    for (int c = 0; c < NC; c++) {                                         \
+                        even[c] = _mm512_fmadd_ps(p0, _mm512_load_ps(block + (j * NC + c) * 16), even[c]); \
+                        odd[c] = _mm512_fmadd_ps(p1, _mm512_load_ps(block + ((j + 1) * NC + c) * 16), odd[c]); \
+                    }                                                                      \
+                }                                                                          \
+                if (j < jn) {                                                              \
+                    __m512 p0 = _mm512_set1_ps(s[r][j]);                                   \
+                    for (int c = 0; c < NC; c++)                                           \
+                        even[c] = _mm512_fmadd_ps(p0, _mm512_load_ps(block + (j * NC + c) * 16), even[c]); \
+                }                                                                          \
+                for (int c = 0; c < NC; c++)                                               \
+                    _mm512_storeu_ps(acc + r * d + c * 16, _mm512_add_ps(even[c], odd[c])); \
             }                                                                              \
         }                                                                                  \
     }
 TASK_AVX512(4)
 TASK_AVX512(8)
+
 
 #endif
 
@@ -231,32 +249,68 @@ static void task(TASK_ARGS) {
     task_any(TASK_PASS);
 }
 
-/* Addresses: q fp32 [H, R, D]; k, v [H, >= n, D] (bf16 if `bf16` else fp32) with heads
-   k_stride / v_stride elements apart; out fp32 [H, R, D] and lse fp32 [H, R], written.
-   Returns 0, or 1 for impossible shapes, 2 when out of memory. */
-int starqa_attend(int bf16, const float *q, const char *k, const char *v, float *out,
-                  float *lse, int64_t heads, int64_t rows, int64_t d, int64_t k_stride,
-                  int64_t v_stride, int64_t n, int64_t own, float scale, int threads) {
-    if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || own < 0 || own > n ||
-        (own && rows % own))
+/* One span of keys: [a, b) of piece `piece` (positions relative to its first key). */
+typedef struct {
+    int64_t piece, a, b;
+} span_t;
+
+/* Addresses: q fp32 [H, R, D]; the keys are those of `pieces` buffers in order, piece p
+   holding positions starts[p] .. starts[p + 1] - 1 (starts[pieces] = n, the total): its
+   keys k_addr[p] and values v_addr[p], [H, >= its length, D] (bf16 if `bf16` else fp32),
+   heads k_strides[p] / v_strides[p] elements apart. So the shard's blocks are read where
+   they lie (memory-mapped files) and the question's own keys from their own buffer, with
+   no copy into one. out fp32 [H, R, D] and lse fp32 [H, R], written. Returns 0, or 1 for
+   impossible shapes, 2 when out of memory. */
+int starqa_attend(int bf16, const float *q, int64_t pieces, const int64_t *starts,
+                  const int64_t *k_addr, const int64_t *v_addr, const int64_t *k_strides,
+                  const int64_t *v_strides, float *out, float *lse, int64_t heads,
+                  int64_t rows, int64_t d, int64_t own, float scale, int threads) {
+    if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || pieces < 0 || own < 0 ||
+        (own && rows % own) || (pieces && starts[0] != 0))
         return 1;
-    int64_t spans = n ? (n + TASK_KEYS - 1) / TASK_KEYS : 1;
+    int64_t n = pieces ? starts[pieces] : 0;
+    if (own > n) return 1;
+    int64_t spans = 0;
+    for (int64_t p = 0; p < pieces; p++) {
+        if (starts[p + 1] < starts[p]) return 1;
+        spans += (starts[p + 1] - starts[p] + TASK_KEYS - 1) / TASK_KEYS;
+    }
+    int64_t listed = spans ? spans : 1; /* no keys: one empty span (output 0, LSE -inf) */
+    span_t *span_of = malloc((size_t)listed * sizeof(span_t));
+    if (!span_of) return 2;
+    span_of[0] = (span_t){0, 0, 0};
+    for (int64_t p = 0, s = 0; p < pieces; p++) {
+        int64_t length = starts[p + 1] - starts[p];
+        for (int64_t a = 0; a < length; a += TASK_KEYS, s++)
+            span_of[s] = (span_t){p, a, a + TASK_KEYS < length ? a + TASK_KEYS : length};
+    }
+    spans = listed;
     int64_t groups = (rows + ROWS - 1) / ROWS;
     int64_t tasks = heads * spans * groups;
     size_t esize = bf16 ? 2 : 4;
     float *state = malloc((size_t)tasks * ROWS * (size_t)(d + 2) * sizeof(float));
-    if (!state) return 2;
+    if (!state) {
+        free(span_of);
+        return 2;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t t = 0; t < tasks; t++) {
         int64_t h = t / (spans * groups), rest = t % (spans * groups);
-        int64_t g = rest / spans, span = rest % spans;
-        int64_t a = span * TASK_KEYS, b = a + TASK_KEYS < n ? a + TASK_KEYS : n;
+        int64_t g = rest / spans;
+        span_t sp = span_of[rest % spans];
         int64_t r0 = g * ROWS, rn = rows - r0 < ROWS ? rows - r0 : ROWS;
         float *m = state + (size_t)t * ROWS * (d + 2), *l = m + ROWS, *acc = l + ROWS;
-        task(q + h * rows * d, d, k + (size_t)(h * k_stride) * esize,
-             v + (size_t)(h * v_stride) * esize, bf16, a, b, n, own, r0, rn, scale, m, l,
+        /* the piece's keys and values of head h; positions relative to its first key, so
+           the causal limit (n - own + ...) moves by its start too */
+        const char *k = pieces ? (const char *)(intptr_t)k_addr[sp.piece] +
+                                     (size_t)(h * k_strides[sp.piece]) * esize : NULL;
+        const char *v = pieces ? (const char *)(intptr_t)v_addr[sp.piece] +
+                                     (size_t)(h * v_strides[sp.piece]) * esize : NULL;
+        int64_t first = pieces ? starts[sp.piece] : 0;
+        task(q + h * rows * d, d, k, v, bf16, sp.a, sp.b, n - first, own, r0, rn, scale, m, l,
              acc);
     }
+    free(span_of);
     /* merge each row's spans (starqa.attention.merge's rule) */
     for (int64_t h = 0; h < heads; h++) {
         for (int64_t r = 0; r < rows; r++) {

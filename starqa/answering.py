@@ -43,13 +43,9 @@ class Answerer:
 
     @classmethod
     def from_cache(cls, manifest: Manifest, info: dist.DistInfo, model_path: Path,
-                   weights: str = "dense", topk: TopK | None = None,
-                   room: int = 512) -> Answerer:
+                   weights: str = "dense", topk: TopK | None = None) -> Answerer:
         """Load the model and this rank's share of the context's blocks (checksums verified);
-        with `topk`, for top-k attention (starqa.retrieval) instead of exact. `room`: the
-        question and answer tokens the query host's buffers hold without growing (a step's
-        drafted tokens are added: without them a cold ask copied the whole shard again
-        before its first token, 23 ms at 4.7K tokens)."""
+        with `topk`, for top-k attention (starqa.retrieval) instead of exact."""
         from starqa.decoder import load_decoder
 
         # contiguous per machine, then per rank: what each machine keeps (starqa.hosts)
@@ -58,9 +54,7 @@ class Answerer:
         decoder = load_decoder(model_path, dtype, weights, info.device)
         shard, ids, retriever = None, None, None
         if topk is None:
-            room += phase2.draft_tokens_setting()
-            shard, ids = load_shard(manifest, blocks, device=info.device, dtype=dtype,
-                                    room=room if info.is_last else 0)
+            shard, ids = load_shard(manifest, blocks, device=info.device, dtype=dtype)
         else:
             from starqa.retrieval import TopKShard
 

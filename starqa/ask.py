@@ -233,7 +233,7 @@ def _answer_here(manifest: Manifest, model_path: Path, tokenizer, query_ids: lis
 
     ui.waiting(f"Loading model and shards ({why})")
     answerer = Answerer.from_cache(manifest, dist.local_world(device), model_path, weights,
-                                   topk, room=len(query_ids) + max_new_tokens)
+                                   topk)
     stream = prompt.TextStream(tokenizer)
     first: list[float] = []
 

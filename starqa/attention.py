@@ -16,6 +16,7 @@ A partial result `(out, lse)` over one slice of the keys merges with the others 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -134,9 +135,22 @@ def partial_rows(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale:
 
     On CPU, starqa's compiled kernel (starqa/_attend.c: one pass over the keys, fp32
     scores, softmax and output; see there why) where it was built, else `attend_gemm`."""
-    if native.supports(key, value):
-        return native.attend(q, key, value, scale, own)
-    return attend_gemm(q, key, value, scale, own)
+    return partial_parts(q, [(key, value)], scale, own)
+
+
+def partial_parts(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  scale: float, own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`partial_rows` over the keys of several buffers (key, value) [Hkv, N_i, D] in order,
+    as if they were one (the own keys, if any, are the last `own` of them all): a shard's
+    blocks read where they lie, then the question's own keys. One kernel call; without the
+    compiled kernel, `attend_gemm` over their concatenation."""
+    if all(native.supports(key, value) for key, value in parts) and \
+            len({key.dtype for key, _ in parts}) == 1:
+        return native.attend(q, parts, scale, own)
+    if len(parts) == 1:
+        return attend_gemm(q, *parts[0], scale, own)
+    return attend_gemm(q, torch.cat([key for key, _ in parts], dim=1),
+                       torch.cat([value for _, value in parts], dim=1), scale, own)
 
 
 def attend_gemm(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

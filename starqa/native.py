@@ -28,8 +28,8 @@ def _library():
             except (OSError, AttributeError):  # built for another platform, or damaged
                 return None
             exact.restype = top.restype = ctypes.c_int
-            exact.argtypes = [ctypes.c_int, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64,
-                              _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+            exact.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
+                              _PTR, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
             top.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _I64,
                             _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
                             _PTR, _PTR, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR,
@@ -62,23 +62,37 @@ def supports(key: torch.Tensor, value: torch.Tensor | None = None) -> bool:
                             and value.dtype == key.dtype) and available())
 
 
-def attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+def attend(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
            own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel behind starqa.attention.partial_rows (see there): q [H, R, D], key/value
-    [H, N, D] as `supports` says (heads may lie any distance apart). Returns out [H, R, D]
-    and lse [H, R], both fp32."""
+    """The kernel behind starqa.attention.partial_rows (see there): q [H, R, D] over the
+    keys of `parts`, buffers (key, value) [H, N_i, D] as `supports` says (heads may lie any
+    distance apart), one dtype, in order: as one buffer of their N = sum N_i keys, read
+    where each lies. Returns out [H, R, D] and lse [H, R], both fp32."""
     heads, rows, dim = q.shape
     q = q.to(torch.float32).contiguous()
     out = q.new_empty(heads, rows, dim)
     lse = q.new_empty(heads, rows)
-    code = _kernel()(int(key.dtype == torch.bfloat16), q.data_ptr(), key.data_ptr(),
-                     value.data_ptr(), out.data_ptr(), lse.data_ptr(), heads, rows, dim,
-                     key.stride(0), value.stride(0), key.shape[1], own, scale,
+    count = len(parts)
+    table = (ctypes.c_int64 * (5 * count + 1))()  # starts (count + 1), k, v, k/v strides
+    position = 0
+    for index, (key, value) in enumerate(parts):
+        table[index] = position
+        position += key.shape[1]
+        table[count + 1 + index] = key.data_ptr()
+        table[2 * count + 1 + index] = value.data_ptr()
+        table[3 * count + 1 + index] = key.stride(0)
+        table[4 * count + 1 + index] = value.stride(0)
+    table[count] = position
+    base, size = ctypes.addressof(table), ctypes.sizeof(ctypes.c_int64)
+    bf16 = bool(parts) and parts[0][0].dtype == torch.bfloat16
+    code = _kernel()(int(bf16), q.data_ptr(), count, base,
+                     *(base + (k * count + 1) * size for k in range(1, 5)),
+                     out.data_ptr(), lse.data_ptr(), heads, rows, dim, own, scale,
                      torch.get_num_threads())
     if code:
         raise (MemoryError() if code == 2 else ValueError(
             f"attention kernel: impossible shapes q {tuple(q.shape)}, keys "
-            f"{tuple(key.shape)}, own {own}"))
+            f"{[tuple(key.shape) for key, _ in parts]}, own {own}"))
     return out, lse
 
 

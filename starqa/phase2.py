@@ -20,7 +20,7 @@ import torch
 
 from starqa import dist
 from starqa.attention import (attend, fold_gqa, fused_available, merge, partial_chunks,
-                              partial_rows)
+                              partial_parts, partial_rows)
 from starqa.errors import StarqaError
 from starqa.lookup import Drafter
 
@@ -52,37 +52,46 @@ def draft_tokens_setting(default: int = DRAFT_TOKENS) -> int:
 class ShardAttention:
     """The attention of every layer for Phase 2 on one worker (starqa.decoder calls it).
 
-    shard: per layer (k, v) [1, Hkv, N_h, D] of this worker's blocks, in the compute dtype,
-    or None for no blocks; ids: their token ids [N_h] (what source attribution matches the
-    answer against). While `track` is set, it keeps the last query row of every forward
-    (the row that picks the next token) and its global LSE, for `key_mass`.
+    shard: per layer the pieces (k, v), each [1, Hkv, T_i, D], that hold this worker's
+    blocks in order, in the compute dtype (`starqa.shards.load_shard`: on the CPU a piece
+    per block, memory-mapped where it lies; elsewhere one), or None for no blocks; ids:
+    their token ids [N_h] (what source attribution matches the answer against). While
+    `track` is set, it keeps the last query row of every forward (the row that picks the
+    next token) and its global LSE, for `key_mass`.
     """
 
-    def __init__(self, info: dist.DistInfo, shard: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    def __init__(self, info: dist.DistInfo,
+                 shard: list[list[tuple[torch.Tensor, torch.Tensor]]] | None,
                  query_host: bool, head: int = 0, ids: torch.Tensor | None = None,
                  retriever=None):
         self.info = info
         # Top-k attention over this worker's blocks (starqa.retrieval.TopKShard), in place
         # of the exact shard part (shard is then None: no sources are tracked).
         self.retriever = retriever
+        self.cpu = shard is not None and shard[0][0][0].device.type == "cpu"
+        if shard is not None and not self.cpu:  # the fused kernels take one buffer a layer
+            shard = [pieces if len(pieces) == 1 else
+                     [tuple(torch.cat([p[i] for p in pieces], dim=2) for i in (0, 1))]
+                     for pieces in shard]
         self.shard = shard
         self.query_host = query_host
-        self.n_keys = shard[0][0].shape[2] if shard else 0
+        # where each piece starts among the shard's keys, then the shard's length
+        self._starts = [0]
+        for k, _ in shard[0] if shard else ():
+            self._starts.append(self._starts[-1] + k.shape[2])
+        self.n_keys = self._starts[-1]
         self.ids = ids
         # Keys before the first document (template, system prompt) are never a source.
         self.head = min(head, self.n_keys)
         self.track = False
-        self.fused = shard is not None and fused_available(shard[0][0])
-        # CPU: per layer one buffer (k, v) [Hkv, N + room, D]: the shard, then (query host)
-        # this question's and answer's KV, written in place; a decode step attends to all of
-        # it in one `partial_rows` call. Laid out by the first `begin`, regrown by a longer one.
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.cpu = shard is not None and shard[0][0].device.type == "cpu"
+        self.fused = shard is not None and fused_available(shard[0][0][0])
         # Per layer, each tracked forward's query rows that picked a token [Hkv, G, P, D]
         # and their global LSE [Hkv, G, P] (see `key_mass`).
         self._rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self._last: list = []  # per layer, the running forward's rows (see `attention`)
-        self._own: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer [1, Hkv, cap, D]
+        # (query host) per layer this question's and answer's KV [1, Hkv, capacity, D],
+        # written in place: allocated by the first question, grown by a longer one
+        self._own: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._capacity = 64
         self.length = 0  # tokens of the question and answer in the own buffers
 
@@ -91,53 +100,10 @@ class ShardAttention:
         one's KV. Buffers of that size are allocated once and reused by later questions;
         they grow if a question needs more."""
         self.length = 0
-        self._rows = [[] for _ in self.kv or self.shard or ()]
+        self._rows = [[] for _ in self.shard or ()]
         self._last = [None] * len(self._rows)
-        if self.cpu:
-            self._lay_out(capacity if self.query_host else 0)
-        elif capacity > self._capacity:
+        if capacity > self._capacity:
             self._own, self._capacity = [], capacity
-
-    def _lay_out(self, room: int) -> None:
-        """(CPU) The shard, and the question's KV so far, in buffers with room for `room`
-        question keys; kept if they have it."""
-        if self.kv is not None and self.kv[0][0].shape[1] >= self.n_keys + room:
-            return
-        n = self.n_keys
-        if self.kv is None:  # first lay-out: the shard as loaded, if it has the room
-            old, self.shard = [(_with_room(k[0]), _with_room(v[0])) for k, v in self.shard], None
-            if old[0][0].shape[1] >= n + room:  # (always so for room 0: no question here)
-                self.kv = old
-                self._capacity = max(self._capacity, old[0][0].shape[1] - n)
-                return
-        else:
-            old = self.kv
-        room, kept = max(room, self._capacity), n + self.length
-        self.kv = []
-        for layer in range(len(old)):
-            k, v = old[layer]
-            grown = (k.new_empty(k.shape[0], n + room, k.shape[2]),
-                     v.new_empty(v.shape[0], n + room, v.shape[2]))
-            grown[0][:, :kept], grown[1][:, :kept] = k[:, :kept], v[:, :kept]
-            self.kv.append(grown)
-            old[layer] = None  # each layer's old copy goes as soon as it is copied
-        self._capacity = max(self._capacity, room)
-
-    def _attend_buffer(self, layer: int, q: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, scale: float, m: int):
-        """(CPU) This layer's part over its buffer: the shard and, on the query host, the
-        question's KV so far with this forward's written after it (seen causally)."""
-        end = self.n_keys
-        if self.kv is None:  # attention without `begin` (a hook driven by transformers)
-            self._lay_out(self.length + m if self.query_host else 0)
-        if self.query_host:
-            end += self.length + m
-            if self.kv[layer][0].shape[1] < end:
-                self._lay_out(max(self.length + m, 2 * self._capacity))
-            k, v = self.kv[layer]
-            k[:, end - m:end], v[:, end - m:end] = key[0], value[0]
-        k, v = self.kv[layer]
-        return partial_rows(q[0], k[:, :end], v[:, :end], scale, m if self.query_host else 0)
 
     def advance(self, kept: int, picked: slice | None = None) -> None:
         """The forward that just ran added its first `kept` tokens to the question's KV (the
@@ -158,21 +124,24 @@ class ShardAttention:
         _, q_heads, m, dim = query.shape
         kv_heads = key.shape[1]
         scale = dim**-0.5 if scale is None else scale
-        stored = self.kv or self.shard
-        dtype = stored[layer][0].dtype if stored is not None else key.dtype
+        dtype = self.shard[layer][0][0].dtype if self.shard is not None else key.dtype
         # Work in the folded layout [*, Hkv, R = G*M, D]: query heads of a KV head as rows.
         q = fold_gqa(query, kv_heads, dtype)
         outs, lses = [], []
-        if self.cpu:
-            out, lse = self._attend_buffer(layer, q, key, value, scale, m)
+        if self.cpu:  # the shard's pieces and (query host) this question's KV: one call
+            parts = [(k[0], v[0]) for k, v in self.shard[layer]]
+            if self.query_host:
+                keys, values = self._append(layer, key, value)
+                parts.append((keys[0], values[0]))
+            out, lse = partial_parts(q[0], parts, scale, m if self.query_host else 0)
             outs, lses = [out[None]], [lse[None]]
         elif self.retriever is not None:
             outs, lses = self.retriever.parts(layer, q, scale, m)
         elif self.shard is not None:
             if self.fused:
-                outs, lses = partial_chunks(q, *self.shard[layer], scale, SLOT, self.head)
+                outs, lses = partial_chunks(q, *self.shard[layer][0], scale, SLOT, self.head)
             else:  # no fused kernel here: one exact part, attribution per shard
-                out, lse = _folded(attend(query, *self.shard[layer], scale), kv_heads)
+                out, lse = _folded(attend(query, *self.shard[layer][0], scale), kv_heads)
                 outs, lses = [out], [lse]
         if self.query_host and not self.cpu:
             keys, values = self._append(layer, key, value)
@@ -279,8 +248,9 @@ class ShardAttention:
             # [L * Hkv, U, D] fp32, gathered a layer at a time into one buffer and read in
             # place by the matmuls below as [L * Hkv, D, U]
             keys = gathered[:, :, :len(chosen)]
+            plan = self._gather_plan(chosen)
             for layer in range(layers):
-                keys[layer].copy_(self._keys_at(layer, chosen))
+                self._keys_at(layer, plan, keys[layer])
             keys = keys.reshape(layers * kv_heads, -1, dim).transpose(1, 2)
             probs = torch.empty(len(chosen))
             runs = torch.unique_consecutive(tokens_of[start:start + piece], return_counts=True)
@@ -297,23 +267,28 @@ class ShardAttention:
         heads = self._rows[0][0][0].shape[0] * self._rows[0][0][0].shape[1]
         return mass / (steps * len(self._rows) * heads)
 
-    def _keys_at(self, layer: int, offsets: torch.Tensor) -> torch.Tensor:
-        """Keys [Hkv, U, D] of this layer at shard positions head + offsets."""
-        keys = self.kv[layer][0] if self.kv is not None else self.shard[layer][0][0]
-        return keys.index_select(1, self.head + offsets)
+    def _gather_plan(self, offsets: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Where the shard keys at positions head + offsets lie: (piece, the indices of the
+        offsets it holds, their rows in it), the same in every layer."""
+        positions = self.head + offsets
+        if len(self._starts) == 2:
+            return [(0, torch.arange(len(positions)), positions)]
+        piece = torch.searchsorted(torch.tensor(self._starts[1:]), positions, right=True)
+        plan = []
+        for index in piece.unique().tolist():
+            mine = (piece == index).nonzero().flatten()
+            plan.append((index, mine, positions[mine] - self._starts[index]))
+        return plan
 
-
-def _with_room(keys: torch.Tensor) -> torch.Tensor:
-    """keys [Hkv, N, D] with rows contiguous, widened over the room its storage holds after
-    its N rows (a view of `load_shard`'s buffer [Hkv, N + room, D]): [Hkv, N + room, D]."""
-    heads, n, dim = keys.shape
-    if keys.stride(1) != dim or keys.stride(2) != 1 or heads < 1:
-        return keys
-    rows = keys.stride(0) // dim if heads > 1 else n
-    last = keys.storage_offset() + (heads - 1) * keys.stride(0) + rows * dim
-    if rows < n or last > keys.untyped_storage().nbytes() // keys.element_size():
-        return keys
-    return keys.as_strided((heads, rows, dim), (keys.stride(0), dim, 1))
+    def _keys_at(self, layer: int, plan, out: torch.Tensor) -> None:
+        """Write this layer's keys [Hkv, U, D] that `plan` (`_gather_plan`) locates into
+        out [Hkv, U, D]."""
+        for piece, mine, rows in plan:
+            keys = self.shard[layer][piece][0][0].index_select(1, rows)
+            if len(plan) == 1:
+                out.copy_(keys)
+            else:
+                out[:, mine] = keys.to(out.dtype)
 
 
 def _folded(result: tuple[torch.Tensor, torch.Tensor], kv_heads: int

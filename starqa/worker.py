@@ -125,10 +125,8 @@ def _answerer(job: dict, info):
         from starqa.hosts import ensure_blocks
 
         manifest = ensure_blocks(info, manifest)
-    room = len(job.get("query_ids", ())) + job.get("max_new_tokens", 0)
     answerer = Answerer.from_cache(manifest, info, Path(job["model_path"]),
-                                   job.get("weights", "dense"), topk_of(job.get("topk")),
-                                   room=room or 512)
+                                   job.get("weights", "dense"), topk_of(job.get("topk")))
     dist.barrier(info)
     return answerer, manifest
 

@@ -274,10 +274,9 @@ def on_workers(blocks_kv, workers, monkeypatch, run):
     def rank(info):
         mine = list(dist.split_contiguous(len(blocks_kv), workers, info.rank))
         shard = None
-        if mine:
-            k = torch.cat([blocks_kv[i][0] for i in mine], dim=2)
-            v = torch.cat([blocks_kv[i][1] for i in mine], dim=2)
-            shard = [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]
+        if mine:  # a piece per block, read where it lies (as load_shard keeps them on CPU)
+            shard = [[(blocks_kv[i][0][layer][None], blocks_kv[i][1][layer][None])
+                      for i in mine] for layer in range(blocks_kv[0][0].shape[0])]
         return run(info, phase2.ShardAttention(info, shard, info.is_last))
 
     return run_ranks(world, rank)

@@ -187,6 +187,43 @@ def test_partial_rows_within_the_reference_error(kernel, dtype, q_heads, kv_head
                                atol=1e-5 if kernel == "native" else 1e-2)
 
 
+@pytest.mark.parametrize("kernel", ["native", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("own", [0, 4])
+def test_partial_parts_reads_its_buffers_as_one(kernel, dtype, own, monkeypatch):
+    """The shard's blocks where they lie, then the question's own keys: pieces of unequal
+    lengths (one shorter than a kernel task, one longer, one empty), each a slice of its
+    own buffer with its own head stride, attended as the one buffer they make, against
+    fp64: within fp32 rounding for the kernel, as `partial_rows` is; the fallback (no
+    compiled kernel) concatenates them for `attend_gemm`."""
+    from starqa import native
+    from starqa.attention import attend_gemm, fold_gqa, partial_parts
+
+    if kernel == "native" and not native.available():
+        pytest.skip("starqa's kernel is not built here")
+    if kernel == "gemm":
+        monkeypatch.setattr(native, "supports", lambda key, value=None: False)
+    torch.manual_seed(own)
+    q_heads, kv_heads, m, dim = 9, 3, 4, 64
+    lengths = [37, 0, 1300, own or 5]
+    buffers = [torch.randn(2, kv_heads, n + 3 * i, dim, dtype=dtype)
+               for i, n in enumerate(lengths)]  # each with room of its own after its keys
+    parts = [(b[0, :, :n], b[1, :, :n]) for b, n in zip(buffers, lengths)]
+    k = torch.cat([key for key, _ in parts], dim=1)
+    v = torch.cat([value for _, value in parts], dim=1)
+    q = torch.randn(1, q_heads, m, dim, dtype=dtype)
+    want, want_lse = reference(q, k[None], v[None], causal=own > 0)
+    rows = fold_gqa(q, kv_heads, dtype)[0]
+    out, lse = partial_parts(rows, parts, dim ** -0.5, own)
+    if kernel == "gemm":  # exactly the fallback over the concatenation
+        for got, expected in zip((out, lse), attend_gemm(rows, k, v, dim ** -0.5, own)):
+            assert torch.equal(got, expected)
+        return
+    error = (out.reshape(1, q_heads, m, dim).double() - want).abs().max().item()
+    assert error <= 1e-5
+    torch.testing.assert_close(lse.reshape(1, q_heads, m).double(), want_lse, rtol=0, atol=1e-5)
+
+
 def test_the_kernel_is_built_where_a_compiler_is():
     """`pip install` builds starqa's attention kernel wherever a C compiler is found (it is
     optional, so a failed build would otherwise go unnoticed and every answer slow)."""

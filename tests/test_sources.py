@@ -72,9 +72,9 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_byte
     """What Phase 2 attributes after the answer against `key_mass` over every key: row s
     (the one that emitted tokens[s]) counts on exactly the keys holding tokens[s], summed
     over layers and heads; keys of tokens never emitted and the keys before the first
-    document (the head) get nothing. The shard spans several kernel slots; with
-    `piece_bytes`, the candidates go in pieces of 7 keys (a token's keys split across
-    pieces)."""
+    document (the head) get nothing. The shard spans several kernel slots and is held in
+    three pieces; with `piece_bytes`, the candidates go in pieces of 7 keys (a token's keys
+    split across pieces)."""
     from starqa import dist, phase2
 
     if piece_bytes:
@@ -84,7 +84,11 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_byte
     n, head, layers = 2 * 128 * 3 + 37, 11, 2
     ids = torch.randint(0, 12, (n,))
     shard = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for _ in range(layers)]
-    hook = phase2.ShardAttention(dist.local_world(), shard, query_host=True, head=head, ids=ids)
+    # held in three pieces of unequal lengths, as blocks are (load_shard)
+    cuts = [0, 300, 301, n]
+    pieces = [[(k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])] for k, v in shard]
+    hook = phase2.ShardAttention(dist.local_world(), pieces, query_host=True, head=head,
+                                 ids=ids)
     hook.begin(8)
     hook.track = True
     tokens = [3, 7, 3, 11]  # what each tracked row emitted (the last row's pick is cut off)
