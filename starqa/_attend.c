@@ -173,6 +173,58 @@ AVX512 static inline void widen_rows(const char *src, int bf16, int64_t j0, int6
     }
 }
 
+/* exp_nonpositive on 16 lanes, the same arithmetic lane by lane. */
+AVX512 static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 low = _mm512_set1_ps(-87.0f);
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, low), _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GE_OQ), e);
+}
+
+/* softmax_block with AVX-512: each row's maximum, weights and their sum 16 lanes at a
+   time (the portable loop's sum ended in 16 dependent scalar adds per row and block). */
+AVX512 static inline void softmax_block16(int64_t rows, int64_t jn, int64_t d,
+                                          float s[][BLOCK], float *m, float *l, float *acc) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = s[r];
+        __m512 top16 = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < jn; j += 16) {
+            __mmask16 live = jn - j >= 16 ? 0xFFFF : (__mmask16)((1u << (jn - j)) - 1);
+            top16 = _mm512_mask_max_ps(top16, live, top16, _mm512_load_ps(sr + j));
+        }
+        float top = _mm512_reduce_max_ps(top16);
+        if (top == -INFINITY) { /* every key of the block hidden from this row */
+            for (int64_t j = 0; j < jn; j++) sr[j] = 0.0f;
+            continue;
+        }
+        if (top > m[r]) {
+            float shrink = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
+            l[r] *= shrink;
+            float *ar = acc + r * d;
+            for (int64_t i = 0; i < d; i++) ar[i] *= shrink;
+            m[r] = top;
+        }
+        __m512 mr = _mm512_set1_ps(m[r]), sum16 = _mm512_setzero_ps();
+        for (int64_t j = 0; j < jn; j += 16) {
+            __mmask16 live = jn - j >= 16 ? 0xFFFF : (__mmask16)((1u << (jn - j)) - 1);
+            __m512 p = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(sr + j), mr));
+            _mm512_store_ps(sr + j, p);
+            sum16 = _mm512_mask_add_ps(sum16, live, sum16, p);
+        }
+        l[r] += _mm512_reduce_add_ps(sum16);
+    }
+}
+
 /* D = 16 * NC (NC = 4: D 64, NC = 8: D 128), AVX-512: scores 16 keys at a time with one
    transposed reduction, each output row in registers over the block. */
 #define TASK_AVX512(NC)                                                                    \
@@ -205,31 +257,48 @@ AVX512 static inline void widen_rows(const char *src, int bf16, int64_t j0, int6
                 for (int64_t j = limit[r] - j0 < 0 ? 0 : limit[r] - j0; j < jn; j++)       \
                     s[r][j] = -INFINITY; /* keys after the row's causal limit */           \
             }                                                                              \
-            softmax_block(rows, jn, d, s, m, l, acc);                                      \
+            softmax_block16(rows, jn, d, s, m, l, acc);                                    \
             widen_rows(v, bf16, j0, jn, NC, row_bytes, block); /* and its values */         \
-            for (int64_t r = 0; r < rows; r++) {                                           \
-                /* even and odd keys into separate sums: 2 * NC chains of FMAs, enough to   \
-                   keep both FMA units busy (NC alone left them waiting on latency) */     \
-                __m512 even[NC], odd[NC];                                                  \
+            /* even and odd keys into separate sums: 2 * NC chains of FMAs per row, so    \
+               both FMA units stay busy; with D 64 two rows share each value load (with D  \
+               128 their sums would not fit in the registers). A row's sums are the same  \
+               alone or paired. */                                                         \
+            for (int64_t r = 0; r < rows; r += NC == 4 ? 2 : 1) {                          \
+                const int64_t r1 = NC == 4 && r + 1 < rows ? r + 1 : r;                    \
+                __m512 even0[NC], odd0[NC], even1[NC], odd1[NC];                           \
                 for (int c = 0; c < NC; c++) {                                             \
-                    even[c] = _mm512_loadu_ps(acc + r * d + c * 16);                       \
-                    odd[c] = _mm512_setzero_ps();                                          \
+                    even0[c] = _mm512_loadu_ps(acc + r * d + c * 16);                      \
+                    even1[c] = NC == 4 ? _mm512_loadu_ps(acc + r1 * d + c * 16) : even0[c]; \
+                    odd0[c] = odd1[c] = _mm512_setzero_ps();                               \
                 }                                                                          \
                 int64_t j = 0;                                                             \
                 for (; j + 1 < jn; j += 2) {                                               \
-                    __m512 p0 = _mm512_set1_ps(s[r][j]), p1 = _mm512_set1_ps(s[r][j + 1]);  \
+                    __m512 p00 = _mm512_set1_ps(s[r][j]), p01 = _mm512_set1_ps(s[r][j + 1]); \
+                    __m512 p10 = _mm512_set1_ps(s[r1][j]), p11 = _mm512_set1_ps(s[r1][j + 1]); \
                     for (int c = 0; c < NC; c++) {                                         \
-                        even[c] = _mm512_fmadd_ps(p0, _mm512_load_ps(block + (j * NC + c) * 16), even[c]); \
-                        odd[c] = _mm512_fmadd_ps(p1, _mm512_load_ps(block + ((j + 1) * NC + c) * 16), odd[c]); \
+                        __m512 x0 = _mm512_load_ps(block + (j * NC + c) * 16);             \
+                        __m512 x1 = _mm512_load_ps(block + ((j + 1) * NC + c) * 16);       \
+                        even0[c] = _mm512_fmadd_ps(p00, x0, even0[c]);                     \
+                        odd0[c] = _mm512_fmadd_ps(p01, x1, odd0[c]);                       \
+                        if (NC == 4) {                                                     \
+                            even1[c] = _mm512_fmadd_ps(p10, x0, even1[c]);                 \
+                            odd1[c] = _mm512_fmadd_ps(p11, x1, odd1[c]);                   \
+                        }                                                                  \
                     }                                                                      \
                 }                                                                          \
                 if (j < jn) {                                                              \
-                    __m512 p0 = _mm512_set1_ps(s[r][j]);                                   \
-                    for (int c = 0; c < NC; c++)                                           \
-                        even[c] = _mm512_fmadd_ps(p0, _mm512_load_ps(block + (j * NC + c) * 16), even[c]); \
+                    __m512 p00 = _mm512_set1_ps(s[r][j]), p10 = _mm512_set1_ps(s[r1][j]);  \
+                    for (int c = 0; c < NC; c++) {                                         \
+                        __m512 x0 = _mm512_load_ps(block + (j * NC + c) * 16);             \
+                        even0[c] = _mm512_fmadd_ps(p00, x0, even0[c]);                     \
+                        if (NC == 4) even1[c] = _mm512_fmadd_ps(p10, x0, even1[c]);        \
+                    }                                                                      \
                 }                                                                          \
-                for (int c = 0; c < NC; c++)                                               \
-                    _mm512_storeu_ps(acc + r * d + c * 16, _mm512_add_ps(even[c], odd[c])); \
+                for (int c = 0; c < NC; c++) {                                             \
+                    _mm512_storeu_ps(acc + r * d + c * 16, _mm512_add_ps(even0[c], odd0[c])); \
+                    if (NC == 4)                                                           \
+                        _mm512_storeu_ps(acc + r1 * d + c * 16, _mm512_add_ps(even1[c], odd1[c])); \
+                }                                                                          \
             }                                                                              \
         }                                                                                  \
     }
