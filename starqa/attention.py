@@ -145,12 +145,37 @@ def partial_parts(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Ten
     blocks read where they lie, then the question's own keys. One kernel call; without the
     compiled kernel, `attend_gemm` over their concatenation."""
     if all(native.supports(key, value) for key, value in parts) and \
-            len({key.dtype for key, _ in parts}) == 1:
+            len({key.dtype for key, _ in parts}) <= 1 and native.available():
         return native.attend(q, parts, scale, own)
     if len(parts) == 1:
         return attend_gemm(q, *parts[0], scale, own)
     return attend_gemm(q, torch.cat([key for key, _ in parts], dim=1),
                        torch.cat([value for _, value in parts], dim=1), scale, own)
+
+
+class Pieces:
+    """Buffers (key, value) [Hkv, N_i, D] attended as one sequence of keys: those given here,
+    which never change (a shard's blocks, read where they lie), then at each call one more
+    that does (the question's own KV). `attend` is `partial_parts` over them; with the
+    compiled kernel their table is laid out once (`native.Layout`), not at every call."""
+
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        self.parts = list(parts)
+        fits = native.available() and len({key.dtype for key, _ in self.parts}) <= 1 and \
+            all(native.supports(key, value) for key, value in self.parts)
+        self._layout = native.Layout(self.parts) if fits else None
+
+    def attend(self, q: torch.Tensor, key: torch.Tensor | None = None,
+               value: torch.Tensor | None = None, scale: float = 1.0, own: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`partial_parts` of folded queries q [Hkv, R, D] over these buffers, then over
+        key/value [Hkv, M, D] if given (`own` of its keys the queries' own)."""
+        layout = self._layout
+        if layout is not None and (key is None or layout.dtype in (None, key.dtype)
+                                   and native.supports(key, value)):
+            return layout.attend(q, key, value, scale, own)
+        return partial_parts(q, self.parts + ([(key, value)] if key is not None else []),
+                             scale, own)
 
 
 def attend_gemm(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from starqa import dist
-from starqa.attention import (attend, fold_gqa, fused_available, merge, partial_chunks,
-                              partial_parts, partial_rows)
+from starqa.attention import (Pieces, attend, fold_gqa, fused_available, merge,
+                              partial_chunks, partial_rows)
 from starqa.errors import StarqaError
 from starqa.lookup import Drafter
 
@@ -74,6 +74,9 @@ class ShardAttention:
                      [tuple(torch.cat([p[i] for p in pieces], dim=2) for i in (0, 1))]
                      for pieces in shard]
         self.shard = shard
+        # (CPU) each layer's pieces as the kernel reads them, laid out once
+        self._pieces = [Pieces([(k[0], v[0]) for k, v in pieces]) for pieces in shard] \
+            if self.cpu else None
         self.query_host = query_host
         # where each piece starts among the shard's keys, then the shard's length
         self._starts = [0]
@@ -129,11 +132,11 @@ class ShardAttention:
         q = fold_gqa(query, kv_heads, dtype)
         outs, lses = [], []
         if self.cpu:  # the shard's pieces and (query host) this question's KV: one call
-            parts = [(k[0], v[0]) for k, v in self.shard[layer]]
             if self.query_host:
                 keys, values = self._append(layer, key, value)
-                parts.append((keys[0], values[0]))
-            out, lse = partial_parts(q[0], parts, scale, m if self.query_host else 0)
+                out, lse = self._pieces[layer].attend(q[0], keys[0], values[0], scale, m)
+            else:
+                out, lse = self._pieces[layer].attend(q[0], scale=scale)
             outs, lses = [out[None]], [lse[None]]
         elif self.retriever is not None:
             outs, lses = self.retriever.parts(layer, q, scale, m)

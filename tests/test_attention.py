@@ -224,6 +224,34 @@ def test_partial_parts_reads_its_buffers_as_one(kernel, dtype, own, monkeypatch)
     torch.testing.assert_close(lse.reshape(1, q_heads, m).double(), want_lse, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["native", "gemm"])
+def test_pieces_laid_out_once_attend_as_partial_parts(kernel, monkeypatch):
+    """`Pieces` (a shard's blocks laid out once, then a buffer that changes at each call, as
+    a decode step's own KV grows) gives bit for bit what `partial_parts` gives over the same
+    buffers, call after call, with and without the changing buffer."""
+    from starqa import native
+    from starqa.attention import Pieces, fold_gqa, partial_parts
+
+    if kernel == "native" and not native.available():
+        pytest.skip("starqa's kernel is not built here")
+    if kernel == "gemm":
+        monkeypatch.setattr(native, "available", lambda: False)
+    torch.manual_seed(1)
+    kv_heads, dim = 3, 64
+    blocks = [torch.randn(2, kv_heads, n, dim, dtype=torch.bfloat16) for n in (600, 45)]
+    fixed = [(b[0], b[1]) for b in blocks]
+    own = torch.randn(2, kv_heads, 40, dim, dtype=torch.bfloat16)  # capacity 40
+    pieces = Pieces(fixed)
+    for length, m in ((5, 5), (6, 1), (9, 3)):  # a question, then tokens, then drafts
+        rows = fold_gqa(torch.randn(1, 9, m, dim), kv_heads, torch.bfloat16)[0]
+        mine = (own[0, :, :length], own[1, :, :length])
+        for got, want in zip(pieces.attend(rows, *mine, scale=0.125, own=m),
+                             partial_parts(rows, fixed + [mine], 0.125, m)):
+            assert torch.equal(got, want)
+    for got, want in zip(pieces.attend(rows, scale=0.125), partial_parts(rows, fixed, 0.125)):
+        assert torch.equal(got, want)
+
+
 def test_the_kernel_is_built_where_a_compiler_is():
     """`pip install` builds starqa's attention kernel wherever a C compiler is found (it is
     optional, so a failed build would otherwise go unnoticed and every answer slow)."""
