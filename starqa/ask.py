@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from starqa import headstart, hosts, paths, prompt, shards, store
+from starqa import hosts, paths, prompt, shards, store
 from starqa.errors import StarqaError
 from starqa.indexes import TopK, topk_of
 from starqa.launch import Launch, launch_of, run_workers
@@ -63,7 +63,19 @@ class Answer:
     attention: str = "exact"  # or the top-k settings (`TopK.describe`): then no sources
 
 
-def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
+def ask(opts: AskOptions, ui: UI = UI(), head=None) -> Answer:
+    """Answer `opts.question` about a cached context: on its warm group if one runs, else
+    on a world of one (`head`, a `starqa.headstart.HeadStart`: the process the command
+    forked as it started, when it has one; else this process) or on torchrun's workers.
+    `head` is this call's to run or let go."""
+    try:
+        return _ask(opts, ui, head)
+    finally:
+        if head is not None:  # not taken (or done): its child exits, unless it serves on
+            head.close()
+
+
+def _ask(opts: AskOptions, ui: UI, head) -> Answer:
     from starqa import models
 
     started = time.perf_counter()
@@ -78,7 +90,8 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         group = client.find(manifest.key)
         if group is not None and opts.weights in (None, group.get("weights")) \
                 and group.get("topk") == (opts.topk.as_dict() if opts.topk else None):
-            headstart.discard()  # the group answers: no torch in this command
+            if head is not None:  # the group answers: no torch in this command
+                head.close()
             return _ask_warm(opts, manifest, group, ui, started)
     with ui.status("Checking model and shards"):
         model_path = _checked_model(manifest, opts.model, ui)
@@ -100,13 +113,17 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
                                   opts.topk)
     weights = models.phase2_weights(opts.weights, manifest.model.spec, opts.device)
     stops = models.stop_ids(tokenizer, model_path)
-    head = headstart.take() if workers == 1 and opts.nnodes == 1 else None
-    headstart.discard()  # one not taken: a torchrun group answers
+    if head is not None and not (workers == 1 and opts.nnodes == 1):
+        head.close()  # a torchrun group answers
+        head = None
+    keep = opts.keepalive != 0 and opts.warm and opts.nnodes == 1  # leave a warm group
     if head is not None:  # a world of one forked as the command started (starqa.headstart)
         ui.waiting(f"Loading model and shards ({why})")
+        then = {"keepalive": opts.keepalive, "workers": opts.workers, "weights": opts.weights,
+                "topk": opts.topk.as_dict() if opts.topk else None} if keep else None
         answer = _answer(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
                          stops, launch_of(opts, 1), ui, started, weights=weights,
-                         topk=opts.topk, head=head)
+                         topk=opts.topk, head=head, then_serve=then)
     elif workers == 1 and opts.nnodes == 1:
         answer = _answer_here(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
                               stops, weights, opts.device, why, ui, started, opts.topk)
@@ -114,11 +131,12 @@ def ask(opts: AskOptions, ui: UI = UI()) -> Answer:
         answer = _answer(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens,
                          stops, launch_of(opts, workers), ui, started, weights=weights,
                          topk=opts.topk)
-    if opts.keepalive != 0 and opts.warm and opts.nnodes == 1:
+    if keep and not (head is not None and head.serving):
         from starqa import client
 
         # The next question finds this context warm: a group starts in the background
-        # (a second one for the same context refuses to start, see `serve`).
+        # (a second one for the same context refuses to start, see `serve`); the head
+        # start, where one answered, went on as that group itself.
         client.spawn(manifest.key, opts.workers, opts.keepalive, opts.weights,
                      opts.topk.cli_args() if opts.topk else ())
     return answer
@@ -175,9 +193,10 @@ def ask_tokens(manifest: Manifest, query_ids: list[int], *, workers: int | None 
 def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int],
             max_new_tokens: int, stops: set[int], launch: Launch, ui: UI, started: float,
             measure: bool = False, weights: str = "dense", topk: TopK | None = None,
-            head: headstart.HeadStart | None = None) -> Answer:
+            head=None, then_serve: dict | None = None) -> Answer:
     """Run Phase 2 on a torchrun group, or on the head start (`head`: a world of one forked
-    as the command started), streaming tokens to `ui`."""
+    as the command started; with `then_serve`, the warm group's settings, it goes on as
+    that group once it has answered), streaming tokens to `ui`."""
     workers = launch.workers
     job = {"phase": "ask", "model_path": str(model_path), "dtype": manifest.dtype,
            "context_dir": str(manifest.folder), "query_ids": query_ids, "weights": weights,
@@ -201,7 +220,7 @@ def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int
             measures[event["rank"]] = event
 
     if head is not None:
-        head.run({**job, "device": launch.device}, on_event)
+        head.run({**job, "device": launch.device, "then_serve": then_serve}, on_event)
     else:
         ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
         run_workers(job, launch, on_event)
@@ -299,9 +318,11 @@ class ServeOptions:
     rdzv_endpoint: str | None = None
 
 
-def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
+def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None, answerer=None) -> None:
     """Run a warm worker group for a context until stopped or idle for `keepalive` (<= 0:
-    never). One worker runs in this process; more run on torchrun.
+    never). One worker runs in this process; more run on torchrun. `answerer`: the model
+    and shard a world of one holds already (a cold ask's head start going on as the
+    group, starqa.headstart), so nothing is loaded again.
 
     Across machines (`nnodes` > 1) every machine runs this with its own `node_rank`; the
     query host (the machine of the last rank) serves the socket and writes a run file with
@@ -359,7 +380,7 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
         try:
             if workers == 1 and opts.nnodes == 1:
                 _serve_here(job, manifest, model_path, opts.device, why, ui,
-                            lambda: on_event({"event": "ready", "rank": 0}))
+                            lambda: on_event({"event": "ready", "rank": 0}), answerer)
             else:
                 ui.waiting(f"Starting {workers} workers (loading model and shards; {why})")
                 run_workers(job, launch_of(opts, workers), on_event)
@@ -368,17 +389,19 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None) -> None:
 
 
 def _serve_here(job: dict, manifest: Manifest, model_path: Path, device: str, why: str, ui: UI,
-                on_ready) -> None:
-    """A warm group of one worker: this process (starqa.server's loop, no torchrun)."""
+                on_ready, answerer=None) -> None:
+    """A warm group of one worker: this process (starqa.server's loop, no torchrun), with
+    `answerer` if it holds the model and shard already."""
     from starqa import dist
     from starqa.answering import Answerer
     from starqa.server import serve_group
 
-    ui.waiting(f"Loading model and shards ({why})")
-    info = dist.local_world(device)
-    answerer = Answerer.from_cache(manifest, info, model_path, job["weights"],
-                                   topk_of(job["topk"]))
-    serve_group(job, info, answerer, manifest, on_ready)
+    if answerer is None:
+        ui.waiting(f"Loading model and shards ({why})")
+        info = dist.local_world(device)
+        answerer = Answerer.from_cache(manifest, info, model_path, job["weights"],
+                                       topk_of(job["topk"]))
+    serve_group(job, answerer.info, answerer, manifest, on_ready)
 
 
 def _checked_model(manifest: Manifest, spec: str | None, ui: UI | None = None) -> Path:

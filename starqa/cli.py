@@ -274,9 +274,10 @@ def ask(
 ) -> None:
     """Answer a question from a cached context (Phase 2), streaming tokens.
 
-    A cold ask answers in this process when model and shards fit in memory, then leaves a
-    warm group for --keep-alive seconds so the next question needs no load."""
-    from starqa import engine
+    A cold ask answers as one worker when model and shards fit in memory (a process forked
+    as the command started), which then stays for --keep-alive seconds as the context's
+    warm group, so the next question needs no load."""
+    from starqa import engine, headstart
     from starqa.ui import RichUI, answer_json, answer_stats
 
     opts = engine.AskOptions(question=question, context=context, model=model, workers=workers,
@@ -286,7 +287,7 @@ def ask(
                              keepalive=keepalive,
                              topk=_topk(attention, top_k, top_k_schedule, index, kv_on_disk))
     with RichUI(stream=not as_json) as ui:
-        answer = engine.ask(opts, ui)
+        answer = engine.ask(opts, ui, headstart.take())
     if as_json:
         print(json.dumps(answer_json(answer), indent=1))
     else:

@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 _pending: HeadStart | None = None
 GRACE_S = 5.0  # seconds an interrupted child has to finish its cleanup
@@ -40,20 +41,32 @@ class HeadStart:
         self.pid = pid
         self._job = os.fdopen(job_fd, "w")
         self._out = os.fdopen(out_fd, "r", errors="replace")
+        self.serving = False  # the child went on as the context's warm group
 
     def run(self, job: dict, on_event: Callable[[dict], None]) -> None:
         """Run `job` (a worker job, `starqa.launch.run_workers`'s kind) on the child: calls
-        `on_event` for each event, in order; raises what the worker failed with."""
+        `on_event` for each event, in order; raises what the worker failed with. A job
+        with "then_serve" (the ask's keep-alive, weights, workers and attention) has the
+        child, once it has answered, go on as the context's warm group (`serving`), in its
+        own session, with the model and shard it has loaded: nothing to start again."""
         import collections
 
         from starqa.launch import check_outcome, follow
 
         tail: collections.deque[str] = collections.deque(maxlen=200)
+
+        def seen(event: dict) -> None:
+            if event["event"] == "serving":
+                self.serving = True
+            else:
+                on_event(event)
+
         try:
             self._job.write(json.dumps(job) + "\n")
             self._job.close()
-            errors = follow(self._out, on_event, tail)
-            status = os.waitpid(self.pid, 0)[1]
+            errors = follow(self._out, seen, tail)
+            # a child that serves on has let go of the pipe; it is no longer this command's
+            status = 0 if self.serving and not errors else os.waitpid(self.pid, 0)[1]
             self.pid = 0
         except BaseException:  # Ctrl-C or a callback failure: the child goes too
             self.close()
@@ -177,6 +190,39 @@ def _groups_running() -> bool:
     return False
 
 
+def _serve_on(settings: dict, job: dict) -> Callable:
+    """What the child does once it has answered an ask whose keep-alive leaves a warm group:
+    it becomes that group (`starqa.ask.serve`, with the Answerer it holds), as `starqa
+    serve` would have been started to (`starqa.client.spawn`, which loads the model and
+    shard again: a second of CPU, during which the next question was cold). It tells the
+    command so, then leaves the command's session and output (its own go to the group's
+    log, as a spawned group's do) and no longer dies with it."""
+
+    def serve_on(answerer) -> None:
+        from starqa import client, worker
+        from starqa.ask import ServeOptions, serve
+        from starqa.indexes import topk_of
+        from starqa.manifest import read_manifest
+
+        key = read_manifest(Path(job["context_dir"])).key
+        log = os.open(client.run_dir() / f"{key}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                      0o600)
+        worker.emit("serving", pid=os.getpid())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.setsid()  # Ctrl-C at the terminal is the command's, no longer this group's
+        worker.parent_death_signal(0)()
+        os.dup2(log, 1)  # the pipe closes: the command's `follow` ends
+        os.dup2(log, 2)
+        os.close(log)
+        serve(ServeOptions(context=key, workers=settings.get("workers"),
+                           keepalive=settings["keepalive"], device=job.get("device", "auto"),
+                           weights=settings.get("weights"),
+                           topk=topk_of(settings.get("topk"))), answerer=answerer)
+
+    return serve_on
+
+
 def _child(parent: int, job_fd: int, out_fd: int) -> None:
     """The forked process: import, wait for the job, run it, exit. Its stdout and stderr
     are the output pipe (event lines, and whatever torch prints); stdin is /dev/null."""
@@ -205,7 +251,9 @@ def _child(parent: int, job_fd: int, out_fd: int) -> None:
             line = pipe.readline()
         if line:  # else the parent let go: nothing to do
             job = json.loads(line)
-            code = worker.run_job(job, dist.local_world(job.get("device", "auto")))
+            then = job.get("then_serve")
+            code = worker.run_job(job, dist.local_world(job.get("device", "auto")),
+                                  after=_serve_on(then, job) if then else None)
         else:
             code = 0
     except BaseException:  # nothing may escape into the parent's code (a forked copy)

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from starqa.errors import StarqaError, disk_full
 
@@ -131,7 +132,8 @@ def _answerer(job: dict, info):
     return answerer, manifest
 
 
-def run_ask(job: dict, info) -> None:
+def run_ask(job: dict, info):
+    """Answer the job's question; returns the Answerer (model and shard, still loaded)."""
     ctx, _ = _answerer(job, info)
     emit("ready", rank=info.rank, blocks=ctx.blocks)
     _fault("ask", info.rank)
@@ -151,6 +153,7 @@ def run_ask(job: dict, info) -> None:
     if job.get("measure", False):
         emit("measure", rank=info.rank, phase="ask", seconds=time.perf_counter() - started,
              tokens=len(tokens), sources_seconds=ctx.sources_seconds, **info.traffic.as_dict())
+    return ctx
 
 
 def run_serve(job: dict, info) -> None:
@@ -258,16 +261,21 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(0)
 
 
-def run_job(job: dict, info) -> int:
+def run_job(job: dict, info, after: Callable[[Any], None] | None = None) -> int:
     """Run the job's phase on this rank: 0, or 1 once the failure is reported (an `error`
     event, or a traceback on stderr). A torchrun rank (`main`) and a cold ask's head start
-    (`starqa.headstart`, a world of one) both come here."""
+    (`starqa.headstart`, a world of one) both come here. `after`: called, once the phase
+    is done and reported, with what it returns (an ask's Answerer: the head start goes on
+    as the warm group with it)."""
     from starqa import dist
 
     try:
-        {"ingest": run_ingest, "ask": run_ask, "serve": run_serve}[job["phase"]](job, info)
+        done = {"ingest": run_ingest, "ask": run_ask, "serve": run_serve}[job["phase"]](
+            job, info)
         emit("peak", rank=info.rank, bytes=_peak_memory(info))
         dist.barrier(info)  # every rank is done with the group
+        if after is not None:
+            after(done)
     except StarqaError as err:
         emit("error", rank=info.rank, kind=type(err).__name__, message=str(err), hint=err.hint)
         return 1

@@ -167,6 +167,38 @@ def test_a_cold_answer_reads_the_shard_where_it_lies(context):
     assert all(torch.equal(k, old) for (k, _), old in zip(pieces, before))  # never written
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the head start is Linux's")
+def test_a_cold_ask_goes_on_as_the_warm_group(context):
+    """Warm by default without a second start: the head start that answered a cold ask
+    goes on as the context's warm group (its own session, its output in the group's log),
+    so the next question is warm at once and nothing loads the model again; `starqa stop`
+    ends it."""
+    from starqa import client
+
+    cold = starqa("ask", QUESTION, "--keep-alive", "60", "--max-new-tokens", "4", "--json")
+    assert cold.returncode == 0, cold.stderr
+    assert json.loads(cold.stdout)["warm"] is False
+    deadline = time.monotonic() + 60  # it says it is ready once it listens
+    while (group := client.find(context.key)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert group is not None, (client.run_dir() / f"{context.key}.log").read_text()
+        assert group["keepalive"] == 60 and group["workers"] == 1
+        # the forked ask itself, not a `starqa serve` started after it
+        argv = open(f"/proc/{group['pid']}/cmdline").read().split("\0")
+        assert "ask" in argv and "serve" not in argv
+        assert os.getsid(group["pid"]) == group["pid"]  # out of the command's session
+        warm = starqa("ask", QUESTION, "--max-new-tokens", "4", "--json")
+        assert warm.returncode == 0, warm.stderr
+        assert json.loads(warm.stdout)["warm"] is True
+        assert json.loads(warm.stdout)["answer"] == json.loads(cold.stdout)["answer"]
+    finally:
+        stopped = starqa("stop", "--all")
+    assert stopped.returncode == 0, stopped.stderr
+    assert group is None or _gone(group["pid"])
+    assert client.find(context.key) is None
+
+
 def test_an_ask_that_cannot_fork_answers_in_its_own_process(context):
     """No process to spare (fork fails): the ask answers in its own process, as it would
     with STARQA_HEADSTART=0 (the fault injected into a worker's ask is never reached)."""
