@@ -17,8 +17,8 @@
    softmax over blocks of keys, as in FlashAttention), so nothing is rounded to bf16 but
    the inputs themselves.
 
-   Work is split into (head, run of keys of one buffer) tasks over OpenMP threads; loaded after torch,
-   this module shares torch's libgomp and so its thread pool. Each task keeps its running
+   Work is split into (head, run of keys of one buffer) tasks over OpenMP threads; loaded
+   after torch, this module shares torch's libgomp and so its thread pool. Each task keeps its running
    maximum, sum and unnormalised output; the tasks of a head are merged at the end by the
    same LSE rule as starqa.attention.merge.
 
@@ -304,7 +304,6 @@ AVX512 static inline void softmax_block16(int64_t rows, int64_t jn, int64_t d,
     }
 TASK_AVX512(4)
 TASK_AVX512(8)
-
 
 #endif
 

@@ -13,9 +13,12 @@ An ask that ends any other way (a warm group answered, more than one worker, an 
 `--help`) lets go of it (`discard`, also at exit): the child sees its job pipe close and
 exits without a word.
 
-The child never outlives the command: the kernel kills it when the parent dies (even by
-SIGKILL), and Ctrl-C interrupts it as it does the command (what it prints goes to the pipe,
-which the interrupted command no longer reads). Linux only (fork with a plain libc); elsewhere, and
+Once it has answered an ask with a keep-alive, the child goes on as the context's warm group
+(`_serve_on`: `starqa.ask.serve` with the model and shard it holds), in a session of its
+own, instead of the command starting `starqa serve` to load them again. Until then it never
+outlives the command: the kernel kills it when the parent dies (even by SIGKILL), and
+Ctrl-C interrupts it as it does the command (what it prints goes to the pipe, which the
+interrupted command no longer reads). Linux only (fork with a plain libc); elsewhere, and
 with `STARQA_HEADSTART=0`, the ask answers in its own process as before.
 """
 
@@ -205,6 +208,12 @@ def _serve_on(settings: dict, job: dict) -> Callable:
         from starqa.manifest import read_manifest
 
         key = read_manifest(Path(job["context_dir"])).key
+        held = client.claim(key)
+        if held is None or client.find(key) is not None:  # one runs or starts already
+            if held is not None:
+                held.close()
+            return
+        held.close()  # (`serve` takes it for good)
         log = os.open(client.run_dir() / f"{key}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
                       0o600)
         worker.emit("serving", pid=os.getpid())
