@@ -152,18 +152,11 @@ def _with_indexes(manifest: Manifest, topk: TopK | None, ui: UI) -> Manifest:
 
 
 def question_ids(manifest: Manifest, model_path: Path, question: str) -> tuple[Any, list[int]]:
-    """(tokenizer, the question's query ids). With the manifest's query template the plain
-    `tokenizers` library does it (no transformers import on a cold ask's way to its first
-    token); without (older caches, templates that reshape the question), transformers."""
-    from starqa import models
-
-    template = manifest.query_template
-    if isinstance(template, dict) and all(isinstance(template.get(k), str)
-                                          for k in ("prefix", "suffix")):
-        if (fast := models.load_fast_tokenizer(model_path)) is not None:
-            return fast, fast.encode(template["prefix"] + question.strip() + template["suffix"])
-    tokenizer = models.load_tokenizer(model_path)
-    return tokenizer, prompt.tokenize_query(tokenizer, question)
+    """(tokenizer, the question's query ids), without importing transformers where the
+    manifest has its query template (`prompt.QueryTokens`)."""
+    tokens = prompt.QueryTokens(manifest.query_template, model_path)
+    ids = tokens.ids(question)
+    return tokens.tokenizer, ids
 
 
 def ask_tokens(manifest: Manifest, query_ids: list[int], *, workers: int | None = None,
@@ -214,6 +207,7 @@ def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int
                 ui.token(piece)
         elif event["event"] == "done":
             timing["done"] = event
+            timing["end"] = time.perf_counter()  # (a head start may go on serving after)
         elif event["event"] == "peak":
             peaks[event["rank"]] = event["bytes"]
         elif event["event"] == "measure":
@@ -232,7 +226,7 @@ def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int
     return Answer(text=stream.text.strip(), token_ids=stream.ids, context=manifest,
                   query_tokens=len(query_ids), workers=workers * launch.nnodes,
                   query_host=launch.node_rank == launch.nnodes - 1,
-                  seconds=time.perf_counter() - started,
+                  seconds=timing.get("end", time.perf_counter()) - started,
                   first_token_seconds=(first - started) if first else None,
                   decode_seconds=done.get("decode_s", 0.0), prefill_seconds=done.get("prefill_s"),
                   sources=done.get("sources") or [],
@@ -318,11 +312,13 @@ class ServeOptions:
     rdzv_endpoint: str | None = None
 
 
-def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None, answerer=None) -> None:
+def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None, answerer=None,
+          claim=None) -> None:
     """Run a warm worker group for a context until stopped or idle for `keepalive` (<= 0:
     never). One worker runs in this process; more run on torchrun. `answerer`: the model
     and shard a world of one holds already (a cold ask's head start going on as the
-    group, starqa.headstart), so nothing is loaded again.
+    group, starqa.headstart), so nothing is loaded again; `claim`: the context's group
+    slot (`client.claim`), when the caller holds it already.
 
     Across machines (`nnodes` > 1) every machine runs this with its own `node_rank`; the
     query host (the machine of the last rank) serves the socket and writes a run file with
@@ -332,7 +328,7 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None, answerer=None) -> No
 
     manifest = store.find_context(paths.contexts_dir(), opts.context)
     key = manifest.key
-    claim = client.claim(key)  # held while the group lives: one group per context
+    claim = claim or client.claim(key)  # held while the group lives: one group per context
     if claim is None and (group := client.part(key)) is not None:
         raise client.elsewhere(group)
     if claim is None or client.find(key) is not None:

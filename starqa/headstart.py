@@ -197,9 +197,11 @@ def _serve_on(settings: dict, job: dict) -> Callable:
     """What the child does once it has answered an ask whose keep-alive leaves a warm group:
     it becomes that group (`starqa.ask.serve`, with the Answerer it holds), as `starqa
     serve` would have been started to (`starqa.client.spawn`, which loads the model and
-    shard again: a second of CPU, during which the next question was cold). It tells the
-    command so, then leaves the command's session and output (its own go to the group's
-    log, as a spawned group's do) and no longer dies with it."""
+    shard again: a second of CPU, during which the next question was cold). Once the group
+    listens and its run file is written, it tells the command so (which then ends: the next
+    ask finds the group) and leaves the command's session and output (its own go to the
+    group's log, as a spawned group's do); it no longer dies with the command. Where a group
+    runs or starts for the context already, it just exits."""
 
     def serve_on(answerer) -> None:
         from starqa import client, worker
@@ -213,21 +215,36 @@ def _serve_on(settings: dict, job: dict) -> Callable:
             if held is not None:
                 held.close()
             return
-        held.close()  # (`serve` takes it for good)
         log = os.open(client.run_dir() / f"{key}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
                       0o600)
-        worker.emit("serving", pid=os.getpid())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.setsid()  # Ctrl-C at the terminal is the command's, no longer this group's
-        worker.parent_death_signal(0)()
-        os.dup2(log, 1)  # the pipe closes: the command's `follow` ends
-        os.dup2(log, 2)
-        os.close(log)
-        serve(ServeOptions(context=key, workers=settings.get("workers"),
-                           keepalive=settings["keepalive"], device=job.get("device", "auto"),
-                           weights=settings.get("weights"),
-                           topk=topk_of(settings.get("topk"))), answerer=answerer)
+
+        detached = []
+
+        def ready(info: dict) -> None:
+            detached.append(True)
+            worker.emit("serving", pid=os.getpid())
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.setsid()  # Ctrl-C at the terminal is the command's, no longer this group's
+            worker.parent_death_signal(0)()
+            os.dup2(log, 1)  # the pipe closes: the command's `follow` ends
+            os.dup2(log, 2)
+            os.close(log)
+
+        try:
+            serve(ServeOptions(context=key, workers=settings.get("workers"),
+                               keepalive=settings["keepalive"],
+                               device=job.get("device", "auto"),
+                               weights=settings.get("weights"),
+                               topk=topk_of(settings.get("topk"))),
+                  on_ready=ready, answerer=answerer, claim=held)
+        except Exception as err:
+            if detached:
+                raise  # the group's own failure: its log says it
+            # the answer stands: the command ends without a group; the log says why
+            os.write(log, f"The cold ask's process could not go on as the group: {err}\n"
+                     .encode())
+            os.close(log)
 
     return serve_on
 

@@ -85,6 +85,43 @@ def tokenize_query(tokenizer, question: str, history: Sequence[tuple[str, str]] 
                      add_special_tokens=False)["input_ids"]
 
 
+class QueryTokens:
+    """A context's questions → query ids. With the manifest's query template (the chat
+    template's text before and after a question alone) the plain `tokenizers` library does
+    it: neither a cold ask on its way to the first token nor a warm group starting imports
+    transformers for it. Questions with conversation history, and contexts without the
+    template (older caches, templates that reshape the question), take transformers'
+    tokenizer, loaded when first needed."""
+
+    def __init__(self, template, model_path):
+        from starqa import models
+
+        self.model_path = model_path
+        self.template = template if isinstance(template, dict) and all(
+            isinstance(template.get(k), str) for k in ("prefix", "suffix")) else None
+        self.fast = models.load_fast_tokenizer(model_path) if self.template else None
+        self._full = None
+
+    @property
+    def tokenizer(self):
+        """A tokenizer that decodes the answer (and finds its stop tokens)."""
+        return self.fast if self.fast is not None else self.full()
+
+    def full(self):
+        """transformers' tokenizer (loaded once, when first needed)."""
+        if self._full is None:
+            from starqa import models
+
+            self._full = models.load_tokenizer(self.model_path)
+        return self._full
+
+    def ids(self, question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
+        if self.fast is not None and not history:
+            return self.fast.encode(self.template["prefix"] + question.strip() +
+                                    self.template["suffix"])
+        return tokenize_query(self.full(), question, history)
+
+
 class TextStream:
     """Generated token ids in, the text to show out, piece by piece: a piece that ends in
     half a multi-byte character waits for the rest."""

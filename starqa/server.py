@@ -53,13 +53,17 @@ def serve_group(job: dict, info, answerer, manifest: Manifest, on_ready) -> None
 
 class Server:
     def __init__(self, job: dict, ctx, manifest: Manifest):
-        from starqa.models import load_tokenizer, stop_ids
+        from starqa.models import stop_ids
+        from starqa.prompt import QueryTokens
 
         self.ctx = ctx
         self.manifest = manifest
         self.path = Path(job["socket"])
         self.keepalive = float(job["keepalive"])
-        self.tokenizer = load_tokenizer(job["model_path"])
+        # (the plain tokenizers library where it can: a group starting, a cold ask's head
+        # start going on as one among them, does not wait a second for transformers)
+        self.tokens = QueryTokens(manifest.query_template, Path(job["model_path"]))
+        self.tokenizer = self.tokens.tokenizer
         self.stop_ids = sorted(stop_ids(self.tokenizer, Path(job["model_path"])))
         self.window = manifest.model.window
         self.path.unlink(missing_ok=True)
@@ -131,7 +135,7 @@ class Server:
         history = [tuple(turn) for turn in history]
         n = self.manifest.n_tokens
         while True:
-            ids = prompt.tokenize_query(self.tokenizer, question, history)
+            ids = self.tokens.ids(question, history)
             error = prompt.room_error(n, len(ids), max_new, self.window)
             if error is None or message.get("beyond_window"):
                 break
