@@ -348,7 +348,10 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None, answerer=None,
                "socket": str(client.run_dir() / f"{key}.sock"),
                "weights": models.phase2_weights(opts.weights, manifest.model.spec,
                                                 opts.device),
-               "topk": opts.topk.as_dict() if opts.topk else None}
+               "topk": opts.topk.as_dict() if opts.topk else None,
+               # a cold ask's head start going on as the group listens at once; transformers'
+               # tokenizer (conversation history) loads at the first question that needs it
+               "lazy_tokenizer": answerer is not None}
         ready: dict[int, dict] = {}
 
         def on_event(event: dict) -> None:

@@ -60,9 +60,11 @@ class Server:
         self.manifest = manifest
         self.path = Path(job["socket"])
         self.keepalive = float(job["keepalive"])
-        # (the plain tokenizers library where it can: a group starting, a cold ask's head
-        # start going on as one among them, does not wait a second for transformers)
+        # (the plain tokenizers library where it can: a cold ask's head start going on as
+        # the group does not wait a second for transformers before it listens)
         self.tokens = QueryTokens(manifest.query_template, Path(job["model_path"]))
+        if not job.get("lazy_tokenizer"):  # ready for `chat`'s history from the start
+            self.tokens.full()
         self.tokenizer = self.tokens.tokenizer
         self.stop_ids = sorted(stop_ids(self.tokenizer, Path(job["model_path"])))
         self.window = manifest.model.window

@@ -190,6 +190,13 @@ def test_a_cold_ask_goes_on_as_the_warm_group(context):
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["warm"] is True
         assert json.loads(warm.stdout)["answer"] == json.loads(cold.stdout)["answer"]
+        # a chat turn: its history takes transformers' tokenizer, loaded now, not at start
+        conn = client.Client(group)
+        try:
+            done = list(conn.ask(QUESTION, [("who paid?", "the company")], 4))[-1]
+        finally:
+            conn.close()
+        assert done["event"] == "done" and done["turns_used"] == 1 and done["token_ids"]
     finally:
         stopped = starqa("stop", "--all")
     assert stopped.returncode == 0, stopped.stderr
