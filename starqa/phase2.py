@@ -246,14 +246,22 @@ class ShardAttention:
         # candidates in pieces whose keys (every layer, fp32) take at most MASS_BYTES
         piece = max(1, MASS_BYTES // (layers * kv_heads * dim * 4))
         gathered = torch.empty(layers, kv_heads, min(piece, len(where)), dim)
+        blocks = self._block_keys()
         for start in range(0, len(where), piece):
             chosen = where[start:start + piece]
             # [L * Hkv, U, D] fp32, gathered a layer at a time into one buffer and read in
             # place by the matmuls below as [L * Hkv, D, U]
             keys = gathered[:, :, :len(chosen)]
             plan = self._gather_plan(chosen)
-            for layer in range(layers):
-                self._keys_at(layer, plan, keys[layer])
+            if blocks is not None:  # every layer at once, per piece
+                for index, mine, rows in plan:
+                    if len(plan) == 1:
+                        keys.copy_(blocks[index].index_select(2, rows))
+                    else:
+                        keys.index_copy_(2, mine, blocks[index].index_select(2, rows).float())
+            else:
+                for layer in range(layers):
+                    self._keys_at(layer, plan, keys[layer])
             keys = keys.reshape(layers * kv_heads, -1, dim).transpose(1, 2)
             probs = torch.empty(len(chosen))
             runs = torch.unique_consecutive(tokens_of[start:start + piece], return_counts=True)
@@ -282,6 +290,35 @@ class ShardAttention:
             mine = (piece == index).nonzero().flatten()
             plan.append((index, mine, positions[mine] - self._starts[index]))
         return plan
+
+    def _block_keys(self) -> list[torch.Tensor] | None:
+        """Each piece's keys of every layer as one view [L, Hkv, T_i, D], where its layers lie
+        evenly spaced in one buffer (a block file's keys [L, Hkv, T, D], as `load_shard` maps
+        them), so attribution gathers a piece's keys of all layers in one op; else None.
+        Found once (the shard never changes)."""
+        if not hasattr(self, "_blocks"):
+            self._blocks = self._find_block_keys()
+        return self._blocks
+
+    def _find_block_keys(self) -> list[torch.Tensor] | None:
+        if self.shard is None or len(self.shard) < 2:
+            return None
+        views = []
+        for index in range(len(self.shard[0])):
+            first = self.shard[0][index][0][0]
+            size, storage = first.element_size(), first.untyped_storage().data_ptr()
+            step = self.shard[1][index][0][0].data_ptr() - first.data_ptr()
+            if step <= 0 or step % size or any(
+                    layer[index][0][0].untyped_storage().data_ptr() != storage or
+                    layer[index][0][0].data_ptr() != first.data_ptr() + i * step or
+                    layer[index][0][0].stride() != first.stride() or
+                    layer[index][0][0].shape != first.shape
+                    for i, layer in enumerate(self.shard)):
+                return None
+            views.append(first.as_strided((len(self.shard), *first.shape),
+                                          (step // size, *first.stride()),
+                                          first.storage_offset()))
+        return views
 
     def _keys_at(self, layer: int, plan, out: torch.Tensor) -> None:
         """Write this layer's keys [Hkv, U, D] that `plan` (`_gather_plan`) locates into

@@ -67,14 +67,18 @@ def test_key_mass_sums_to_the_shards_share_of_attention():
     torch.testing.assert_close((left.sum() + right.sum()).item(), 6 * 3.0, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("blocks", [True, False])
 @pytest.mark.parametrize("piece_bytes", [None, 2 * 2 * 8 * 4 * 7])
-def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_bytes, monkeypatch):
+def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_bytes, blocks,
+                                                                      monkeypatch):
     """What Phase 2 attributes after the answer against `key_mass` over every key: row s
     (the one that emitted tokens[s]) counts on exactly the keys holding tokens[s], summed
     over layers and heads; keys of tokens never emitted and the keys before the first
     document (the head) get nothing. The shard spans several kernel slots and is held in
-    three pieces; with `piece_bytes`, the candidates go in pieces of 7 keys (a token's keys
-    split across pieces)."""
+    three pieces: each a block's buffer of every layer (`blocks`, as load_shard maps them:
+    a piece's keys are gathered for all layers at once) or slices of per-layer buffers;
+    with `piece_bytes`, the candidates go in pieces of 7 keys (a token's keys split across
+    pieces)."""
     from starqa import dist, phase2
 
     if piece_bytes:
@@ -83,12 +87,20 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_byte
     torch.manual_seed(0)
     n, head, layers = 2 * 128 * 3 + 37, 11, 2
     ids = torch.randint(0, 12, (n,))
-    shard = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for _ in range(layers)]
-    # held in three pieces of unequal lengths, as blocks are (load_shard)
-    cuts = [0, 300, 301, n]
-    pieces = [[(k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])] for k, v in shard]
+    cuts = [0, 300, 301, n]  # three pieces of unequal lengths
+    if blocks:
+        held = [(torch.randn(layers, 2, b - a, 8), torch.randn(layers, 2, b - a, 8))
+                for a, b in zip(cuts, cuts[1:])]
+        pieces = [[(k[layer][None], v[layer][None]) for k, v in held] for layer in range(layers)]
+        shard = [tuple(torch.cat([p[i] for p in layer], dim=2) for i in (0, 1))
+                 for layer in pieces]
+    else:
+        shard = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for _ in range(layers)]
+        pieces = [[(k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
+                  for k, v in shard]
     hook = phase2.ShardAttention(dist.local_world(), pieces, query_host=True, head=head,
                                  ids=ids)
+    assert (hook._block_keys() is not None) == blocks
     hook.begin(8)
     hook.track = True
     tokens = [3, 7, 3, 11]  # what each tracked row emitted (the last row's pick is cut off)
