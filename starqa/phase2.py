@@ -254,14 +254,11 @@ class ShardAttention:
             keys = gathered[:, :, :len(chosen)]
             plan = self._gather_plan(chosen)
             if blocks is not None:  # every layer at once, per piece
-                for index, mine, rows in plan:
-                    if len(plan) == 1:
-                        keys.copy_(blocks[index].index_select(2, rows))
-                    else:
-                        keys.index_copy_(2, mine, blocks[index].index_select(2, rows).float())
+                _gather(plan, blocks.__getitem__, keys, 2)
             else:
                 for layer in range(layers):
-                    self._keys_at(layer, plan, keys[layer])
+                    _gather(plan, lambda index, layer=layer: self.shard[layer][index][0][0],
+                            keys[layer], 1)
             keys = keys.reshape(layers * kv_heads, -1, dim).transpose(1, 2)
             probs = torch.empty(len(chosen))
             runs = torch.unique_consecutive(tokens_of[start:start + piece], return_counts=True)
@@ -320,15 +317,16 @@ class ShardAttention:
                                           first.storage_offset()))
         return views
 
-    def _keys_at(self, layer: int, plan, out: torch.Tensor) -> None:
-        """Write this layer's keys [Hkv, U, D] that `plan` (`_gather_plan`) locates into
-        out [Hkv, U, D]."""
-        for piece, mine, rows in plan:
-            keys = self.shard[layer][piece][0][0].index_select(1, rows)
-            if len(plan) == 1:
-                out.copy_(keys)
-            else:
-                out[:, mine] = keys.to(out.dtype)
+
+def _gather(plan, source, out: torch.Tensor, dim: int) -> None:
+    """Write the keys `plan` (`ShardAttention._gather_plan`) locates into `out`: for each
+    (piece, indices, rows), rows `rows` of `source(piece)` along `dim` go to `indices`."""
+    for index, mine, rows in plan:
+        keys = source(index).index_select(dim, rows)
+        if len(plan) == 1:
+            out.copy_(keys)
+        else:
+            out.index_copy_(dim, mine, keys.to(out.dtype))
 
 
 def _folded(result: tuple[torch.Tensor, torch.Tensor], kv_heads: int
