@@ -14,12 +14,18 @@ Shapes (batch 1 throughout, dropped where it would only be noise):
     query [1, Hq, M, D]   key, value [1, Hkv, M, D] (RoPE applied)  →  out [1, Hq, M, D]
 
 Weights are `Linear`s: dense in the compute dtype, or weight-only int8 (per output channel)
-or int4 (groups of 32 along the input, asymmetric), computed by torch's CPU kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). Those kernels are built for one row
-(decode reads every weight once per token: bytes rule). A forward of several rows (the
-question's prefill) is compute-bound instead, and there int8 activations times int8
-weights (`torch._int_mm`, VNNI on x86) run about 4x faster than either kernel: quantised
-formats keep an int8 copy for it (int8: the weight itself), see `Linear.__call__`.
+or int4 (groups of 32 along the input, asymmetric). int8 runs torch's CPU kernel
+(`_weight_int8pack_mm`); int4 runs starqa's (`native.int4_mm`, starqa/_int4.c: the weights
+in its own tiles, the activations in int8 per group of 32, AVX-512 VNNI) where the CPU has
+VNNI, else torch's (`_weight_int4pack_mm_for_cpu`, in torch's packed layout). Those kernels
+are built for one row (decode reads every weight once per token: bytes rule); starqa's
+streams the weights at 26-36 GB/s on a 2-core Zen 5 where torch's reaches 14-27, which took
+a SmolLM2 decode step's model part 6.2 → 5.5 ms and Qwen2.5-Coder-1.5B's 30.6 → 25.3 ms. A
+forward of several rows (the question's prefill) is compute-bound instead, and there int8
+activations times int8 weights (`torch._int_mm`, VNNI on x86) run about 4x faster than
+either kernel: quantised formats keep an int8 copy for it (int8: the weight itself), see
+`Linear.__call__`. On the CPU, RMSNorm and RoPE are starqa's kernels too (starqa/_rows.c,
+one call each where torch runs ~8 operators: 5.5 → 4.4 ms for SmolLM2's step).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from starqa import native
 from starqa.errors import StarqaError
 from starqa.models import WEIGHT_FORMATS, weight_files, weights_digest
 
@@ -84,8 +91,9 @@ class DecoderConfig:
 
 class Linear:
     """y = x Wᵀ (+ b) for x [M, K]: `weight` [N, K] dense, or weight-only int8 (`weight`
-    int8 [N, K], `scale` [N]) or int4 (torch's packed CPU layout, `scale` the scales and
-    zeros [K / 32, N, 2]). Quantised formats also hold `w8` (int8 [N, K]) and `w8_scale`
+    int8 [N, K], `scale` [N]) or int4: starqa's tiles (`weight` uint8 [N / 16, K / 32, 320],
+    scales and zeros inside, `scale` None; starqa/_int4.c) or torch's packed CPU layout
+    (`scale` the scales and zeros [K / 32, N, 2]). Quantised formats also hold `w8` (int8 [N, K]) and `w8_scale`
     (fp32 [N]): the weight per output channel in int8, for forwards of W8A8_MIN_ROWS rows
     or more (for int8 these are the weight and its scale)."""
 
@@ -95,7 +103,8 @@ class Linear:
         if fmt != "dense":
             # The packed kernels read past 64-byte alignment assumptions: a tensor mapped
             # from a safetensors file at an unaligned offset crashes _weight_int8pack_mm.
-            weight, scale = _aligned(weight), _aligned(scale)
+            weight = _aligned(weight)
+            scale = None if scale is None else _aligned(scale)
         if fmt == "int8":
             w8, w8_scale = weight, scale.float()
         self.format, self.weight, self.scale, self.bias = fmt, weight, scale, bias
@@ -106,7 +115,8 @@ class Linear:
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
                  dtype: torch.dtype, rows: bool = True) -> Linear:
         """`weight` [N, K] in format `fmt`; dense where the CPU kernels do not apply (CUDA;
-        int4 needs K a multiple of 32 and N of 16). rows=False: only ever called on one
+        int4 needs K a multiple of 32 and N of 16). int4 is starqa's tiles where its fast
+        kernel runs (`native.int4_fast`), else torch's layout. rows=False: only ever called on one
         row (the LM head, on the last position), so int4 keeps no int8 copy."""
         bias = None if bias is None else bias.to(dtype)
         n, k = weight.shape
@@ -117,6 +127,8 @@ class Linear:
             return cls(fmt, q, scale.to(dtype), bias)
         if fmt == "int4":
             copy = _int8_per_channel(weight) if rows else (None, None)
+            if native.int4_fast():
+                return cls(fmt, _int4_tiles(weight.float()), None, bias, *copy)
             return cls(fmt, *_int4_pack(weight.float(), dtype), bias, *copy)
         return cls("dense", weight.to(dtype).contiguous(), None, bias)
 
@@ -128,6 +140,8 @@ class Linear:
             y = _w8a8(x, self.w8, self.w8_scale)
         elif self.format == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
+        elif self.format == "int4" and self.scale is None:  # starqa's tiles
+            y = native.int4_mm(x, self.weight)
         elif self.format == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scale)
         else:
@@ -174,18 +188,40 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
 
 
-def _int4_pack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _int4_levels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 in groups of INT4_GROUP along K: w ≈ (q - 8) · scale + zero, where
-    zero = min + 8 · scale, so q = 0..15 spans [min, max] of the group. Returns torch's
-    packed CPU layout and scales_and_zeros [K / group, N, 2]."""
+    zero = min + 8 · scale, so q = 0..15 spans [min, max] of the group. Returns q [N, K]
+    (int32), scale and zero [N, K / group] (fp32)."""
     n, k = w.shape
     groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp(min=1e-12)
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k), 1)
-    zero = low + 8 * scale
+    return q.to(torch.int32).view(n, k), scale, low + 8 * scale
+
+
+def _int4_pack(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_int4_levels` in torch's packed CPU layout, and scales_and_zeros [K / group, N, 2]."""
+    q, scale, zero = _int4_levels(w)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
     return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def _int4_tiles(w: torch.Tensor) -> torch.Tensor:
+    """`_int4_levels` in starqa/_int4.c's tiles (its docstring draws them): uint8 [N / 16,
+    K / 32, 320], per tile and group 256 bytes of nibbles, 16 bf16 scales, 16 bf16 zeros."""
+    q, scale, zero = _int4_levels(w)
+    n, k = q.shape
+    tiles, groups = n // 16, k // INT4_GROUP
+    # q[16 t + lane, 32 g + 16 h + 4 c + j] → nibble h of byte (t, g, 64 c + 4 lane + j)
+    q = q.to(torch.uint8).view(tiles, 16, groups, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(tiles, groups, 256)
+
+    def per_tile(x: torch.Tensor) -> torch.Tensor:  # [N, G] → bf16 bytes [T, G, 32]
+        return x.to(torch.bfloat16).view(tiles, 16, groups).transpose(1, 2).contiguous() \
+            .view(torch.uint8)
+
+    return torch.cat([nibbles, per_tile(scale), per_tile(zero)], dim=-1).contiguous()
 
 
 LINEARS = ("qkv", "out", "gate_up", "down")
@@ -213,6 +249,12 @@ class Decoder:
         self.inv_freq = 1.0 / (config.rope_theta ** (
             torch.arange(0, d, 2, dtype=torch.int64).float() / d)).to(embed.device)
         self.scale = d ** -0.5
+        self.native_rows = (native.rows_supported(embed.device, dtype) and d % 2 == 0
+                            and d <= 512 and all(t.is_contiguous() for t in self._norms()))
+
+    def _norms(self) -> list[torch.Tensor]:
+        return [self.norm, *(w for layer in self.layers for w in (layer.attn_norm,
+                                                                   layer.mlp_norm))]
 
     @property
     def device(self) -> torch.device:
@@ -233,20 +275,24 @@ class Decoder:
         m = ids.shape[0]
         q_size = c.heads * c.head_dim
         cos, sin = self.rope(positions)
+        # on the CPU RMSNorm and RoPE are starqa's kernels (starqa/_rows.c: one call each
+        # where torch runs ~8 operators, and transformers' roundings)
+        norm, rotate = (native.rms_norm, native.rope_) if self.native_rows else \
+            (_rms_norm, _rotate)
         hidden = self.embed[ids]  # [M, H]
         for index, layer in enumerate(self.layers):
-            x = _rms_norm(hidden, layer.attn_norm, c.eps)
+            x = norm(hidden, layer.attn_norm, c.eps)
             qkv = layer.qkv(x, rowwise).view(m, c.heads + 2 * c.kv_heads, c.head_dim)
-            qk = _rotate(qkv[:, :c.heads + c.kv_heads], cos, sin)  # RoPE on q and k at once
+            qk = rotate(qkv, c.heads + c.kv_heads, cos, sin)  # RoPE on q and k at once
             q, k, v = qk[:, :c.heads], qk[:, c.heads:], qkv[:, c.heads + c.kv_heads:]
             out = attention(index, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                             v.transpose(0, 1)[None])  # [1, Hq, M, D]
             hidden = hidden + layer.out(out[0].transpose(0, 1).reshape(m, q_size).to(self.dtype),
                                        rowwise)
-            x = _rms_norm(hidden, layer.mlp_norm, c.eps)
+            x = norm(hidden, layer.mlp_norm, c.eps)
             gate, up = layer.gate_up(x, rowwise).chunk(2, dim=-1)
             hidden = hidden + layer.down(F.silu(gate) * up, rowwise)
-        return _rms_norm(hidden, self.norm, c.eps)
+        return norm(hidden, self.norm, c.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, vocab] logits for hidden states [M, H]."""
@@ -280,14 +326,15 @@ class Decoder:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # One fused kernel (it accumulates in fp32); transformers' LlamaRMSNorm also normalises
-    # in fp32 but rounds to the input dtype before scaling, so bf16 results may differ by
-    # one rounding, fp32 ones not at all.
+    # torch's fused kernel scales before rounding to the input dtype: bf16 results may
+    # differ from transformers' LlamaRMSNorm (and starqa's CPU kernel) by one rounding.
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [M, heads, D] (transformers' rotate_half convention)."""
+def _rotate(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on heads [0, heads) of x [M, H, D] (transformers' rotate_half convention),
+    returned as [M, heads, D]: each product and the sum rounded to the dtype."""
+    x = x[:, :heads]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -298,8 +345,8 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
     """The model in `folder` for Phase 2, with its linear layers in `weights` format.
 
     Quantised weights are prepared once and kept next to the model, in
-    `.starqa-phase2-<weights>-<dtype>.safetensors` (keyed by the weights' hash and the torch
-    version, whose packed int4 layout may change), so later loads only read them; a folder
+    `.starqa-phase2-<weights>-<dtype>.safetensors` (keyed by the weights' hash, the torch
+    version, whose packed int4 layout may change, and for int4 whose layout it holds), so later loads only read them; a folder
     starqa may not write to is quantised at every load instead."""
     if weights not in WEIGHT_FORMATS:
         raise StarqaError(f"Unknown weight format {weights!r}.",
@@ -314,6 +361,8 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
                             ".safetensors"
     stamp = {"weights_sha256": weights_digest(folder), "torch": torch.__version__,
              "layout": PREPARED_LAYOUT}
+    if weights == "int4":  # whose layout: a folder shared with a CPU without VNNI rebuilds
+        stamp["int4"] = "tiles" if native.int4_fast() else "torch"
     try:
         # Memory-mapped, not read: the file keeps every tensor 64-byte aligned (what the
         # packed kernels want), so nothing is copied, a page is read only when used (a

@@ -1,7 +1,9 @@
-"""starqa's compiled CPU attention kernels (starqa/_attend.c: exact; starqa/_topk.c:
-top-k), built by `pip install` where a C compiler is found and called through ctypes.
-Without them, `available()` is False and starqa.attention and starqa.retrieval fall back
-to torch's and numpy's code."""
+"""starqa's compiled CPU kernels (starqa/_attend.c: exact attention; starqa/_topk.c: top-k
+attention; starqa/_int4.c: int4 weights times a few rows; starqa/_rows.c: RMSNorm and
+RoPE), built by `pip install` where a
+C compiler is found and called through ctypes. Without them, `available()` is False and
+starqa.attention, starqa.retrieval and starqa.decoder fall back to torch's and numpy's
+code."""
 
 from __future__ import annotations
 
@@ -25,9 +27,16 @@ def _library():
             try:
                 library = ctypes.CDLL(str(path))
                 exact, top = library.starqa_attend, library.starqa_topk_attend
+                fast, product = library.starqa_int4_fast, library.starqa_int4_mm
+                norm, rope = library.starqa_rms_norm, library.starqa_rope
             except (OSError, AttributeError):  # built for another platform, or damaged
                 return None
-            exact.restype = top.restype = ctypes.c_int
+            exact.restype = top.restype = fast.restype = product.restype = ctypes.c_int
+            norm.restype, rope.restype = None, ctypes.c_int
+            norm.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, ctypes.c_float, _PTR]
+            rope.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
+            product.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR,
+                                ctypes.c_int, ctypes.c_int]
             exact.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
                               _PTR, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
             top.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _I64,
@@ -193,3 +202,57 @@ def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
             f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "
             f"{n_lists} lists, {probes} probes"))
     return out, lse
+
+
+@functools.cache
+def int4_fast() -> bool:
+    """Whether `int4_mm` runs its fast path here (the kernel is built and the CPU has AVX-512
+    VNNI); where not, starqa.decoder keeps int4 weights in torch's own packed format."""
+    library = _library()
+    return library is not None and bool(library.starqa_int4_fast())
+
+
+def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Tensor:
+    """x [M, K] (bf16 or fp32, CPU) times int4 weights [N, K] packed as `tiles` (uint8
+    [N / 16, K / 32, 320], starqa/_int4.c says how) transposed: [M, N] in x's dtype, the
+    activations quantised to int8 per group of 32. fast=False: the kernel's plain C path
+    (the same sums; for tests)."""
+    library = _library()
+    n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != k:
+        raise ValueError(f"int4 kernel: x {tuple(x.shape)} {x.dtype} against weights [{n}, {k}]")
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], n)
+    bf16 = int(x.dtype == torch.bfloat16)
+    code = library.starqa_int4_mm(bf16, x.data_ptr(), x.shape[0], k, tiles.data_ptr(), n, bf16,
+                                  y.data_ptr(), int(fast), torch.get_num_threads())
+    if code:
+        raise MemoryError() if code == 2 else ValueError(f"int4 kernel: shapes {n}x{k}")
+    return y
+
+
+
+def rows_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `rms_norm` and `rope_` take tensors of this device and dtype."""
+    return available() and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [M, H] with `weight` [H] (starqa/_rows.c: transformers' roundings), both
+    contiguous, of one dtype that `rows_supported` takes (the caller's to check: this runs
+    once per norm of every token, and is kept lean: ~4 µs against torch's ~11)."""
+    y = torch.empty_like(x)
+    _library().starqa_rms_norm(x.dtype == torch.bfloat16, x.data_ptr(), x.shape[0], x.shape[1],
+                               weight.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in place on heads [0, heads) of x [M, H, D] with cos, sin [M, 1, D]
+    (starqa/_rows.c), all contiguous, of one dtype that `rows_supported` takes, D even and
+    at most 512; returns x[:, :heads]."""
+    if _library().starqa_rope(x.dtype == torch.bfloat16, x.data_ptr(), x.shape[0],
+                              x.shape[1] * x.shape[2], heads, x.shape[2], cos.data_ptr(),
+                              sin.data_ptr()):
+        raise ValueError(f"RoPE kernel: head size {x.shape[2]} (even, at most 512)")
+    return x[:, :heads]

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from starqa import models
+from starqa import models, native
 from starqa.attention import attend
 from starqa.decoder import load_decoder
 from starqa.errors import StarqaError
@@ -58,15 +58,22 @@ def test_quantised_weights_are_prepared_once(tiny, weights, bound):
 
 
 def test_stale_prepared_weights_are_rebuilt(tiny, tmp_path):
-    """Prepared weights of other model weights (or another torch) are not used."""
-    decoder = load_decoder(tiny, torch.bfloat16, "int4")
-    prepared = tiny / ".starqa-phase2-int4-bfloat16.safetensors"
+    """Prepared weights of other model weights (or another torch), or int4 weights in the
+    other kernel's layout (a model folder shared with a CPU without VNNI), are not used."""
     from safetensors.torch import save_file
 
-    save_file({k: torch.zeros_like(v) for k, v in decoder.tensors().items()}, str(prepared),
-              metadata={"weights_sha256": "0" * 64, "torch": torch.__version__})
-    got = logits(load_decoder(tiny, torch.bfloat16, "int4"), IDS)
-    torch.testing.assert_close(got, logits(decoder, IDS), rtol=0, atol=0)
+    from starqa import tensorfile
+
+    decoder = load_decoder(tiny, torch.bfloat16, "int4")
+    prepared = tiny / ".starqa-phase2-int4-bfloat16.safetensors"
+    stamp = tensorfile.header(prepared)[1]["__metadata__"]
+    assert stamp["int4"] == ("tiles" if native.int4_fast() else "torch")
+    other = {**stamp, "int4": "torch" if stamp["int4"] == "tiles" else "tiles"}
+    for metadata in ({"weights_sha256": "0" * 64, "torch": torch.__version__}, other):
+        save_file({k: torch.zeros_like(v) for k, v in decoder.tensors().items()},
+                  str(prepared), metadata=metadata)
+        got = logits(load_decoder(tiny, torch.bfloat16, "int4"), IDS)
+        torch.testing.assert_close(got, logits(decoder, IDS), rtol=0, atol=0)
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny):
@@ -122,9 +129,13 @@ def test_several_rows_multiply_int8_activations_by_int8_weights(fmt):
     stacked = torch.cat([lin(torch.cat([x[i:i + 1]] * W8A8_MIN_ROWS))[:1] for i in range(len(x))])
     torch.testing.assert_close(rows, stacked.float(), rtol=0, atol=0)
     one = lin(x[:1])
-    kernel = (torch.ops.aten._weight_int8pack_mm(x[:1], lin.weight, lin.scale) if fmt == "int8"
-              else torch.ops.aten._weight_int4pack_mm_for_cpu(x[:1], lin.weight, INT4_GROUP,
-                                                                 lin.scale))
+    if fmt == "int8":
+        kernel = torch.ops.aten._weight_int8pack_mm(x[:1], lin.weight, lin.scale)
+    elif lin.scale is None:  # starqa's int4 tiles (starqa/_int4.c)
+        kernel = native.int4_mm(x[:1], lin.weight)
+    else:
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x[:1], lin.weight, INT4_GROUP,
+                                                            lin.scale)
     torch.testing.assert_close(one, kernel, rtol=0, atol=0)
     if fmt == "int4":
         per_row = torch.cat([lin(x[i:i + 1]) for i in range(len(x))]).float()

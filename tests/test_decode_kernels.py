@@ -1,0 +1,146 @@
+"""The decode step's compiled kernels. The int4 product (starqa/_int4.c through
+`native.int4_mm`) against a float64 reference of the sums its docstring defines, its fast
+(VNNI) and plain C paths bit for bit, rows independent of each other, and its error against
+the dense product bounded by that of torch's own int4 kernel over the same weights. RMSNorm
+and RoPE (starqa/_rows.c) against transformers' formulas in torch operators."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from starqa import native
+from starqa.decoder import INT4_GROUP, Linear, _int4_levels, _int4_pack, _int4_tiles
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="starqa's kernels not built")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y [M, N] in float64 from _int4.c's formula: activations in int8 per group of 32
+    (scale max |x| / 127), integer dot products, bf16 scales and zeros."""
+    q, scale, zero = _int4_levels(weight.float())
+    n, k = q.shape
+    groups = k // INT4_GROUP
+    scale, zero = scale.bfloat16().double(), zero.bfloat16().double()
+    xf = x.float().view(x.shape[0], groups, INT4_GROUP)
+    top = xf.abs().amax(dim=-1)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    x8 = torch.round(xf * inverse[..., None]).double()
+    sx, xsum = (top / torch.full_like(top, 127.0)).double(), xf.sum(dim=-1).double()
+    dots = torch.einsum("mgi,ngi->mng", x8, q.view(n, groups, INT4_GROUP).double())
+    return (dots * scale[None] * sx[:, None] + (zero - 8 * scale)[None] * xsum[:, None]).sum(-1)
+
+
+SHAPES = [(16, 32, 1), (64, 128, 1), (96, 256, 3), (48, 64, 5), (960, 576, 4), (32, 1536, 9)]
+
+
+@pytest.mark.parametrize("n,k,m", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_mm_is_its_formula(n, k, m, dtype):
+    """fp32 output: the float64 formula to fp32 rounding; bf16: and one bf16 rounding."""
+    torch.manual_seed(n + k + m)
+    weight, x = torch.randn(n, k), torch.randn(m, k).to(dtype)
+    x[0, :INT4_GROUP] = 0  # a group of zeros (its scale is 0)
+    expected = reference(x, weight)
+    for fast in (True, False):
+        got = native.int4_mm(x, _int4_tiles(weight), fast=fast)
+        assert got.dtype == dtype and got.shape == (m, n)
+        # fp32 sums of K / 32 group terms: ~1e-7 of the row's size each; bf16 adds half
+        # a unit in the last place of the output itself
+        rounding = 0 if dtype == torch.float32 else 2 ** -8
+        size = expected.abs().amax(dim=1, keepdim=True)
+        excess = (got.double() - expected).abs() - rounding * expected.abs() - 1e-5 * size
+        assert excess.max() <= 0, (fast, excess.max())
+
+
+@pytest.mark.skipif(not native.int4_fast(), reason="no AVX-512 VNNI here")
+@pytest.mark.parametrize("n,k,m", SHAPES)
+def test_fast_path_equals_plain_c_bit_for_bit(n, k, m):
+    torch.manual_seed(7)
+    tiles, x = _int4_tiles(torch.randn(n, k)), torch.randn(m, k).bfloat16()
+    assert torch.equal(native.int4_mm(x, tiles), native.int4_mm(x, tiles, fast=False))
+
+
+def test_rows_do_not_depend_on_each_other():
+    """A row's result is the same alone or among others (drafted tokens), bit for bit,
+    whatever the rows around it hold."""
+    torch.manual_seed(3)
+    tiles, x = _int4_tiles(torch.randn(160, 288)), torch.randn(7, 288).bfloat16()
+    x[3] *= 1000
+    together = native.int4_mm(x, tiles)
+    for i in range(len(x)):
+        assert torch.equal(together[i:i + 1], native.int4_mm(x[i:i + 1], tiles))
+
+
+def test_error_against_dense_is_torch_int4s():
+    """The activations' int8 rounding adds little to the weights' int4 rounding: against
+    the fp32 product over the dense weights, the error stays within 1.1x that of torch's
+    weight-only int4 kernel on the same int4 weights."""
+    torch.manual_seed(5)
+    weight, x = torch.randn(512, 1024), torch.randn(4, 1024).bfloat16()
+    exact = x.float() @ weight.T
+    packed, scales = _int4_pack(weight, torch.bfloat16)
+    theirs = torch.cat([torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x[i:i + 1], packed, INT4_GROUP, scales) for i in range(len(x))]).float()
+    ours = native.int4_mm(x, _int4_tiles(weight)).float()
+    assert (ours - exact).norm() <= 1.1 * (theirs - exact).norm()
+
+
+def test_bad_shapes_are_refused():
+    tiles = _int4_tiles(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="int4 kernel"):
+        native.int4_mm(torch.randn(2, 96), tiles)
+    with pytest.raises(ValueError, match="int4 kernel"):
+        native.int4_mm(torch.randn(2, 64).half(), tiles)
+
+
+@pytest.mark.skipif(not native.int4_fast(), reason="no AVX-512 VNNI here")
+def test_linear_uses_the_tiles_for_decode_rows():
+    """Where the fast path runs, an int4 Linear holds the tiles (no torch packing) and one
+    row (decode), or rows computed rowwise (drafts), go through `int4_mm`."""
+    torch.manual_seed(2)
+    weight, x = torch.randn(64, 128).bfloat16(), torch.randn(5, 128).bfloat16()
+    lin = Linear.quantize(weight, None, "int4", torch.bfloat16)
+    assert lin.weight.shape == (4, 4, 320) and lin.scale is None
+    torch.testing.assert_close(lin(x[:1]), native.int4_mm(x[:1], lin.weight), rtol=0, atol=0)
+    torch.testing.assert_close(lin(x, rowwise=True), native.int4_mm(x, lin.weight),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_rounds_as_transformers_does(dtype):
+    """LlamaRMSNorm: normalised in fp32, rounded to the dtype, times the weight (rounded
+    again). bf16: at most one unit in the last place from it (the mean's sum runs in
+    another order), most results bit for bit; fp32: within fp32 rounding. Rows alone or
+    together alike."""
+    torch.manual_seed(4)
+    x, weight = (torch.randn(6, 576) * 3).to(dtype), (torch.randn(576) * 0.5 + 1).to(dtype)
+    x[2] *= 1e3
+    xf = x.float()
+    expected = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = native.rms_norm(x, weight, 1e-5)
+    assert got.dtype == dtype
+    bf16 = dtype == torch.bfloat16
+    bound = 2 ** -7 if bf16 else 1e-6  # fp32: a few units in the last place
+    assert ((got.float() - expected.float()).abs() <= bound * expected.float().abs()).all()
+    assert not bf16 or (got == expected).float().mean() > 0.9
+    assert torch.equal(torch.cat([native.rms_norm(x[i:i + 1], weight, 1e-5)
+                                  for i in range(len(x))]), got)
+    assert (got.float() - F.rms_norm(xf, (576,), weight.float(), 1e-5)).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_is_torchs_operators_bit_for_bit(dtype):
+    """In place on the first heads only (the values' heads untouched), the same numbers as
+    x * cos + rotate_half(x) * sin in torch operators of the dtype."""
+    torch.manual_seed(6)
+    qkv = torch.randn(3, 15, 64).to(dtype)
+    cos, sin = torch.randn(3, 1, 64).to(dtype), torch.randn(3, 1, 64).to(dtype)
+    x = qkv[:, :12]
+    expected = x * cos + torch.cat([-x[..., 32:], x[..., :32]], dim=-1) * sin
+    rotated = qkv.clone()
+    got = native.rope_(rotated, 12, cos, sin)
+    assert got.data_ptr() == rotated.data_ptr() and torch.equal(got, expected)
+    assert torch.equal(rotated[:, 12:], qkv[:, 12:])
+    with pytest.raises(ValueError, match="head size"):
+        native.rope_(torch.zeros(1, 2, 1024, dtype=dtype), 1, torch.zeros(1, 1, 1024, dtype=dtype),
+                     torch.zeros(1, 1, 1024, dtype=dtype))
