@@ -150,7 +150,8 @@ VNNI static void tile_vnni(const uint8_t *w, int64_t groups, const int8_t *x8, c
             hi[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
         }
         __m512 scale = widen_bf16(rec + 256);
-        __m512 low = _mm512_sub_ps(widen_bf16(rec + 288), _mm512_mul_ps(scale, _mm512_set1_ps(8.0f)));
+        __m512 low = _mm512_sub_ps(widen_bf16(rec + 288),
+                                   _mm512_mul_ps(scale, _mm512_set1_ps(8.0f)));
         for (int64_t r = 0; r < rn; r++) {
             const int32_t *xh = (const int32_t *)(x8 + (g * m + r0 + r) * DIGITS), *xl = xh + 8;
             __m512i dh[4], dl[4];

@@ -16,16 +16,18 @@ Shapes (batch 1 throughout, dropped where it would only be noise):
 Weights are `Linear`s: dense in the compute dtype, or weight-only int8 (per output channel)
 or int4 (groups of 32 along the input, asymmetric). int8 runs torch's CPU kernel
 (`_weight_int8pack_mm`); int4 runs starqa's (`native.int4_mm`, starqa/_int4.c: the weights
-in its own tiles, the activations in int8 per group of 32, AVX-512 VNNI) where the CPU has
+in its own tiles, the activations in 14 bits per group of 32, AVX-512 VNNI) where the CPU has
 VNNI, else torch's (`_weight_int4pack_mm_for_cpu`, in torch's packed layout). Those kernels
-are built for one row (decode reads every weight once per token: bytes rule); starqa's
-streams the weights at 26-36 GB/s on a 2-core Zen 5 where torch's reaches 14-27, which took
-a SmolLM2 decode step's model part 6.2 → 5.5 ms and Qwen2.5-Coder-1.5B's 30.6 → 25.3 ms. A
-forward of several rows (the question's prefill) is compute-bound instead, and there int8
-activations times int8 weights (`torch._int_mm`, VNNI on x86) run about 4x faster than
-either kernel: quantised formats keep an int8 copy for it (int8: the weight itself), see
-`Linear.__call__`. On the CPU, RMSNorm and RoPE are starqa's kernels too (starqa/_rows.c,
-one call each where torch runs ~8 operators: 5.5 → 4.4 ms for SmolLM2's step).
+are built for decode's few rows (every weight read once per token: bytes rule); on a 2-core
+Zen 5 starqa's reads 40-58 GB/s of weights from memory at one row and 31-42 at four, where
+torch's reaches 35-43 and 22-24. A forward of several rows (the question's prefill) is
+compute-bound instead, and there int8 activations times int8 weights (`torch._int_mm`,
+VNNI on x86) run about 4x faster than torch's int4 kernel: quantised formats keep an int8
+copy for it (int8: the weight itself), see `Linear.__call__`. On the CPU, RMSNorm and RoPE
+are starqa's kernels too (starqa/_rows.c, one call each where torch runs ~8 operators).
+The model's part of a SmolLM2 forward, with torch's kernels and with starqa's: 5.7 → 3.5
+ms at one row, 7.1 → 5.1 at four; Qwen2.5-Coder-1.5B 27.5 → 24.3 and 42.6 → 27.1
+(benchmarks/decode_step.py).
 """
 
 from __future__ import annotations
@@ -93,9 +95,9 @@ class Linear:
     """y = x Wᵀ (+ b) for x [M, K]: `weight` [N, K] dense, or weight-only int8 (`weight`
     int8 [N, K], `scale` [N]) or int4: starqa's tiles (`weight` uint8 [N / 16, K / 32, 320],
     scales and zeros inside, `scale` None; starqa/_int4.c) or torch's packed CPU layout
-    (`scale` the scales and zeros [K / 32, N, 2]). Quantised formats also hold `w8` (int8 [N, K]) and `w8_scale`
-    (fp32 [N]): the weight per output channel in int8, for forwards of W8A8_MIN_ROWS rows
-    or more (for int8 these are the weight and its scale)."""
+    (`scale` the scales and zeros [K / 32, N, 2]). Quantised formats also hold `w8` (int8
+    [N, K]) and `w8_scale` (fp32 [N]): the weight per output channel in int8, for forwards
+    of W8A8_MIN_ROWS rows or more (for int8 these are the weight and its scale)."""
 
     def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, w8: torch.Tensor | None = None,
@@ -116,8 +118,8 @@ class Linear:
                  dtype: torch.dtype, rows: bool = True) -> Linear:
         """`weight` [N, K] in format `fmt`; dense where the CPU kernels do not apply (CUDA;
         int4 needs K a multiple of 32 and N of 16). int4 is starqa's tiles where its fast
-        kernel runs (`native.int4_fast`), else torch's layout. rows=False: only ever called on one
-        row (the LM head, on the last position), so int4 keeps no int8 copy."""
+        kernel runs (`native.int4_fast`), else torch's layout. rows=False: only ever called
+        on one row (the LM head, on the last position), so int4 keeps no int8 copy."""
         bias = None if bias is None else bias.to(dtype)
         n, k = weight.shape
         if weight.device.type != "cpu" or fmt == "int4" and (k % INT4_GROUP or n % 16):
@@ -346,8 +348,9 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
 
     Quantised weights are prepared once and kept next to the model, in
     `.starqa-phase2-<weights>-<dtype>.safetensors` (keyed by the weights' hash, the torch
-    version, whose packed int4 layout may change, and for int4 whose layout it holds), so later loads only read them; a folder
-    starqa may not write to is quantised at every load instead."""
+    version, whose packed int4 layout may change, and for int4 whose layout it holds), so
+    later loads only read them; a folder starqa may not write to is quantised at every load
+    instead."""
     if weights not in WEIGHT_FORMATS:
         raise StarqaError(f"Unknown weight format {weights!r}.",
                           hint=f"choose one of: {', '.join(WEIGHT_FORMATS)}")

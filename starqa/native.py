@@ -1,9 +1,8 @@
 """starqa's compiled CPU kernels (starqa/_attend.c: exact attention; starqa/_topk.c: top-k
 attention; starqa/_int4.c: int4 weights times a few rows; starqa/_rows.c: RMSNorm and
-RoPE), built by `pip install` where a
-C compiler is found and called through ctypes. Without them, `available()` is False and
-starqa.attention, starqa.retrieval and starqa.decoder fall back to torch's and numpy's
-code."""
+RoPE), built by `pip install` where a C compiler is found and called through ctypes.
+Without them, `available()` is False and starqa.attention, starqa.retrieval and
+starqa.decoder fall back to torch's and numpy's code."""
 
 from __future__ import annotations
 
@@ -215,11 +214,12 @@ def int4_fast() -> bool:
 def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Tensor:
     """x [M, K] (bf16 or fp32, CPU) times int4 weights [N, K] packed as `tiles` (uint8
     [N / 16, K / 32, 320], starqa/_int4.c says how) transposed: [M, N] in x's dtype, the
-    activations quantised to int8 per group of 32. fast=False: the kernel's plain C path
+    activations quantised to 14 bits per group of 32. fast=False: the kernel's plain C path
     (the same sums; for tests)."""
     library = _library()
     n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
-    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[-1] != k:
+    if (x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu"
+            or x.dim() != 2 or x.shape[-1] != k):
         raise ValueError(f"int4 kernel: x {tuple(x.shape)} {x.dtype} against weights [{n}, {k}]")
     x = x.contiguous()
     y = x.new_empty(x.shape[0], n)
@@ -229,7 +229,6 @@ def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Te
     if code:
         raise MemoryError() if code == 2 else ValueError(f"int4 kernel: shapes {n}x{k}")
     return y
-
 
 
 def rows_supported(device: torch.device, dtype: torch.dtype) -> bool:
