@@ -19,15 +19,13 @@ or int4 (groups of 32 along the input, asymmetric). int8 runs torch's CPU kernel
 in its own tiles, the activations in 14 bits per group of 32, AVX-512 VNNI) where the CPU has
 VNNI, else torch's (`_weight_int4pack_mm_for_cpu`, in torch's packed layout). Those kernels
 are built for decode's few rows (every weight read once per token: bytes rule); on a 2-core
-Zen 5 starqa's reads 40-58 GB/s of weights from memory at one row and 31-42 at four, where
-torch's reaches 35-43 and 22-24. A forward of several rows (the question's prefill) is
+Zen 5 starqa's reads 1.2-2.9x the bytes per second from memory that torch's does. A forward of several rows (the question's prefill) is
 compute-bound instead, and there int8 activations times int8 weights (`torch._int_mm`,
 VNNI on x86) run about 4x faster than torch's int4 kernel: quantised formats keep an int8
 copy for it (int8: the weight itself), see `Linear.__call__`. On the CPU, RMSNorm and RoPE
 are starqa's kernels too (starqa/_rows.c, one call each where torch runs ~8 operators).
-The model's part of a SmolLM2 forward, with torch's kernels and with starqa's: 5.7 → 3.5
-ms at one row, 7.1 → 5.1 at four; Qwen2.5-Coder-1.5B 27.5 → 24.3 and 42.6 → 27.1
-(benchmarks/decode_step.py).
+The model's part of a forward with starqa's kernels against torch's: 1.4-1.6x faster for
+SmolLM2 and Qwen2.5-Coder-1.5B at one row and at four (benchmarks/decode_step.py).
 """
 
 from __future__ import annotations
