@@ -21,25 +21,16 @@ import torch
 from starqa import dist, models, native, phase2
 from starqa.answering import Answerer
 from starqa.ask import question_ids
-from starqa.decoder import Linear, _int4_pack, load_decoder
+from starqa.decoder import load_decoder
 from starqa.manifest import read_manifest
+
+from decode_step import torch_layout  # benchmarks/, beside this script
 
 QUESTIONS = ["Which function merges the partial attentions of the workers?",
              "What does the travel policy say about approvals?",
              "Summarise the documents in one sentence.",
              "Who is responsible for security incidents?",
              "What is the budget for the next year?"]
-
-
-def torch_int4(dense, int4) -> None:
-    """int4's Linears again in torch's packed layout, from `dense`'s weights."""
-    for layer, plain in zip(int4.layers, dense.layers):
-        for name in ("qkv", "out", "gate_up", "down"):
-            lin = getattr(layer, name)
-            packed, scales = _int4_pack(getattr(plain, name).weight.float(), torch.bfloat16)
-            setattr(layer, name, Linear("int4", packed, scales, lin.bias, lin.w8, lin.w8_scale))
-    packed, scales = _int4_pack(dense.lm_head.weight.float(), torch.bfloat16)
-    int4.lm_head = Linear("int4", packed, scales)
 
 
 def main() -> None:
@@ -58,7 +49,7 @@ def main() -> None:
     dense = load_decoder(path, torch.bfloat16, "dense")
     decoders = {"starqa int4": load_decoder(path, torch.bfloat16, "int4"),
                 "torch int4": load_decoder(path, torch.bfloat16, "int4")}
-    torch_int4(dense, decoders["torch int4"])
+    torch_layout(decoders["torch int4"], dense)
     agree = {name: 0 for name in decoders}
     divergence = {name: 0.0 for name in decoders}
     positions = 0
