@@ -45,20 +45,6 @@
    hardware prefetcher alone ~30 GB/s from memory; 16 records (5 KB) ahead, 45-50. */
 #define PREFETCH 16
 
-static inline float bf16_to_float(const uint8_t *p) {
-    uint32_t bits = (uint32_t)(p[0] | (p[1] << 8)) << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* Row r of x [M, K] → its digits (x8: DIGITS bytes a group), sx and xsum, stored
    group-major (group g of row r at g · M + r: a group's rows lie side by side, as the
    tiles read them). */
@@ -69,7 +55,7 @@ static void quantise_row(const void *x, int bf16, int64_t r, int64_t m, int64_t 
         float top = 0.0f, sum = 0.0f;
         for (int i = 0; i < GROUP; i++) {
             int64_t at = r * k + g * GROUP + i;
-            row[i] = bf16 ? bf16_to_float((const uint8_t *)x + 2 * at) : ((const float *)x)[at];
+            row[i] = bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
             float a = fabsf(row[i]);
             top = a > top ? a : top;
             sum += row[i];
@@ -105,8 +91,9 @@ static void tile_plain(const uint8_t *w, int64_t groups, const int8_t *x8, const
                         dot_low += (byte & 15) * xg[GROUP + i] + (byte >> 4) * xg[GROUP + 16 + i];
                     }
                 int32_t dot = 128 * dot_high + dot_low;
-                float scale = bf16_to_float(rec + 256 + 2 * lane);
-                float low = bf16_to_float(rec + 288 + 2 * lane) - scale * 8.0f;
+                const uint16_t *scales = (const uint16_t *)(rec + 256); /* then the zeros */
+                float scale = bf16_to_float(scales[lane]);
+                float low = bf16_to_float(scales[16 + lane]) - scale * 8.0f;
                 acc = fmaf((float)dot, scale * sx[g * m + r], acc);
                 acc = fmaf(low, xsum[g * m + r], acc);
             }
@@ -127,11 +114,6 @@ static int has_vnni(void) {
     return known;
 }
 
-VNNI static inline __m512 widen_bf16(const uint8_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 /* The same sums as tile_plain, 16 outputs per register. Each group's 8 integer dot products
    run as 4 independent pairs (their latency would otherwise bound a row's pass). */
 VNNI static void tile_vnni(const uint8_t *w, int64_t groups, const int8_t *x8, const float *sx,
@@ -149,8 +131,8 @@ VNNI static void tile_vnni(const uint8_t *w, int64_t groups, const int8_t *x8, c
             lo[c] = _mm512_and_si512(bytes, nibble);
             hi[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
         }
-        __m512 scale = widen_bf16(rec + 256);
-        __m512 low = _mm512_sub_ps(widen_bf16(rec + 288),
+        __m512 scale = load16((const char *)rec + 256, 1);
+        __m512 low = _mm512_sub_ps(load16((const char *)rec + 288, 1),
                                    _mm512_mul_ps(scale, _mm512_set1_ps(8.0f)));
         for (int64_t r = 0; r < rn; r++) {
             const int32_t *xh = (const int32_t *)(x8 + (g * m + r0 + r) * DIGITS), *xl = xh + 8;

@@ -14,33 +14,22 @@
 
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "_simd.h"
 
 static inline float get(const void *x, int bf16, int64_t i) {
-    if (!bf16) return ((const float *)x)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
 static inline float round_to(float f, int bf16) { /* to bf16 (nearest even) and back */
-    if (!bf16) return f;
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&f, &bits, 4);
-    return f;
+    return bf16 ? bf16_to_float(float_to_bf16(f)) : f;
 }
 
 static inline void put(void *y, int bf16, int64_t i, float f) {
-    if (!bf16) {
+    if (bf16)
+        ((uint16_t *)y)[i] = float_to_bf16(f);
+    else
         ((float *)y)[i] = f;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    ((uint16_t *)y)[i] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 /* y [M, H] = RMSNorm(x [M, H]) with weight w [H]; x, w, y all bf16 or all fp32. */

@@ -1,10 +1,26 @@
-/* What starqa's CPU kernels (_attend.c, _topk.c) share: SIMD dispatch and the AVX-512
-   pieces that widen bf16 and reduce 16 dot products at once. */
+/* What starqa's CPU kernels (_attend.c, _topk.c, _int4.c, _rows.c) share: bf16 conversions,
+   SIMD dispatch and the AVX-512 pieces that widen bf16 and reduce 16 dot products at once. */
 
 #ifndef STARQA_SIMD_H
 #define STARQA_SIMD_H
 
 #include <stdint.h>
+#include <string.h>
+
+/* One bf16 value (its 16 bits) as fp32, exactly. */
+static inline float bf16_to_float(uint16_t half) {
+    uint32_t bits = (uint32_t)half << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* fp32 → the bits of the nearest bf16 (ties to even), as torch rounds. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
