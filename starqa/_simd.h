@@ -22,6 +22,25 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* exp(x) for x <= 0 (fp32 accuracy; 0 below -87, where fp32 would go subnormal). Written
+   for vectorisation: a rounding by the 1.5 * 2^23 trick, a degree-6 polynomial for 2^f on
+   [-0.5, 0.5] (Cephes' exp2f), and the exponent bits. */
+static inline float exp_nonpositive(float x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    float t = (x < -87.0f ? -87.0f : x) * 1.44269504088896341f;
+    float n = (t + magic) - magic;
+    float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else

@@ -66,14 +66,16 @@ class Answerer:
 
     def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
                on_token: Callable[[int], None] | None = None,
-               should_stop: Callable[[], bool] | None = None, draft_tokens: int | None = None
-               ) -> tuple[list[int], list[dict] | None]:
+               should_stop: Callable[[], bool] | None = None, draft_tokens: int | None = None,
+               prefilled=None) -> tuple[list[int], list[dict] | None]:
         """Generate on every rank; returns (tokens, top sources on the query host, else None;
         None under top-k attention, which never sees every key's attention). draft_tokens:
         per forward (phase2.generate), default STARQA_DRAFT_TOKENS, else phase2.DRAFT_TOKENS
         under exact attention and none under top-k: there each row selects its own keys, so
         a drafted row costs about what a token does (at 32K, flat: 27.4 ms a token without
-        drafts, 32.3 with; exact: 30.6 without, 25.8 with)."""
+        drafts, 32.3 with; exact: 30.6 without, 25.8 with). prefilled: the question's
+        forward, run before torch was imported (starqa.firsttoken; phase2.generate says
+        how it is taken)."""
         import time
 
         if draft_tokens is None:
@@ -82,7 +84,7 @@ class Answerer:
         tokens = phase2.generate(self.decoder, self.info, self.hook, query_ids,
                                  self.query_position, max_new_tokens, set(stop_ids),
                                  on_token, should_stop, context_ids=self.hook.ids,
-                                 draft_tokens=draft_tokens)
+                                 draft_tokens=draft_tokens, prefilled=prefilled)
         if self.hook.retriever is not None:  # top-k attention (every rank): no attribution
             return tokens, None
         started = time.perf_counter()

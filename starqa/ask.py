@@ -61,6 +61,8 @@ class Answer:
     warm: bool = False  # answered by a running worker group
     weights: str | None = None  # Phase 2 weight format, where known
     attention: str = "exact"  # or the top-k settings (`TopK.describe`): then no sources
+    before_torch: bool = False  # the first token came before torch was imported (a cold
+    # ask's head start, starqa.firsttoken)
 
 
 def ask(opts: AskOptions, ui: UI = UI(), head=None) -> Answer:
@@ -232,7 +234,8 @@ def _answer(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int
                   sources=done.get("sources") or [],
                   peak_bytes=[peaks[r] for r in sorted(peaks)],
                   measures=[measures[r] for r in sorted(measures)], weights=weights,
-                  attention=topk.describe() if topk else "exact")
+                  attention=topk.describe() if topk else "exact",
+                  before_torch=done.get("before_torch", False))
 
 
 def _answer_here(manifest: Manifest, model_path: Path, tokenizer, query_ids: list[int],

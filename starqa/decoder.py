@@ -30,7 +30,6 @@ SmolLM2 and Qwen2.5-Coder-1.5B at one row and at four (benchmarks/decode_step.py
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -42,51 +41,11 @@ import torch.nn.functional as F
 
 from starqa import native
 from starqa.errors import StarqaError
-from starqa.models import WEIGHT_FORMATS, weight_files, weights_digest
-
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-INT4_GROUP = 32  # the GGUF Q4 block: re-quantising a Q4_1/Q4_K tensor in groups of 32 keeps it
-# From this many rows on, a quantised Linear multiplies int8 activations by int8 weights
-# (measured on a 2-core Xeon, 1536x8960: int4 kernel 1.6 ms at 8 rows and 7.1 ms at 32,
-# int8 x int8 1.0 and 1.6 ms; at one row int4 reads half the bytes and wins).
-W8A8_MIN_ROWS = 4
-# The prepared file's layout: a file of another layout is rebuilt (2: int8 copies for W8A8;
-# 3: every tensor 64-byte aligned in the file, so it is memory-mapped in place).
-PREPARED_LAYOUT = "3"
+from starqa.models import WEIGHT_FORMATS, weight_files
+from starqa.prepared import (INT4_GROUP, W8A8_MIN_ROWS, W8A8_MIN_ROWS_TILES, DecoderConfig,
+                             prepared_file, prepared_stamp)
 
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    eps: float
-    rope_theta: float
-    tied: bool
-
-    @classmethod
-    def read(cls, folder: Path) -> DecoderConfig:
-        config = json.loads((Path(folder) / "config.json").read_text())
-        arch = (config.get("architectures") or ["?"])[0]
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if arch not in ARCHITECTURES or rope_type != "default":
-            raise StarqaError(
-                f"Phase 2 supports {', '.join(ARCHITECTURES)} with plain RoPE; "
-                f"{folder} is {arch} (RoPE {rope_type}).",
-                hint="use an embedded model (--model smollm2-135m or qwen2.5-coder-1.5b)")
-        heads = config["num_attention_heads"]
-        return cls(layers=config["num_hidden_layers"], hidden=config["hidden_size"],
-                   heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
-                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-                   vocab=config["vocab_size"], eps=config.get("rms_norm_eps", 1e-6),
-                   rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-                   tied=bool(config.get("tie_word_embeddings", False)))
 
 
 class Linear:
@@ -95,7 +54,7 @@ class Linear:
     scales and zeros inside, `scale` None; starqa/_int4.c) or torch's packed CPU layout
     (`scale` the scales and zeros [K / 32, N, 2]). Quantised formats also hold `w8` (int8
     [N, K]) and `w8_scale` (fp32 [N]): the weight per output channel in int8, for forwards
-    of W8A8_MIN_ROWS rows or more (for int8 these are the weight and its scale)."""
+    of `w8a8_rows` rows or more (for int8 these are the weight and its scale)."""
 
     def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, w8: torch.Tensor | None = None,
@@ -110,6 +69,9 @@ class Linear:
         self.format, self.weight, self.scale, self.bias = fmt, weight, scale, bias
         self.w8 = None if w8 is None else _aligned(w8)
         self.w8_scale = w8_scale
+        # forwards of this many rows or more run W8A8 (where there is an int8 copy)
+        self.w8a8_rows = W8A8_MIN_ROWS_TILES if fmt == "int4" and scale is None else \
+            W8A8_MIN_ROWS
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
@@ -136,7 +98,7 @@ class Linear:
         """rowwise: compute every row as a forward of that row alone would, bit for bit
         (no W8A8; torch's int8/int4 kernels are row-independent), so a forward that checks
         drafted tokens picks exactly the tokens one-token steps would."""
-        if self.w8 is not None and x.shape[0] >= W8A8_MIN_ROWS and not rowwise:
+        if self.w8 is not None and x.shape[0] >= self.w8a8_rows and not rowwise:
             y = _w8a8(x, self.w8, self.w8_scale)
         elif self.format == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
@@ -241,13 +203,16 @@ class Decoder:
     """The model for Phase 2: `forward` runs every layer, calling `attention` for each."""
 
     def __init__(self, config: DecoderConfig, embed: torch.Tensor, layers: list[Layer],
-                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, weights: str):
+                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, weights: str,
+                 inv_freq: torch.Tensor | None = None):
         self.config, self.embed, self.layers = config, embed, layers
         self.norm, self.lm_head, self.dtype, self.weights = norm, lm_head, dtype, weights
         d = config.head_dim
         # transformers' default RoPE: inv_freq in fp32, angles position · inv_freq in fp32
-        self.inv_freq = 1.0 / (config.rope_theta ** (
-            torch.arange(0, d, 2, dtype=torch.int64).float() / d)).to(embed.device)
+        # (kept in the prepared file, so starqa.firsttoken has these very bits)
+        self.inv_freq = (1.0 / (config.rope_theta ** (
+            torch.arange(0, d, 2, dtype=torch.int64).float() / d)) if inv_freq is None
+                         else inv_freq.float()).to(embed.device)
         self.scale = d ** -0.5
         self.native_rows = (native.rows_supported(embed.device, dtype) and d % 2 == 0
                             and d <= 512 and all(t.is_contiguous() for t in self._norms()))
@@ -274,11 +239,15 @@ class Decoder:
         c = self.config
         m = ids.shape[0]
         q_size = c.heads * c.head_dim
-        cos, sin = self.rope(positions)
-        # on the CPU RMSNorm and RoPE are starqa's kernels (starqa/_rows.c: one call each
-        # where torch runs ~8 operators, and transformers' roundings)
-        norm, rotate = (native.rms_norm, native.rope_) if self.native_rows else \
-            (_rms_norm, _rotate)
+        # on the CPU RMSNorm, RoPE and SiLU·mul are starqa's kernels (starqa/_rows.c: one
+        # call each where torch runs several operators, transformers' roundings; the same
+        # bits as starqa.firsttoken's forward)
+        if self.native_rows:
+            norm, rotate, silu_mul = native.rms_norm, native.rope_, native.silu_mul
+            cos, sin = native.rope_table(positions, self.inv_freq, self.dtype)
+        else:
+            norm, rotate, silu_mul = _rms_norm, _rotate, _silu_mul
+            cos, sin = self.rope(positions)
         hidden = self.embed[ids]  # [M, H]
         for index, layer in enumerate(self.layers):
             x = norm(hidden, layer.attn_norm, c.eps)
@@ -290,8 +259,7 @@ class Decoder:
             hidden = hidden + layer.out(out[0].transpose(0, 1).reshape(m, q_size).to(self.dtype),
                                        rowwise)
             x = norm(hidden, layer.mlp_norm, c.eps)
-            gate, up = layer.gate_up(x, rowwise).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up, rowwise)
+            hidden = hidden + layer.down(silu_mul(layer.gate_up(x, rowwise)), rowwise)
         return norm(hidden, self.norm, c.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,7 +273,8 @@ class Decoder:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every prepared weight by name (what `prepared_cache` saves)."""
-        out = {"embed": self.embed, "norm": self.norm, **self.lm_head.tensors("lm_head")}
+        out = {"embed": self.embed, "norm": self.norm, "inv_freq": self.inv_freq.cpu(),
+               **self.lm_head.tensors("lm_head")}
         for i, layer in enumerate(self.layers):
             out[f"{i}.attn_norm"], out[f"{i}.mlp_norm"] = layer.attn_norm, layer.mlp_norm
             for name in LINEARS:
@@ -322,13 +291,19 @@ class Decoder:
                         **{n: Linear.from_tensors(tensors, f"{i}.{n}") for n in LINEARS})
                   for i in range(config.layers)]
         return cls(config, tensors["embed"], layers, tensors["norm"],
-                   Linear.from_tensors(tensors, "lm_head"), dtype, weights)
+                   Linear.from_tensors(tensors, "lm_head"), dtype, weights,
+                   tensors.get("inv_freq"))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # torch's fused kernel scales before rounding to the input dtype: bf16 results may
     # differ from transformers' LlamaRMSNorm (and starqa's CPU kernel) by one rounding.
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _silu_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _rotate(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -358,12 +333,8 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
     from starqa import tensorfile
     from starqa.errors import ShardError
 
-    cached = Path(folder) / f".starqa-phase2-{weights}-{str(dtype).removeprefix('torch.')}" \
-                            ".safetensors"
-    stamp = {"weights_sha256": weights_digest(folder), "torch": torch.__version__,
-             "layout": PREPARED_LAYOUT}
-    if weights == "int4":  # whose layout: a folder shared with a CPU without VNNI rebuilds
-        stamp["int4"] = "tiles" if native.int4_fast() else "torch"
+    cached = prepared_file(folder, weights, str(dtype).removeprefix("torch."))
+    stamp = prepared_stamp(folder, weights, torch.__version__, native.int4_fast())
     try:
         # Memory-mapped, not read: the file keeps every tensor 64-byte aligned (what the
         # packed kernels want), so nothing is copied, a page is read only when used (a

@@ -1,49 +1,20 @@
-"""starqa's compiled CPU kernels (starqa/_attend.c: exact attention; starqa/_topk.c: top-k
-attention; starqa/_int4.c: int4 weights times a few rows; starqa/_rows.c: RMSNorm and
-RoPE), built by `pip install` where a C compiler is found and called through ctypes.
-Without them, `available()` is False and starqa.attention, starqa.retrieval and
-starqa.decoder fall back to torch's and numpy's code."""
+"""starqa's compiled CPU kernels on torch tensors (starqa/_attend.c: exact attention;
+starqa/_topk.c: top-k attention; starqa/_int4.c: int4 weights times a few rows;
+starqa/_rows.c: RMSNorm, RoPE, SiLU·mul), built by `pip install` where a C compiler is found
+and bound through ctypes by starqa.kernels. Without them, `available()` is False and
+starqa.attention, starqa.retrieval and starqa.decoder fall back to torch's and numpy's
+code."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import importlib.machinery
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+from starqa import kernels
+from starqa.kernels import int4_fast  # noqa: F401  (starqa.decoder's question, asked here)
 
-
-@functools.cache
-def _library():
-    folder = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = folder / f"_attend{suffix}"
-        if path.exists():
-            try:
-                library = ctypes.CDLL(str(path))
-                exact, top = library.starqa_attend, library.starqa_topk_attend
-                fast, product = library.starqa_int4_fast, library.starqa_int4_mm
-                norm, rope = library.starqa_rms_norm, library.starqa_rope
-            except (OSError, AttributeError):  # built for another platform, or damaged
-                return None
-            exact.restype = top.restype = fast.restype = product.restype = ctypes.c_int
-            norm.restype, rope.restype = None, ctypes.c_int
-            norm.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, ctypes.c_float, _PTR]
-            rope.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]
-            product.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR,
-                                ctypes.c_int, ctypes.c_int]
-            exact.argtypes = [ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR,
-                              _PTR, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
-            top.argtypes = [ctypes.c_int, ctypes.c_int, _PTR, _I64, _I64, _I64, _I64, _I64,
-                            _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64,
-                            _PTR, _PTR, _I64, _I64, _I64, ctypes.c_float, _PTR, _PTR,
-                            ctypes.c_int]
-            return library
-    return None
+_library = kernels.library
 
 
 def _kernel():
@@ -83,32 +54,14 @@ def attend(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], 
 
 class Layout:
     """Buffers for `attend` laid out once (a shard's blocks, which never change), with a
-    slot after them for one that changes at every call (the question's own KV): the table
-    the kernel reads is built here, not per call (that cost ~25 µs a layer with a shard of
-    five blocks: 0.7 ms of SmolLM2's 12 ms decode step)."""
+    slot after them for one that changes at every call (the question's own KV): a
+    `kernels.KeyTable` over the tensors."""
 
     def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]]):
         self.parts = list(parts)  # (kept alive while the table points at them)
-        self.count = count = len(self.parts) + 1
-        # starts (count + 1), then key and value addresses and key and value head strides
-        self._table = (ctypes.c_int64 * (5 * count + 1))()
-        self.keys = 0  # the laid-out buffers' keys, and where the changing one starts
-        for index, (key, value) in enumerate(self.parts):
-            self._set(index, key, value)
-            self.keys += key.shape[1]
-        size = ctypes.sizeof(ctypes.c_int64)
-        base = ctypes.addressof(self._table)
-        self._addresses = (base, *(base + (k * count + 1) * size for k in range(1, 5)))
+        self._table = kernels.KeyTable([_buffer(key, value) for key, value in self.parts])
+        self.keys = self._table.keys
         self.dtype = self.parts[0][0].dtype if self.parts else None
-
-    def _set(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Buffer `index` of the table: its keys follow the laid-out ones before it."""
-        table, count = self._table, self.count
-        table[index + 1] = self.keys + key.shape[1]  # (table[index] is self.keys already)
-        table[count + 1 + index] = key.data_ptr()
-        table[2 * count + 1 + index] = value.data_ptr()
-        table[3 * count + 1 + index] = key.stride(0)
-        table[4 * count + 1 + index] = value.stride(0)
 
     def attend(self, q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                scale: float, own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,14 +71,11 @@ class Layout:
         q = q.to(torch.float32).contiguous()
         out = q.new_empty(heads, rows, dim)
         lse = q.new_empty(heads, rows)
-        pieces = self.count - 1
-        if key is not None:
-            self._set(pieces, key, value)
-            pieces += 1
         dtype = self.dtype if self.dtype is not None else key.dtype if key is not None else None
-        code = _kernel()(int(dtype == torch.bfloat16), q.data_ptr(), pieces, *self._addresses,
-                         out.data_ptr(), lse.data_ptr(), heads, rows, dim, own, scale,
-                         torch.get_num_threads())
+        code = self._table.attend(dtype == torch.bfloat16, q.data_ptr(), heads, rows, dim,
+                                  out.data_ptr(), lse.data_ptr(), scale,
+                                  None if key is None else _buffer(key, value), own,
+                                  torch.get_num_threads())
         if code:
             shapes = [tuple(k.shape) for k, _ in self.parts] + \
                 ([tuple(key.shape)] if key is not None else [])
@@ -133,6 +83,11 @@ class Layout:
                 f"attention kernel: impossible shapes q {tuple(q.shape)}, keys {shapes}, "
                 f"own {own}"))
         return out, lse
+
+
+def _buffer(key: torch.Tensor, value: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(key, value) [H, N, D] as a `kernels.KeyTable` buffer."""
+    return key.data_ptr(), value.data_ptr(), key.shape[1], key.stride(0), value.stride(0)
 
 
 def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> bool:
@@ -203,14 +158,6 @@ def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
     return out, lse
 
 
-@functools.cache
-def int4_fast() -> bool:
-    """Whether `int4_mm` runs its fast path here (the kernel is built and the CPU has AVX-512
-    VNNI); where not, starqa.decoder keeps int4 weights in torch's own packed format."""
-    library = _library()
-    return library is not None and bool(library.starqa_int4_fast())
-
-
 def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Tensor:
     """x [M, K] (bf16 or fp32, CPU) times int4 weights [N, K] packed as `tiles` (uint8
     [N / 16, K / 32, 320], starqa/_int4.c says how) transposed: [M, N] in x's dtype, the
@@ -255,3 +202,25 @@ def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> 
                               sin.data_ptr()):
         raise ValueError(f"RoPE kernel: head size {x.shape[2]} (even, at most 512)")
     return x[:, :heads]
+
+
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [M, 1, D] in `dtype` (one `rows_supported` takes) for `positions` [M] and
+    fp32 `inv_freq` [D / 2] (starqa/_rows.c: angles in fp32, libm's cos and sin)."""
+    positions = positions.to(torch.int64).contiguous()
+    inv_freq = inv_freq.to(torch.float32).contiguous()
+    m, d = positions.shape[0], 2 * inv_freq.shape[0]
+    cos, sin = (torch.empty(m, 1, d, dtype=dtype) for _ in range(2))
+    _library().starqa_rope_table(dtype == torch.bfloat16, positions.data_ptr(), m,
+                                 inv_freq.data_ptr(), d, cos.data_ptr(), sin.data_ptr())
+    return cos, sin
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(g) · u for x [M, 2N] = [g ‖ u], contiguous, of a dtype `rows_supported` takes
+    (starqa/_rows.c: torch's roundings, one exp of starqa's): [M, N]."""
+    m, n = x.shape[0], x.shape[1] // 2
+    y = x.new_empty(m, n)
+    _library().starqa_silu_mul(x.dtype == torch.bfloat16, x.data_ptr(), m, n, y.data_ptr())
+    return y

@@ -179,6 +179,21 @@ class ShardAttention:
             self._last[layer] = (q.view(kv_heads, -1, m, dim), lse.view(kv_heads, -1, m))
         return out.view(1, q_heads, m, dim)
 
+    def adopt(self, prefill) -> None:
+        """(CPU, query host) Take the question's forward that starqa.firsttoken ran before
+        torch was imported (its `Prefill`) as if `attention` had run it: its keys and values
+        written after the question's so far, and (tracking) its folded query rows and their
+        LSE kept for `advance`, which the caller calls as after any forward."""
+        def tensor(array) -> torch.Tensor:  # bf16 bits (numpy uint16) → bf16, no copy
+            return torch.from_numpy(array).view(torch.bfloat16)
+
+        for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values)):
+            self._append(layer, tensor(key)[None], tensor(value)[None])
+            if self.track and self.n_keys:
+                self._scale = key.shape[-1] ** -0.5  # the decoder's, as `attention` got it
+                self._last[layer] = (tensor(prefill.queries[layer]),
+                                     torch.from_numpy(prefill.lses[layer]))
+
     def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Write this forward's KV after the question's so far; returns the filled views."""
         end = self.length + key.shape[2]
@@ -343,7 +358,7 @@ def generate(decoder, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequ
              on_token: Callable[[int], None] | None = None,
              should_stop: Callable[[], bool] | None = None,
              context_ids: torch.Tensor | None = None,
-             draft_tokens: int = DRAFT_TOKENS) -> list[int]:
+             draft_tokens: int = DRAFT_TOKENS, prefilled=None) -> list[int]:
     """Greedy generation of up to `max_new_tokens` after `query_ids` (at positions from
     `start_position`). The query host picks the tokens and broadcasts them; it sends a stop
     instead when `should_stop()` (evaluated there only) asks to stop early.
@@ -356,7 +371,12 @@ def generate(decoder, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequ
     gives 1 to draft_tokens + 1 tokens. On CPU with int8/int4 weights each row's arithmetic
     is that of a one-token forward (`Decoder.forward(rowwise=True)`, the attention kernel
     treats rows alike), so the answer is bit for bit the one without drafts; elsewhere it
-    is the same up to rounding."""
+    is the same up to rounding.
+
+    prefilled: the question's forward, run already by starqa.firsttoken (a cold ask's head
+    start, before torch was imported; a world of one on the CPU), whose first token it
+    streamed itself: adopted instead of run again, and that token not passed to
+    `on_token` a second time."""
     device = decoder.device
     src = info.world_size - 1
     draft_tokens = max(0, draft_tokens)
@@ -369,22 +389,34 @@ def generate(decoder, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequ
     hook.begin(len(query_ids) + max_new_tokens + draft_tokens)
     hook.track = True
     try:
+        streamed: list[int] = []  # the tokens starqa.firsttoken streamed already
         while len(generated) < max_new_tokens:
-            hidden = decoder.forward(torch.tensor(ids, device=device),
-                                     torch.arange(position, position + len(ids), device=device),
-                                     hook.attention, rowwise=drafts > 0)
             first = len(ids) - 1 - drafts  # the row that picks the answer's next token
+            if prefilled is not None:  # the question's forward, run before torch came
+                hook.adopt(prefilled)
+                rows = torch.from_numpy(prefilled.hidden).view(decoder.dtype)
+                streamed, prefilled = list(prefilled.emitted), None
+            else:
+                rows = decoder.forward(torch.tensor(ids, device=device),
+                                       torch.arange(position, position + len(ids),
+                                                    device=device),
+                                       hook.attention, rowwise=drafts > 0)[first:]
             if hook.query_host:
                 stop = should_stop is not None and should_stop()
-                _pack(message, *_pick(decoder, hidden[first:], ids[first:], drafter, stop_ids,
+                _pack(message, *_pick(decoder, rows, ids[first:], drafter, stop_ids,
                                       max_new_tokens - len(generated), draft_tokens, stop))
             tokens, finished, next_drafts = _unpack(dist.broadcast(info, message, src=src))
+            quiet = len(streamed)  # streamed already: not passed to on_token again
+            if tokens[:quiet] != streamed:
+                raise RuntimeError(f"the first token computed before torch ({streamed}) is "
+                                   f"not the one torch picks ({tokens[:1]})")
+            streamed = []
             # The rows before `first` and the len(tokens) from it hold the answer's tokens.
             hook.advance(first + len(tokens), slice(first, first + len(tokens)))
             position += first + len(tokens)
-            for token in tokens:
+            for index, token in enumerate(tokens):
                 generated.append(token)
-                if on_token is not None:
+                if on_token is not None and index >= quiet:
                     on_token(token)
             if finished or not tokens:
                 break

@@ -117,6 +117,32 @@ def map_all(path: Path) -> tuple[dict, dict]:
     return tensors, metadata
 
 
+# numpy's dtype for each safetensors dtype; bf16 (which numpy lacks) as its 16 bits
+_NUMPY = {"BF16": "uint16", "F16": "float16", "F32": "float32", "F64": "float64", "U8": "uint8",
+          "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "BOOL": "bool"}
+
+
+def map_arrays(path: Path) -> tuple[dict, dict]:
+    """`map_all` without torch: every tensor as a numpy array mapped in place (bf16 as
+    uint16, its bits), and the header's metadata (starqa.firsttoken)."""
+    import numpy as np
+
+    start, found = header(path)
+    metadata = found.pop("__metadata__", None) or {}
+    mapped = _map(path)
+    arrays = {}
+    for name, entry in found.items():
+        if name.startswith(PAD):
+            continue
+        begin, end = entry["data_offsets"]
+        if start + end > len(mapped):
+            raise ShardError(f"{path} ends early ({name!r} is short).")
+        dtype = np.dtype(_NUMPY[entry["dtype"]])
+        arrays[name] = np.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize,
+                                     offset=start + begin).reshape(entry["shape"])
+    return arrays, metadata
+
+
 def _map(path: Path):
     """The whole file, memory-mapped privately (copy on write: nothing reaches the file)."""
     import mmap

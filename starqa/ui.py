@@ -295,7 +295,8 @@ def answer_json(answer: Answer) -> dict:
             "sources": answer.sources if answer.attention == "exact" else None,
             "timings": {"first_token_s": answer.first_token_seconds,
                         "prefill_s": answer.prefill_seconds, "decode_s": answer.decode_seconds,
-                        "total_s": answer.seconds}}
+                        "total_s": answer.seconds,
+                        "first_token_before_torch": answer.before_torch}}
 
 
 # ---------------------------------------------------------------------------------------

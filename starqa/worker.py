@@ -132,24 +132,27 @@ def _answerer(job: dict, info):
     return answerer, manifest
 
 
-def run_ask(job: dict, info):
-    """Answer the job's question; returns the Answerer (model and shard, still loaded)."""
+def run_ask(job: dict, info, prefilled=None):
+    """Answer the job's question; returns the Answerer (model and shard, still loaded).
+    prefilled: the question's forward, run by the head start before torch was imported
+    (starqa.firsttoken), which streamed the first token itself."""
     ctx, _ = _answerer(job, info)
     emit("ready", rank=info.rank, blocks=ctx.blocks)
     _fault("ask", info.rank)
-    started = time.perf_counter()
-    first: list[float] = []
+    started = time.perf_counter() if prefilled is None else prefilled.started
+    first: list[float] = [prefilled.picked] if prefilled is not None else []
 
     def on_token(token: int) -> None:
         first or first.append(time.perf_counter())
         emit("token", id=token)
 
     tokens, top = ctx.answer(job["query_ids"], job["max_new_tokens"], job["stop_ids"],
-                             on_token if info.is_last else None)
+                             on_token if info.is_last else None, prefilled=prefilled)
     if info.is_last:
         end = time.perf_counter()
         emit("done", tokens=len(tokens), prefill_s=(first[0] if first else end) - started,
-             decode_s=end - (first[0] if first else end), sources=top)
+             decode_s=end - (first[0] if first else end), sources=top,
+             before_torch=prefilled is not None)
     if job.get("measure", False):
         emit("measure", rank=info.rank, phase="ask", seconds=time.perf_counter() - started,
              tokens=len(tokens), sources_seconds=ctx.sources_seconds, **info.traffic.as_dict())
@@ -261,17 +264,21 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(0)
 
 
-def run_job(job: dict, info, after: Callable[[Any], None] | None = None) -> int:
+def run_job(job: dict, info, after: Callable[[Any], None] | None = None,
+            prefilled=None) -> int:
     """Run the job's phase on this rank: 0, or 1 once the failure is reported (an `error`
     event, or a traceback on stderr). A torchrun rank (`main`) and a cold ask's head start
     (`starqa.headstart`, a world of one) both come here. `after`: called, once the phase
     is done and reported, with what it returns (an ask's Answerer: the head start goes on
-    as the warm group with it)."""
+    as the warm group with it). `prefilled`: an ask's question forward, run already
+    (`run_ask`)."""
     from starqa import dist
 
     try:
-        done = {"ingest": run_ingest, "ask": run_ask, "serve": run_serve}[job["phase"]](
-            job, info)
+        if job["phase"] == "ask":
+            done = run_ask(job, info, prefilled)
+        else:
+            done = {"ingest": run_ingest, "serve": run_serve}[job["phase"]](job, info)
         emit("peak", rank=info.rank, bytes=_peak_memory(info))
         dist.barrier(info)  # every rank is done with the group
         if after is not None:

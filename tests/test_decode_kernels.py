@@ -151,3 +151,44 @@ def test_rope_is_torchs_operators_bit_for_bit(dtype):
     with pytest.raises(ValueError, match="head size"):
         native.rope_(torch.zeros(1, 2, 1024, dtype=dtype), 1, torch.zeros(1, 1, 1024, dtype=dtype),
                      torch.zeros(1, 1, 1024, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_is_torchs_up_to_its_exp(dtype):
+    """silu(g) · u with torch's roundings: against the fp64 formula, no further off than
+    torch's own F.silu(g) * u plus one unit of bf16's last place (bf16), or than 4 units of
+    fp32's (fp32: starqa's exp is within 2 of them); bf16 mostly the very bits of torch's
+    (the exp differs in fp32's last place, rarely crossing a bf16 rounding); large |g|
+    without overflow; rows alone or together alike."""
+    torch.manual_seed(7)
+    x = (torch.randn(5, 2 * 1536) * 4).to(dtype)
+    x[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 88.5, -88.5, 1e-30, -1e30])
+    g, u = x.float().double().chunk(2, dim=-1)
+    exact = g / (1 + torch.exp(-g)) * u
+    got = native.silu_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    torchs = F.silu(gate) * up
+    assert got.dtype == dtype and got.shape == (5, 1536) and torch.isfinite(got).all()
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -21
+    assert ((got.double() - exact).abs()
+            <= (torchs.double() - exact).abs() + ulp * exact.abs() + 1e-30).all()
+    assert (got == torchs).float().mean() > (0.99 if dtype == torch.bfloat16 else 0.5)
+    assert torch.equal(torch.cat([native.silu_mul(x[i:i + 1]) for i in range(5)]), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_table_is_transformers_angles(dtype):
+    """cos and sin of position · inv_freq (fp32 angles, as transformers computes them) in
+    the dtype: within one unit of the last place of torch's own cos and sin of those angles,
+    the two halves alike."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    positions = torch.tensor([0, 1, 7, 4095, 32767])
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)[:, None, :]
+    cos, sin = native.rope_table(positions, inv_freq, dtype)
+    assert cos.shape == sin.shape == (5, 1, 64) and cos.dtype == dtype
+    ulp = 2 ** -8 if dtype == torch.bfloat16 else 2 ** -23
+    for got, expected in ((cos, emb.cos()), (sin, emb.sin())):
+        assert ((got.float() - expected).abs() <= ulp + 1e-6).all()
+        assert torch.equal(got[..., :32], got[..., 32:])
+    assert torch.equal(cos[0], torch.ones(1, 64, dtype=dtype))

@@ -111,22 +111,24 @@ def test_int4_keeps_weights_that_came_from_4_bit_blocks():
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_several_rows_multiply_int8_activations_by_int8_weights(fmt):
-    """From W8A8_MIN_ROWS rows on (a question's prefill), a quantised Linear quantises x per
-    row and runs one int8 GEMM: per row it then equals that row alone through the same
+    """From `w8a8_rows` rows on (a long question's prefill), a quantised Linear quantises x
+    per row and runs one int8 GEMM: per row it then equals that row alone through the same
     path (no row leaks into another's scale), stays within 2% of the fp32 product, and for
-    int4 it is closer to it than the int4 kernel; one row (decode) keeps the format's own
-    kernel."""
-    from starqa.decoder import INT4_GROUP, W8A8_MIN_ROWS, Linear
+    int4 it is closer to it than the int4 kernel; fewer rows (decode, a short question)
+    keep the format's own kernel."""
+    from starqa.decoder import INT4_GROUP, W8A8_MIN_ROWS, W8A8_MIN_ROWS_TILES, Linear
 
     torch.manual_seed(1)
     weight = torch.randn(96, 128).bfloat16()
-    x = torch.randn(W8A8_MIN_ROWS + 3, 128).bfloat16()
-    x[2] *= 50  # one loud row
     lin = Linear.quantize(weight, None, fmt, torch.bfloat16)
+    assert lin.w8a8_rows == (W8A8_MIN_ROWS_TILES if lin.scale is None else W8A8_MIN_ROWS)
+    x = torch.randn(lin.w8a8_rows + 3, 128).bfloat16()
+    x[2] *= 50  # one loud row
     exact = x.float() @ weight.float().T
     rows = lin(x).float()
     assert ((rows - exact).norm() / exact.norm()).item() < 0.02
-    stacked = torch.cat([lin(torch.cat([x[i:i + 1]] * W8A8_MIN_ROWS))[:1] for i in range(len(x))])
+    stacked = torch.cat([lin(torch.cat([x[i:i + 1]] * lin.w8a8_rows))[:1]
+                         for i in range(len(x))])
     torch.testing.assert_close(rows, stacked.float(), rtol=0, atol=0)
     one = lin(x[:1])
     if fmt == "int8":
@@ -137,6 +139,10 @@ def test_several_rows_multiply_int8_activations_by_int8_weights(fmt):
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x[:1], lin.weight, INT4_GROUP,
                                                             lin.scale)
     torch.testing.assert_close(one, kernel, rtol=0, atol=0)
+    if lin.scale is None:  # tiles: below w8a8_rows, every row as it would be alone
+        below = x[:lin.w8a8_rows - 1]
+        torch.testing.assert_close(lin(below), native.int4_mm(below, lin.weight), rtol=0,
+                                   atol=0)
     if fmt == "int4":
         per_row = torch.cat([lin(x[i:i + 1]) for i in range(len(x))]).float()
         assert (rows - exact).norm() < (per_row - exact).norm()

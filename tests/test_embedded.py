@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from starqa import corpus, engine, models, packorder, prompt
+from starqa import corpus, engine, models, native, packorder, prompt
 from starqa.models import load_model, load_tokenizer
 from starqa.paths import contexts_dir
 
@@ -98,3 +98,35 @@ def test_needles_file_is_the_top_source_among_near_identical_files(embedded_mode
     assert answer.sources[0]["path"] == "notes_03.md", answer.sources
     first, last = answer.sources[0]["lines"]
     assert first - 2 <= 10 <= last + 2, (first, last)
+
+
+@pytest.mark.skipif(not native.int4_fast(), reason="no AVX-512 VNNI here: no first token "
+                    "before torch (int4 weights keep torch's layout)")
+def test_cold_ask_answers_its_first_token_before_torch(embedded_model, home, request):
+    """`starqa ask` as a user runs it, cold: the head start answers the first token before
+    importing torch (starqa.firsttoken), and the answer, its tokens and sources are those
+    of the same ask without that path (STARQA_FIRST_TOKEN=0)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    samples = request.config.rootpath / "samples"
+    engine.ingest(engine.IngestOptions(paths=(str(samples),), model=str(embedded_model)))
+
+    def ask(**env):
+        done = subprocess.run([sys.executable, "-m", "starqa", "ask", QUESTION, "--json",
+                               "--max-new-tokens", "16", "--keep-alive", "0", "--weights",
+                               "int4"],  # (the default for the embedded model, by name)
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    first = ask()  # prepares the int4 weights where they are not yet (the torch path)
+    early, late = ask(), ask(STARQA_FIRST_TOKEN="0")
+    assert early["timings"]["first_token_before_torch"] is True
+    assert late["timings"]["first_token_before_torch"] is False
+    assert "Quintanilla" in early["answer"]
+    for field in ("answer", "tokens", "sources"):
+        assert early[field] == late[field] == first[field]

@@ -38,16 +38,19 @@ PROMPT_WORDS = ("You are helpful assistant Answer question using only documents 
 
 
 def make_tiny_model(folder: Path, seed: int = 0, window: int = 512, arch: str = "llama",
-                    never_stops: bool = False) -> Path:
+                    never_stops: bool = False, vocab_multiple: int = 1) -> Path:
     """never_stops: the end-of-turn token's logit is pinned to 0 while the others vary with
-    the context, so greedy answers run to max_new_tokens (for tests that interrupt one)."""
+    the context, so greedy answers run to max_new_tokens (for tests that interrupt one).
+    vocab_multiple: the model's vocabulary padded to a multiple of it (int4 tiles take 16
+    outputs at a time), the padding's logits pinned to 0 (a random model's largest is above
+    it)."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     if arch == "qwen2":
-        return _make_tiny_qwen2(folder, seed, window)
+        return _make_tiny_qwen2(folder, seed, window, vocab_multiple)
     if arch != "llama":
         raise ValueError(f"unknown arch {arch!r}")
     specials = ["<unk>", "<s>", "</s>", "<", ">", "system", "user", "assistant", "\"", "=", "/"]
@@ -57,21 +60,27 @@ def make_tiny_model(folder: Path, seed: int = 0, window: int = 512, arch: str = 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>")
     fast.chat_template = TEMPLATE
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128,
+    config = LlamaConfig(vocab_size=_padded(len(vocab), vocab_multiple), hidden_size=64,
+                         intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=window, eos_token_id=2, bos_token_id=1,
                          initializer_range=0.2)  # large enough that the context sways the answer
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    if never_stops:
-        with torch.no_grad():
+    with torch.no_grad():
+        if never_stops:
             model.lm_head.weight[config.eos_token_id] = 0.0
+        model.lm_head.weight[len(vocab):] = 0.0
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
 
 
-def _make_tiny_qwen2(folder: Path, seed: int, window: int) -> Path:
+def _padded(size: int, multiple: int) -> int:
+    return -(-size // multiple) * multiple
+
+
+def _make_tiny_qwen2(folder: Path, seed: int, window: int, vocab_multiple: int) -> Path:
     """transformers loads any qwen2 folder's tokenizer as Qwen2Tokenizer (byte-level BPE with
     Qwen's pre-tokenizer regex), so the tiny one is a real byte-level BPE: the 256 byte
     symbols plus merges trained on WORDS and the prompt's words."""
@@ -96,7 +105,8 @@ def _make_tiny_qwen2(folder: Path, seed: int, window: int) -> Path:
                          pad_token="<|endoftext|>")
     tok.add_tokens([AddedToken(t, special=True) for t in QWEN_SPECIALS], special_tokens=True)
     tok.chat_template = QWEN_TEMPLATE
-    config = Qwen2Config(vocab_size=len(vocab), hidden_size=96, intermediate_size=128,
+    config = Qwen2Config(vocab_size=_padded(len(vocab), vocab_multiple), hidden_size=96,
+                         intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
                          max_position_embeddings=window, eos_token_id=vocab["<|im_end|>"],
                          bos_token_id=vocab["<|endoftext|>"], pad_token_id=vocab["<|endoftext|>"],
@@ -108,6 +118,7 @@ def _make_tiny_qwen2(folder: Path, seed: int, window: int) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("_proj.bias"):
                 param.normal_(0.0, 0.5)
+        model.lm_head.weight[len(vocab):] = 0.0
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

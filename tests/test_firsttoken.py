@@ -1,0 +1,138 @@
+"""A cold ask's first token before torch is imported (starqa.firsttoken): the torch path's
+very bits, taken over by it without a second forward of the question."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from starqa import dist, engine, firsttoken, kernels, models, paths, prompt, store
+from starqa.answering import Answerer
+from starqa.decoder import load_decoder
+from starqa.errors import ShardError
+from tiny import make_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not kernels.int4_fast(), reason="no AVX-512 VNNI here: int4 weights keep torch's layout")
+QUESTION = "who approved the travel budget"
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request, tmp_path_factory):
+    folder = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param,
+                             vocab_multiple=16, never_stops=True)
+    load_decoder(folder, torch.bfloat16, "int4")  # writes the prepared file firsttoken maps
+    return folder
+
+
+@pytest.fixture
+def context(home, docs, model):
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="bf16",
+                                       block_size=60))
+    return store.find_context(paths.contexts_dir(), None)
+
+
+def job_for(manifest, model, question=QUESTION, **changes) -> dict:
+    tokens = prompt.QueryTokens(manifest.query_template, model)
+    return {"phase": "ask", "model_path": str(model), "dtype": manifest.dtype,
+            "context_dir": str(manifest.folder), "query_ids": tokens.ids(question),
+            "weights": "int4", "max_new_tokens": 8, "device": "cpu", "topk": None,
+            "stop_ids": sorted(models.stop_ids(tokens.tokenizer, model)), **changes}
+
+
+def bits(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array).view(torch.bfloat16)
+
+
+def test_first_token_and_kv_are_the_torch_paths_own(context, model):
+    """The forward without torch gives, bit for bit, the question's keys and values, the
+    first token and the rows source attribution keeps that Phase 2's own forward gives;
+    the torch path that adopts it answers the same tokens with the same sources, and does
+    not stream the first token a second time."""
+    job = job_for(context, model)
+    events = []
+    early = firsttoken.prefill(job, lambda event, **fields: events.append((event, fields)))
+    assert early is not None and len(early.keys) == 2  # the tiny models' layers
+
+    stops = set(job["stop_ids"])
+    reference = Answerer.from_cache(context, dist.local_world("cpu"), model, "int4")
+    streamed = []
+    tokens, top = reference.answer(job["query_ids"], 8, stops, streamed.append)
+    assert len(tokens) == 8 and streamed == tokens  # never_stops: a full answer
+    assert early.token == tokens[0] and events == [("token", {"id": tokens[0]})]
+    assert early.emitted == [tokens[0]]
+    m = len(job["query_ids"])
+    for layer, (own_k, own_v) in enumerate(reference.hook._own):
+        assert torch.equal(own_k[0, :, :m], bits(early.keys[layer]))
+        assert torch.equal(own_v[0, :, :m], bits(early.values[layer]))
+
+    adopted = Answerer.from_cache(context, dist.local_world("cpu"), model, "int4")
+    heard = []
+    again, sources = adopted.answer(job["query_ids"], 8, stops, heard.append, prefilled=early)
+    assert again == tokens and heard == tokens[1:]
+    assert sources == top
+    torch.testing.assert_close(adopted.hook.key_mass(tokens), reference.hook.key_mass(tokens),
+                               rtol=0, atol=0)
+
+
+def test_a_stop_token_first_is_not_streamed(context, model):
+    """A first token that ends the answer is not streamed (the torch path would not stream
+    it either), and the answer is empty."""
+    job = job_for(context, model)
+    early = firsttoken.prefill(job, lambda *a, **k: None)
+    job = {**job, "stop_ids": [early.token]}
+    events = []
+    early = firsttoken.prefill(job, lambda event, **fields: events.append(event))
+    assert events == [] and early.emitted == []
+    answerer = Answerer.from_cache(context, dist.local_world("cpu"), model, "int4")
+    heard = []
+    tokens, _ = answerer.answer(job["query_ids"], 8, set(job["stop_ids"]), heard.append,
+                                prefilled=early)
+    assert tokens == [] and heard == []
+
+
+def test_where_it_does_not_apply_nothing_is_emitted(context, model, monkeypatch, tmp_path):
+    """Other weights, dtypes, top-k, a long question, the switch off, or no prepared file
+    of this layout: None, nothing streamed, and the torch path answers as before."""
+    emitted = []
+
+    def emit(*args, **kwargs):
+        emitted.append(args)
+
+    cases = [job_for(context, model, weights="dense"), job_for(context, model, dtype="float32"),
+             job_for(context, model, topk={"k": 4}), job_for(context, model, device="cuda"),
+             job_for(context, model, question=" ".join(["the budget"] * 40)),
+             job_for(context, model, query_ids=[])]
+    assert len(cases[4]["query_ids"]) >= 64
+    for job in cases:
+        assert firsttoken.prefill(job, emit) is None
+    monkeypatch.setenv("STARQA_FIRST_TOKEN", "0")
+    assert firsttoken.prefill(job_for(context, model), emit) is None
+    monkeypatch.delenv("STARQA_FIRST_TOKEN")
+
+    bare = tmp_path / "bare"  # the model without its prepared file
+    shutil.copytree(model, bare, ignore=shutil.ignore_patterns(".starqa-phase2-*"))
+    assert firsttoken.prefill(job_for(context, bare), emit) is None
+    prepared = next(model.glob(".starqa-phase2-int4-bfloat16.safetensors"))
+    stale = tmp_path / "stale"  # a prepared file of another layout
+    shutil.copytree(model, stale)
+    target = stale / prepared.name
+    size = int.from_bytes(target.read_bytes()[:8], "little")
+    header = json.loads(target.read_bytes()[8:8 + size])
+    header["__metadata__"]["layout"] = "3"
+    text = json.dumps(header).encode().ljust(size)
+    target.write_bytes(target.read_bytes()[:8] + text + target.read_bytes()[8 + size:])
+    assert firsttoken.prefill(job_for(context, stale), emit) is None
+    assert emitted == []
+    assert firsttoken.prefill(job_for(context, model), emit) is not None  # and here it does
+
+
+def test_a_corrupt_shard_is_the_same_error_as_on_the_torch_path(context, model):
+    first = context.folder / context.blocks[0].file
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0xFF
+    first.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="fails its checksum"):
+        firsttoken.prefill(job_for(context, model), lambda *a, **k: None)
