@@ -36,8 +36,10 @@ import numpy as np
 
 from starqa import kernels, tensorfile
 from starqa.manifest import Manifest, block_file, read_manifest
+from starqa.models import cuda_available
 from starqa.prepared import (W8A8_MIN_ROWS_TILES, DecoderConfig, installed_torch_version,
                              prepared_file, prepared_stamp)
+from starqa.shards import verify_checksums
 
 
 @dataclass
@@ -91,11 +93,7 @@ def applies(job: dict) -> bool:
 
 
 def _gpu_device(job: dict) -> bool:
-    if job.get("device", "auto") == "cpu":
-        return False
-    from starqa.models import cuda_available
-
-    return cuda_available()
+    return job.get("device", "auto") != "cpu" and cuda_available()
 
 
 def prefill(job: dict, emit: Callable[..., None], threads: int | None = None
@@ -144,8 +142,6 @@ def _load_model(folder: Path) -> _Model | None:
 def _shard_tables(manifest: Manifest, config: DecoderConfig) -> list[kernels.KeyTable]:
     """Per layer the kernel's table of every block's keys and values (all the context's
     blocks: a world of one), mapped in place, checksums verified first."""
-    from starqa.shards import verify_checksums
-
     indices = list(range(len(manifest.blocks)))
     verify_checksums(manifest, indices)
     blocks = [tensorfile.map_arrays(manifest.folder / block_file(i))[0] for i in indices]

@@ -273,8 +273,12 @@ def _first_token(job: dict, firsttoken, emit, importing) -> object | None:
     still importing (`importing` alive, on a core of its own) the forward keeps to one
     thread: a second would share the importing core, and every kernel call would wait for
     it at its end (2-core Zen 5, SmolLM2, 16 tokens: 0.25 s on two threads, 0.12 s on one)."""
+    from starqa.errors import StarqaError
+
     try:
         return firsttoken.prefill(job, emit, threads=1 if importing.is_alive() else None)
+    except StarqaError:  # a damaged context: the torch path finds it and says so
+        return None
     except Exception:  # the torch path is the reference: it answers, or says what is wrong
         import traceback
 
@@ -304,8 +308,11 @@ def _child(parent: int, job_fd: int, out_fd: int) -> None:
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
         gcpause.pause()  # Answerer.from_cache settles it
-        importing = _import_torch()  # the point: while the parent parses and tokenizes
+        # Everything this thread imports, imported before torch starts on another: two
+        # threads importing modules that import each other can deadlock.
         from starqa import firsttoken, worker
+
+        importing = _import_torch()  # the point: while the parent parses and tokenizes
 
         with os.fdopen(job_fd) as pipe:
             line = pipe.readline()
