@@ -28,8 +28,9 @@
    position's queries only (never on the other positions of the call), so a decode step
    that also checks drafted tokens gives every token exactly what a one-token step gives.
 
-   Work: (head, rows, span of positions) tasks over OpenMP threads: flat scores a group of
-   GROUP rows against each key it reads, ivf a row against its own lists; keys are widened
+   Work: (head, rows, span of positions) tasks over OpenMP threads: a group of up to GROUP
+   rows of a head is scored in one pass over the keys it reads (ivf: a list is read once
+   for the rows of the group that chose it, and scored against those only); keys are widened
    CHUNK at a time (with AVX-512 a row's CHUNK dot products are reduced together, as in
    _attend.c), each row's scores kept, and its best picked (`best_of`). Then one task per
    (head, position) merges its rows' spans' selections into the union and attends. */
@@ -41,7 +42,7 @@
 
 #include "_simd.h"
 
-#define GROUP 16          /* flat: rows of one head scored in one pass over a span's keys */
+#define GROUP 16          /* rows of one head scored in one pass over a span's keys */
 #define MIN_SPAN 4096     /* key positions per task, at least (fewer keys: one span) */
 #define MAX_GROUP 128     /* query heads per KV head */
 #define CHUNK 16          /* keys scored at once */
@@ -371,10 +372,11 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         return 1;
     threads = threads > 0 ? threads : 1;
     const size_t kes = k_bf16 ? 2 : 4, ves = v_bf16 ? 2 : 4;
-    /* Tasks: flat scores a group of rows against each key it reads; ivf rows read lists of
-       their own, a row a task. Keys are cut into spans only where there are too few
-       (head, rows) tasks for the threads. */
-    const int64_t group = lists > 1 ? 1 : GROUP;
+    /* Tasks: a group of up to GROUP rows of a head scored in one pass over the keys it
+       reads (flat: all of them; ivf: the lists some row of the group chose, each scored
+       against the rows that chose it only). Keys are cut into spans only where there are
+       too few (head, rows) tasks for the threads. */
+    const int64_t group = GROUP;
     const int64_t groups = (rows + group - 1) / group;
     int64_t spans = (2 * threads + heads * groups - 1) / (heads * groups);
     const int64_t most = n > MIN_SPAN ? n / MIN_SPAN : 1;
@@ -389,29 +391,39 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     int failed = !chosen || !sel || !count;
     if (failed) goto done;
 
-    /* Each row's lists: the probes nearest centroids (every list when all are probed). */
+    /* Each row's lists: the probes nearest centroids (every list when all are probed).
+       A (head, group of rows) task reads the head's centroids once for all its rows. */
     memset(chosen, chosen_lists == lists, (size_t)(heads * rows * lists));
     if (chosen_lists < lists) {
+        const int64_t room = lists + CHUNK; /* a row's scores of the centroids */
 #pragma omp parallel num_threads(threads)
         {
-            float *near = scratch_get(S_NEAR, (size_t)(lists + CHUNK) * sizeof(float));
-            int32_t *ids = scratch_get(S_IDS, (size_t)(lists + CHUNK) * sizeof(int32_t));
+            float *near = scratch_get(S_NEAR, (size_t)(GROUP * room) * sizeof(float));
+            int32_t *ids = scratch_get(S_IDS, (size_t)(GROUP * room) * sizeof(int32_t));
             cand *best = scratch_get(S_BEST, (size_t)lists * sizeof(cand));
             float *tmp = scratch_get(S_TMP, (size_t)(2 * lists) * sizeof(float));
             float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
-            if (!near || !ids || !best || !block || !tmp) {
+            const int ok = near && ids && best && block && tmp;
+            if (!ok) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < heads * rows; t++) {
-                if (!near || !ids || !best || !block || !tmp) continue;
-                const int64_t h = t / rows, self = 0;
-                int64_t got = 0; /* the centroids are fp32 rows: scored like keys */
+            for (int64_t t = 0; t < heads * groups; t++) {
+                if (!ok) continue;
+                const int64_t h = t / groups, r0 = t % groups * GROUP;
+                const int64_t rn = rows - r0 < GROUP ? rows - r0 : GROUP;
+                int64_t who[GROUP], got[GROUP] = {0};
+                for (int64_t r = 0; r < rn; r++) who[r] = r;
+                /* the centroids are fp32 rows: scored like keys */
                 scan((const char *)(centroids + h * lists * d), (size_t)d * sizeof(float), 0, 0,
-                     lists, q + t * d, d, &self, 1, near, ids, 0, &got, block, NULL);
-                best_of(near, ids, lists, 0, chosen_lists, best, tmp);
-                for (int64_t c = 0; c < chosen_lists; c++) chosen[t * lists + best[c].row] = 1;
+                     lists, q + (h * rows + r0) * d, d, who, rn, near, ids, room, got, block,
+                     NULL);
+                for (int64_t r = 0; r < rn; r++) {
+                    best_of(near + r * room, ids + r * room, lists, 0, chosen_lists, best, tmp);
+                    unsigned char *mine = chosen + (h * rows + r0 + r) * lists;
+                    for (int64_t c = 0; c < chosen_lists; c++) mine[best[c].row] = 1;
+                }
             }
         }
         if (failed) goto done;

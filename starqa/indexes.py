@@ -193,7 +193,7 @@ def build(kind: str, keys):
     import faiss
     import torch
 
-    # as many threads as torch has here (a worker's share of the cores); searching sets 1
+    # as many threads as torch has here (a worker's share of the cores); hnsw searches one
     faiss.omp_set_num_threads(torch.get_num_threads())
     n, dim = keys.shape
     if kind == "ivf":

@@ -87,16 +87,18 @@ class TopKShard:
         self.mapped_values = mapped_values
         self.mapped_keys = mapped_keys
         self.pool = None
-        if ivf or searchers:
+        if searchers and torch.get_num_threads() > 1:
             import faiss
 
-            # A search is a few rows: too small to split across threads (faiss's OpenMP
-            # threads would also spin against torch's).
-            faiss.omp_set_num_threads(1)
-        if searchers and torch.get_num_threads() > 1:
-            # hnsw: one search per block and KV head, run side by side (faiss releases
-            # the GIL)
-            self.pool = ThreadPoolExecutor(torch.get_num_threads())
+            # hnsw: one search per block and KV head, run side by side (faiss releases the
+            # GIL), each on one thread: a search is a few rows, too small to split. The
+            # setting is made in the pool's threads only: OpenMP's is per thread, and
+            # faiss's call sets torch's too (one OpenMP runtime in the process), so made on
+            # the caller's thread it would leave the whole decode, model included, on one
+            # core (it did: ivf decoded at 32K single-threaded).
+            self.pool = ThreadPoolExecutor(torch.get_num_threads(),
+                                           initializer=faiss.omp_set_num_threads,
+                                           initargs=(1,))
 
     @classmethod
     def from_parts(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], settings: TopK,

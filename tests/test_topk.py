@@ -286,3 +286,20 @@ def test_eval_runs_each_method_exact_then_with_each_top_k(home, tiny_model, tmp_
     (row,) = results["summary"]
     assert set(row["methods"]) == set(plan.labels)
     assert row["methods"]["dense topk 100%"]["retention"] in (None, 1.0)
+
+
+@pytest.mark.parametrize("kind", indexes.KINDS)
+def test_a_top_k_shard_leaves_torch_its_threads(kind):
+    """Building and searching an index keep torch's thread count: faiss and torch share one
+    OpenMP runtime here, and a faiss setting made on the decode's thread once left the whole
+    decode (model included) on one core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        blocks = [(torch.randn(1, 2, 120, 16), torch.randn(1, 2, 120, 16))]
+        shard = TopKShard.from_parts(blocks, TopK(count=8, index=kind), 120)
+        shard.parts(0, torch.randn(1, 2, 3, 16), 0.25)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
