@@ -98,64 +98,92 @@ def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
             and len({x.shape[-1] for x in buffers}) == 1)
 
 
+class TopKTable:
+    """The arguments of the top-k kernel (starqa/_topk.c) that stay the same from call to
+    call, laid out once: a layer's key and value buffers, its key order and ivf's lists.
+    Built per call they cost ~15 small tensor operations a layer (SmolLM2: ~0.5 ms of a
+    token's decode); a shard keeps one table per layer (`retrieval.TopKShard`).
+
+    keys: [(first position, [H, T, D])] the buffers holding positions 0 .. N-1 of every head,
+    in order; key_map [H, N] int64: each position's row in the shard, key_at [H, N] int32
+    each row's position (both None: the same). values: [(first row, [H, T, D])] the buffers
+    holding the shard's value rows. lists (ivf): (centroids [H, C, D] fp32, offsets
+    [H, C + 1] int64, probes): position ranges, and how many of the nearest a row scans;
+    None scans every position. The buffers must stay where they are while the table lives
+    (it keeps them referenced)."""
+
+    def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],
+                 values: Sequence[tuple[int, torch.Tensor]],
+                 key_map: torch.Tensor | None = None,
+                 lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                 key_at: torch.Tensor | None = None):
+        n = keys[-1][0] + keys[-1][1].shape[1]
+
+        def table(buffers):
+            return (torch.tensor([first for first, _ in buffers] + [n], dtype=torch.int64),
+                    torch.tensor([x.data_ptr() for _, x in buffers], dtype=torch.int64),
+                    torch.tensor([x.stride(0) for _, x in buffers], dtype=torch.int64))
+
+        if key_map is not None:
+            key_map = key_map.to(torch.int64).contiguous()
+            if key_at is None:  # the inverse permutation
+                key_at = torch.empty_like(key_map, dtype=torch.int32).scatter_(
+                    1, key_map, torch.arange(n, dtype=torch.int32).expand_as(key_map).contiguous())
+            key_at = key_at.to(torch.int32).contiguous()
+        centroids = offsets = None
+        self.lists, self.probes = 1, 1
+        if lists is not None:
+            centroids = lists[0].to(torch.float32).contiguous()
+            offsets = lists[1].to(torch.int64).contiguous()
+            self.lists, self.probes = centroids.shape[1], lists[2]
+        self.n = n
+        self._keep = (keys, values, key_map, key_at, centroids, offsets)
+        kstart, kptr, kstride = table(keys)
+        vstart, vptr, vstride = table(values)
+        self._tables = (kstart, kptr, kstride, vstart, vptr, vstride)
+
+        def address(x):
+            return None if x is None else x.data_ptr()
+
+        # every argument after q, heads, rows, tokens and dim, up to k
+        self._middle = (n, len(keys), kstart.data_ptr(), kptr.data_ptr(), kstride.data_ptr(),
+                        address(key_map), address(key_at), len(values), vstart.data_ptr(),
+                        vptr.data_ptr(), vstride.data_ptr(), self.lists, address(centroids),
+                        address(offsets), self.probes)
+        self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
+                        int(values[0][1].dtype == torch.bfloat16))
+
+    def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
+               tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k partial attention of every row of q [H, R, D] (the kernel's file says how).
+        tokens: the forward's positions M, the rows being G blocks of M
+        (`attention.fold_gqa`); the G rows of a position share their keys (None: M = R,
+        nothing shared). Rows below `skip` are never picked. Returns out [H, R, D] and lse
+        [H, R], fp32 (a row with no key: 0 and -inf)."""
+        heads, rows, dim = q.shape
+        q = q.to(torch.float32).contiguous()
+        out, lse = q.new_empty(heads, rows, dim), q.new_empty(heads, rows)
+        code = _library().starqa_topk_attend(
+            *self._dtypes, q.data_ptr(), heads, rows, rows if tokens is None else tokens, dim,
+            *self._middle, k, skip, scale, out.data_ptr(), lse.data_ptr(),
+            torch.get_num_threads())
+        if code:
+            raise (MemoryError() if code == 2 else ValueError(
+                f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "
+                f"{self.lists} lists, {self.probes} probes"))
+        return out, lse
+
+
 def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
                 values: Sequence[tuple[int, torch.Tensor]], k: int, skip: int, scale: float,
                 key_map: torch.Tensor | None = None,
                 lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                 tokens: int | None = None, key_at: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k partial attention of every row of q [H, R, D] over one layer of a shard (the
-    kernel in starqa/_topk.c, which says how; `supports_topk` says which buffers it takes).
-
-    keys: [(first position, [H, T, D])] the buffers holding positions 0 .. N-1 of every head,
-    in order; key_map [H, N] int64: each position's row in the shard, key_at [H, N] int32
-    each row's position (both None: the same). tokens: the forward's positions M, the rows
-    being G blocks of M (`attention.fold_gqa`); the G rows of a position share their keys
-    (None: M = R, nothing shared).
-    values: [(first row, [H, T, D])] the buffers holding the shard's value rows. lists (ivf):
-    (centroids [H, C, D] fp32, offsets [H, C + 1] int64, probes): position ranges, and how
-    many of the nearest a row scans; None scans every position. Rows below `skip` are never
-    picked. Returns out [H, R, D] and lse [H, R], fp32 (a row with no key: 0 and -inf)."""
-    heads, rows, dim = q.shape
-    q = q.to(torch.float32).contiguous()
-    out, lse = q.new_empty(heads, rows, dim), q.new_empty(heads, rows)
-    n = keys[-1][0] + keys[-1][1].shape[1]
-
-    def table(buffers):
-        return (torch.tensor([first for first, _ in buffers] + [n], dtype=torch.int64),
-                torch.tensor([x.data_ptr() for _, x in buffers], dtype=torch.int64),
-                torch.tensor([x.stride(0) for _, x in buffers], dtype=torch.int64))
-
-    kstart, kptr, kstride = table(keys)
-    vstart, vptr, vstride = table(values)
-    if key_map is not None:
-        key_map = key_map.to(torch.int64).contiguous()
-        if key_at is None:  # the inverse permutation
-            key_at = torch.empty_like(key_map, dtype=torch.int32).scatter_(
-                1, key_map, torch.arange(n, dtype=torch.int32).expand_as(key_map).contiguous())
-        key_at = key_at.to(torch.int32).contiguous()
-    centroids = offsets = None
-    n_lists, probes = 1, 1
-    if lists is not None:
-        centroids = lists[0].to(torch.float32).contiguous()
-        offsets = lists[1].to(torch.int64).contiguous()
-        n_lists, probes = centroids.shape[1], lists[2]
-
-    def address(x):
-        return None if x is None else x.data_ptr()
-
-    code = _library().starqa_topk_attend(
-        int(keys[0][1].dtype == torch.bfloat16), int(values[0][1].dtype == torch.bfloat16),
-        q.data_ptr(), heads, rows, rows if tokens is None else tokens, dim, n, len(keys),
-        kstart.data_ptr(), kptr.data_ptr(), kstride.data_ptr(), address(key_map),
-        address(key_at), len(values), vstart.data_ptr(),
-        vptr.data_ptr(), vstride.data_ptr(), n_lists, address(centroids), address(offsets),
-        probes, k, skip, scale, out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
-    if code:
-        raise (MemoryError() if code == 2 else ValueError(
-            f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "
-            f"{n_lists} lists, {probes} probes"))
-    return out, lse
+    """Top-k partial attention of every row of q [H, R, D] over one layer of a shard: a
+    `TopKTable` of these buffers, attended once (`supports_topk` says which buffers the
+    kernel takes)."""
+    return TopKTable(keys, values, key_map, lists, key_at).attend(q, k, skip, scale, tokens)
 
 
 def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Tensor:

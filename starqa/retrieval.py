@@ -87,6 +87,7 @@ class TopKShard:
         self.mapped_values = mapped_values
         self.mapped_keys = mapped_keys
         self.pool = None
+        self._tables: dict[int, native.TopKTable | None] = {}  # `_table`, per layer
         if searchers and torch.get_num_threads() > 1:
             import faiss
 
@@ -249,13 +250,9 @@ class TopKShard:
         return (torch.from_numpy(out).view(1, *q.shape),
                 torch.from_numpy(lse).view(1, *q.shape[:2]))
 
-    def _part_native(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`parts`' work for flat and ivf on the CPU in one call of the compiled kernel
-        (`native.topk_attend`: each row scans its own lists, or every key, keeps its k
-        best in fp32, and a position's G rows attend over their union), q [Hkv, G *
-        tokens, D]: (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32; None where the kernel does
-        not take these buffers. Mapped pages of the layer are released after the call."""
+    def _table(self, layer: int, k: int) -> native.TopKTable | None:
+        """The kernel's arguments for `layer` (laid out once: the buffers never move), or
+        None where the kernel does not take these buffers."""
         key_map = key_at = lists = None
         if self.keys is not None:
             keys = [(0, self.keys[layer])]
@@ -274,8 +271,21 @@ class TopKShard:
             values = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_values]
         if not native.supports_topk([x for _, x in keys], [x for _, x in values]):
             return None
-        out, lse = native.topk_attend(q, keys, values, k, self.n_sink, scale, key_map, lists,
-                                      tokens, key_at)
+        return native.TopKTable(keys, values, key_map, lists, key_at)
+
+    def _part_native(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`parts`' work for flat and ivf on the CPU in one call of the compiled kernel
+        (the layer's `native.TopKTable`: each row scans its own lists, or every key, keeps its k
+        best in fp32, and a position's G rows attend over their union), q [Hkv, G *
+        tokens, D]: (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32; None where the kernel does
+        not take these buffers. Mapped pages of the layer are released after the call."""
+        if layer not in self._tables:
+            self._tables[layer] = self._table(layer, k)
+        table = self._tables[layer]
+        if table is None:
+            return None
+        out, lse = table.attend(q, k, self.n_sink, scale, tokens)
         for _, mapped in (self.mapped_keys or []) + (self.mapped_values or []):
             mapped.release(layer)
         return out.unsqueeze(0), lse.unsqueeze(0)

@@ -206,3 +206,22 @@ def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
     without = shard.parts(1, q, 32 ** -0.5, 4)
     for a, b in zip(with_kernel[0] + with_kernel[1], without[0] + without[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_a_table_kept_across_calls_gives_what_a_fresh_one_gives(kind):
+    """`native.TopKTable` lays a layer's arguments out once (a shard keeps one per layer):
+    calls with other queries, k and token counts through the same table equal fresh ones."""
+    torch.manual_seed(9)
+    heads, n, dim = 2, 2000, 64
+    key, value = torch.randn(heads, n, dim).bfloat16(), torch.randn(heads, n, dim).bfloat16()
+    keys, key_map, lists = [(0, key)], None, None
+    if kind == "ivf":
+        ordered, key_map, centroids, offsets = ivf_layout(key, 20, 4)
+        keys, lists = [(0, ordered)], (centroids, offsets, 4)
+    table = native.TopKTable(keys, [(0, value)], key_map, lists)
+    for rows, tokens, k in ((3, 1, 30), (12, 4, 30), (3, None, 7)):
+        q = torch.randn(heads, rows, dim)
+        kept = table.attend(q, k, 2, 0.125, tokens)
+        fresh = native.topk_attend(q, keys, [(0, value)], k, 2, 0.125, key_map, lists, tokens)
+        assert torch.equal(kept[0], fresh[0]) and torch.equal(kept[1], fresh[1])
