@@ -276,9 +276,9 @@ class TopKShard:
     def _part_native(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`parts`' work for flat and ivf on the CPU in one call of the compiled kernel
-        (the layer's `native.TopKTable`: each row scans its own lists, or every key, keeps its k
-        best in fp32, and a position's G rows attend over their union), q [Hkv, G *
-        tokens, D]: (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32; None where the kernel does
+        (the layer's `native.TopKTable`: each row scans its own lists, or every key,
+        keeps its k best in fp32, and a position's G rows attend over their union), q
+        [Hkv, G * tokens, D]: (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32; None where the kernel does
         not take these buffers. Mapped pages of the layer are released after the call."""
         if layer not in self._tables:
             self._tables[layer] = self._table(layer, k)
