@@ -137,7 +137,6 @@ class TopKTable:
             centroids = lists[0].to(torch.float32).contiguous()
             offsets = lists[1].to(torch.int64).contiguous()
             self.lists, self.probes = centroids.shape[1], lists[2]
-        self.n = n
         self._keep = (keys, values, key_map, key_at, centroids, offsets)
         kstart, kptr, kstride = table(keys)
         vstart, vptr, vstride = table(values)

@@ -252,7 +252,8 @@ class TopKShard:
 
     def _table(self, layer: int, k: int) -> native.TopKTable | None:
         """The kernel's arguments for `layer` (laid out once: the buffers never move), or
-        None where the kernel does not take these buffers."""
+        None where the kernel does not take these buffers. k, the layer's budget (fixed for
+        the shard: `parts`), sets how many lists ivf probes, so the table is one per layer."""
         key_map = key_at = lists = None
         if self.keys is not None:
             keys = [(0, self.keys[layer])]
