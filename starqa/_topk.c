@@ -10,7 +10,12 @@
    shard. Keys and values may lie in several buffers (a worker's blocks, memory-mapped with
    --kv-on-disk): key buffer b holds positions kstart[b] .. kstart[b + 1] of every head,
    head h at element h * kstride[b]; value buffer b likewise holds shard rows vstart[b] ..
-   vstart[b + 1]. Rows below `skip` (the sink, attended apart) are never picked.
+   vstart[b + 1]. Rows below `skip` (the sink) are never picked: every row attends to them
+   besides its picks. own_k, own_v (optional; NULL: none): the query host's own keys and
+   values (the question and answer so far, this call's `tokens` last), head h's row j at
+   element h * own_stride + j * d; the row at position m of the call attends causally to
+   the first own_before + m + 1 of them. So one call gives a worker's whole partial
+   attention: sink, retrieved keys and own keys under one softmax.
 
    Per row: (ivf) score its head's centroids and choose the `probes` nearest lists; score
    every key of the chosen lists (all keys for flat) exactly in fp32 (bf16 keys widened);
@@ -22,7 +27,8 @@
    the others, and the union costs only G rows' dot products with keys already chosen).
    Attention over the union U, per row: out = sum_j w_j v_j / sum_j w_j with
    w_j = exp((s_j - max s) * scale), lse = max s * scale + log(sum_j w_j), s_j the row's
-   own inner product with key j. Only the union's value rows are read, once for the G rows.
+   own inner product with key j; U also holds the sink's rows and the row's own keys. Only
+   the union's value rows are read, once for the G rows.
 
    Row independence: a position's lists, scores, picks, union and outputs depend on that
    position's queries only (never on the other positions of the call), so a decode step
@@ -365,11 +371,15 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                        int64_t vbuffers, const int64_t *vstart, const int64_t *vptr,
                        const int64_t *vstride, int64_t lists, const float *centroids,
                        const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
-                       float scale, float *out, float *lse, int threads) {
+                       int o_bf16, const char *own_k, const char *own_v, int64_t own_stride,
+                       int64_t own_before, float scale, float *out, float *lse, int threads) {
     if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
         kbuffers < 1 || vbuffers < 1 || lists < 1 || (lists > 1 && (!centroids || !offsets)) ||
-        probes < 1 || tokens < 1 || rows % tokens || rows / tokens > MAX_GROUP)
+        probes < 1 || tokens < 1 || rows % tokens || rows / tokens > MAX_GROUP || skip < 0 ||
+        skip > n || (own_k && (!own_v || own_before < 0 || own_stride < (own_before + tokens) * d)))
         return 1;
+    const size_t oes = o_bf16 ? 2 : 4;
+    const int64_t own_most = own_k ? own_before + tokens : 0; /* a row sees at most these */
     threads = threads > 0 ? threads : 1;
     const size_t kes = k_bf16 ? 2 : 4, ves = v_bf16 ? 2 : 4;
     /* Tasks: a group of up to GROUP rows of a head scored in one pass over the keys it
@@ -490,8 +500,9 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         const int64_t kk = k < n ? k : n;
         cand *all = scratch_get(S_ALL, (size_t)(spans * kcap) * sizeof(cand));
         float *tmp = scratch_get(S_TMP, (size_t)(2 * spans * kcap) * sizeof(float));
-        int64_t *uni = scratch_get(S_UNION, (size_t)(per * kk + 1) * sizeof(int64_t));
-        const int64_t room = per * kk + CHUNK; /* a row's scores of the union (chunks whole) */
+        int64_t *uni = scratch_get(S_UNION, (size_t)(skip + per * kk + 1) * sizeof(int64_t));
+        /* a row's scores of the sink, the union and its own keys (chunks written whole) */
+        const int64_t room = skip + per * kk + own_most + CHUNK;
         float *w = scratch_get(S_WEIGHTS, (size_t)(per * room) * sizeof(float));
         int32_t *seen = scratch_get(S_SEEN, (size_t)(n > 0 ? n : 1) * sizeof(int32_t));
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
@@ -511,6 +522,10 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             }
             const int32_t stamp = ++stamp_now;
             int64_t nu = 0;
+            for (int64_t r = 0; r < skip; r++) { /* the sink: every row attends to it */
+                seen[r] = stamp;
+                uni[nu++] = r;
+            }
             for (int64_t g = 0; g < per; g++) {
                 const int64_t row = h * rows + g * tokens + m;
                 int64_t got = 0;
@@ -534,7 +549,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 memset(out + row * d, 0, (size_t)d * sizeof(float));
                 lse[row] = -INFINITY;
             }
-            if (!nu) continue;
+            const int64_t no = own_k ? own_before + m + 1 : 0; /* own keys seen (causal) */
+            if (!nu && !no) continue;
             for (int64_t u0 = 0; u0 < nu; u0 += CHUNK) { /* each row's scores of the union */
                 const int width = nu - u0 < CHUNK ? (int)(nu - u0) : CHUNK;
                 const char *kp[CHUNK];
@@ -547,9 +563,18 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 for (int64_t g = 0; g < per; g++) outs[g] = w + g * room + u0;
                 score_keys(kp, width, k_bf16, qs, per, d, outs, block);
             }
+            for (int64_t j0 = 0; j0 < no; j0 += CHUNK) { /* ... then of its own keys */
+                const int width = no - j0 < CHUNK ? (int)(no - j0) : CHUNK;
+                const char *kp[CHUNK];
+                for (int x = 0; x < CHUNK; x++)
+                    kp[x] = x < width ? own_k + ((size_t)(h * own_stride) + (size_t)(j0 + x) * d) * oes
+                                      : (const char *)zeros;
+                for (int64_t g = 0; g < per; g++) outs[g] = w + g * room + nu + j0;
+                score_keys(kp, width, o_bf16, qs, per, d, outs, block);
+            }
             float tops[MAX_GROUP], totals[MAX_GROUP];
             for (int64_t g = 0; g < per; g++) /* scores → weights exp((s - max s) * scale) */
-                totals[g] = weigh(w + g * room, nu, scale, &tops[g]);
+                totals[g] = weigh(w + g * room, nu + no, scale, &tops[g]);
             for (int64_t u = 0; u < nu; u++) { /* each value row read once for the G rows */
                 if (u + AHEAD_ROWS < nu) {
                     const char *next = row_at(vstart, vptr, vstride, vbuffers, h,
@@ -561,6 +586,13 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                           value);
                 for (int64_t g = 0; g < per; g++)
                     accumulate(out + (h * rows + g * tokens + m) * d, value, w[g * room + u], d);
+            }
+            for (int64_t j = 0; j < no; j++) {
+                widen_row(own_v + ((size_t)(h * own_stride) + (size_t)j * d) * oes, o_bf16, d,
+                          value);
+                for (int64_t g = 0; g < per; g++)
+                    accumulate(out + (h * rows + g * tokens + m) * d, value,
+                               w[g * room + nu + j], d);
             }
             for (int64_t g = 0; g < per; g++) {
                 const int64_t row = h * rows + g * tokens + m;

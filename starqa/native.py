@@ -154,18 +154,35 @@ class TopKTable:
                         int(values[0][1].dtype == torch.bfloat16))
 
     def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
-               tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               tokens: int | None = None,
+               own: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k partial attention of every row of q [H, R, D] (the kernel's file says how).
         tokens: the forward's positions M, the rows being G blocks of M
         (`attention.fold_gqa`); the G rows of a position share their keys (None: M = R,
-        nothing shared). Rows below `skip` are never picked. Returns out [H, R, D] and lse
-        [H, R], fp32 (a row with no key: 0 and -inf)."""
+        nothing shared). Rows below `skip` (the sink) are never picked, and every row
+        attends to them. own: the query host's own (keys, values) [H, L, D] (rows
+        contiguous, bf16 or fp32), the last M of them this forward's, attended causally
+        with the rest under one softmax. Returns out [H, R, D] and lse [H, R], fp32 (a row
+        with no key: 0 and -inf)."""
         heads, rows, dim = q.shape
+        tokens = rows if tokens is None else tokens
         q = q.to(torch.float32).contiguous()
         out, lse = q.new_empty(heads, rows, dim), q.new_empty(heads, rows)
+        own_args = (0, None, None, 0, 0)
+        if own is not None:
+            own_k, own_v = own
+            if not (own_k.dtype == own_v.dtype and own_k.dtype in (torch.bfloat16, torch.float32)
+                    and own_k.shape == own_v.shape and own_k.shape[0] == heads
+                    and own_k.stride() == own_v.stride() and own_k.stride()[1:] == (dim, 1)
+                    and own_k.shape[1] >= tokens and own_k.device.type == "cpu"):
+                raise ValueError(f"top-k kernel: own keys {tuple(own_k.shape)} {own_k.dtype} "
+                                 f"strides {own_k.stride()} for q {tuple(q.shape)}")
+            own_args = (int(own_k.dtype == torch.bfloat16), own_k.data_ptr(), own_v.data_ptr(),
+                        own_k.stride(0), own_k.shape[1] - tokens)
         code = _library().starqa_topk_attend(
-            *self._dtypes, q.data_ptr(), heads, rows, rows if tokens is None else tokens, dim,
-            *self._middle, k, skip, scale, out.data_ptr(), lse.data_ptr(),
+            *self._dtypes, q.data_ptr(), heads, rows, tokens, dim,
+            *self._middle, k, skip, *own_args, scale, out.data_ptr(), lse.data_ptr(),
             torch.get_num_threads())
         if code:
             raise (MemoryError() if code == 2 else ValueError(
@@ -178,12 +195,14 @@ def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
                 values: Sequence[tuple[int, torch.Tensor]], k: int, skip: int, scale: float,
                 key_map: torch.Tensor | None = None,
                 lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                tokens: int | None = None, key_at: torch.Tensor | None = None
+                tokens: int | None = None, key_at: torch.Tensor | None = None,
+                own: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k partial attention of every row of q [H, R, D] over one layer of a shard: a
     `TopKTable` of these buffers, attended once (`supports_topk` says which buffers the
     kernel takes)."""
-    return TopKTable(keys, values, key_map, lists, key_at).attend(q, k, skip, scale, tokens)
+    return TopKTable(keys, values, key_map, lists, key_at).attend(q, k, skip, scale, tokens,
+                                                                  own)
 
 
 def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Tensor:

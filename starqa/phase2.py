@@ -139,18 +139,22 @@ class ShardAttention:
                 out, lse = self._pieces[layer].attend(q[0], scale=scale)
             outs, lses = [out[None]], [lse[None]]
         elif self.retriever is not None:
-            outs, lses = self.retriever.parts(layer, q, scale, m)
+            # on the CPU the retriever attends the question's own keys too (one kernel call)
+            own = self._append(layer, key, value) if self.query_host and \
+                query.device.type == "cpu" else None
+            outs, lses = self.retriever.parts(layer, q, scale, m, own)
         elif self.shard is not None:
             if self.fused:
                 outs, lses = partial_chunks(q, *self.shard[layer][0], scale, SLOT, self.head)
             else:  # no fused kernel here: one exact part, attribution per shard
                 out, lse = _folded(attend(query, *self.shard[layer][0], scale), kv_heads)
                 outs, lses = [out], [lse]
-        if self.query_host and not self.cpu:
+        if self.query_host and not self.cpu and not (self.retriever is not None and
+                                                     query.device.type == "cpu"):
             keys, values = self._append(layer, key, value)
-            if query.device.type == "cpu":  # top-k: exact's kernel, this forward's keys
-                # causally; as there, a row's result never depends on the forward's other
-                # rows, so drafted tokens cannot change the answer
+            if query.device.type == "cpu":  # no blocks here: exact's kernel, this forward's
+                # keys causally; a row's result never depends on the forward's other rows,
+                # so drafted tokens cannot change the answer
                 out, lse = partial_rows(q[0], keys[0], values[0], scale, m)
                 outs.append(out[None]), lses.append(lse[None])
             elif m == 1 and fused_available(query):  # one new token sees every key: no mask

@@ -186,18 +186,30 @@ class TopKShard:
 
     # -- Phase 2 ------------------------------------------------------------------------
 
-    def parts(self, layer: int, q: torch.Tensor, scale: float, tokens: int | None = None
+    def parts(self, layer: int, q: torch.Tensor, scale: float, tokens: int | None = None,
+              own: tuple[torch.Tensor, torch.Tensor] | None = None
               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The top-k partial attention of folded queries q [1, Hkv, R, D] over this
-        worker's blocks in `layer`: ([out [1, Hkv, R, D] in q's dtype], [lse [1, Hkv, R]
-        fp32]), a part for `attention.merge` (two on the sink's worker). tokens: the
-        forward's positions M, R = G * M (`attention.fold_gqa`): the G query heads of a
-        position share their keys (module docstring); None: M = R, nothing shared."""
+        worker's blocks in `layer`: parts ([out [1, Hkv, R, D] in q's dtype], [lse [1, Hkv,
+        R] fp32]) for `attention.merge`. tokens: the forward's positions M, R = G * M
+        (`attention.fold_gqa`): the G query heads of a position share their keys (module
+        docstring); None: M = R, nothing shared. own (the query host, CPU only): its own
+        (keys, values) [1, Hkv, L, D], the question and answer so far, the last M this
+        forward's, attended causally as part of the result.
+
+        With the compiled kernel, the sink, the retrieved keys and the own keys are one
+        call and one part (one softmax); elsewhere a part each."""
         k = min(self.budgets[layer], self.n_keys - self.n_sink)
         _, heads, rows, dim = q.shape
         tokens = tokens or rows
         groups = rows // tokens
+        native_ok = q.device.type == "cpu" and self.searchers is None and native.available()
+        if native_ok and self._table_of(layer, k) is not None:
+            return self._parts_native(layer, q, max(k, 1), scale, tokens, own)
         outs, lses = [], []
+        if own is not None:
+            out, lse = partial_rows(q[0], own[0][0], own[1][0], scale, tokens)
+            outs.append(out[None].to(q.dtype)), lses.append(lse[None])
         if self.sinks is not None:
             sink_keys, sink_values = self.sinks[layer]
             if q.device.type == "cpu":  # exact's kernel: a row's result never depends on
@@ -213,21 +225,38 @@ class TopKShard:
         # flat and ivf score up to every key per row (a prefill's rows choose most lists),
         # hnsw k: positions go in pieces of at most ROWS_X_KEYS scores
         width = k if self.searchers is not None else self.n_keys
-        step = max(1, ROWS_X_KEYS // (width * heads * groups))
-        native_ok = q.device.type == "cpu" and self.searchers is None and native.available()
-        by_token = q[0].view(heads, groups, tokens, dim)
         pieces, piece_lses = [], []
-        for start in range(0, tokens, step):
-            piece = by_token[:, :, start:start + step].reshape(heads, -1, dim)  # [Hkv, G*m, D]
-            m = piece.shape[1] // groups
-            found = self._part_native(layer, piece, k, scale, m) if native_ok else None
-            if found is None:
-                found = self._part_selected(layer, piece, k, scale, m)
+        for start, m, piece in _pieces(q, tokens, width):
+            found = self._part_selected(layer, piece, k, scale, m)
             pieces.append(found[0].to(q.dtype).view(heads, groups, m, dim))
             piece_lses.append(found[1].view(heads, groups, m))
         outs.append(torch.cat(pieces, dim=2).view(1, heads, rows, dim))
         lses.append(torch.cat(piece_lses, dim=2).view(1, heads, rows))
         return outs, lses
+
+    def _parts_native(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int,
+                      own: tuple[torch.Tensor, torch.Tensor] | None
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`parts` for flat and ivf on the CPU: per piece of positions one call of the
+        compiled kernel (the layer's `native.TopKTable`: each row scans its own lists, or
+        every key, keeps its k best in fp32, and a position's G rows attend over their
+        union, the sink and their own keys). Mapped pages of the layer are released after."""
+        table = self._tables[layer]
+        _, heads, rows, dim = q.shape
+        groups = rows // tokens
+        before = own[0].shape[2] - tokens if own is not None else 0  # own keys before this forward
+        pieces, piece_lses = [], []
+        for start, m, piece in _pieces(q, tokens, self.n_keys):
+            mine = None if own is None else tuple(x[0, :, :before + start + m] for x in own)
+            out, lse = table.attend(piece, k, self.n_sink, scale, m, mine)
+            pieces.append(out.to(q.dtype).view(heads, groups, m, dim))
+            piece_lses.append(lse.view(heads, groups, m))
+        for _, mapped in (self.mapped_keys or []) + (self.mapped_values or []):
+            mapped.release(layer)
+        if len(pieces) == 1:
+            return [pieces[0].view(1, heads, rows, dim)], [piece_lses[0].view(1, heads, rows)]
+        return ([torch.cat(pieces, dim=2).view(1, heads, rows, dim)],
+                [torch.cat(piece_lses, dim=2).view(1, heads, rows)])
 
     def _part_selected(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,22 +303,11 @@ class TopKShard:
             return None
         return native.TopKTable(keys, values, key_map, lists, key_at)
 
-    def _part_native(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`parts`' work for flat and ivf on the CPU in one call of the compiled kernel
-        (the layer's `native.TopKTable`: each row scans its own lists, or every key,
-        keeps its k best in fp32, and a position's G rows attend over their union), q
-        [Hkv, G * tokens, D]: (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32; None where the kernel does
-        not take these buffers. Mapped pages of the layer are released after the call."""
+    def _table_of(self, layer: int, k: int) -> native.TopKTable | None:
+        """`_table`, made on the layer's first call and kept."""
         if layer not in self._tables:
             self._tables[layer] = self._table(layer, k)
-        table = self._tables[layer]
-        if table is None:
-            return None
-        out, lse = table.attend(q, k, self.n_sink, scale, tokens)
-        for _, mapped in (self.mapped_keys or []) + (self.mapped_values or []):
-            mapped.release(layer)
-        return out.unsqueeze(0), lse.unsqueeze(0)
+        return self._tables[layer]
 
     def select(self, layer: int, q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """scores, idx [Hkv, r, k'] (k' <= k where fewer keys were found or exist): each
@@ -434,6 +452,22 @@ class TopKShard:
         at = torch.from_numpy(lay.at).to(idx.device).long()  # [Hkv, N] row -> position
         where = at.gather(1, idx.clamp(min=0).reshape(idx.shape[0], -1)).view_as(idx)
         return topk.gather_rows(lay.keys, where)
+
+
+def _pieces(q: torch.Tensor, tokens: int, width: int):
+    """Folded queries q [1, Hkv, G * M, D] in pieces of positions, each scoring at most
+    ROWS_X_KEYS keys (`width` per row) at once (a prefill of many rows): (first position,
+    positions m, piece [Hkv, G * m, D])."""
+    _, heads, rows, dim = q.shape
+    groups = rows // tokens
+    step = max(1, ROWS_X_KEYS // (width * heads * groups))
+    if step >= tokens:
+        yield 0, tokens, q[0]
+        return
+    by_token = q[0].view(heads, groups, tokens, dim)
+    for start in range(0, tokens, step):
+        piece = by_token[:, :, start:start + step].reshape(heads, -1, dim)
+        yield start, piece.shape[1] // groups, piece
 
 
 def _mapped_rows(blocks, layer: int, idx: torch.Tensor) -> torch.Tensor:

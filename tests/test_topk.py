@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from starqa import indexes, tensorfile, topk
+from starqa import indexes, native, tensorfile, topk
 from starqa.attention import attend, merge
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
@@ -123,7 +123,8 @@ def test_the_sink_is_attended_apart_and_never_retrieved(kind):
     if kind != "flat":
         return
     outs, lses = first.parts(0, q[None], dim ** -0.5)
-    assert len(outs) == 2  # the sink's part and the retrieved part
+    # the sink's part and the retrieved part; one (one softmax) from the compiled kernel
+    assert len(outs) == (1 if native.available() else 2)
     out, lse = merge(torch.cat(outs), torch.cat(lses))
     keys = torch.cat([b[0][0] for b in blocks], dim=1)  # [Hkv, N, D]
     values = torch.cat([b[1][0] for b in blocks], dim=1)

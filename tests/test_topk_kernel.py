@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="starqa's kernels
 
 def reference(q, key, value, k, scale, skip=0, allowed=None, dtype=torch.float64, tokens=None):
     """Top-k attention of q [H, R, D] over key/value [H, N, D] in `dtype`: each row's k
-    best keys among rows >= skip (and `allowed` [H, R, N], when given); with `tokens`
-    (R = G * tokens), each row attends over the union of its position's G rows' keys."""
+    best keys among rows >= skip (and `allowed` [H, R, N], when given), and the sink, rows
+    < skip; with `tokens` (R = G * tokens), each row attends over the union of its
+    position's G rows' keys."""
     scores = torch.einsum("hrd,hnd->hrn", q.to(dtype), key.to(dtype))
     hidden = torch.zeros_like(scores, dtype=torch.bool)
     hidden[..., :skip] = True
@@ -28,6 +29,7 @@ def reference(q, key, value, k, scale, skip=0, allowed=None, dtype=torch.float64
         heads, rows, n = chosen.shape
         union = chosen.view(heads, rows // tokens, tokens, n).any(dim=1, keepdim=True)
         chosen = union.expand(heads, rows // tokens, tokens, n).reshape(heads, rows, n)
+    chosen[..., :skip] = True
     logits = scores.masked_fill(~chosen, -math.inf) * scale
     lse = logits.logsumexp(-1)
     out = torch.einsum("hrn,hnd->hrd", (logits - lse[..., None]).exp(), value.to(dtype))
@@ -176,9 +178,66 @@ def test_keys_and_values_in_several_buffers_give_the_same_bits():
 
 
 def test_a_row_without_keys_weighs_nothing():
+    """ivf: the one list a row probes is empty (and there is no sink)."""
     q, key = torch.randn(1, 2, 16), torch.randn(1, 8, 16)
-    out, lse = native.topk_attend(q, [(0, key)], [(0, key)], 3, 8, 0.25)  # all in the sink
+    centroids = torch.stack([q[0, 0] + q[0, 1], -(q[0, 0] + q[0, 1])])[None] * 100
+    lists = (centroids, torch.tensor([[0, 0, 8]]), 1)  # list 0 (the nearest) holds no key
+    out, lse = native.topk_attend(q, [(0, key)], [(0, key)], 3, 0, 0.25, torch.arange(8)[None],
+                                  lists)
     assert (out == 0).all() and (lse == -math.inf).all()
+
+
+def test_the_sink_alone_is_exact_attention_over_it():
+    """Every row of the shard in the sink: nothing to pick, every row attends to them all."""
+    torch.manual_seed(4)
+    q, key, value = torch.randn(2, 3, 16), torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    out, lse = native.topk_attend(q, [(0, key)], [(0, value)], 3, 8, 0.25)
+    want_out, want_lse = attend(q[None], key[None], value[None], 0.25)
+    torch.testing.assert_close(out, want_out[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_own_keys_are_attended_causally_under_the_same_softmax(kind, dtype):
+    """The query host's own keys in the same call: equal (within fp32 error against
+    float64) to the top-k part merged with exact causal attention over the own keys; and a
+    position alone (a one-token step, its own keys cut after it) gets the same bits as among
+    the forward's others (drafted tokens)."""
+    from starqa.attention import merge, partial_rows
+
+    torch.manual_seed(11)
+    heads, groups, tokens, n, dim, k, before = 2, 3, 4, 3000, 64, 40, 9
+    q = torch.randn(heads, groups * tokens, dim)
+    key, value = torch.randn(heads, n, dim).to(dtype), torch.randn(heads, n, dim).to(dtype)
+    # own keys in a longer buffer (Phase 2 grows them in place): heads apart by its capacity
+    buffer = torch.randn(2, heads, 32, dim).to(dtype)
+    own = tuple(x[:, :before + tokens] for x in buffer)
+    keys, key_map, lists = [(0, key)], None, None
+    if kind == "ivf":
+        ordered, key_map, centroids, offsets = ivf_layout(key, 30, 5)
+        keys, lists = [(0, ordered)], (centroids, offsets, 5)
+    out, lse = native.topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens,
+                                  own=own)
+    part = native.topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens)
+    mine = partial_rows(q, own[0], own[1], 0.125, tokens)
+    want_out, want_lse = merge(torch.stack([part[0], mine[0]]), torch.stack([part[1], mine[1]]))
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-5)
+    out, lse = out.view(heads, groups, tokens, dim), lse.view(heads, groups, tokens)
+    by_token = q.view(heads, groups, tokens, dim)
+    for m in range(tokens):
+        cut = tuple(x[:, :before + m + 1] for x in buffer)
+        one, one_lse = native.topk_attend(by_token[:, :, m].contiguous(), keys, [(0, value)], k,
+                                          3, 0.125, key_map, lists, 1, own=cut)
+        assert torch.equal(one, out[:, :, m]) and torch.equal(one_lse, lse[:, :, m])
+
+
+def test_own_keys_of_another_layout_are_refused():
+    q, key = torch.randn(2, 2, 16), torch.randn(2, 40, 16)
+    own = torch.randn(2, 16, 5)  # D not last
+    with pytest.raises(ValueError, match="own keys"):
+        native.topk_attend(q, [(0, key)], [(0, key)], 3, 0, 0.25, own=(own.transpose(1, 2),) * 2)
 
 
 def test_impossible_arguments_are_refused():
@@ -194,6 +253,7 @@ def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
     share them the same way across a position's query heads, so answers do not depend on
     whether a compiler was found. fp32 keys: no bf16 near-ties."""
     from starqa import retrieval
+    from starqa.attention import merge
     from starqa.indexes import TopK
     from starqa.retrieval import TopKShard
 
@@ -201,10 +261,15 @@ def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
     blocks = [(torch.randn(2, 2, t, 32), torch.randn(2, 2, t, 32)) for t in (1500, 900)]
     shard = TopKShard.from_parts(blocks, TopK(count=60, index=kind, sink=4), 2400)
     q = torch.randn(1, 2, 12, 32)  # 3 query heads per KV head at 4 positions
-    with_kernel = shard.parts(1, q, 32 ** -0.5, 4)
+    own = tuple(torch.randn(1, 2, 10, 32) for _ in range(2))  # 6 tokens before these 4
+
+    def merged(parts):
+        return merge(torch.cat(parts[0]), torch.cat(parts[1]))
+
+    with_kernel = merged(shard.parts(1, q, 32 ** -0.5, 4, own))
     monkeypatch.setattr(retrieval.native, "available", lambda: False)
-    without = shard.parts(1, q, 32 ** -0.5, 4)
-    for a, b in zip(with_kernel[0] + with_kernel[1], without[0] + without[1]):
+    without = merged(shard.parts(1, q, 32 ** -0.5, 4, own))
+    for a, b in zip(with_kernel, without):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
 
 
