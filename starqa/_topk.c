@@ -55,6 +55,7 @@
 #define MAX_DIM 256
 #define AHEAD 64          /* keys prefetched ahead of a scan */
 #define AHEAD_ROWS 8      /* value rows prefetched ahead of the one read */
+#define AHEAD_KEYS 48     /* union key rows prefetched ahead of the chunk scored */
 #define PREFETCH_LISTS 3  /* ivf: lists prefetched ahead of the one scanned */
 #define PREFETCH_KEYS 512 /* ... when they are at most this long (longer: the scan's own) */
 
@@ -65,12 +66,20 @@ typedef struct {
     int64_t row; /* the key's row in the shard */
 } cand;
 
+/* A row's scores are appended a scanned piece of positions at a time: the scores from
+   index `at` on are those of positions pos, pos + 1, ... (until the next segment). A key's
+   position is looked up only for the few candidates that clear `best_of`'s bar, not
+   written for every key scored. */
+typedef struct {
+    int64_t at, pos;
+} seg;
+
 /* Scratch memory kept by each thread between calls (OpenMP's threads live on): a call
    per layer per token would otherwise allocate its buffers every time (above glibc's mmap
    threshold: fresh pages, cleared by the kernel). A slot grows to the largest size asked
    of it and is never returned. */
-enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_IDS, S_BEST, S_BLOCK, S_SCORES, S_WHERE, S_POOL,
-       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, SLOTS };
+enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_BEST, S_BLOCK, S_SCORES, S_SEGS, S_POOL,
+       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, S_ROWS, SLOTS };
 static __thread struct { void *p; size_t size; } scratch[SLOTS];
 
 static void *scratch_get(int slot, size_t bytes) {
@@ -141,15 +150,18 @@ static void keep_best(cand *a, int64_t n, int64_t k, float *tmp) {
     }
 }
 
-/* The k best of m scored candidates (scores[i] of the key at shard row rows[i]) whose
-   rows are not below `skip`, into out as (score, row); returns how many (at most k). A
+/* The k best of m scored candidates whose rows are not below `skip`, into out as (score,
+   row); returns how many (at most k). scores[i] is that of position segs[s].pos + i -
+   segs[s].at for the last of the nsegs segments with at <= i, and the position's row is
+   rowmap[position] (NULL: the position). A
    bar is set first from a sample of the scores (the 2k/m-th quantile of every step-th
    one), so that the selection looks at about 2k candidates instead of all m; where fewer
    than k clear it, every candidate is looked at.
    Either way the result is the k best: the bar only skips candidates that cannot be.
    out: room for m; tmp: scratch of 2m floats. */
-SIMD_CLONES static int64_t best_of(const float *scores, const int32_t *rows, int64_t m,
-                                   int64_t skip, int64_t k, cand *out, float *tmp) {
+SIMD_CLONES static int64_t best_of(const float *scores, const seg *segs, int64_t nsegs,
+                                   const int64_t *rowmap, int64_t m, int64_t skip, int64_t k,
+                                   cand *out, float *tmp) {
     float bar = -INFINITY;
     if (m > 2 * k && m > 256) {
         const int64_t step = m / 256, samples = m / step;
@@ -160,7 +172,7 @@ SIMD_CLONES static int64_t best_of(const float *scores, const int32_t *rows, int
         for (int64_t i = 0; i < rank; i++) bar = out[i].s < bar ? out[i].s : bar;
     }
     for (int pass = 0; pass < 2; pass++) {
-        int64_t got = 0;
+        int64_t got = 0, s = 0;
         for (int64_t i0 = 0; i0 < m; i0 += CHUNK) { /* a chunk at a time: most fall short */
             const int64_t end = i0 + CHUNK < m ? i0 + CHUNK : m;
             float top = -INFINITY;
@@ -169,7 +181,10 @@ SIMD_CLONES static int64_t best_of(const float *scores, const int32_t *rows, int
             if (!(top >= bar)) continue;
             for (int64_t i = i0; i < end; i++) {
                 if (!(scores[i] >= bar)) continue;
-                if (rows[i] >= skip) out[got++] = (cand){scores[i], rows[i]};
+                while (s + 1 < nsegs && segs[s + 1].at <= i) s++;
+                const int64_t p = segs[s].pos + (i - segs[s].at);
+                const int64_t row = rowmap ? rowmap[p] : p;
+                if (row >= skip) out[got++] = (cand){scores[i], row};
             }
         }
         if (got >= k || bar == -INFINITY) {
@@ -199,6 +214,12 @@ static inline const char *row_at(const int64_t *start, const int64_t *ptr,
            ((size_t)(h * stride[b]) + (size_t)(p - start[b]) * d) * esize;
 }
 
+/* Asks for row p of head h (see row_at) to be brought into the cache. */
+static inline void prefetch_row(const int64_t *start, const int64_t *ptr, const int64_t *stride,
+                                int64_t buffers, int64_t h, int64_t p, int64_t d, size_t esize) {
+    const char *row = row_at(start, ptr, stride, buffers, h, p, d, esize);
+    for (size_t y = 0; y < (size_t)d * esize; y += 64) __builtin_prefetch(row + y, 0, 3);
+}
 
 /* Inner product of two fp32 rows. */
 SIMD_CLONES static float dot(const float *a, const float *b, int64_t d) {
@@ -273,17 +294,23 @@ static void score_keys(const char *const *kp, int width, int bf16, const float *
     score_any(kp, width, bf16, qs, nq, d, outs, block);
 }
 
-/* Keys [lo, hi) of one buffer (key row lo at `base`, rows row_bytes apart), scored against
-   the rows who[0 .. many) of a group (queries q + r * d): row r's scores and the keys'
-   shard rows (rowmap[position], or the position where rowmap is NULL) are appended at
-   scores / where + r * stride + got[r] (a row's room holds a chunk more than its
-   candidates: a chunk is written whole). */
+/* Keys at positions [lo, hi) of one buffer (position lo at `base`, rows row_bytes apart),
+   scored against the rows who[0 .. many) of a group (queries q + r * d): row r's scores are
+   appended at scores + r * stride + got[r] (a row's room holds a chunk more than its
+   candidates: a chunk is written whole), and, where segs is given, the piece is noted in
+   the row's segments segs + r * segroom (nsegs[r] of them; see `seg`). */
 static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64_t hi,
                  const float *q, int64_t d, const int64_t *who, int64_t many, float *scores,
-                 int32_t *where, int64_t stride, int64_t *got, float *block,
-                 const int64_t *rowmap) {
+                 int64_t stride, int64_t *got, float *block, seg *segs, int64_t segroom,
+                 int64_t *nsegs) {
     const float *qs[GROUP];
     float *outs[GROUP];
+    for (int64_t w = 0; segs && w < many; w++) {
+        const int64_t r = who[w];
+        seg *last = segs + r * segroom + nsegs[r] - 1;
+        if (!nsegs[r] || last->pos + (got[r] - last->at) != lo) /* else it goes on the last */
+            segs[r * segroom + nsegs[r]++] = (seg){got[r], lo};
+    }
     for (int64_t p = lo; p < hi; p += CHUNK) {
         const int width = hi - p < CHUNK ? (int)(hi - p) : CHUNK;
         const char *kp[CHUNK];
@@ -298,11 +325,7 @@ static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64
             outs[w] = scores + who[w] * stride + got[who[w]];
         }
         score_keys(kp, width, bf16, qs, many, d, outs, block);
-        for (int64_t w = 0; w < many; w++) {
-            int32_t *to = where + who[w] * stride + got[who[w]];
-            for (int x = 0; x < width; x++) to[x] = (int32_t)(rowmap ? rowmap[p + x] : p + x);
-            got[who[w]] += width;
-        }
+        for (int64_t w = 0; w < many; w++) got[who[w]] += width;
     }
 }
 
@@ -313,7 +336,7 @@ SIMD_CLONES static float weigh(float *s, int64_t m, float scale, float *top) {
 #pragma omp simd reduction(max : best)
     for (int64_t j = 0; j < m; j++) best = s[j] > best ? s[j] : best;
     for (int64_t j = 0; j < m; j++) {
-        s[j] = expf((s[j] - best) * scale);
+        s[j] = exp_nonpositive((s[j] - best) * scale);
         total += s[j];
     }
     *top = best;
@@ -326,15 +349,71 @@ SIMD_CLONES static void accumulate(float *o, const float *v, float weight, int64
     for (int64_t i = 0; i < d; i++) o[i] += weight * v[i];
 }
 
+#ifdef STARQA_X86
+/* weighted_sum for D = 16 * NC: the G rows' sums in registers, GB rows at a time (a value
+   row is widened once per GB rows, from the cache after the first). */
+#define WSUM_AVX512(NC)                                                                    \
+    AVX512 static void wsum_avx512_##NC(const char *const *vp, int64_t m, int bf16,        \
+                                        const float *w, int64_t room, int64_t per,         \
+                                        float *const *outs) {                              \
+        enum { GB = 16 / NC };                                                             \
+        const size_t esize = bf16 ? 2 : 4;                                                 \
+        for (int64_t g0 = 0; g0 < per; g0 += GB) {                                         \
+            const int64_t gn = per - g0 < GB ? per - g0 : GB;                              \
+            __m512 acc[GB][NC];                                                            \
+            for (int g = 0; g < GB; g++)                                                   \
+                for (int c = 0; c < NC; c++)                                               \
+                    acc[g][c] = g < gn ? _mm512_loadu_ps(outs[g0 + g] + c * 16)            \
+                                       : _mm512_setzero_ps();                              \
+            for (int64_t u = 0; u < m; u++) {                                              \
+                if (u + AHEAD_ROWS < m)                                                    \
+                    for (size_t y = 0; y < NC * 16 * esize; y += 64)                       \
+                        __builtin_prefetch(vp[u + AHEAD_ROWS] + y, 0, 3);                  \
+                __m512 v[NC];                                                              \
+                for (int c = 0; c < NC; c++) v[c] = load16(vp[u] + c * 16 * esize, bf16);  \
+                for (int g = 0; g < GB; g++) {                                             \
+                    const __m512 wg = _mm512_set1_ps(g < gn ? w[(g0 + g) * room + u] : 0.0f); \
+                    for (int c = 0; c < NC; c++) acc[g][c] = _mm512_fmadd_ps(wg, v[c], acc[g][c]); \
+                }                                                                          \
+            }                                                                              \
+            for (int g = 0; g < gn; g++)                                                   \
+                for (int c = 0; c < NC; c++) _mm512_storeu_ps(outs[g0 + g] + c * 16, acc[g][c]); \
+        }                                                                                  \
+    }
+WSUM_AVX512(4)
+WSUM_AVX512(8)
+#endif
+
+/* outs[g] [D] += sum_u w[g * room + u] * v_u for the rows g < per, over the value rows
+   vp[u] (bf16 or fp32), u < m; value: scratch of D floats. */
+static void weighted_sum(const char *const *vp, int64_t m, int bf16, const float *w,
+                         int64_t room, int64_t per, int64_t d, float *const *outs,
+                         float *value) {
+#ifdef STARQA_X86
+    if (has_avx512() && (d == 64 || d == 128)) {
+        (d == 64 ? wsum_avx512_4 : wsum_avx512_8)(vp, m, bf16, w, room, per, outs);
+        return;
+    }
+#endif
+    const size_t esize = bf16 ? 2 : 4;
+    for (int64_t u = 0; u < m; u++) {
+        if (u + AHEAD_ROWS < m)
+            for (size_t y = 0; y < (size_t)d * esize; y += 64)
+                __builtin_prefetch(vp[u + AHEAD_ROWS] + y, 0, 3);
+        widen_row(vp[u], bf16, d, value);
+        for (int64_t g = 0; g < per; g++) accumulate(outs[g], value, w[g * room + u], d);
+    }
+}
+
 /* List c of head h, its positions within [a, b), cut where the key buffers change: each
-   piece scanned (see `scan`) or, where q is NULL, only prefetched (keys and their rows
-   in map) so that it is in the cache when its scan comes. */
+   piece scanned (see `scan`) or, where q is NULL, only prefetched so that it is in the
+   cache when its scan comes. */
 static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets, int64_t n,
                      int64_t a, int64_t b, const int64_t *kstart, const int64_t *kptr,
                      const int64_t *kstride, int64_t kbuffers, int64_t d, size_t kes,
-                     const int64_t *map, const float *q, int bf16, const int64_t *who,
-                     int64_t many, float *scores, int32_t *where, int64_t stride, int64_t *got,
-                     float *block) {
+                     const float *q, int bf16, const int64_t *who, int64_t many, float *scores,
+                     int64_t stride, int64_t *got, float *block, seg *segs, int64_t segroom,
+                     int64_t *nsegs) {
     int64_t lo = offsets ? offsets[h * (lists + 1) + c] : 0;
     int64_t hi = offsets ? offsets[h * (lists + 1) + c + 1] : n;
     lo = lo > a ? lo : a;
@@ -345,14 +424,11 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
         const char *base = (const char *)(intptr_t)kptr[kb] +
                            ((size_t)(h * kstride[kb]) + (size_t)(lo - kstart[kb]) * d) * kes;
         if (q) {
-            scan(base, (size_t)d * kes, bf16, lo, end, q, d, who, many, scores, where, stride,
-                 got, block, map ? map + h * n : NULL);
+            scan(base, (size_t)d * kes, bf16, lo, end, q, d, who, many, scores, stride, got,
+                 block, segs, segroom, nsegs);
         } else if (end - lo <= PREFETCH_KEYS) {
             for (size_t y = 0; y < (size_t)(end - lo) * d * kes; y += 64)
                 __builtin_prefetch(base + y, 0, 3);
-            if (map)
-                for (size_t y = 0; y < (size_t)(end - lo) * sizeof(int64_t); y += 64)
-                    __builtin_prefetch((const char *)(map + h * n + lo) + y, 0, 3);
         }
         lo = end;
     }
@@ -394,6 +470,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     const int64_t span_len = n > 0 ? ((n + spans - 1) / spans + CHUNK - 1) / CHUNK * CHUNK : 1;
     const int64_t stride = span_len + CHUNK;
     const int64_t kcap = k < span_len ? k : span_len; /* a span's selection per row */
+    const int64_t segroom = lists + kbuffers; /* a row's pieces in a span, at most */
     const int64_t chosen_lists = probes < lists ? probes : lists;
     unsigned char *chosen = scratch_get(S_CHOSEN, (size_t)(heads * rows * lists));
     cand *sel = scratch_get(S_SEL, (size_t)(heads * rows * spans * kcap) * sizeof(cand));
@@ -406,14 +483,14 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     memset(chosen, chosen_lists == lists, (size_t)(heads * rows * lists));
     if (chosen_lists < lists) {
         const int64_t room = lists + CHUNK; /* a row's scores of the centroids */
+
 #pragma omp parallel num_threads(threads)
         {
             float *near = scratch_get(S_NEAR, (size_t)(GROUP * room) * sizeof(float));
-            int32_t *ids = scratch_get(S_IDS, (size_t)(GROUP * room) * sizeof(int32_t));
             cand *best = scratch_get(S_BEST, (size_t)lists * sizeof(cand));
             float *tmp = scratch_get(S_TMP, (size_t)(2 * lists) * sizeof(float));
             float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
-            const int ok = near && ids && best && block && tmp;
+            const int ok = near && best && block && tmp;
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
@@ -425,12 +502,13 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 const int64_t rn = rows - r0 < GROUP ? rows - r0 : GROUP;
                 int64_t who[GROUP], got[GROUP] = {0};
                 for (int64_t r = 0; r < rn; r++) who[r] = r;
-                /* the centroids are fp32 rows: scored like keys */
+                /* the centroids are fp32 rows: scored like keys, positions = list numbers */
                 scan((const char *)(centroids + h * lists * d), (size_t)d * sizeof(float), 0, 0,
-                     lists, q + (h * rows + r0) * d, d, who, rn, near, ids, room, got, block,
+                     lists, q + (h * rows + r0) * d, d, who, rn, near, room, got, block, NULL, 0,
                      NULL);
+                const seg whole = {0, 0};
                 for (int64_t r = 0; r < rn; r++) {
-                    best_of(near + r * room, ids + r * room, lists, 0, chosen_lists, best, tmp);
+                    best_of(near + r * room, &whole, 1, NULL, lists, 0, chosen_lists, best, tmp);
                     unsigned char *mine = chosen + (h * rows + r0 + r) * lists;
                     for (int64_t c = 0; c < chosen_lists; c++) mine[best[c].row] = 1;
                 }
@@ -445,22 +523,22 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
 #pragma omp parallel num_threads(threads)
     {
         float *scores = scratch_get(S_SCORES, (size_t)(group * stride) * sizeof(float));
-        int32_t *where = scratch_get(S_WHERE, (size_t)(group * stride) * sizeof(int32_t));
+        seg *segs = scratch_get(S_SEGS, (size_t)(group * segroom) * sizeof(seg));
         cand *pool = scratch_get(S_POOL, (size_t)span_len * sizeof(cand));
         float *tmp = scratch_get(S_TMP, (size_t)(2 * span_len) * sizeof(float));
         int64_t *order = scratch_get(S_ORDER, (size_t)lists * sizeof(int64_t));
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
-        if (!scores || !where || !pool || !block || !tmp || !order) {
+        if (!scores || !segs || !pool || !block || !tmp || !order) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic)
         for (int64_t t = 0; t < heads * groups * spans; t++) {
-            if (!scores || !where || !pool || !block || !tmp || !order) continue;
+            if (!scores || !segs || !pool || !block || !tmp || !order) continue;
             const int64_t h = t / (groups * spans), g = t / spans % groups, span = t % spans;
             const int64_t r0 = g * group, rn = rows - r0 < group ? rows - r0 : group;
             const int64_t a = span * span_len, b = a + span_len < n ? a + span_len : n;
-            int64_t got[GROUP] = {0};
+            int64_t got[GROUP] = {0}, nsegs[GROUP] = {0};
             int64_t todo = 0; /* the lists some row of the group scans, in order */
             for (int64_t c = 0; c < lists; c++) {
                 int64_t any = 0;
@@ -470,20 +548,20 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             for (int64_t i = 0; i < todo + PREFETCH_LISTS; i++) {
                 if (i < todo) /* a list whose scan comes later: its keys on their way meanwhile */
                     for_list(order[i], h, lists, offsets, n, a, b, kstart, kptr, kstride, kbuffers,
-                             d, kes, map, NULL, 0, NULL, 0, NULL, NULL, 0, NULL, NULL);
+                             d, kes, NULL, 0, NULL, 0, NULL, 0, NULL, NULL, NULL, 0, NULL);
                 if (i < PREFETCH_LISTS) continue;
                 const int64_t c = order[i - PREFETCH_LISTS];
                 int64_t who[GROUP], many = 0;
                 for (int64_t r = 0; r < rn; r++)
                     if (chosen[(h * rows + r0 + r) * lists + c]) who[many++] = r;
                 for_list(c, h, lists, offsets, n, a, b, kstart, kptr, kstride, kbuffers, d, kes,
-                         map, q + (h * rows + r0) * d, k_bf16, who, many, scores, where, stride,
-                         got, block);
+                         q + (h * rows + r0) * d, k_bf16, who, many, scores, stride, got, block,
+                         segs, segroom, nsegs);
             }
             for (int64_t r = 0; r < rn; r++) {
                 const int64_t slot = (h * rows + r0 + r) * spans + span;
-                count[slot] = best_of(scores + r * stride, where + r * stride, got[r], skip,
-                                      kcap, pool, tmp);
+                count[slot] = best_of(scores + r * stride, segs + r * segroom, nsegs[r],
+                                      map ? map + h * n : NULL, got[r], skip, kcap, pool, tmp);
                 memcpy(sel + slot * kcap, pool, (size_t)count[slot] * sizeof(cand));
             }
         }
@@ -507,7 +585,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         int32_t *seen = scratch_get(S_SEEN, (size_t)(n > 0 ? n : 1) * sizeof(int32_t));
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
         float *value = scratch_get(S_VALUE, (size_t)MAX_DIM * sizeof(float));
-        const int ok = all && tmp && uni && w && seen && block && value;
+        const char **vp = scratch_get(S_ROWS, (size_t)(room > 1 ? room : 1) * sizeof(char *));
+        const int ok = all && tmp && uni && w && seen && block && value && vp;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -551,8 +630,15 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             }
             const int64_t no = own_k ? own_before + m + 1 : 0; /* own keys seen (causal) */
             if (!nu && !no) continue;
+            /* the union's key rows lie anywhere: each is fetched AHEAD_KEYS ahead of its use */
+            for (int64_t u = 0; u < (nu < AHEAD_KEYS ? nu : AHEAD_KEYS); u++)
+                prefetch_row(kstart, kptr, kstride, kbuffers, h, inv ? inv[h * n + uni[u]] : uni[u],
+                             d, kes);
             for (int64_t u0 = 0; u0 < nu; u0 += CHUNK) { /* each row's scores of the union */
                 const int width = nu - u0 < CHUNK ? (int)(nu - u0) : CHUNK;
+                for (int64_t u = u0 + AHEAD_KEYS; u < u0 + AHEAD_KEYS + width && u < nu; u++)
+                    prefetch_row(kstart, kptr, kstride, kbuffers, h,
+                                 inv ? inv[h * n + uni[u]] : uni[u], d, kes);
                 const char *kp[CHUNK];
                 for (int x = 0; x < CHUNK; x++) {
                     const int64_t r = x < width ? uni[u0 + x] : 0;
@@ -575,25 +661,14 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             float tops[MAX_GROUP], totals[MAX_GROUP];
             for (int64_t g = 0; g < per; g++) /* scores → weights exp((s - max s) * scale) */
                 totals[g] = weigh(w + g * room, nu + no, scale, &tops[g]);
-            for (int64_t u = 0; u < nu; u++) { /* each value row read once for the G rows */
-                if (u + AHEAD_ROWS < nu) {
-                    const char *next = row_at(vstart, vptr, vstride, vbuffers, h,
-                                              uni[u + AHEAD_ROWS], d, ves);
-                    for (size_t y = 0; y < (size_t)d * ves; y += 64)
-                        __builtin_prefetch(next + y, 0, 3);
-                }
-                widen_row(row_at(vstart, vptr, vstride, vbuffers, h, uni[u], d, ves), v_bf16, d,
-                          value);
-                for (int64_t g = 0; g < per; g++)
-                    accumulate(out + (h * rows + g * tokens + m) * d, value, w[g * room + u], d);
-            }
-            for (int64_t j = 0; j < no; j++) {
-                widen_row(own_v + ((size_t)(h * own_stride) + (size_t)j * d) * oes, o_bf16, d,
-                          value);
-                for (int64_t g = 0; g < per; g++)
-                    accumulate(out + (h * rows + g * tokens + m) * d, value,
-                               w[g * room + nu + j], d);
-            }
+            /* each value row read once for the G rows: the union's, then the own keys' */
+            for (int64_t u = 0; u < nu; u++)
+                vp[u] = row_at(vstart, vptr, vstride, vbuffers, h, uni[u], d, ves);
+            for (int64_t j = 0; j < no; j++)
+                vp[nu + j] = own_v + ((size_t)(h * own_stride) + (size_t)j * d) * oes;
+            for (int64_t g = 0; g < per; g++) outs[g] = out + (h * rows + g * tokens + m) * d;
+            weighted_sum(vp, nu, v_bf16, w, room, per, d, outs, value);
+            weighted_sum(vp + nu, no, o_bf16, w + nu, room, per, d, outs, value);
             for (int64_t g = 0; g < per; g++) {
                 const int64_t row = h * rows + g * tokens + m;
                 for (int64_t i = 0; i < d; i++) out[row * d + i] /= totals[g];
