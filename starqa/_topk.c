@@ -436,7 +436,7 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
 
 /* Arguments: see the file's comment; pointers ptr[] are addresses. R = G * tokens rows (G
    query heads, each at `tokens` positions of the forward, the position fastest). centroids
-   fp32 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
+   bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
    list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
    position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R].
    Returns 0, 1 for impossible arguments, 2 when out of memory. */
@@ -445,7 +445,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                        const int64_t *kstart, const int64_t *kptr, const int64_t *kstride,
                        const int64_t *map, const int32_t *inv,
                        int64_t vbuffers, const int64_t *vstart, const int64_t *vptr,
-                       const int64_t *vstride, int64_t lists, const float *centroids,
+                       const int64_t *vstride, int64_t lists, const uint16_t *centroids,
                        const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
                        int o_bf16, const char *own_k, const char *own_v, int64_t own_stride,
                        int64_t own_before, float scale, float *out, float *lse, int threads) {
@@ -502,8 +502,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 const int64_t rn = rows - r0 < GROUP ? rows - r0 : GROUP;
                 int64_t who[GROUP], got[GROUP] = {0};
                 for (int64_t r = 0; r < rn; r++) who[r] = r;
-                /* the centroids are fp32 rows: scored like keys, positions = list numbers */
-                scan((const char *)(centroids + h * lists * d), (size_t)d * sizeof(float), 0, 0,
+                /* the centroids are bf16 rows: scored like keys, positions = list numbers */
+                scan((const char *)(centroids + h * lists * d), (size_t)d * 2, 1, 0,
                      lists, q + (h * rows + r0) * d, d, who, rn, near, room, got, block, NULL, 0,
                      NULL);
                 const seg whole = {0, 0};

@@ -108,7 +108,7 @@ class TopKTable:
     keys: [(first position, [H, T, D])] the buffers holding positions 0 .. N-1 of every head,
     in order; key_map [H, N] int64: each position's row in the shard, key_at [H, N] int32
     each row's position (both None: the same). values: [(first row, [H, T, D])] the buffers
-    holding the shard's value rows. lists (ivf): (centroids [H, C, D] fp32, offsets
+    holding the shard's value rows. lists (ivf): (centroids [H, C, D], read in bf16, offsets
     [H, C + 1] int64, probes): position ranges, and how many of the nearest a row scans;
     None scans every position. The buffers must stay where they are while the table lives
     (it keeps them referenced)."""
@@ -134,7 +134,7 @@ class TopKTable:
         centroids = offsets = None
         self.lists, self.probes = 1, 1
         if lists is not None:
-            centroids = lists[0].to(torch.float32).contiguous()
+            centroids = lists[0].to(torch.bfloat16).contiguous()
             offsets = lists[1].to(torch.int64).contiguous()
             self.lists, self.probes = centroids.shape[1], lists[2]
         self._keep = (keys, values, key_map, key_at, centroids, offsets)

@@ -35,7 +35,7 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
            released (every key is still read, from the page cache)
     ivf    every KV head's IVF lists over all the worker's blocks (`IvfLayer`: the
            blocks' lists side by side, their keys in list order in the cache's dtype,
-           their centroids [Hkv, C, D] fp32). A row ranks its KV head's C centroids,
+           their centroids [Hkv, C, D], bf16 values). A row ranks its KV head's C centroids,
            picks its nearest lists (about IVF_ROW_SCAN * k keys) and keeps the k best
            of their keys (`native.topk_attend`, one call per layer; numpy's
            `_select_ivf` where no kernel was built).
@@ -516,7 +516,9 @@ class IvfLayer:
     """One layer's ivf on a worker, every KV head's lists over all of the worker's blocks:
 
         centroids [Hkv, C, D] numpy fp32   each head's lists (the blocks' IVF lists side by
-                                           side: C = the lists of every block)
+                                           side: C = the lists of every block), rounded to
+                                           bf16 (the kernel reads them so: half the bytes
+                                           of a decode's list choice)
         offsets   [Hkv, C + 1] numpy int64 list c of head h is keys[h][offsets[h, c]:
                                            offsets[h, c + 1]]
         rows      [Hkv, N] numpy int64     each listed key's row in the shard
@@ -563,7 +565,8 @@ class IvfLayer:
             whole = torch.cat([k[head] for k in keys]) if len(keys) > 1 else keys[0][head]
             ordered.append(whole.index_select(0, torch.from_numpy(order)).to(
                 dtype or whole.dtype))
-        return cls(np.ascontiguousarray(np.stack(centroids), dtype=np.float32),
+        rounded = torch.from_numpy(np.stack(centroids).astype(np.float32)).bfloat16().float()
+        return cls(np.ascontiguousarray(rounded.numpy()),
                    np.stack(offsets), np.stack(rows), torch.stack(ordered))
 
 

@@ -162,6 +162,8 @@ def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
     """Phase 2 keeps a worker's blocks' IVF lists (every KV head) list by list: every key
     once, in the cache's dtype, under its row in the shard and in the list its block's
     index put it in."""
+    import faiss
+
     from starqa.retrieval import IvfLayer
 
     torch.manual_seed(4)
@@ -183,9 +185,12 @@ def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
             block = int(rows[0] >= 500) + int(rows[0] >= 800) if len(rows) else 0
             lists = built[(block, head)].nlist
             first = sum(built[(b, head)].nlist for b in range(block))
+            exact = faiss.extract_index_ivf(built[(block, head)]).quantizer.reconstruct_n(
+                0, lists)  # the layer keeps them rounded to bf16 (the kernel reads bf16)
+            assert torch.equal(torch.from_numpy(layer.centroids[head][first:first + lists]),
+                               torch.from_numpy(exact).bfloat16().float())
             if len(rows):
-                scores = whole[head][torch.from_numpy(rows)].float() @ torch.from_numpy(
-                    layer.centroids[head][first:first + lists].T)
+                scores = whole[head][torch.from_numpy(rows)].float() @ torch.from_numpy(exact.T)
                 assert (scores.argmax(-1) == c - first).all()
 
 

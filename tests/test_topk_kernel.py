@@ -46,7 +46,8 @@ def ivf_layout(key, lists, probes, seed=0):
     offsets = torch.cat([torch.zeros(heads, 1, dtype=torch.long), cuts,
                          torch.full((heads, 1), n)], dim=1)
     ordered = torch.stack([key[h][order[h]] for h in range(heads)])
-    return ordered, order, torch.randn(heads, lists, dim, generator=g), offsets
+    # centroids bf16 values: the kernel reads them in bf16
+    return ordered, order, torch.randn(heads, lists, dim, generator=g).bfloat16().float(), offsets
 
 
 def allowed_by_lists(q, order, centroids, offsets, probes):
