@@ -17,6 +17,16 @@
    the first own_before + m + 1 of them. So one call gives a worker's whole partial
    attention: sink, retrieved keys and own keys under one softmax.
 
+   The keys left out (flat; tail_means given): every key is scored anyway, so each row
+   knows exactly how much attention mass each block of tail_block positions holds; what
+   the row's attended keys (sink, union) do not take of it is the block's left-out mass,
+   which joins the softmax at the block's mean value (tail_means fp32 [H, ceil(N /
+   tail_block), D]). The lse is then the row's exact log-sum-exp over every key, and the
+   output exact up to the left-out keys' values, taken at their block's mean. Top-k alone
+   renormalises over its k keys, which in a diffuse head (most of a small model's) is a
+   different output altogether: with the estimate SmolLM2 answers like exact attention
+   more often (README, "Top-k attention").
+
    Per row: (ivf) score its head's centroids and choose the `probes` nearest lists; score
    every key of the chosen lists (all keys for flat) exactly in fp32 (bf16 keys widened);
    keep the k best (per span of positions, then over the spans: `best_of`).
@@ -79,7 +89,8 @@ typedef struct {
    threshold: fresh pages, cleared by the kernel). A slot grows to the largest size asked
    of it and is never returned. */
 enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_BEST, S_BLOCK, S_SCORES, S_SEGS, S_POOL,
-       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, S_ROWS, SLOTS };
+       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, S_ROWS, S_MASS, S_SPANTOP,
+       S_TAILROW, S_MEANS, SLOTS };
 static __thread struct { void *p; size_t size; } scratch[SLOTS];
 
 static void *scratch_get(int slot, size_t bytes) {
@@ -343,6 +354,14 @@ SIMD_CLONES static float weigh(float *s, int64_t m, float scale, float *top) {
     return total;
 }
 
+/* sum_i exp((s[i] - top) * scale) for s[i] <= top. */
+SIMD_CLONES static float exp_sum(const float *s, int64_t m, float top, float scale) {
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < m; i++) total += exp_nonpositive((s[i] - top) * scale);
+    return total;
+}
+
 /* o [D] += weight * v. */
 SIMD_CLONES static void accumulate(float *o, const float *v, float weight, int64_t d) {
 #pragma omp simd
@@ -438,7 +457,8 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
    query heads, each at `tokens` positions of the forward, the position fastest). centroids
    bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
    list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
-   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R].
+   position (NULL: the same). tail_means (flat only; NULL: none) and tail_block (a
+   multiple of CHUNK): the file's comment. out fp32 [H, R, D], lse fp32 [H, R].
    Returns 0, 1 for impossible arguments, 2 when out of memory. */
 int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, int64_t rows,
                        int64_t tokens, int64_t d, int64_t n, int64_t kbuffers,
@@ -448,13 +468,18 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                        const int64_t *vstride, int64_t lists, const uint16_t *centroids,
                        const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
                        int o_bf16, const char *own_k, const char *own_v, int64_t own_stride,
-                       int64_t own_before, float scale, float *out, float *lse, int threads) {
+                       int64_t own_before, const float *tail_means, int64_t tail_block,
+                       float scale, float *out, float *lse, int threads) {
     if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
         kbuffers < 1 || vbuffers < 1 || lists < 1 || (lists > 1 && (!centroids || !offsets)) ||
         probes < 1 || tokens < 1 || rows % tokens || rows / tokens > MAX_GROUP || skip < 0 ||
-        skip > n || (own_k && (!own_v || own_before < 0 || own_stride < (own_before + tokens) * d)))
+        skip > n || (own_k && (!own_v || own_before < 0 || own_stride < (own_before + tokens) * d)) ||
+        (tail_means && (lists > 1 || tail_block < 1 || tail_block % CHUNK)))
         return 1;
     const size_t oes = o_bf16 ? 2 : 4;
+    /* the keys left out, estimated per block of tail_block positions (flat) */
+    const int tail = tail_means != NULL;
+    const int64_t nblocks = tail ? (n + tail_block - 1) / tail_block : 0;
     const int64_t own_most = own_k ? own_before + tokens : 0; /* a row sees at most these */
     threads = threads > 0 ? threads : 1;
     const size_t kes = k_bf16 ? 2 : 4, ves = v_bf16 ? 2 : 4;
@@ -467,7 +492,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     int64_t spans = (2 * threads + heads * groups - 1) / (heads * groups);
     const int64_t most = n > MIN_SPAN ? n / MIN_SPAN : 1;
     spans = spans < most ? spans : most;
-    const int64_t span_len = n > 0 ? ((n + spans - 1) / spans + CHUNK - 1) / CHUNK * CHUNK : 1;
+    const int64_t unit = tail ? tail_block : CHUNK; /* a block never straddles two spans */
+    const int64_t span_len = n > 0 ? ((n + spans - 1) / spans + unit - 1) / unit * unit : 1;
     const int64_t stride = span_len + CHUNK;
     const int64_t kcap = k < span_len ? k : span_len; /* a span's selection per row */
     const int64_t segroom = lists + kbuffers; /* a row's pieces in a span, at most */
@@ -475,7 +501,9 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     unsigned char *chosen = scratch_get(S_CHOSEN, (size_t)(heads * rows * lists));
     cand *sel = scratch_get(S_SEL, (size_t)(heads * rows * spans * kcap) * sizeof(cand));
     int64_t *count = scratch_get(S_COUNT, (size_t)(heads * rows * spans) * sizeof(int64_t));
-    int failed = !chosen || !sel || !count;
+    float *mass = tail ? scratch_get(S_MASS, (size_t)(heads * rows * nblocks) * sizeof(float)) : NULL;
+    float *span_top = tail ? scratch_get(S_SPANTOP, (size_t)(heads * rows * spans) * sizeof(float)) : NULL;
+    int failed = !chosen || !sel || !count || (tail && (!mass || !span_top));
     if (failed) goto done;
 
     /* Each row's lists: the probes nearest centroids (every list when all are probed).
@@ -558,6 +586,18 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                          q + (h * rows + r0) * d, k_bf16, who, many, scores, stride, got, block,
                          segs, segroom, nsegs);
             }
+            for (int64_t r = 0; tail && r < rn; r++) { /* flat: every position of [a, b) */
+                const int64_t row = h * rows + r0 + r;
+                const float *sr = scores + r * stride;
+                float top = -INFINITY;
+                for (int64_t i = 0; i < got[r]; i++) top = sr[i] > top ? sr[i] : top;
+                span_top[row * spans + span] = top;
+                for (int64_t b0 = a; b0 < b; b0 += tail_block) {
+                    const int64_t e = b0 + tail_block < b ? b0 + tail_block : b;
+                    mass[row * nblocks + b0 / tail_block] =
+                        exp_sum(sr + (b0 - a), e - b0, top, scale);
+                }
+            }
             for (int64_t r = 0; r < rn; r++) {
                 const int64_t slot = (h * rows + r0 + r) * spans + span;
                 count[slot] = best_of(scores + r * stride, segs + r * segroom, nsegs[r],
@@ -586,7 +626,10 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
         float *value = scratch_get(S_VALUE, (size_t)MAX_DIM * sizeof(float));
         const char **vp = scratch_get(S_ROWS, (size_t)(room > 1 ? room : 1) * sizeof(char *));
-        const int ok = all && tmp && uni && w && seen && block && value && vp;
+        float *rest = tail ? scratch_get(S_TAILROW, (size_t)(per * nblocks) * sizeof(float)) : NULL;
+        const char **mp = tail ? scratch_get(S_MEANS, (size_t)nblocks * sizeof(char *)) : NULL;
+        const int ok = all && tmp && uni && w && seen && block && value && vp &&
+                       (!tail || (rest && mp));
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -669,6 +712,24 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             for (int64_t g = 0; g < per; g++) outs[g] = out + (h * rows + g * tokens + m) * d;
             weighted_sum(vp, nu, v_bf16, w, room, per, d, outs, value);
             weighted_sum(vp + nu, no, o_bf16, w + nu, room, per, d, outs, value);
+            if (tail) { /* each block's keys left out: their mass, at the block's mean value */
+                for (int64_t g = 0; g < per; g++) {
+                    const int64_t row = h * rows + g * tokens + m;
+                    float *left = rest + g * nblocks;
+                    for (int64_t bl = 0; bl < nblocks; bl++) {
+                        const float top = span_top[row * spans + bl * tail_block / span_len];
+                        left[bl] = mass[row * nblocks + bl] * expf((top - tops[g]) * scale);
+                    }
+                    for (int64_t u = 0; u < nu; u++) left[uni[u] / tail_block] -= w[g * room + u];
+                    for (int64_t bl = 0; bl < nblocks; bl++) {
+                        left[bl] = left[bl] > 0.0f ? left[bl] : 0.0f;
+                        totals[g] += left[bl];
+                    }
+                }
+                for (int64_t bl = 0; bl < nblocks; bl++)
+                    mp[bl] = (const char *)(tail_means + (h * nblocks + bl) * d);
+                weighted_sum(mp, nblocks, 0, rest, nblocks, per, d, outs, value);
+            }
             for (int64_t g = 0; g < per; g++) {
                 const int64_t row = h * rows + g * tokens + m;
                 for (int64_t i = 0; i < d; i++) out[row * d + i] /= totals[g];

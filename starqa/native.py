@@ -110,14 +110,17 @@ class TopKTable:
     each row's position (both None: the same). values: [(first row, [H, T, D])] the buffers
     holding the shard's value rows. lists (ivf): (centroids [H, C, D], read in bf16, offsets
     [H, C + 1] int64, probes): position ranges, and how many of the nearest a row scans;
-    None scans every position. The buffers must stay where they are while the table lives
-    (it keeps them referenced)."""
+    None scans every position. tail (flat): (the values' means per block of positions [H,
+    ceil(N / block), D], block): the keys a row leaves out join its softmax at their block's
+    mean value (starqa/_topk.c; `topk.left_out` is the same in torch). The buffers must
+    stay where they are while the table lives (it keeps them referenced)."""
 
     def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],
                  values: Sequence[tuple[int, torch.Tensor]],
                  key_map: torch.Tensor | None = None,
                  lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                 key_at: torch.Tensor | None = None):
+                 key_at: torch.Tensor | None = None,
+                 tail: tuple[torch.Tensor, int] | None = None):
         n = keys[-1][0] + keys[-1][1].shape[1]
 
         def table(buffers):
@@ -152,6 +155,11 @@ class TopKTable:
                         address(offsets), self.probes)
         self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
                         int(values[0][1].dtype == torch.bfloat16))
+        self._tail = (None, 0)
+        if tail is not None:  # (means [H, ceil(N / block), D], block): flat only
+            means = tail[0].to(torch.float32).contiguous()
+            self._keep += (means,)
+            self._tail = (means.data_ptr(), tail[1])
 
     def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
                tokens: int | None = None,
@@ -182,7 +190,7 @@ class TopKTable:
                         own_k.stride(0), own_k.shape[1] - tokens)
         code = _library().starqa_topk_attend(
             *self._dtypes, q.data_ptr(), heads, rows, tokens, dim,
-            *self._middle, k, skip, *own_args, scale, out.data_ptr(), lse.data_ptr(),
+            *self._middle, k, skip, *own_args, *self._tail, scale, out.data_ptr(), lse.data_ptr(),
             torch.get_num_threads())
         if code:
             raise (MemoryError() if code == 2 else ValueError(
@@ -196,13 +204,14 @@ def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
                 key_map: torch.Tensor | None = None,
                 lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                 tokens: int | None = None, key_at: torch.Tensor | None = None,
-                own: tuple[torch.Tensor, torch.Tensor] | None = None
+                own: tuple[torch.Tensor, torch.Tensor] | None = None,
+                tail: tuple[torch.Tensor, int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k partial attention of every row of q [H, R, D] over one layer of a shard: a
     `TopKTable` of these buffers, attended once (`supports_topk` says which buffers the
     kernel takes)."""
-    return TopKTable(keys, values, key_map, lists, key_at).attend(q, k, skip, scale, tokens,
-                                                                  own)
+    return TopKTable(keys, values, key_map, lists, key_at, tail).attend(q, k, skip, scale,
+                                                                        tokens, own)
 
 
 def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Tensor:

@@ -70,11 +70,13 @@ class TopKShard:
     mapped_values: per block (first row, its values `tensorfile.MappedTensor`); mapped_keys
     likewise for flat with --kv-on-disk. budgets: keys per row in each layer
     (`topk.layer_budgets`). sinks: per layer (keys, values) [1, Hkv, S, D] fp32, the
-    context's first S tokens, on the worker that holds them, else None."""
+    context's first S tokens, on the worker that holds them, else None. means (flat): per
+    layer the values' mean per block of `topk.TAIL_BLOCK` rows [Hkv, B, D] fp32, at which
+    the keys a row leaves out are attended (module docstring), else None."""
 
     def __init__(self, settings: TopK, budgets: Sequence[int], n_keys: int, keys=None,
                  ivf=None, searchers=None, values=None, mapped_values=None,
-                 sinks=None, mapped_keys=None):
+                 sinks=None, mapped_keys=None, means=None):
         self.settings = settings
         self.budgets = list(budgets)
         self.n_keys = n_keys
@@ -86,6 +88,7 @@ class TopKShard:
         self.values = values
         self.mapped_values = mapped_values
         self.mapped_keys = mapped_keys
+        self.means = means
         self.pool = None
         self._tables: dict[int, native.TopKTable | None] = {}  # `_table`, per layer
         if searchers and torch.get_num_threads() > 1:
@@ -126,9 +129,10 @@ class TopKShard:
                                        index_of)
         n = sum(k.shape[2] for k, _ in parts)
         budgets = topk.layer_budgets(settings.keys(n_tokens), layers, settings.schedule)
-        return cls(settings, budgets, n, keys, ivf, searchers,
-                   _per_layer([v for _, v in parts], dtype),
-                   sinks=_sinks(*parts[0], settings.sink) if first else None)
+        values = _per_layer([v for _, v in parts], dtype)
+        means = [topk.block_means([v]) for v in values] if keys is not None else None
+        return cls(settings, budgets, n, keys, ivf, searchers, values,
+                   sinks=_sinks(*parts[0], settings.sink) if first else None, means=means)
 
     @classmethod
     def from_cache(cls, manifest: Manifest, blocks: Sequence[int], settings: TopK,
@@ -174,6 +178,15 @@ class TopKShard:
             mapped = [(start, tensorfile.MappedTensor(p, "v")) for p, start in zip(paths, starts)]
         else:
             values = _read_per_layer(paths, "v", layers, dtype, device)
+        means = None
+        if settings.index == "flat":  # a pass over the values, a layer at a time
+            means = []
+            for layer in range(layers):
+                means.append(topk.block_means(
+                    [values[layer]] if values is not None else
+                    [m.tensor[layer] for _, m in mapped]).to(device))
+                for _, m in mapped or ():
+                    m.release(layer)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
         sinks = None
@@ -182,7 +195,7 @@ class TopKShard:
             sinks = _sinks(key.tensor, value.tensor, settings.sink, device,
                            lambda layer: (key.release(layer), value.release(layer)))
         return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped,
-                   sinks=sinks, mapped_keys=mapped_keys)
+                   sinks=sinks, mapped_keys=mapped_keys, means=means)
 
     # -- Phase 2 ------------------------------------------------------------------------
 
@@ -269,6 +282,13 @@ class TopKShard:
             scores, idx = topk.share(q, scores, idx, tokens,
                                      lambda rows: self.key_rows(layer, rows).to(q.device))
         values = self.value_rows(layer, idx).to(q.device)
+        if self.means is not None:  # the keys left out, a candidate per block (`topk.left_out`)
+            extra = topk.left_out(self._all_scores(layer, q), idx, scale, self.n_sink)
+            means = self.means[layer].to(q.device)
+            scores = torch.cat([scores, extra], dim=-1)
+            idx = torch.cat([idx, torch.zeros_like(extra, dtype=idx.dtype)], dim=-1)
+            values = torch.cat([values.to(means.dtype), means[:, None].expand(
+                -1, values.shape[1], -1, -1)], dim=2)
         if q.device.type != "cpu":
             return topk.attend_selected(scores, idx, values, scale)
         # numpy: cheaper per call (`topk.attend_rows`)
@@ -301,7 +321,18 @@ class TopKShard:
             values = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_values]
         if not native.supports_topk([x for _, x in keys], [x for _, x in values]):
             return None
-        return native.TopKTable(keys, values, key_map, lists, key_at)
+        tail = (self.means[layer], topk.TAIL_BLOCK) if self.means is not None else None
+        return native.TopKTable(keys, values, key_map, lists, key_at, tail)
+
+    def _all_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """flat: every key's fp32 inner product with each row of q [Hkv, r, D]: [Hkv, r, N]."""
+        if self.keys is not None:
+            keys = self.keys[layer]
+        else:
+            keys = torch.cat([m.tensor[layer] for _, m in self.mapped_keys], dim=1)
+            for _, m in self.mapped_keys:
+                m.release(layer)
+        return torch.matmul(q.float(), keys.to(q.device).float().transpose(1, 2))
 
     def _table_of(self, layer: int, k: int) -> native.TopKTable | None:
         """`_table`, made on the layer's first call and kept."""

@@ -39,6 +39,9 @@ import math
 import torch
 
 NUMPY_ROWS = 64  # select_exact ranks up to this many rows (Hkv * R) with numpy on CPU
+# flat: the keys a row leaves out are counted per block of this many positions and attended
+# at the block's mean value (`left_out`; starqa/_topk.c)
+TAIL_BLOCK = 64
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -146,6 +149,50 @@ def attend_selected(scores: torch.Tensor, idx: torch.Tensor, values: torch.Tenso
     probs = torch.exp_(logits.sub_(lse.clamp(min=torch.finfo(lse.dtype).min).unsqueeze(-1)))
     out = torch.matmul(probs.unsqueeze(-2), values.to(probs.device).float())  # [Hkv, R, 1, D]
     return out.squeeze(-2).unsqueeze(0), lse.unsqueeze(0)
+
+
+def block_means(pieces, block: int = TAIL_BLOCK, chunk: int = 4096) -> torch.Tensor:
+    """The mean value row of every block of `block` positions of a shard's layer, given as
+    its pieces [Hkv, T_i, D] in order (a block may straddle two): [Hkv, ceil(N / block), D]
+    fp32, the last block's mean over the rows it has. Read `chunk` rows at a time (mapped
+    pieces are never widened whole)."""
+    pieces = list(pieces)
+    heads, dim = pieces[0].shape[0], pieces[0].shape[2]
+    n = sum(p.shape[1] for p in pieces)
+    sums = torch.zeros(heads, -(-n // block), dim)
+    first = 0
+    for piece in pieces:
+        for start in range(0, piece.shape[1], chunk):
+            part = piece[:, start:start + chunk].float()
+            rows = torch.arange(first + start, first + start + part.shape[1])
+            sums.index_add_(1, rows // block, part)
+        first += piece.shape[1]
+    counts = torch.full((sums.shape[1],), float(block))
+    counts[-1] = n - (sums.shape[1] - 1) * block
+    return sums / counts[:, None]
+
+
+def left_out(scores: torch.Tensor, idx: torch.Tensor, scale: float, skip: int = 0,
+             block: int = TAIL_BLOCK) -> torch.Tensor:
+    """What a selection leaves out of each block of `block` keys, as one candidate per
+    block: scores [Hkv, R, N] fp32 (every key's raw inner product with each row), idx
+    [Hkv, R, U] the rows' attended keys (-1: none) besides the first `skip` (the sink,
+    attended apart) → raw scores [Hkv, R, ceil(N / block)] s_b with exp(s_b * scale) = the
+    sum of exp(s * scale) over the block's keys left out (-inf where none is). Appended to
+    the selection's candidates with the blocks' mean values (`block_means`) as theirs, a
+    softmax over them attends each block's left-out keys at its mean value: the row's lse
+    is its exact log-sum-exp over every key (what starqa/_topk.c computes for flat)."""
+    heads, rows, n = scores.shape
+    top = scores.amax(-1, keepdim=True)  # [Hkv, R, 1]
+    weights = torch.exp((scores - top) * scale)
+    taken = torch.zeros_like(weights, dtype=torch.int8)
+    taken.scatter_reduce_(-1, idx.clamp(min=0), (idx >= 0).to(torch.int8), "amax")
+    taken[..., :skip] = 1
+    weights.masked_fill_(taken.bool(), 0.0)
+    blocks = -(-n // block)
+    weights = torch.nn.functional.pad(weights, (0, blocks * block - n))
+    left = weights.view(heads, rows, blocks, block).sum(-1)
+    return top + torch.log(left) / scale
 
 
 def layer_budgets(k: int, layers: int, schedule: str) -> list[int]:

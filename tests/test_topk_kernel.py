@@ -291,3 +291,84 @@ def test_a_table_kept_across_calls_gives_what_a_fresh_one_gives(kind):
         kept = table.attend(q, k, 2, 0.125, tokens)
         fresh = native.topk_attend(q, keys, [(0, value)], k, 2, 0.125, key_map, lists, tokens)
         assert torch.equal(kept[0], fresh[0]) and torch.equal(kept[1], fresh[1])
+
+
+def left_out_reference(q, key, value, k, scale, skip, tokens, block):
+    """float64: each row's attention over its sink and its position's union of picks
+    (`reference`'s), plus each block of `block` keys' left-out mass at the block's mean
+    value; the lse over every key."""
+    scores = torch.einsum("hrd,hnd->hrn", q.double(), key.double())
+    heads, rows, n = scores.shape
+    hidden = torch.zeros_like(scores, dtype=torch.bool)
+    hidden[..., :skip] = True
+    best = scores.masked_fill(hidden, -math.inf).topk(k, dim=-1).indices
+    chosen = torch.zeros_like(hidden).scatter_(-1, best, True)
+    chosen = chosen.view(heads, rows // tokens, tokens, n).any(1, keepdim=True).expand(
+        heads, rows // tokens, tokens, n).reshape(heads, rows, n)
+    chosen[..., :skip] = True
+    weights = torch.exp((scores - scores.amax(-1, keepdim=True)) * scale)
+    blocks = -(-n // block)
+    which = torch.arange(n) // block
+    means = torch.zeros(heads, blocks, value.shape[-1], dtype=torch.float64).index_add_(
+        1, which, value.double()) / torch.bincount(which).double()[None, :, None]
+    left = torch.zeros(heads, rows, blocks, dtype=torch.float64).index_add_(
+        2, which, weights * ~chosen)
+    out = (torch.einsum("hrn,hnd->hrd", weights * chosen, value.double())
+           + torch.einsum("hrb,hbd->hrd", left, means)) / weights.sum(-1, keepdim=True)
+    lse = scores.amax(-1) * scale + weights.sum(-1).log()
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_left_out_keys_join_the_softmax_at_their_blocks_mean_value(dtype):
+    """flat with the blocks' mean values: every left-out key's weight counts, at its
+    block's mean value (a last block shorter than the others; 3 query heads per KV head
+    sharing at 2 positions); the lse is the exact one over every key."""
+    from starqa import topk
+
+    torch.manual_seed(12)
+    heads, groups, tokens, n, dim, k, block = 2, 3, 2, 3000, 64, 40, topk.TAIL_BLOCK
+    q = torch.randn(heads, groups * tokens, dim)
+    key, value = torch.randn(heads, n, dim).to(dtype), torch.randn(heads, n, dim).to(dtype)
+    means = topk.block_means([value[:, :1234], value[:, 1234:]])  # pieces straddle a block
+    out, lse = native.topk_attend(q, [(0, key)], [(0, value)], k, 3, 0.125, tokens=tokens,
+                                  tail=(means, block))
+    want_out, want_lse = left_out_reference(q, key, value, k, 0.125, 3, tokens, block)
+    assert (out.double() - want_out).abs().max().item() <= 1e-5
+    assert (lse.double() - want_lse).abs().max().item() <= 1e-5
+
+
+def test_left_out_keys_bring_a_diffuse_head_close_to_exact_attention():
+    """Keys and values that vary smoothly along the context (as a model's do) and a query
+    that spreads its attention: 1% of the keys alone give another output altogether; with
+    the left-out mass at the blocks' means it is within a few percent of exact attention,
+    and every key kept (k >= N) is exact attention still."""
+    from starqa import topk
+
+    torch.manual_seed(0)
+    heads, rows, n, dim = 3, 3, 8192, 64
+    key = (torch.randn(heads, n // 64, dim).repeat_interleave(64, 1)
+           + 0.5 * torch.randn(heads, n, dim)).bfloat16()
+    value = (torch.randn(heads, n // 64, dim).repeat_interleave(64, 1)
+             + 0.5 * torch.randn(heads, n, dim)).bfloat16()
+    q = torch.randn(heads, rows, dim) * 0.3
+    tail = (topk.block_means([value]), topk.TAIL_BLOCK)
+    exact, exact_lse = attend(q[None], key[None].float(), value[None].float(), 0.125)
+
+    def error(out):
+        return ((out - exact[0]).norm(dim=-1) / exact[0].norm(dim=-1)).max().item()
+
+    alone = native.topk_attend(q, [(0, key)], [(0, value)], 82, 16, 0.125)
+    estimated = native.topk_attend(q, [(0, key)], [(0, value)], 82, 16, 0.125, tail=tail)
+    assert error(alone[0]) > 1.0 and error(estimated[0]) < 0.05
+    torch.testing.assert_close(estimated[1], exact_lse[0], rtol=0, atol=1e-5)
+    every = native.topk_attend(q, [(0, key)], [(0, value)], n, 16, 0.125, tail=tail)
+    torch.testing.assert_close(every[0], exact[0], rtol=0, atol=1e-5)
+
+
+def test_blocks_means_are_refused_with_ivf_lists():
+    q, key = torch.randn(1, 2, 16), torch.randn(1, 64, 16)
+    lists = (torch.randn(1, 2, 16), torch.tensor([[0, 30, 64]]), 1)
+    with pytest.raises(ValueError, match="top-k kernel"):
+        native.topk_attend(q, [(0, key)], [(0, key)], 3, 0, 0.25, torch.arange(64)[None], lists,
+                           tail=(torch.zeros(1, 1, 16), 64))
