@@ -110,9 +110,10 @@ class TopKTable:
     each row's position (both None: the same). values: [(first row, [H, T, D])] the buffers
     holding the shard's value rows. lists (ivf): (centroids [H, C, D], read in bf16, offsets
     [H, C + 1] int64, probes): position ranges, and how many of the nearest a row scans;
-    None scans every position. tail (flat): (the values' means per block of positions [H,
-    ceil(N / block), D], block): the keys a row leaves out join its softmax at their block's
-    mean value (starqa/_topk.c; `topk.left_out` is the same in torch). The buffers must
+    None scans every position. tail: (the values' means per unit [H, U, D], block): the keys
+    a row leaves out join its softmax at their unit's mean value, a unit being a block of
+    `block` positions (flat) or a list (ivf, block ignored) (starqa/_topk.c;
+    `topk.left_out` is the same in torch). The buffers must
     stay where they are while the table lives (it keeps them referenced)."""
 
     def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],

@@ -8,12 +8,13 @@ much of every head's attention mass rests), in addition to the k keys it retriev
 the rest; the retrieval never returns its rows, so every key is counted once and k >= the
 shard is still exact.
 
-flat scores every key anyway, so it also attends what it leaves out: per block of
-`topk.TAIL_BLOCK` keys, their exact share of the row's attention mass, at the block's mean
-value (`topk.left_out`; `means`). A row's lse is then exact, and a diffuse head's output
-close to exact attention instead of renormalised over its k keys: SmolLM2 answered
-niah_single_2 at 4K 8 of 10 with it against 7 without (exact 9). ivf and hnsw attend only
-what they retrieve (an ivf list's mass could be estimated from its centroid: not built).
+A row also attends what it leaves out, at the mean value of each unit of keys (`means`,
+`topk.left_out`): flat scores every key anyway, so per block of `topk.TAIL_BLOCK` keys it
+knows their exact share of the row's attention mass, and the row's lse is exact; ivf knows
+it for the lists a row scans and estimates it for the others from their centroids (size *
+exp(q . centroid), a lower bound). A diffuse head's output is then close to exact
+attention instead of renormalised over its k keys: SmolLM2 answered niah_single_2 at 4K 8
+of 10 with it against 7 without (exact 9). hnsw attends only what it retrieves.
 
 GQA: the G query heads of a KV head share what they retrieve at each position (each
 picks its k keys, each attends over the union of the G picks: `topk.share`), except under
@@ -137,7 +138,7 @@ class TopKShard:
         n = sum(k.shape[2] for k, _ in parts)
         budgets = topk.layer_budgets(settings.keys(n_tokens), layers, settings.schedule)
         values = _per_layer([v for _, v in parts], dtype)
-        means = [topk.block_means([v]) for v in values] if keys is not None else None
+        means = _means(keys is not None, ivf, lambda layer: [values[layer]], layers)
         return cls(settings, budgets, n, keys, ivf, searchers, values,
                    sinks=_sinks(*parts[0], settings.sink) if first else None, means=means)
 
@@ -185,15 +186,18 @@ class TopKShard:
             mapped = [(start, tensorfile.MappedTensor(p, "v")) for p, start in zip(paths, starts)]
         else:
             values = _read_per_layer(paths, "v", layers, dtype, device)
-        means = None
-        if settings.index == "flat":  # a pass over the values, a layer at a time
-            means = []
-            for layer in range(layers):
-                means.append(topk.block_means(
-                    [values[layer]] if values is not None else
-                    [m.tensor[layer] for _, m in mapped]).to(device))
-                for _, m in mapped or ():
-                    m.release(layer)
+
+        def layer_values(layer: int) -> list[torch.Tensor]:
+            if values is not None:
+                return [values[layer]]
+            for _, m in mapped:  # pages read before are let go: one layer's at a time
+                if layer:
+                    m.release(layer - 1)
+            return [m.tensor[layer] for _, m in mapped]
+
+        means = _means(settings.index == "flat", ivf, layer_values, layers, device)
+        for _, m in mapped or ():
+            m.release(layers - 1)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
         sinks = None
@@ -289,8 +293,8 @@ class TopKShard:
             scores, idx = topk.share(q, scores, idx, tokens,
                                      lambda rows: self.key_rows(layer, rows).to(q.device))
         values = self.value_rows(layer, idx).to(q.device)
-        if self.means is not None:  # the keys left out, a candidate per block (`topk.left_out`)
-            extra = topk.left_out(self._all_scores(layer, q), idx, scale, self.n_sink)
+        if self.means is not None:  # the keys left out, a candidate per unit (`topk.left_out`)
+            extra = self._left_out(layer, q, idx, scale, k)
             means = self.means[layer].to(q.device)
             scores = torch.cat([scores, extra], dim=-1)
             idx = torch.cat([idx, torch.zeros_like(extra, dtype=idx.dtype)], dim=-1)
@@ -328,18 +332,50 @@ class TopKShard:
             values = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_values]
         if not native.supports_topk([x for _, x in keys], [x for _, x in values]):
             return None
-        tail = (self.means[layer], topk.TAIL_BLOCK) if self.means is not None else None
+        tail = None if self.means is None else \
+            (self.means[layer], topk.TAIL_BLOCK if self.ivf is None else 0)
         return native.TopKTable(keys, values, key_map, lists, key_at, tail)
 
-    def _all_scores(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """flat: every key's fp32 inner product with each row of q [Hkv, r, D]: [Hkv, r, N]."""
-        if self.keys is not None:
-            keys = self.keys[layer]
-        else:
-            keys = torch.cat([m.tensor[layer] for _, m in self.mapped_keys], dim=1)
-            for _, m in self.mapped_keys:
-                m.release(layer)
-        return torch.matmul(q.float(), keys.to(q.device).float().transpose(1, 2))
+    def _left_out(self, layer: int, q: torch.Tensor, idx: torch.Tensor, scale: float, k: int
+                  ) -> torch.Tensor:
+        """`topk.left_out` for rows q [Hkv, r, D] attending idx [Hkv, r, U] (shard rows)
+        and the sink: flat per block of TAIL_BLOCK rows, every key scored; ivf per list, a
+        row's own lists scored and the others estimated from their centroids (as the
+        kernel does)."""
+        import numpy as np
+
+        heads, rows, _ = q.shape
+        n = self.n_keys
+        sink = torch.arange(self.n_sink, device=idx.device).expand(heads, rows, -1)
+        if self.ivf is None:  # flat: keys, and units, in shard-row order
+            if self.keys is not None:
+                keys = self.keys[layer]
+            else:
+                keys = torch.cat([m.tensor[layer] for _, m in self.mapped_keys], dim=1)
+                for _, m in self.mapped_keys:
+                    m.release(layer)
+            scores = torch.matmul(q.float(), keys.to(q.device).float().transpose(1, 2))
+            units = -(-n // topk.TAIL_BLOCK)
+            unit_of = (torch.arange(n, device=q.device) // topk.TAIL_BLOCK).expand(heads, n)
+            return topk.left_out(scores, torch.cat([idx, sink], -1), scale, unit_of, units)
+        lay = self.ivf[layer]  # ivf: in list order (positions); rows become positions
+        scores = torch.matmul(q.float(), lay.keys.float().transpose(1, 2))
+        sizes = torch.from_numpy(np.diff(lay.offsets, axis=1))  # [Hkv, C]
+        units = sizes.shape[1]
+        unit_of = torch.repeat_interleave(torch.arange(units).expand(heads, units).reshape(-1),
+                                          sizes.reshape(-1)).view(heads, n)
+        coarse = torch.matmul(q.float(), torch.from_numpy(lay.centroids).transpose(1, 2))
+        probes = indexes.ivf_probes(n, units, k, indexes.IVF_ROW_SCAN)
+        seen = None
+        if probes < units:  # each row's own lists, as the kernel chooses them
+            chosen = torch.zeros(heads, rows, units, dtype=torch.bool).scatter_(
+                -1, coarse.topk(probes, dim=-1).indices, True)
+            seen = chosen.gather(-1, unit_of[:, None].expand(heads, rows, n))
+        at = torch.from_numpy(lay.at).long()  # [Hkv, N] row -> position
+        taken = torch.cat([idx, sink], -1)
+        taken = torch.where(taken >= 0, at.gather(1, taken.clamp(min=0).reshape(heads, -1))
+                            .view_as(taken), -1)
+        return topk.left_out(scores, taken, scale, unit_of, units, seen, (coarse, sizes))
 
     def _table_of(self, layer: int, k: int) -> native.TopKTable | None:
         """`_table`, made on the layer's first call and kept."""
@@ -523,6 +559,31 @@ def _mapped_rows(blocks, layer: int, idx: torch.Tensor) -> torch.Tensor:
             out[inside] = rows[layer][heads[inside], idx[inside] - start]
             mapped.release(layer)
     return out
+
+
+def _means(flat: bool, ivf, layer_values, layers: int, device="cpu"):
+    """Per layer the mean value of each unit at which a row's left-out keys are attended
+    (`topk.left_out`): flat, blocks of TAIL_BLOCK rows; ivf, its lists (`IvfLayer`); None
+    for hnsw. layer_values(layer): the layer's values as pieces [Hkv, T_i, D] in order."""
+    import numpy as np
+
+    if not flat and ivf is None:
+        return None
+    means = []
+    for layer in range(layers):
+        pieces = layer_values(layer)
+        if flat:
+            found = topk.block_means(pieces)
+        else:
+            lay = ivf[layer]
+            sizes = torch.from_numpy(np.diff(lay.offsets, axis=1))  # [Hkv, C]
+            heads, lists = sizes.shape
+            of_position = torch.repeat_interleave(
+                torch.arange(lists).expand(heads, lists).reshape(-1), sizes.reshape(-1))
+            of_row = of_position.view(heads, -1).gather(1, torch.from_numpy(lay.at).long())
+            found = topk.unit_means(pieces, of_row, lists)
+        means.append(found.to(device))
+    return means
 
 
 def _sinks(key: torch.Tensor, value: torch.Tensor, size: int, device="cpu", release=None):

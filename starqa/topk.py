@@ -151,47 +151,69 @@ def attend_selected(scores: torch.Tensor, idx: torch.Tensor, values: torch.Tenso
     return out.squeeze(-2).unsqueeze(0), lse.unsqueeze(0)
 
 
-def block_means(pieces, block: int = TAIL_BLOCK, chunk: int = 4096) -> torch.Tensor:
+def block_means(pieces, block: int = TAIL_BLOCK) -> torch.Tensor:
     """The mean value row of every block of `block` positions of a shard's layer, given as
     its pieces [Hkv, T_i, D] in order (a block may straddle two): [Hkv, ceil(N / block), D]
-    fp32, the last block's mean over the rows it has. Read `chunk` rows at a time (mapped
-    pieces are never widened whole)."""
-    pieces = list(pieces)
-    heads, dim = pieces[0].shape[0], pieces[0].shape[2]
+    fp32, the last block's mean over the rows it has."""
     n = sum(p.shape[1] for p in pieces)
-    sums = torch.zeros(heads, -(-n // block), dim)
+    units = torch.arange(n) // block
+    return unit_means(pieces, units.expand(pieces[0].shape[0], n), -(-n // block))
+
+
+def unit_means(pieces, unit_of: torch.Tensor, units: int, chunk: int = 4096) -> torch.Tensor:
+    """The mean value row of each unit (a block of positions, an ivf list) of a shard's
+    layer: pieces [Hkv, T_i, D] its rows in order, unit_of [Hkv, N] int64 each row's unit
+    → [Hkv, units, D] fp32 (zeros for a unit without rows). Read `chunk` rows at a time
+    (mapped pieces are never widened whole)."""
+    heads, dim = pieces[0].shape[0], pieces[0].shape[2]
+    sums = torch.zeros(heads, units, dim)
     first = 0
     for piece in pieces:
         for start in range(0, piece.shape[1], chunk):
             part = piece[:, start:start + chunk].float()
-            rows = torch.arange(first + start, first + start + part.shape[1])
-            sums.index_add_(1, rows // block, part)
+            which = unit_of[:, first + start:first + start + part.shape[1]]
+            for head in range(heads):
+                sums[head].index_add_(0, which[head], part[head])
         first += piece.shape[1]
-    counts = torch.full((sums.shape[1],), float(block))
-    counts[-1] = n - (sums.shape[1] - 1) * block
-    return sums / counts[:, None]
+    counts = torch.zeros(heads, units)
+    counts.scatter_add_(1, unit_of, torch.ones(unit_of.shape))
+    return sums / counts.clamp(min=1)[..., None]
 
 
-def left_out(scores: torch.Tensor, idx: torch.Tensor, scale: float, skip: int = 0,
-             block: int = TAIL_BLOCK) -> torch.Tensor:
-    """What a selection leaves out of each block of `block` keys, as one candidate per
-    block: scores [Hkv, R, N] fp32 (every key's raw inner product with each row), idx
-    [Hkv, R, U] the rows' attended keys (-1: none) besides the first `skip` (the sink,
-    attended apart) → raw scores [Hkv, R, ceil(N / block)] s_b with exp(s_b * scale) = the
-    sum of exp(s * scale) over the block's keys left out (-inf where none is). Appended to
-    the selection's candidates with the blocks' mean values (`block_means`) as theirs, a
-    softmax over them attends each block's left-out keys at its mean value: the row's lse
-    is its exact log-sum-exp over every key (what starqa/_topk.c computes for flat)."""
+def left_out(scores: torch.Tensor, taken: torch.Tensor, scale: float, unit_of: torch.Tensor,
+             units: int, seen: torch.Tensor | None = None,
+             guess: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """What a row's attention leaves out of each unit of keys (flat: a block of TAIL_BLOCK
+    positions; ivf: a list), as one candidate per unit. scores [Hkv, R, N] fp32: every
+    key's raw inner product with each row; taken [Hkv, R, T] the keys each row attends
+    exactly (its sink and union; -1: none); unit_of [Hkv, N] int64 each key's unit; seen
+    [Hkv, R, N] bool the keys whose scores the row has (ivf: its lists'; None: all);
+    guess (ivf): (raw scores [Hkv, R, units], sizes [Hkv, units]) for the units a row saw
+    none of: their mass is taken as size * exp(score * scale) (a list's centroid in place of
+    its keys). Returns raw scores [Hkv, R, units] s_u with exp(s_u * scale) = the left-out
+    keys' sum of exp(s * scale) (-inf where none is). Appended to the candidates with the
+    units' mean values (`unit_means`) as theirs, a softmax attends each unit's left-out keys
+    at its mean value: with every key seen (flat) the row's lse is its exact log-sum-exp
+    over every key. starqa/_topk.c computes the same."""
     heads, rows, n = scores.shape
-    top = scores.amax(-1, keepdim=True)  # [Hkv, R, 1]
-    weights = torch.exp((scores - top) * scale)
-    taken = torch.zeros_like(weights, dtype=torch.int8)
-    taken.scatter_reduce_(-1, idx.clamp(min=0), (idx >= 0).to(torch.int8), "amax")
-    taken[..., :skip] = 1
-    weights.masked_fill_(taken.bool(), 0.0)
-    blocks = -(-n // block)
-    weights = torch.nn.functional.pad(weights, (0, blocks * block - n))
-    left = weights.view(heads, rows, blocks, block).sum(-1)
+    visible = scores if seen is None else scores.masked_fill(~seen, -math.inf)
+    top = visible.amax(-1, keepdim=True)  # [Hkv, R, 1]
+    if guess is not None:  # a row that saw nothing: measured from its best centroid
+        top = torch.where(torch.isinf(top), guess[0].amax(-1, keepdim=True), top)
+    weights = torch.exp((visible - top) * scale)
+    out = torch.zeros_like(weights, dtype=torch.int8)  # 1: attended exactly
+    out.scatter_reduce_(-1, taken.clamp(min=0), (taken >= 0).to(torch.int8), "amax")
+    kept = weights.masked_fill(out.bool(), 0.0)
+    where = unit_of[:, None].expand(heads, rows, n)
+    left = torch.zeros(heads, rows, units).scatter_add_(-1, where, kept)
+    if guess is not None:  # units the row scanned nothing of: estimated, less what it attends
+        scanned = torch.zeros(heads, rows, units, dtype=torch.bool).scatter_(
+            -1, where, seen if seen is not None else torch.ones_like(kept, dtype=torch.bool))
+        estimate = guess[1][:, None].float() * torch.exp(
+            ((guess[0] - top) * scale).clamp(max=80.0))
+        attended = torch.zeros(heads, rows, units).scatter_add_(
+            -1, where, torch.exp((scores - top) * scale) * out)
+        left = torch.where(scanned, left, (estimate - attended).clamp(min=0.0))
     return top + torch.log(left) / scale
 
 

@@ -366,9 +366,53 @@ def test_left_out_keys_bring_a_diffuse_head_close_to_exact_attention():
     torch.testing.assert_close(every[0], exact[0], rtol=0, atol=1e-5)
 
 
-def test_blocks_means_are_refused_with_ivf_lists():
+def test_ivf_left_out_keys_are_its_lists_measured_where_scanned_else_estimated():
+    """ivf with the lists' mean values: a row's scanned lists count their left-out keys
+    exactly; a list it did not scan counts size * exp(q . centroid * scale), less the keys
+    of it the row attends anyway (another head's picks), never below 0. float64 reference,
+    3 query heads per KV head sharing at 2 positions."""
+    from starqa import topk
+
+    torch.manual_seed(13)
+    heads, groups, tokens, n, dim, k, lists, probes = 2, 3, 2, 3000, 64, 40, 30, 5
+    q = torch.randn(heads, groups * tokens, dim)
+    key, value = torch.randn(heads, n, dim), torch.randn(heads, n, dim)
+    ordered, order, centroids, offsets = ivf_layout(key, lists, probes)
+    sizes = offsets[:, 1:] - offsets[:, :-1]
+    list_of = torch.empty(heads, n, dtype=torch.long)  # each shard row's list
+    for h in range(heads):
+        list_of[h, order[h]] = torch.repeat_interleave(torch.arange(lists), sizes[h])
+    means = topk.unit_means([value], list_of, lists)
+    out, lse = native.topk_attend(q, [(0, ordered)], [(0, value)], k, 3, 0.125, order,
+                                  (centroids, offsets, probes), tokens, tail=(means, 0))
+    allowed = allowed_by_lists(q, order, centroids, offsets, probes)  # [H, R, N] scanned
+    scores = torch.einsum("hrd,hnd->hrn", q.double(), key.double())
+    best = scores.masked_fill(~allowed, -math.inf)
+    best[..., :3] = -math.inf
+    picked = torch.zeros_like(allowed).scatter_(-1, best.topk(k, dim=-1).indices, True) & allowed
+    picked[..., :3] = False
+    rows = groups * tokens
+    union = picked.view(heads, groups, tokens, n).any(1, keepdim=True).expand(
+        heads, groups, tokens, n).reshape(heads, rows, n).clone()
+    union[..., :3] = True  # the sink
+    weights = torch.exp(scores * 0.125)
+    which = list_of[:, None].expand(heads, rows, n)
+    measured = torch.zeros(heads, rows, lists, dtype=torch.float64).scatter_add_(
+        -1, which, weights * (allowed & ~union))
+    scanned = torch.zeros(heads, rows, lists, dtype=torch.bool).scatter_(-1, which, allowed)
+    guessed = sizes[:, None].double() * torch.exp(
+        torch.einsum("hrd,hcd->hrc", q.double(), centroids.double()) * 0.125)
+    attended = torch.zeros(heads, rows, lists, dtype=torch.float64).scatter_add_(
+        -1, which, weights * union)
+    left = torch.where(scanned, measured, (guessed - attended).clamp(min=0))
+    total = (weights * union).sum(-1) + left.sum(-1)
+    want = (torch.einsum("hrn,hnd->hrd", weights * union, value.double())
+            + torch.einsum("hrc,hcd->hrd", left, means.double())) / total[..., None]
+    assert (out.double() - want).abs().max().item() <= 1e-5
+    assert (lse.double() - total.log()).abs().max().item() <= 1e-5
+
+
+def test_block_means_of_another_block_size_are_refused():
     q, key = torch.randn(1, 2, 16), torch.randn(1, 64, 16)
-    lists = (torch.randn(1, 2, 16), torch.tensor([[0, 30, 64]]), 1)
     with pytest.raises(ValueError, match="top-k kernel"):
-        native.topk_attend(q, [(0, key)], [(0, key)], 3, 0, 0.25, torch.arange(64)[None], lists,
-                           tail=(torch.zeros(1, 1, 16), 64))
+        native.topk_attend(q, [(0, key)], [(0, key)], 3, 0, 0.25, tail=(torch.zeros(1, 2, 16), 40))
