@@ -364,6 +364,21 @@ SIMD_CLONES static float exp_sum(const float *s, int64_t m, float top, float sca
     return total;
 }
 
+/* The lists a row did not scan (mine[c] == 0), each taken to hold size * exp((centroid
+   score - top) * scale) of the row's mass (e^x <= the mean of e^(q . key) over the list,
+   x = q . centroid: a lower bound); left[c] for the others is kept. */
+SIMD_CLONES static void estimate_lists(const float *cs, const int64_t *off,
+                                       const unsigned char *mine, int64_t lists, float top,
+                                       float scale, float *left) {
+#pragma omp simd
+    for (int64_t c = 0; c < lists; c++) {
+        float e = (cs[c] - top) * scale;
+        e = e < 80.0f ? e : 80.0f; /* exp_nonpositive's arithmetic holds up to 88 */
+        const float guess = (float)(off[c + 1] - off[c]) * exp_nonpositive(e);
+        left[c] = mine[c] ? left[c] : guess;
+    }
+}
+
 /* o [D] += weight * v. */
 SIMD_CLONES static void accumulate(float *o, const float *v, float weight, int64_t d) {
 #pragma omp simd
@@ -747,16 +762,9 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                         const float *from = mass + (row * spans + span) * units;
                         for (int64_t x = 0; x < units; x++) left[x] += from[x] * factor;
                     }
-                    if (off && chosen_lists < lists) { /* lists it did not scan: estimated */
-                        const unsigned char *mine = chosen + row * lists;
-                        const float *cs = near_all + row * lists;
-                        for (int64_t c = 0; c < lists; c++) {
-                            if (mine[c] || off[c + 1] == off[c]) continue;
-                            float e = (cs[c] - tops[g]) * scale;
-                            e = e < 80.0f ? e : 80.0f;
-                            left[c] = (float)(off[c + 1] - off[c]) * expf(e);
-                        }
-                    }
+                    if (off && chosen_lists < lists) /* lists it did not scan: estimated */
+                        estimate_lists(near_all + row * lists, off, chosen + row * lists, lists,
+                                       tops[g], scale, left);
                     for (int64_t u = 0; u < nu; u++) { /* the union is attended exactly */
                         int64_t x = by_list ? 0 : uni[u] / tail_block;
                         if (off) x = buffer_of(off, lists, inv ? inv[h * n + uni[u]] : uni[u]);
