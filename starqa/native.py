@@ -157,7 +157,7 @@ class TopKTable:
         self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
                         int(values[0][1].dtype == torch.bfloat16))
         self._tail = (None, 0)
-        if tail is not None:  # (means [H, ceil(N / block), D], block): flat only
+        if tail is not None:  # (means [H, units, D], block; 0 for ivf's lists)
             means = tail[0].to(torch.float32).contiguous()
             self._keep += (means,)
             self._tail = (means.data_ptr(), tail[1])

@@ -78,9 +78,10 @@ class TopKShard:
     mapped_values: per block (first row, its values `tensorfile.MappedTensor`); mapped_keys
     likewise for flat with --kv-on-disk. budgets: keys per row in each layer
     (`topk.layer_budgets`). sinks: per layer (keys, values) [1, Hkv, S, D] fp32, the
-    context's first S tokens, on the worker that holds them, else None. means (flat): per
-    layer the values' mean per block of `topk.TAIL_BLOCK` rows [Hkv, B, D] fp32, at which
-    the keys a row leaves out are attended (module docstring), else None."""
+    context's first S tokens, on the worker that holds them, else None. means: per layer
+    the values' mean per unit [Hkv, U, D] fp32 (flat: per block of `topk.TAIL_BLOCK` rows;
+    ivf: per list), at which the keys a row leaves out are attended (module docstring);
+    None for hnsw."""
 
     def __init__(self, settings: TopK, budgets: Sequence[int], n_keys: int, keys=None,
                  ivf=None, searchers=None, values=None, mapped_values=None,
@@ -359,12 +360,14 @@ class TopKShard:
             unit_of = (torch.arange(n, device=q.device) // topk.TAIL_BLOCK).expand(heads, n)
             return topk.left_out(scores, torch.cat([idx, sink], -1), scale, unit_of, units)
         lay = self.ivf[layer]  # ivf: in list order (positions); rows become positions
-        scores = torch.matmul(q.float(), lay.keys.float().transpose(1, 2))
+        device, q, idx = q.device, q.float().cpu(), idx.cpu()  # its lists live on the CPU
+        sink = sink.cpu()
+        scores = torch.matmul(q, lay.keys.float().transpose(1, 2))
         sizes = torch.from_numpy(np.diff(lay.offsets, axis=1))  # [Hkv, C]
         units = sizes.shape[1]
         unit_of = torch.repeat_interleave(torch.arange(units).expand(heads, units).reshape(-1),
                                           sizes.reshape(-1)).view(heads, n)
-        coarse = torch.matmul(q.float(), torch.from_numpy(lay.centroids).transpose(1, 2))
+        coarse = torch.matmul(q, torch.from_numpy(lay.centroids).transpose(1, 2))
         probes = indexes.ivf_probes(n, units, k, indexes.IVF_ROW_SCAN)
         seen = None
         if probes < units:  # each row's own lists, as the kernel chooses them
@@ -375,7 +378,8 @@ class TopKShard:
         taken = torch.cat([idx, sink], -1)
         taken = torch.where(taken >= 0, at.gather(1, taken.clamp(min=0).reshape(heads, -1))
                             .view_as(taken), -1)
-        return topk.left_out(scores, taken, scale, unit_of, units, seen, (coarse, sizes))
+        return topk.left_out(scores, taken, scale, unit_of, units, seen,
+                             (coarse, sizes)).to(device)
 
     def _table_of(self, layer: int, k: int) -> native.TopKTable | None:
         """`_table`, made on the layer's first call and kept."""
