@@ -17,18 +17,6 @@
    the first own_before + m + 1 of them. So one call gives a worker's whole partial
    attention: sink, retrieved keys and own keys under one softmax.
 
-   The keys left out (tail_means given): each row knows exactly how much attention mass
-   each unit of keys it scored holds (flat: every block of tail_block positions; ivf: the
-   lists it scanned) and, for an ivf list it did not scan, estimates it from the centroid,
-   size * exp(q . centroid * scale); what the row's attended keys (sink, union) do not
-   take of a unit is its left-out mass, which joins the softmax at the unit's mean value
-   (tail_means fp32 [H, units, D]). For flat the lse is then the row's exact log-sum-exp
-   over every key, and the output exact up to the left-out keys' values, taken at their
-   block's mean. Top-k alone
-   renormalises over its k keys, which in a diffuse head (most of a small model's) is a
-   different output altogether: with the estimate SmolLM2 answers like exact attention
-   more often (README, "Top-k attention").
-
    Per row: (ivf) score its head's centroids and choose the `probes` nearest lists; score
    every key of the chosen lists (all keys for flat) exactly in fp32 (bf16 keys widened);
    keep the k best (per span of positions, then over the spans: `best_of`).
@@ -79,11 +67,11 @@ typedef struct {
 } cand;
 
 /* A row's scores are appended a scanned piece of positions at a time: the scores from
-   index `at` on are those of positions pos, pos + 1, ... (until the next segment), all in
-   ivf list `list` (flat: 0). A key's position is looked up only for the few candidates that
-   clear `best_of`'s bar, not written for every key scored. */
+   index `at` on are those of positions pos, pos + 1, ... (until the next segment). A key's
+   position is looked up only for the few candidates that clear `best_of`'s bar, not
+   written for every key scored. */
 typedef struct {
-    int64_t at, pos, list;
+    int64_t at, pos;
 } seg;
 
 /* Scratch memory kept by each thread between calls (OpenMP's threads live on): a call
@@ -91,8 +79,7 @@ typedef struct {
    threshold: fresh pages, cleared by the kernel). A slot grows to the largest size asked
    of it and is never returned. */
 enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_BEST, S_BLOCK, S_SCORES, S_SEGS, S_POOL,
-       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, S_ROWS, S_MASS, S_SPANTOP,
-       S_TAILROW, S_MEANS, S_NEARALL, SLOTS };
+       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, S_ROWS, SLOTS };
 static __thread struct { void *p; size_t size; } scratch[SLOTS];
 
 static void *scratch_get(int slot, size_t bytes) {
@@ -315,14 +302,14 @@ static void score_keys(const char *const *kp, int width, int bf16, const float *
 static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64_t hi,
                  const float *q, int64_t d, const int64_t *who, int64_t many, float *scores,
                  int64_t stride, int64_t *got, float *block, seg *segs, int64_t segroom,
-                 int64_t *nsegs, int64_t list) {
+                 int64_t *nsegs) {
     const float *qs[GROUP];
     float *outs[GROUP];
     for (int64_t w = 0; segs && w < many; w++) {
         const int64_t r = who[w];
         seg *last = segs + r * segroom + nsegs[r] - 1;
-        if (!nsegs[r] || last->list != list || last->pos + (got[r] - last->at) != lo)
-            segs[r * segroom + nsegs[r]++] = (seg){got[r], lo, list}; /* else the last goes on */
+        if (!nsegs[r] || last->pos + (got[r] - last->at) != lo) /* else it goes on the last */
+            segs[r * segroom + nsegs[r]++] = (seg){got[r], lo};
     }
     for (int64_t p = lo; p < hi; p += CHUNK) {
         const int width = hi - p < CHUNK ? (int)(hi - p) : CHUNK;
@@ -354,29 +341,6 @@ SIMD_CLONES static float weigh(float *s, int64_t m, float scale, float *top) {
     }
     *top = best;
     return total;
-}
-
-/* sum_i exp((s[i] - top) * scale) for s[i] <= top. */
-SIMD_CLONES static float exp_sum(const float *s, int64_t m, float top, float scale) {
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < m; i++) total += exp_nonpositive((s[i] - top) * scale);
-    return total;
-}
-
-/* The lists a row did not scan (mine[c] == 0), each taken to hold size * exp((centroid
-   score - top) * scale) of the row's mass (e^x <= the mean of e^(q . key) over the list,
-   x = q . centroid: a lower bound); left[c] for the others is kept. */
-SIMD_CLONES static void estimate_lists(const float *cs, const int64_t *off,
-                                       const unsigned char *mine, int64_t lists, float top,
-                                       float scale, float *left) {
-#pragma omp simd
-    for (int64_t c = 0; c < lists; c++) {
-        float e = (cs[c] - top) * scale;
-        e = e < 80.0f ? e : 80.0f; /* exp_nonpositive's arithmetic holds up to 88 */
-        const float guess = (float)(off[c + 1] - off[c]) * exp_nonpositive(e);
-        left[c] = mine[c] ? left[c] : guess;
-    }
 }
 
 /* o [D] += weight * v. */
@@ -461,7 +425,7 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
                            ((size_t)(h * kstride[kb]) + (size_t)(lo - kstart[kb]) * d) * kes;
         if (q) {
             scan(base, (size_t)d * kes, bf16, lo, end, q, d, who, many, scores, stride, got,
-                 block, segs, segroom, nsegs, c);
+                 block, segs, segroom, nsegs);
         } else if (end - lo <= PREFETCH_KEYS) {
             for (size_t y = 0; y < (size_t)(end - lo) * d * kes; y += 64)
                 __builtin_prefetch(base + y, 0, 3);
@@ -474,8 +438,7 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
    query heads, each at `tokens` positions of the forward, the position fastest). centroids
    bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
    list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
-   position (NULL: the same). tail_means (NULL: none; [H, lists, D] for ivf, [H, ceil(N /
-   tail_block), D] for flat, tail_block then a multiple of CHUNK): the file's comment. out fp32 [H, R, D], lse fp32 [H, R].
+   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R].
    Returns 0, 1 for impossible arguments, 2 when out of memory. */
 int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, int64_t rows,
                        int64_t tokens, int64_t d, int64_t n, int64_t kbuffers,
@@ -485,18 +448,13 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                        const int64_t *vstride, int64_t lists, const uint16_t *centroids,
                        const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
                        int o_bf16, const char *own_k, const char *own_v, int64_t own_stride,
-                       int64_t own_before, const float *tail_means, int64_t tail_block,
-                       float scale, float *out, float *lse, int threads) {
+                       int64_t own_before, float scale, float *out, float *lse, int threads) {
     if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
         kbuffers < 1 || vbuffers < 1 || lists < 1 || (lists > 1 && (!centroids || !offsets)) ||
         probes < 1 || tokens < 1 || rows % tokens || rows / tokens > MAX_GROUP || skip < 0 ||
-        skip > n || (own_k && (!own_v || own_before < 0 || own_stride < (own_before + tokens) * d)) ||
-        (tail_means && (tail_block < 0 || tail_block % CHUNK || (tail_block && lists > 1))))
+        skip > n || (own_k && (!own_v || own_before < 0 || own_stride < (own_before + tokens) * d)))
         return 1;
     const size_t oes = o_bf16 ? 2 : 4;
-    /* the keys left out, per unit: a block of tail_block positions (flat) or a list (ivf) */
-    const int tail = tail_means != NULL, by_list = tail_block == 0;
-    const int64_t units = !tail ? 0 : by_list ? lists : (n + tail_block - 1) / tail_block;
     const int64_t own_most = own_k ? own_before + tokens : 0; /* a row sees at most these */
     threads = threads > 0 ? threads : 1;
     const size_t kes = k_bf16 ? 2 : 4, ves = v_bf16 ? 2 : 4;
@@ -517,19 +475,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     unsigned char *chosen = scratch_get(S_CHOSEN, (size_t)(heads * rows * lists));
     cand *sel = scratch_get(S_SEL, (size_t)(heads * rows * spans * kcap) * sizeof(cand));
     int64_t *count = scratch_get(S_COUNT, (size_t)(heads * rows * spans) * sizeof(int64_t));
-    /* tail: each row's mass of each unit's keys it scanned, per span (relative to the
-       row's best score in the span, span_top); ivf: the centroids' scores, for the lists
-       a row did not scan */
-    float *mass = NULL, *span_top = NULL, *near_all = NULL;
-    if (tail) {
-        mass = scratch_get(S_MASS, (size_t)(heads * rows * spans * units) * sizeof(float));
-        span_top = scratch_get(S_SPANTOP, (size_t)(heads * rows * spans) * sizeof(float));
-        near_all = by_list ? scratch_get(S_NEARALL, (size_t)(heads * rows * lists) * sizeof(float))
-                           : NULL;
-        if (mass) memset(mass, 0, (size_t)(heads * rows * spans * units) * sizeof(float));
-    }
-    int failed = !chosen || !sel || !count || (tail && (!mass || !span_top ||
-                                                        (by_list && !near_all)));
+    int failed = !chosen || !sel || !count;
     if (failed) goto done;
 
     /* Each row's lists: the probes nearest centroids (every list when all are probed).
@@ -559,12 +505,9 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 /* the centroids are bf16 rows: scored like keys, positions = list numbers */
                 scan((const char *)(centroids + h * lists * d), (size_t)d * 2, 1, 0,
                      lists, q + (h * rows + r0) * d, d, who, rn, near, room, got, block, NULL, 0,
-                     NULL, 0);
+                     NULL);
                 const seg whole = {0, 0};
                 for (int64_t r = 0; r < rn; r++) {
-                    if (near_all)
-                        memcpy(near_all + (h * rows + r0 + r) * lists, near + r * room,
-                               (size_t)lists * sizeof(float));
                     best_of(near + r * room, &whole, 1, NULL, lists, 0, chosen_lists, best, tmp);
                     unsigned char *mine = chosen + (h * rows + r0 + r) * lists;
                     for (int64_t c = 0; c < chosen_lists; c++) mine[best[c].row] = 1;
@@ -615,26 +558,6 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                          q + (h * rows + r0) * d, k_bf16, who, many, scores, stride, got, block,
                          segs, segroom, nsegs);
             }
-            for (int64_t r = 0; tail && r < rn; r++) { /* each unit's mass in the span */
-                const int64_t row = h * rows + r0 + r;
-                const float *sr = scores + r * stride;
-                float top = -INFINITY;
-                for (int64_t i = 0; i < got[r]; i++) top = sr[i] > top ? sr[i] : top;
-                span_top[row * spans + span] = top;
-                float *to = mass + (row * spans + span) * units;
-                const seg *sg = segs + r * segroom;
-                for (int64_t j = 0; j < nsegs[r]; j++) { /* a segment: one list (ivf), or */
-                    const int64_t end = j + 1 < nsegs[r] ? sg[j + 1].at : got[r];
-                    for (int64_t i = sg[j].at; i < end;) { /* blocks of positions (flat) */
-                        const int64_t p = sg[j].pos + (i - sg[j].at);
-                        const int64_t unit = by_list ? sg[j].list : p / tail_block;
-                        int64_t stop = by_list ? end : i + (unit + 1) * tail_block - p;
-                        stop = stop < end ? stop : end;
-                        to[unit] += exp_sum(sr + i, stop - i, top, scale);
-                        i = stop;
-                    }
-                }
-            }
             for (int64_t r = 0; r < rn; r++) {
                 const int64_t slot = (h * rows + r0 + r) * spans + span;
                 count[slot] = best_of(scores + r * stride, segs + r * segroom, nsegs[r],
@@ -663,10 +586,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
         float *value = scratch_get(S_VALUE, (size_t)MAX_DIM * sizeof(float));
         const char **vp = scratch_get(S_ROWS, (size_t)(room > 1 ? room : 1) * sizeof(char *));
-        float *rest = tail ? scratch_get(S_TAILROW, (size_t)(per * units) * sizeof(float)) : NULL;
-        const char **mp = tail ? scratch_get(S_MEANS, (size_t)units * sizeof(char *)) : NULL;
-        const int ok = all && tmp && uni && w && seen && block && value && vp &&
-                       (!tail || (rest && mp));
+        const int ok = all && tmp && uni && w && seen && block && value && vp;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -749,36 +669,6 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             for (int64_t g = 0; g < per; g++) outs[g] = out + (h * rows + g * tokens + m) * d;
             weighted_sum(vp, nu, v_bf16, w, room, per, d, outs, value);
             weighted_sum(vp + nu, no, o_bf16, w + nu, room, per, d, outs, value);
-            if (tail) { /* each unit's keys left out: their mass, at the unit's mean value */
-                const int64_t *off = by_list && offsets ? offsets + h * (lists + 1) : NULL;
-                for (int64_t g = 0; g < per; g++) {
-                    const int64_t row = h * rows + g * tokens + m;
-                    float *left = rest + g * units;
-                    memset(left, 0, (size_t)units * sizeof(float));
-                    for (int64_t span = 0; span < spans; span++) {
-                        const float top = span_top[row * spans + span];
-                        if (top == -INFINITY) continue; /* nothing scanned there */
-                        const float factor = expf((top - tops[g]) * scale);
-                        const float *from = mass + (row * spans + span) * units;
-                        for (int64_t x = 0; x < units; x++) left[x] += from[x] * factor;
-                    }
-                    if (off && chosen_lists < lists) /* lists it did not scan: estimated */
-                        estimate_lists(near_all + row * lists, off, chosen + row * lists, lists,
-                                       tops[g], scale, left);
-                    for (int64_t u = 0; u < nu; u++) { /* the union is attended exactly */
-                        int64_t x = by_list ? 0 : uni[u] / tail_block;
-                        if (off) x = buffer_of(off, lists, inv ? inv[h * n + uni[u]] : uni[u]);
-                        left[x] -= w[g * room + u];
-                    }
-                    for (int64_t x = 0; x < units; x++) {
-                        left[x] = left[x] > 0.0f ? left[x] : 0.0f;
-                        totals[g] += left[x];
-                    }
-                }
-                for (int64_t x = 0; x < units; x++)
-                    mp[x] = (const char *)(tail_means + (h * units + x) * d);
-                weighted_sum(mp, units, 0, rest, units, per, d, outs, value);
-            }
             for (int64_t g = 0; g < per; g++) {
                 const int64_t row = h * rows + g * tokens + m;
                 for (int64_t i = 0; i < d; i++) out[row * d + i] /= totals[g];

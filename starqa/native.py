@@ -110,18 +110,14 @@ class TopKTable:
     each row's position (both None: the same). values: [(first row, [H, T, D])] the buffers
     holding the shard's value rows. lists (ivf): (centroids [H, C, D], read in bf16, offsets
     [H, C + 1] int64, probes): position ranges, and how many of the nearest a row scans;
-    None scans every position. tail: (the values' means per unit [H, U, D], block): the keys
-    a row leaves out join its softmax at their unit's mean value, a unit being a block of
-    `block` positions (flat) or a list (ivf, block ignored) (starqa/_topk.c;
-    `topk.left_out` is the same in torch). The buffers must
-    stay where they are while the table lives (it keeps them referenced)."""
+    None scans every position. The buffers must stay where they are while the table lives
+    (it keeps them referenced)."""
 
     def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],
                  values: Sequence[tuple[int, torch.Tensor]],
                  key_map: torch.Tensor | None = None,
                  lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                 key_at: torch.Tensor | None = None,
-                 tail: tuple[torch.Tensor, int] | None = None):
+                 key_at: torch.Tensor | None = None):
         n = keys[-1][0] + keys[-1][1].shape[1]
 
         def table(buffers):
@@ -156,11 +152,6 @@ class TopKTable:
                         address(offsets), self.probes)
         self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
                         int(values[0][1].dtype == torch.bfloat16))
-        self._tail = (None, 0)
-        if tail is not None:  # (means [H, units, D], block; 0 for ivf's lists)
-            means = tail[0].to(torch.float32).contiguous()
-            self._keep += (means,)
-            self._tail = (means.data_ptr(), tail[1])
 
     def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
                tokens: int | None = None,
@@ -191,7 +182,7 @@ class TopKTable:
                         own_k.stride(0), own_k.shape[1] - tokens)
         code = _library().starqa_topk_attend(
             *self._dtypes, q.data_ptr(), heads, rows, tokens, dim,
-            *self._middle, k, skip, *own_args, *self._tail, scale, out.data_ptr(), lse.data_ptr(),
+            *self._middle, k, skip, *own_args, scale, out.data_ptr(), lse.data_ptr(),
             torch.get_num_threads())
         if code:
             raise (MemoryError() if code == 2 else ValueError(
@@ -205,14 +196,13 @@ def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
                 key_map: torch.Tensor | None = None,
                 lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                 tokens: int | None = None, key_at: torch.Tensor | None = None,
-                own: tuple[torch.Tensor, torch.Tensor] | None = None,
-                tail: tuple[torch.Tensor, int] | None = None
+                own: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k partial attention of every row of q [H, R, D] over one layer of a shard: a
     `TopKTable` of these buffers, attended once (`supports_topk` says which buffers the
     kernel takes)."""
-    return TopKTable(keys, values, key_map, lists, key_at, tail).attend(q, k, skip, scale,
-                                                                        tokens, own)
+    return TopKTable(keys, values, key_map, lists, key_at).attend(q, k, skip, scale, tokens,
+                                                                  own)
 
 
 def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Tensor:

@@ -5,16 +5,8 @@ and `parts`, which `phase2.ShardAttention` calls in place of exact attention ove
 The worker holding the context's first block also attends exactly to its first
 `TopK.sink` tokens (StreamingLLM's attention sinks: the template and system prompt, where
 much of every head's attention mass rests), in addition to the k keys it retrieves from
-the rest; the retrieval never returns its rows, so every key is counted once and k >= the
-shard is still exact.
-
-A row also attends what it leaves out, at the mean value of each unit of keys (`means`,
-`topk.left_out`): flat scores every key anyway, so per block of `topk.TAIL_BLOCK` keys it
-knows their exact share of the row's attention mass, and the row's lse is exact; ivf knows
-it for the lists a row scans and estimates it for the others from their centroids (size *
-exp(q . centroid), a lower bound). A diffuse head's output is then close to exact
-attention instead of renormalised over its k keys: SmolLM2 answered niah_single_2 at 4K 8
-of 10 with it against 7 without (exact 9). hnsw attends only what it retrieves.
+the rest; the sink is a part of its own for the LSE merge, and the retrieval never returns
+its rows, so every key is counted once and k >= the shard is still exact.
 
 GQA: the G query heads of a KV head share what they retrieve at each position (each
 picks its k keys, each attends over the union of the G picks: `topk.share`), except under
@@ -78,14 +70,11 @@ class TopKShard:
     mapped_values: per block (first row, its values `tensorfile.MappedTensor`); mapped_keys
     likewise for flat with --kv-on-disk. budgets: keys per row in each layer
     (`topk.layer_budgets`). sinks: per layer (keys, values) [1, Hkv, S, D] fp32, the
-    context's first S tokens, on the worker that holds them, else None. means: per layer
-    the values' mean per unit [Hkv, U, D] fp32 (flat: per block of `topk.TAIL_BLOCK` rows;
-    ivf: per list), at which the keys a row leaves out are attended (module docstring);
-    None for hnsw."""
+    context's first S tokens, on the worker that holds them, else None."""
 
     def __init__(self, settings: TopK, budgets: Sequence[int], n_keys: int, keys=None,
                  ivf=None, searchers=None, values=None, mapped_values=None,
-                 sinks=None, mapped_keys=None, means=None):
+                 sinks=None, mapped_keys=None):
         self.settings = settings
         self.budgets = list(budgets)
         self.n_keys = n_keys
@@ -97,7 +86,6 @@ class TopKShard:
         self.values = values
         self.mapped_values = mapped_values
         self.mapped_keys = mapped_keys
-        self.means = means
         self.pool = None
         self._tables: dict[int, native.TopKTable | None] = {}  # `_table`, per layer
         if searchers and torch.get_num_threads() > 1:
@@ -138,10 +126,9 @@ class TopKShard:
                                        index_of)
         n = sum(k.shape[2] for k, _ in parts)
         budgets = topk.layer_budgets(settings.keys(n_tokens), layers, settings.schedule)
-        values = _per_layer([v for _, v in parts], dtype)
-        means = _means(keys is not None, ivf, lambda layer: [values[layer]], layers)
-        return cls(settings, budgets, n, keys, ivf, searchers, values,
-                   sinks=_sinks(*parts[0], settings.sink) if first else None, means=means)
+        return cls(settings, budgets, n, keys, ivf, searchers,
+                   _per_layer([v for _, v in parts], dtype),
+                   sinks=_sinks(*parts[0], settings.sink) if first else None)
 
     @classmethod
     def from_cache(cls, manifest: Manifest, blocks: Sequence[int], settings: TopK,
@@ -187,18 +174,6 @@ class TopKShard:
             mapped = [(start, tensorfile.MappedTensor(p, "v")) for p, start in zip(paths, starts)]
         else:
             values = _read_per_layer(paths, "v", layers, dtype, device)
-
-        def layer_values(layer: int) -> list[torch.Tensor]:
-            if values is not None:
-                return [values[layer]]
-            for _, m in mapped:  # pages read before are let go: one layer's at a time
-                if layer:
-                    m.release(layer - 1)
-            return [m.tensor[layer] for _, m in mapped]
-
-        means = _means(settings.index == "flat", ivf, layer_values, layers, device)
-        for _, m in mapped or ():
-            m.release(layers - 1)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
         sinks = None
@@ -207,7 +182,7 @@ class TopKShard:
             sinks = _sinks(key.tensor, value.tensor, settings.sink, device,
                            lambda layer: (key.release(layer), value.release(layer)))
         return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped,
-                   sinks=sinks, mapped_keys=mapped_keys, means=means)
+                   sinks=sinks, mapped_keys=mapped_keys)
 
     # -- Phase 2 ------------------------------------------------------------------------
 
@@ -294,13 +269,6 @@ class TopKShard:
             scores, idx = topk.share(q, scores, idx, tokens,
                                      lambda rows: self.key_rows(layer, rows).to(q.device))
         values = self.value_rows(layer, idx).to(q.device)
-        if self.means is not None:  # the keys left out, a candidate per unit (`topk.left_out`)
-            extra = self._left_out(layer, q, idx, scale, k)
-            means = self.means[layer].to(q.device)
-            scores = torch.cat([scores, extra], dim=-1)
-            idx = torch.cat([idx, torch.zeros_like(extra, dtype=idx.dtype)], dim=-1)
-            values = torch.cat([values.to(means.dtype), means[:, None].expand(
-                -1, values.shape[1], -1, -1)], dim=2)
         if q.device.type != "cpu":
             return topk.attend_selected(scores, idx, values, scale)
         # numpy: cheaper per call (`topk.attend_rows`)
@@ -333,53 +301,7 @@ class TopKShard:
             values = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_values]
         if not native.supports_topk([x for _, x in keys], [x for _, x in values]):
             return None
-        tail = None if self.means is None else \
-            (self.means[layer], topk.TAIL_BLOCK if self.ivf is None else 0)
-        return native.TopKTable(keys, values, key_map, lists, key_at, tail)
-
-    def _left_out(self, layer: int, q: torch.Tensor, idx: torch.Tensor, scale: float, k: int
-                  ) -> torch.Tensor:
-        """`topk.left_out` for rows q [Hkv, r, D] attending idx [Hkv, r, U] (shard rows)
-        and the sink: flat per block of TAIL_BLOCK rows, every key scored; ivf per list, a
-        row's own lists scored and the others estimated from their centroids (as the
-        kernel does)."""
-        import numpy as np
-
-        heads, rows, _ = q.shape
-        n = self.n_keys
-        sink = torch.arange(self.n_sink, device=idx.device).expand(heads, rows, -1)
-        if self.ivf is None:  # flat: keys, and units, in shard-row order
-            if self.keys is not None:
-                keys = self.keys[layer]
-            else:
-                keys = torch.cat([m.tensor[layer] for _, m in self.mapped_keys], dim=1)
-                for _, m in self.mapped_keys:
-                    m.release(layer)
-            scores = torch.matmul(q.float(), keys.to(q.device).float().transpose(1, 2))
-            units = -(-n // topk.TAIL_BLOCK)
-            unit_of = (torch.arange(n, device=q.device) // topk.TAIL_BLOCK).expand(heads, n)
-            return topk.left_out(scores, torch.cat([idx, sink], -1), scale, unit_of, units)
-        lay = self.ivf[layer]  # ivf: in list order (positions); rows become positions
-        device, q, idx = q.device, q.float().cpu(), idx.cpu()  # its lists live on the CPU
-        sink = sink.cpu()
-        scores = torch.matmul(q, lay.keys.float().transpose(1, 2))
-        sizes = torch.from_numpy(np.diff(lay.offsets, axis=1))  # [Hkv, C]
-        units = sizes.shape[1]
-        unit_of = torch.repeat_interleave(torch.arange(units).expand(heads, units).reshape(-1),
-                                          sizes.reshape(-1)).view(heads, n)
-        coarse = torch.matmul(q, torch.from_numpy(lay.centroids).transpose(1, 2))
-        probes = indexes.ivf_probes(n, units, k, indexes.IVF_ROW_SCAN)
-        seen = None
-        if probes < units:  # each row's own lists, as the kernel chooses them
-            chosen = torch.zeros(heads, rows, units, dtype=torch.bool).scatter_(
-                -1, coarse.topk(probes, dim=-1).indices, True)
-            seen = chosen.gather(-1, unit_of[:, None].expand(heads, rows, n))
-        at = torch.from_numpy(lay.at).long()  # [Hkv, N] row -> position
-        taken = torch.cat([idx, sink], -1)
-        taken = torch.where(taken >= 0, at.gather(1, taken.clamp(min=0).reshape(heads, -1))
-                            .view_as(taken), -1)
-        return topk.left_out(scores, taken, scale, unit_of, units, seen,
-                             (coarse, sizes)).to(device)
+        return native.TopKTable(keys, values, key_map, lists, key_at)
 
     def _table_of(self, layer: int, k: int) -> native.TopKTable | None:
         """`_table`, made on the layer's first call and kept."""
@@ -563,31 +485,6 @@ def _mapped_rows(blocks, layer: int, idx: torch.Tensor) -> torch.Tensor:
             out[inside] = rows[layer][heads[inside], idx[inside] - start]
             mapped.release(layer)
     return out
-
-
-def _means(flat: bool, ivf, layer_values, layers: int, device="cpu"):
-    """Per layer the mean value of each unit at which a row's left-out keys are attended
-    (`topk.left_out`): flat, blocks of TAIL_BLOCK rows; ivf, its lists (`IvfLayer`); None
-    for hnsw. layer_values(layer): the layer's values as pieces [Hkv, T_i, D] in order."""
-    import numpy as np
-
-    if not flat and ivf is None:
-        return None
-    means = []
-    for layer in range(layers):
-        pieces = layer_values(layer)
-        if flat:
-            found = topk.block_means(pieces)
-        else:
-            lay = ivf[layer]
-            sizes = torch.from_numpy(np.diff(lay.offsets, axis=1))  # [Hkv, C]
-            heads, lists = sizes.shape
-            of_position = torch.repeat_interleave(
-                torch.arange(lists).expand(heads, lists).reshape(-1), sizes.reshape(-1))
-            of_row = of_position.view(heads, -1).gather(1, torch.from_numpy(lay.at).long())
-            found = topk.unit_means(pieces, of_row, lists)
-        means.append(found.to(device))
-    return means
 
 
 def _sinks(key: torch.Tensor, value: torch.Tensor, size: int, device="cpu", release=None):

@@ -39,9 +39,6 @@ import math
 import torch
 
 NUMPY_ROWS = 64  # select_exact ranks up to this many rows (Hkv * R) with numpy on CPU
-# flat: the keys a row leaves out are counted per block of this many positions and attended
-# at the block's mean value (`left_out`; starqa/_topk.c)
-TAIL_BLOCK = 64
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -149,72 +146,6 @@ def attend_selected(scores: torch.Tensor, idx: torch.Tensor, values: torch.Tenso
     probs = torch.exp_(logits.sub_(lse.clamp(min=torch.finfo(lse.dtype).min).unsqueeze(-1)))
     out = torch.matmul(probs.unsqueeze(-2), values.to(probs.device).float())  # [Hkv, R, 1, D]
     return out.squeeze(-2).unsqueeze(0), lse.unsqueeze(0)
-
-
-def block_means(pieces, block: int = TAIL_BLOCK) -> torch.Tensor:
-    """The mean value row of every block of `block` positions of a shard's layer, given as
-    its pieces [Hkv, T_i, D] in order (a block may straddle two): [Hkv, ceil(N / block), D]
-    fp32, the last block's mean over the rows it has."""
-    n = sum(p.shape[1] for p in pieces)
-    units = torch.arange(n) // block
-    return unit_means(pieces, units.expand(pieces[0].shape[0], n), -(-n // block))
-
-
-def unit_means(pieces, unit_of: torch.Tensor, units: int, chunk: int = 4096) -> torch.Tensor:
-    """The mean value row of each unit (a block of positions, an ivf list) of a shard's
-    layer: pieces [Hkv, T_i, D] its rows in order, unit_of [Hkv, N] int64 each row's unit
-    → [Hkv, units, D] fp32 (zeros for a unit without rows). Read `chunk` rows at a time
-    (mapped pieces are never widened whole)."""
-    heads, dim = pieces[0].shape[0], pieces[0].shape[2]
-    sums = torch.zeros(heads, units, dim)
-    first = 0
-    for piece in pieces:
-        for start in range(0, piece.shape[1], chunk):
-            part = piece[:, start:start + chunk].float()
-            which = unit_of[:, first + start:first + start + part.shape[1]]
-            for head in range(heads):
-                sums[head].index_add_(0, which[head], part[head])
-        first += piece.shape[1]
-    counts = torch.zeros(heads, units)
-    counts.scatter_add_(1, unit_of, torch.ones(unit_of.shape))
-    return sums / counts.clamp(min=1)[..., None]
-
-
-def left_out(scores: torch.Tensor, taken: torch.Tensor, scale: float, unit_of: torch.Tensor,
-             units: int, seen: torch.Tensor | None = None,
-             guess: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """What a row's attention leaves out of each unit of keys (flat: a block of TAIL_BLOCK
-    positions; ivf: a list), as one candidate per unit. scores [Hkv, R, N] fp32: every
-    key's raw inner product with each row; taken [Hkv, R, T] the keys each row attends
-    exactly (its sink and union; -1: none); unit_of [Hkv, N] int64 each key's unit; seen
-    [Hkv, R, N] bool the keys whose scores the row has (ivf: its lists'; None: all);
-    guess (ivf): (raw scores [Hkv, R, units], sizes [Hkv, units]) for the units a row saw
-    none of: their mass is taken as size * exp(score * scale) (a list's centroid in place of
-    its keys). Returns raw scores [Hkv, R, units] s_u with exp(s_u * scale) = the left-out
-    keys' sum of exp(s * scale) (-inf where none is). Appended to the candidates with the
-    units' mean values (`unit_means`) as theirs, a softmax attends each unit's left-out keys
-    at its mean value: with every key seen (flat) the row's lse is its exact log-sum-exp
-    over every key. starqa/_topk.c computes the same."""
-    heads, rows, n = scores.shape
-    visible = scores if seen is None else scores.masked_fill(~seen, -math.inf)
-    top = visible.amax(-1, keepdim=True)  # [Hkv, R, 1]
-    if guess is not None:  # a row that saw nothing: measured from its best centroid
-        top = torch.where(torch.isinf(top), guess[0].amax(-1, keepdim=True), top)
-    weights = torch.exp((visible - top) * scale)
-    out = torch.zeros_like(weights, dtype=torch.int8)  # 1: attended exactly
-    out.scatter_reduce_(-1, taken.clamp(min=0), (taken >= 0).to(torch.int8), "amax")
-    kept = weights.masked_fill(out.bool(), 0.0)
-    where = unit_of[:, None].expand(heads, rows, n)
-    left = torch.zeros(heads, rows, units).scatter_add_(-1, where, kept)
-    if guess is not None:  # units the row scanned nothing of: estimated, less what it attends
-        scanned = torch.zeros(heads, rows, units, dtype=torch.bool).scatter_(
-            -1, where, seen if seen is not None else torch.ones_like(kept, dtype=torch.bool))
-        estimate = guess[1][:, None].float() * torch.exp(
-            ((guess[0] - top) * scale).clamp(max=80.0))
-        attended = torch.zeros(heads, rows, units).scatter_add_(
-            -1, where, torch.exp((scores - top) * scale) * out)
-        left = torch.where(scanned, left, (estimate - attended).clamp(min=0.0))
-    return top + torch.log(left) / scale
 
 
 def layer_budgets(k: int, layers: int, schedule: str) -> list[int]:

@@ -107,7 +107,7 @@ def test_each_index_kind_with_every_key_is_exact_and_merges_across_workers(kind)
 def test_the_sink_is_attended_apart_and_never_retrieved(kind):
     """The first worker attends to the context's first `sink` rows exactly, in addition
     to the k keys it retrieves from the rest: flat gives attention over exactly the sink
-    and the k best of the rest (and what it leaves out, at its blocks' means); no kind's retrieval returns a sink row (counted twice);
+    and the k best of the rest; no kind's retrieval returns a sink row (counted twice);
     a worker without the context's start has no sink."""
     torch.manual_seed(5)
     hkv, g, dim, sink, k = 2, 3, 16, 4, 5
@@ -129,20 +129,13 @@ def test_the_sink_is_attended_apart_and_never_retrieved(kind):
     keys = torch.cat([b[0][0] for b in blocks], dim=1)  # [Hkv, N, D]
     values = torch.cat([b[1][0] for b in blocks], dim=1)
     best = (q @ keys[:, sink:].transpose(1, 2)).topk(k).indices + sink  # [Hkv, g, k]
-    # flat also attends the keys it leaves out, per block of TAIL_BLOCK rows at the block's
-    # mean value: the lse is every key's (float64 reference)
-    means = topk.block_means([values]).double()  # [Hkv, B, D]
     for head in range(hkv):
         for row in range(g):
             rows = torch.cat([torch.arange(sink), best[head, row]])
-            weights = torch.exp((keys[head].double() @ q[head, row].double()) * dim ** -0.5)
-            kept = torch.zeros(len(weights), dtype=torch.bool)
-            kept[rows] = True
-            left = torch.zeros(means.shape[1], dtype=torch.float64).index_add_(
-                0, torch.arange(len(weights)) // topk.TAIL_BLOCK, weights * ~kept)
-            ref = (weights[kept] @ values[head, kept].double() + left @ means[head]) / weights.sum()
-            assert torch.allclose(out[head, row].double(), ref, atol=1e-5)
-            assert torch.allclose(lse[head, row].double(), weights.sum().log(), atol=1e-5)
+            ref, ref_lse = attend(q[head, row][None, None, None], keys[head, rows][None, None],
+                                  values[head, rows][None, None], dim ** -0.5)
+            assert torch.allclose(out[head, row], ref.flatten(), atol=1e-5)
+            assert torch.allclose(lse[head, row], ref_lse.flatten(), atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["ivf", "hnsw"])
