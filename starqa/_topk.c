@@ -79,7 +79,7 @@ typedef struct {
    threshold: fresh pages, cleared by the kernel). A slot grows to the largest size asked
    of it and is never returned. */
 enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_BEST, S_BLOCK, S_SCORES, S_SEGS, S_POOL,
-       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, S_ROWS, SLOTS };
+       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, S_ROWS, S_KEYROWS, SLOTS };
 static __thread struct { void *p; size_t size; } scratch[SLOTS];
 
 static void *scratch_get(int slot, size_t bytes) {
@@ -214,12 +214,6 @@ static inline const char *row_at(const int64_t *start, const int64_t *ptr,
            ((size_t)(h * stride[b]) + (size_t)(p - start[b]) * d) * esize;
 }
 
-/* Asks for row p of head h (see row_at) to be brought into the cache. */
-static inline void prefetch_row(const int64_t *start, const int64_t *ptr, const int64_t *stride,
-                                int64_t buffers, int64_t h, int64_t p, int64_t d, size_t esize) {
-    const char *row = row_at(start, ptr, stride, buffers, h, p, d, esize);
-    for (size_t y = 0; y < (size_t)d * esize; y += 64) __builtin_prefetch(row + y, 0, 3);
-}
 
 /* Inner product of two fp32 rows. */
 SIMD_CLONES static float dot(const float *a, const float *b, int64_t d) {
@@ -292,6 +286,26 @@ static void score_keys(const char *const *kp, int width, int bf16, const float *
     }
 #endif
     score_any(kp, width, bf16, qs, nq, d, outs, block);
+}
+
+/* The scores of the query rows qs[0 .. nq) against the key rows kr[0 .. m) (bf16 or
+   fp32, lying anywhere: each fetched AHEAD_KEYS ahead of its use), row g's at
+   w + g * room (a chunk is written whole: room holds CHUNK more). */
+static void score_rows(const char *const *kr, int64_t m, int bf16, const float *const *qs,
+                       int64_t nq, int64_t d, float *w, int64_t room, float *block) {
+    const size_t bytes = (size_t)d * (bf16 ? 2 : 4);
+    float *outs[MAX_GROUP];
+    for (int64_t u = 0; u < (m < AHEAD_KEYS ? m : AHEAD_KEYS); u++)
+        for (size_t y = 0; y < bytes; y += 64) __builtin_prefetch(kr[u] + y, 0, 3);
+    for (int64_t u0 = 0; u0 < m; u0 += CHUNK) {
+        const int width = m - u0 < CHUNK ? (int)(m - u0) : CHUNK;
+        for (int64_t u = u0 + AHEAD_KEYS; u < u0 + AHEAD_KEYS + width && u < m; u++)
+            for (size_t y = 0; y < bytes; y += 64) __builtin_prefetch(kr[u] + y, 0, 3);
+        const char *kp[CHUNK];
+        for (int x = 0; x < CHUNK; x++) kp[x] = x < width ? kr[u0 + x] : (const char *)zeros;
+        for (int64_t g = 0; g < nq; g++) outs[g] = w + g * room + u0;
+        score_keys(kp, width, bf16, qs, nq, d, outs, block);
+    }
 }
 
 /* Keys at positions [lo, hi) of one buffer (position lo at `base`, rows row_bytes apart),
@@ -586,7 +600,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
         float *value = scratch_get(S_VALUE, (size_t)MAX_DIM * sizeof(float));
         const char **vp = scratch_get(S_ROWS, (size_t)(room > 1 ? room : 1) * sizeof(char *));
-        const int ok = all && tmp && uni && w && seen && block && value && vp;
+        const char **kr = scratch_get(S_KEYROWS, (size_t)(room > 1 ? room : 1) * sizeof(char *));
+        const int ok = all && tmp && uni && w && seen && block && value && vp && kr;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -630,34 +645,14 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             }
             const int64_t no = own_k ? own_before + m + 1 : 0; /* own keys seen (causal) */
             if (!nu && !no) continue;
-            /* the union's key rows lie anywhere: each is fetched AHEAD_KEYS ahead of its use */
-            for (int64_t u = 0; u < (nu < AHEAD_KEYS ? nu : AHEAD_KEYS); u++)
-                prefetch_row(kstart, kptr, kstride, kbuffers, h, inv ? inv[h * n + uni[u]] : uni[u],
-                             d, kes);
-            for (int64_t u0 = 0; u0 < nu; u0 += CHUNK) { /* each row's scores of the union */
-                const int width = nu - u0 < CHUNK ? (int)(nu - u0) : CHUNK;
-                for (int64_t u = u0 + AHEAD_KEYS; u < u0 + AHEAD_KEYS + width && u < nu; u++)
-                    prefetch_row(kstart, kptr, kstride, kbuffers, h,
-                                 inv ? inv[h * n + uni[u]] : uni[u], d, kes);
-                const char *kp[CHUNK];
-                for (int x = 0; x < CHUNK; x++) {
-                    const int64_t r = x < width ? uni[u0 + x] : 0;
-                    kp[x] = x < width ? row_at(kstart, kptr, kstride, kbuffers, h,
-                                               inv ? inv[h * n + r] : r, d, kes)
-                                      : (const char *)zeros;
-                }
-                for (int64_t g = 0; g < per; g++) outs[g] = w + g * room + u0;
-                score_keys(kp, width, k_bf16, qs, per, d, outs, block);
-            }
-            for (int64_t j0 = 0; j0 < no; j0 += CHUNK) { /* ... then of its own keys */
-                const int width = no - j0 < CHUNK ? (int)(no - j0) : CHUNK;
-                const char *kp[CHUNK];
-                for (int x = 0; x < CHUNK; x++)
-                    kp[x] = x < width ? own_k + ((size_t)(h * own_stride) + (size_t)(j0 + x) * d) * oes
-                                      : (const char *)zeros;
-                for (int64_t g = 0; g < per; g++) outs[g] = w + g * room + nu + j0;
-                score_keys(kp, width, o_bf16, qs, per, d, outs, block);
-            }
+            /* each row's scores of the union's keys, then of its own keys */
+            for (int64_t u = 0; u < nu; u++)
+                kr[u] = row_at(kstart, kptr, kstride, kbuffers, h, inv ? inv[h * n + uni[u]] : uni[u],
+                               d, kes);
+            for (int64_t j = 0; j < no; j++)
+                kr[nu + j] = own_k + ((size_t)(h * own_stride) + (size_t)j * d) * oes;
+            score_rows(kr, nu, k_bf16, qs, per, d, w, room, block);
+            score_rows(kr + nu, no, o_bf16, qs, per, d, w + nu, room, block);
             float tops[MAX_GROUP], totals[MAX_GROUP];
             for (int64_t g = 0; g < per; g++) /* scores → weights exp((s - max s) * scale) */
                 totals[g] = weigh(w + g * room, nu + no, scale, &tops[g]);

@@ -137,10 +137,11 @@ class TopKTable:
             centroids = lists[0].to(torch.bfloat16).contiguous()
             offsets = lists[1].to(torch.int64).contiguous()
             self.lists, self.probes = centroids.shape[1], lists[2]
-        self._keep = (keys, values, key_map, key_at, centroids, offsets)
         kstart, kptr, kstride = table(keys)
         vstart, vptr, vstride = table(values)
-        self._tables = (kstart, kptr, kstride, vstart, vptr, vstride)
+        # what the kernel reads through the addresses below, kept alive with the table
+        self._keep = (keys, values, key_map, key_at, centroids, offsets, kstart, kptr, kstride,
+                      vstart, vptr, vstride)
 
         def address(x):
             return None if x is None else x.data_ptr()

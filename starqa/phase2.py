@@ -130,6 +130,8 @@ class ShardAttention:
         dtype = self.shard[layer][0][0].dtype if self.shard is not None else key.dtype
         # Work in the folded layout [*, Hkv, R = G*M, D]: query heads of a KV head as rows.
         q = fold_gqa(query, kv_heads, dtype)
+        # top-k on the CPU: the retriever attends this forward's own keys too (one kernel call)
+        own_in_retriever = self.retriever is not None and query.device.type == "cpu"
         outs, lses = [], []
         if self.cpu:  # the shard's pieces and (query host) this question's KV: one call
             if self.query_host:
@@ -139,9 +141,8 @@ class ShardAttention:
                 out, lse = self._pieces[layer].attend(q[0], scale=scale)
             outs, lses = [out[None]], [lse[None]]
         elif self.retriever is not None:
-            # on the CPU the retriever attends the question's own keys too (one kernel call)
-            own = self._append(layer, key, value) if self.query_host and \
-                query.device.type == "cpu" else None
+            own = self._append(layer, key, value) if self.query_host and own_in_retriever \
+                else None
             outs, lses = self.retriever.parts(layer, q, scale, m, own)
         elif self.shard is not None:
             if self.fused:
@@ -149,8 +150,7 @@ class ShardAttention:
             else:  # no fused kernel here: one exact part, attribution per shard
                 out, lse = _folded(attend(query, *self.shard[layer][0], scale), kv_heads)
                 outs, lses = [out], [lse]
-        if self.query_host and not self.cpu and not (self.retriever is not None and
-                                                     query.device.type == "cpu"):
+        if self.query_host and not self.cpu and not own_in_retriever:
             keys, values = self._append(layer, key, value)
             if query.device.type == "cpu":  # no blocks here: exact's kernel, this forward's
                 # keys causally; a row's result never depends on the forward's other rows,

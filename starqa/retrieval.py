@@ -200,9 +200,7 @@ class TopKShard:
         With the compiled kernel, the sink, the retrieved keys and the own keys are one
         call and one part (one softmax); elsewhere a part each."""
         k = min(self.budgets[layer], self.n_keys - self.n_sink)
-        _, heads, rows, dim = q.shape
-        tokens = tokens or rows
-        groups = rows // tokens
+        tokens = tokens or q.shape[2]
         native_ok = q.device.type == "cpu" and self.searchers is None and native.available()
         if native_ok and self._table_of(layer, k) is not None:
             return self._parts_native(layer, q, max(k, 1), scale, tokens, own)
@@ -225,14 +223,9 @@ class TopKShard:
         # flat and ivf score up to every key per row (a prefill's rows choose most lists),
         # hnsw k: positions go in pieces of at most ROWS_X_KEYS scores
         width = k if self.searchers is not None else self.n_keys
-        pieces, piece_lses = [], []
-        for start, m, piece in _pieces(q, tokens, width):
-            found = self._part_selected(layer, piece, k, scale, m)
-            pieces.append(found[0].to(q.dtype).view(heads, groups, m, dim))
-            piece_lses.append(found[1].view(heads, groups, m))
-        outs.append(torch.cat(pieces, dim=2).view(1, heads, rows, dim))
-        lses.append(torch.cat(piece_lses, dim=2).view(1, heads, rows))
-        return outs, lses
+        out, lse = _joined(q, tokens, [(m, *self._part_selected(layer, piece, k, scale, m))
+                                       for _, m, piece in _pieces(q, tokens, width)])
+        return outs + [out], lses + [lse]
 
     def _parts_native(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int,
                       own: tuple[torch.Tensor, torch.Tensor] | None
@@ -242,21 +235,15 @@ class TopKShard:
         every key, keeps its k best in fp32, and a position's G rows attend over their
         union, the sink and their own keys). Mapped pages of the layer are released after."""
         table = self._tables[layer]
-        _, heads, rows, dim = q.shape
-        groups = rows // tokens
         before = own[0].shape[2] - tokens if own is not None else 0  # own keys before this forward
-        pieces, piece_lses = [], []
+        found = []
         for start, m, piece in _pieces(q, tokens, self.n_keys):
             mine = None if own is None else tuple(x[0, :, :before + start + m] for x in own)
-            out, lse = table.attend(piece, k, self.n_sink, scale, m, mine)
-            pieces.append(out.to(q.dtype).view(heads, groups, m, dim))
-            piece_lses.append(lse.view(heads, groups, m))
+            found.append((m, *table.attend(piece, k, self.n_sink, scale, m, mine)))
         for _, mapped in (self.mapped_keys or []) + (self.mapped_values or []):
             mapped.release(layer)
-        if len(pieces) == 1:
-            return [pieces[0].view(1, heads, rows, dim)], [piece_lses[0].view(1, heads, rows)]
-        return ([torch.cat(pieces, dim=2).view(1, heads, rows, dim)],
-                [torch.cat(piece_lses, dim=2).view(1, heads, rows)])
+        out, lse = _joined(q, tokens, found)
+        return [out], [lse]
 
     def _part_selected(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -468,6 +455,20 @@ def _pieces(q: torch.Tensor, tokens: int, width: int):
     for start in range(0, tokens, step):
         piece = by_token[:, :, start:start + step].reshape(heads, -1, dim)
         yield start, piece.shape[1] // groups, piece
+
+
+def _joined(q: torch.Tensor, tokens: int, found) -> tuple[torch.Tensor, torch.Tensor]:
+    """The results of `_pieces`' pieces [(positions m, out [(1,) Hkv, G * m, D], lse [(1,)
+    Hkv, G * m])], in order, as one part of folded queries q [1, Hkv, G * M, D]: out [1,
+    Hkv, G * M, D] in q's dtype and lse [1, Hkv, G * M]."""
+    _, heads, rows, dim = q.shape
+    groups = rows // tokens
+    outs = [out.to(q.dtype).view(heads, groups, m, dim) for m, out, _ in found]
+    lses = [lse.view(heads, groups, m) for m, _, lse in found]
+    if len(found) == 1:
+        return outs[0].view(1, heads, rows, dim), lses[0].view(1, heads, rows)
+    return (torch.cat(outs, dim=2).view(1, heads, rows, dim),
+            torch.cat(lses, dim=2).view(1, heads, rows))
 
 
 def _mapped_rows(blocks, layer: int, idx: torch.Tensor) -> torch.Tensor:
