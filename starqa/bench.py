@@ -50,7 +50,7 @@ def options(methods: str | None = None, lengths: str = DEFAULT_LENGTHS,
             workers: str = DEFAULT_WORKERS, model: str | None = None, dtype: str | None = None,
             new_tokens: int = 16, device: str = "auto", top_k: str | None = None,
             index: str = "flat,ivf,hnsw", schedule: str | None = None,
-            kv_on_disk: bool = False) -> BenchOptions:
+            kv_on_disk: bool = False, prefill: str | None = None) -> BenchOptions:
     """BenchOptions from the command line's strings; every bad value is a clear error.
     top_k: Phase 2 also runs top-k attention with this budget for each index kind of
     `index` (comma-separated), in memory and, with `kv_on_disk`, memory-mapped too."""
@@ -60,14 +60,15 @@ def options(methods: str | None = None, lengths: str = DEFAULT_LENGTHS,
     topk = []
     if top_k is not None:
         for kind in dict.fromkeys(k.strip() for k in index.split(",") if k.strip()):
-            topk.append(topk_settings("topk", top_k, schedule, kind))
+            topk.append(topk_settings("topk", top_k, schedule, kind, prefill=prefill))
             if kv_on_disk:
-                topk.append(topk_settings("topk", top_k, schedule, kind, True))
+                topk.append(topk_settings("topk", top_k, schedule, kind, True, prefill))
         if not topk:
             raise StarqaError(f"--index {index!r} names no index kind.",
                               hint="e.g. --index flat,ivf,hnsw")
-    elif kv_on_disk or schedule:
-        raise StarqaError("--kv-on-disk and --top-k-schedule apply to top-k runs.",
+    elif kv_on_disk or schedule or prefill:
+        raise StarqaError("--kv-on-disk, --top-k-schedule and --top-k-prefill apply to top-k "
+                          "runs.",
                           hint="add --top-k 1%")
     return BenchOptions(parse_methods(methods), parse_lengths(lengths), parse_workers(workers),
                         model, dtype, new_tokens, device, tuple(topk))

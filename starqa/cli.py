@@ -92,24 +92,33 @@ IndexKind = Annotated[Optional[str], typer.Option(
     "--index", envvar="STARQA_INDEX",
     help="topk: flat (exact matmul + top-k over the keys in memory, the default), ivf or "
          "hnsw (faiss indexes next to the shards, built on first use).")]
+TopKPrefill = Annotated[Optional[str], typer.Option(
+    "--top-k-prefill", envvar="STARQA_TOP_K_PREFILL",
+    help="topk: how the question's own forward attends: exact (every key, as the paper "
+         "does; the default) or topk (its k keys per row, like the answer's tokens: a "
+         "sooner first token on a huge context).")]
 KvOnDisk = Annotated[bool, typer.Option(
     "--kv-on-disk", envvar="STARQA_KV_ON_DISK",
     help="topk: keep values (and ivf/hnsw keys) memory-mapped from the cache and read only "
          "the rows selected.")]
 
 
-def _topk(attention: str, top_k, schedule, index, kv_on_disk):
+def _topk(attention: str, top_k, schedule, index, kv_on_disk, prefill):
     from starqa.indexes import topk_settings
 
-    return topk_settings(attention, top_k, schedule, index, kv_on_disk)
+    return topk_settings(attention, top_k, schedule, index, kv_on_disk, prefill)
 
 
-def _topk_list(attention: str, top_k, schedule, index) -> tuple:
-    """`starqa eval`'s top-k settings, one per comma-separated budget (none: exact only)."""
+def _topk_list(attention: str, top_k, schedule, index, prefill) -> tuple:
+    """`starqa eval`'s top-k settings, one per comma-separated budget and prefill (none:
+    exact only)."""
     from starqa.indexes import topk_settings
 
-    budgets = [None] if top_k is None else [b for b in top_k.split(",") if b.strip()] or [""]
-    found = [topk_settings(attention, b, schedule, index) for b in budgets]
+    def listed(text):
+        return [None] if text is None else [b for b in text.split(",") if b.strip()] or [""]
+
+    found = [topk_settings(attention, b, schedule, index, prefill=p.strip() if p else p)
+             for b in listed(top_k) for p in listed(prefill)]
     return tuple(dict.fromkeys(t for t in found if t is not None))
 
 
@@ -271,6 +280,7 @@ def ask(
     top_k_schedule: TopKSchedule = None,
     index: IndexKind = None,
     kv_on_disk: KvOnDisk = False,
+    top_k_prefill: TopKPrefill = None,
 ) -> None:
     """Answer a question from a cached context (Phase 2), streaming tokens.
 
@@ -285,7 +295,8 @@ def ask(
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              device=device, warm=not cold, weights=weights,
                              keepalive=keepalive,
-                             topk=_topk(attention, top_k, top_k_schedule, index, kv_on_disk))
+                             topk=_topk(attention, top_k, top_k_schedule, index, kv_on_disk,
+                                       top_k_prefill))
     with RichUI(stream=not as_json) as ui:
         answer = engine.ask(opts, ui, headstart.take())
     if as_json:
@@ -438,6 +449,7 @@ def serve(
     top_k_schedule: TopKSchedule = None,
     index: IndexKind = None,
     kv_on_disk: KvOnDisk = False,
+    top_k_prefill: TopKPrefill = None,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
     rdzv_endpoint: Rdzv = None,
@@ -465,7 +477,7 @@ def serve(
                                          keepalive=keepalive, device=device,
                                          weights=weights,
                                          topk=_topk(attention, top_k, top_k_schedule, index,
-                                                    kv_on_disk),
+                                                    kv_on_disk, top_k_prefill),
                                          nnodes=nnodes, node_rank=node_rank,
                                          rdzv_endpoint=rdzv_endpoint), ui, ready)
 
@@ -536,12 +548,14 @@ def chat(
     top_k_schedule: TopKSchedule = None,
     index: IndexKind = None,
     kv_on_disk: KvOnDisk = False,
+    top_k_prefill: TopKPrefill = None,
 ) -> None:
     """Interactive questions over a cached context, with warm workers."""
     from starqa.repl import Chat
 
     Chat(context, workers, keepalive, max_new_tokens,
-         _topk(attention, top_k, top_k_schedule, index, kv_on_disk)).run()
+         _topk(attention, top_k, top_k_schedule, index, kv_on_disk,
+                                       top_k_prefill)).run()
 
 
 @app.command("index")
@@ -606,6 +620,7 @@ def bench(
         "--kv-on-disk", envvar="STARQA_KV_ON_DISK",
         help="With --top-k: each kind also with values memory-mapped from the cache.")
     ] = False,
+    top_k_prefill: TopKPrefill = None,
 ) -> None:
     """Measure Phase 1 and Phase 2 of each method side by side on synthetic contexts.
 
@@ -617,7 +632,7 @@ def bench(
     from starqa.ui import RichUI, bench_notes, bench_table, err
 
     opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device, top_k,
-                             index, top_k_schedule, kv_on_disk)
+                             index, top_k_schedule, kv_on_disk, top_k_prefill)
     _fetch_model(model)
     plan = bench_mod.make_plan(opts)
     bench_notes(plan)
@@ -673,6 +688,10 @@ def eval_(
              "(e.g. 0.5%,1%,2%; default 1%); every method also runs with each.")] = None,
     top_k_schedule: TopKSchedule = None,
     index: IndexKind = None,
+    top_k_prefill: Annotated[Optional[str], typer.Option(
+        "--top-k-prefill", envvar="STARQA_TOP_K_PREFILL",
+        help="topk: how the question's forward attends, exact (the default) or topk; "
+             "comma-separated, each runs (exact,topk).")] = None,
     edit: Annotated[bool, typer.Option(
         "--edit", envvar="STARQA_EVAL_EDIT",
         help="Measure incremental re-ingest: a haystack of files is ingested, one file "
@@ -688,7 +707,7 @@ def eval_(
         model=model, methods=methods, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
         json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
         anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]),
-        topk=_topk_list(attention, top_k, top_k_schedule, index),
+        topk=_topk_list(attention, top_k, top_k_schedule, index, top_k_prefill),
         edit=edit,
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                        "chunk": chunk_size, "positions": positions, "passing": passing_size,

@@ -49,6 +49,10 @@ from starqa.tensorfile import block_shape, read_tensor
 ATTENTIONS = ("exact", "topk")
 KINDS = ("flat", "ivf", "hnsw")
 SCHEDULES = ("uniform", "linear")
+# How the question's own forward attends under top-k: to every key of the context (exact,
+# as in the paper, where top-k serves the generated tokens over a prefilled cache), or to
+# its rows' k keys like the answer's tokens (topk: a sooner first token on a huge context).
+PREFILLS = ("exact", "topk")
 DEFAULT_TOP_K = "1%"  # the paper: k ~ 1% of the context keeps >= 95% of dense accuracy
 IVF_POINTS_PER_LIST = 39  # faiss's k-means wants at least 39 training points per centroid
 IVF_LISTS_PER_SQRT = 4  # nlist ~ 4 sqrt(T), faiss's rule of thumb
@@ -80,6 +84,7 @@ class TopK:
     schedule: str = "uniform"
     index: str = "flat"
     kv_on_disk: bool = False
+    prefill: str = PREFILLS[0]  # the question's forward (PREFILLS)
     # The context's first `sink` tokens are attended exactly, in addition to the k keys
     # retrieved (`retrieval.TopKShard`): StreamingLLM's attention sinks. Without them
     # SmolLM2 at 4K with k = 1% (41 keys) lost the answer's format and the needle.
@@ -102,11 +107,13 @@ class TopK:
     def cli_args(self) -> list[str]:
         """The command-line options that give these settings (a warm group's `serve`)."""
         return ["--attention", "topk", "--top-k", self.label, "--top-k-schedule",
-                self.schedule, "--index", self.index] + ["--kv-on-disk"] * self.kv_on_disk
+                self.schedule, "--index", self.index, "--top-k-prefill", self.prefill] \
+            + ["--kv-on-disk"] * self.kv_on_disk
 
     def describe(self) -> str:
         return (f"top-k {self.label} ({self.index}, {self.schedule}"
-                + (", KV on disk" if self.kv_on_disk else "") + ")")
+                + (", KV on disk" if self.kv_on_disk else "")
+                + (", question by top-k" if self.prefill == "topk" else "") + ")")
 
 
 _COUNT = re.compile(r"\s*(\d+)\s*")
@@ -137,7 +144,7 @@ def parse_top_k(text: str) -> tuple[int | None, float | None]:
 
 def topk_settings(attention: str = "exact", top_k: str | None = None,
                   schedule: str | None = None, index: str | None = None,
-                  kv_on_disk: bool = False) -> TopK | None:
+                  kv_on_disk: bool = False, prefill: str | None = None) -> TopK | None:
     """The top-k settings of the command line's options (None: exact attention). Options
     that only apply to top-k are an error with exact attention, never silently ignored."""
     if attention not in ATTENTIONS:
@@ -148,16 +155,21 @@ def topk_settings(attention: str = "exact", top_k: str | None = None,
                           hint=f"choose {' or '.join(SCHEDULES)}")
     if index is not None and index not in KINDS:
         raise StarqaError(f"Unknown --index {index!r}.", hint=f"choose {', '.join(KINDS)}")
+    if prefill is not None and prefill not in PREFILLS:
+        raise StarqaError(f"Unknown --top-k-prefill {prefill!r}.",
+                          hint=f"choose {' or '.join(PREFILLS)}")
     if attention == "exact":
         given = [name for name, value in (("--top-k", top_k), ("--top-k-schedule", schedule),
-                                          ("--index", index), ("--kv-on-disk", kv_on_disk))
+                                          ("--index", index), ("--kv-on-disk", kv_on_disk),
+                                          ("--top-k-prefill", prefill))
                  if value]
         if given:
             raise StarqaError(f"{', '.join(given)} only apply to --attention topk.",
                               hint="add --attention topk, or drop " + ", ".join(given))
         return None
     count, fraction = parse_top_k(top_k or DEFAULT_TOP_K)
-    return TopK(count, fraction, schedule or SCHEDULES[0], index or KINDS[0], kv_on_disk)
+    return TopK(count, fraction, schedule or SCHEDULES[0], index or KINDS[0], kv_on_disk,
+                prefill or PREFILLS[0])
 
 
 def topk_of(data: dict | None) -> TopK | None:

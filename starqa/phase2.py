@@ -97,12 +97,16 @@ class ShardAttention:
         self._own: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._capacity = 64
         self.length = 0  # tokens of the question and answer in the own buffers
+        # the forward under way is the question's (the first after `begin`): top-k may
+        # attend it exactly (TopK.prefill)
+        self.question = False
 
     def begin(self, capacity: int) -> None:
         """A new question of about `capacity` tokens (question + answer): forget the last
         one's KV. Buffers of that size are allocated once and reused by later questions;
         they grow if a question needs more."""
         self.length = 0
+        self.question = True
         self._rows = [[] for _ in self.shard or ()]
         self._last = [None] * len(self._rows)
         if capacity > self._capacity:
@@ -112,6 +116,7 @@ class ShardAttention:
         """The forward that just ran added its first `kept` tokens to the question's KV (the
         rest, drafted tokens the model did not pick, are written over by the next); its rows
         `picked` (default: the last) each picked a token of the answer, in order."""
+        self.question = False
         if self.query_host:
             self.length += kept
         if self.track and self.n_keys and self._last:
@@ -143,7 +148,7 @@ class ShardAttention:
         elif self.retriever is not None:
             own = self._append(layer, key, value) if self.query_host and own_in_retriever \
                 else None
-            outs, lses = self.retriever.parts(layer, q, scale, m, own)
+            outs, lses = self.retriever.parts(layer, q, scale, m, own, self.question)
         elif self.shard is not None:
             if self.fused:
                 outs, lses = partial_chunks(q, *self.shard[layer][0], scale, SLOT, self.head)

@@ -2,6 +2,13 @@
 hnsw), its values (in memory, or memory-mapped from the shard files with --kv-on-disk),
 and `parts`, which `phase2.ShardAttention` calls in place of exact attention over a shard.
 
+The question's own forward attends to every key of the worker's blocks, exactly (TopK.prefill
+"exact", the default): the paper retrieves top-k keys for the generated tokens, over a
+cache the whole prompt was prefilled into; with SmolLM2 at 1% the question's rows, left to
+their k keys, lost needles that exact attention found (README, Top-k attention). Its KV
+and its answer's are the query host's own, attended exactly as ever. "topk" gives the
+question's rows their k keys too (a sooner first token on a huge context).
+
 The worker holding the context's first block also attends exactly to its first
 `TopK.sink` tokens (StreamingLLM's attention sinks: the template and system prompt, where
 much of every head's attention mass rests), in addition to the k keys it retrieves from
@@ -70,11 +77,13 @@ class TopKShard:
     mapped_values: per block (first row, its values `tensorfile.MappedTensor`); mapped_keys
     likewise for flat with --kv-on-disk. budgets: keys per row in each layer
     (`topk.layer_budgets`). sinks: per layer (keys, values) [1, Hkv, S, D] fp32, the
-    context's first S tokens, on the worker that holds them, else None."""
+    context's first S tokens, on the worker that holds them, else None. blocks: per block
+    in order (k, v [L, Hkv, T, D], in memory or memory-mapped, and a function that releases
+    a layer's pages, or None), read by the question's exact forward only."""
 
     def __init__(self, settings: TopK, budgets: Sequence[int], n_keys: int, keys=None,
                  ivf=None, searchers=None, values=None, mapped_values=None,
-                 sinks=None, mapped_keys=None):
+                 sinks=None, mapped_keys=None, blocks=()):
         self.settings = settings
         self.budgets = list(budgets)
         self.n_keys = n_keys
@@ -86,6 +95,7 @@ class TopKShard:
         self.values = values
         self.mapped_values = mapped_values
         self.mapped_keys = mapped_keys
+        self.blocks = list(blocks)
         self.pool = None
         self._tables: dict[int, native.TopKTable | None] = {}  # `_table`, per layer
         if searchers and torch.get_num_threads() > 1:
@@ -128,7 +138,8 @@ class TopKShard:
         budgets = topk.layer_budgets(settings.keys(n_tokens), layers, settings.schedule)
         return cls(settings, budgets, n, keys, ivf, searchers,
                    _per_layer([v for _, v in parts], dtype),
-                   sinks=_sinks(*parts[0], settings.sink) if first else None)
+                   sinks=_sinks(*parts[0], settings.sink) if first else None,
+                   blocks=[(k, v, None) for k, v in parts])
 
     @classmethod
     def from_cache(cls, manifest: Manifest, blocks: Sequence[int], settings: TopK,
@@ -144,9 +155,11 @@ class TopKShard:
         layers, heads = tensorfile.block_shape(paths[0])[:2]
         starts = _starts([tensorfile.block_shape(path)[2] for path in paths])
         keys = ivf = searchers = values = mapped = mapped_keys = None
+        # every block's keys and values, mapped (nothing is read until used): the
+        # question's exact forward, the sink, and with --kv-on-disk what Phase 2 reads
+        maps = [tuple(tensorfile.MappedTensor(p, name) for name in ("k", "v")) for p in paths]
         if settings.index == "flat" and settings.kv_on_disk:
-            mapped_keys = [(start, tensorfile.MappedTensor(p, "k"))
-                           for p, start in zip(paths, starts)]
+            mapped_keys = [(start, key) for (key, _), start in zip(maps, starts)]
         elif settings.index == "flat":
             keys = _read_per_layer(paths, "k", layers, dtype, device)
         else:
@@ -171,23 +184,25 @@ class TopKShard:
             else:
                 searchers = _per_block(starts, layers, heads, index_of)
         if settings.kv_on_disk:
-            mapped = [(start, tensorfile.MappedTensor(p, "v")) for p, start in zip(paths, starts)]
+            mapped = [(start, value) for (_, value), start in zip(maps, starts)]
         else:
             values = _read_per_layer(paths, "v", layers, dtype, device)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
+        releases = [lambda layer, k=k, v=v: (k.release(layer), v.release(layer)) for k, v in maps]
         sinks = None
         if blocks[0] == 0:
-            key, value = (tensorfile.MappedTensor(paths[0], name) for name in ("k", "v"))
-            sinks = _sinks(key.tensor, value.tensor, settings.sink, device,
-                           lambda layer: (key.release(layer), value.release(layer)))
+            sinks = _sinks(maps[0][0].tensor, maps[0][1].tensor, settings.sink, device,
+                           releases[0])
         return cls(settings, budgets, starts[-1], keys, ivf, searchers, values, mapped,
-                   sinks=sinks, mapped_keys=mapped_keys)
+                   sinks=sinks, mapped_keys=mapped_keys,
+                   blocks=[(k.tensor, v.tensor, release)
+                           for (k, v), release in zip(maps, releases)])
 
     # -- Phase 2 ------------------------------------------------------------------------
 
     def parts(self, layer: int, q: torch.Tensor, scale: float, tokens: int | None = None,
-              own: tuple[torch.Tensor, torch.Tensor] | None = None
+              own: tuple[torch.Tensor, torch.Tensor] | None = None, question: bool = False
               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The top-k partial attention of folded queries q [1, Hkv, R, D] over this
         worker's blocks in `layer`: parts ([out [1, Hkv, R, D] in q's dtype], [lse [1, Hkv,
@@ -195,12 +210,15 @@ class TopKShard:
         (`attention.fold_gqa`): the G query heads of a position share their keys (module
         docstring); None: M = R, nothing shared. own (the query host, CPU only): its own
         (keys, values) [1, Hkv, L, D], the question and answer so far, the last M this
-        forward's, attended causally as part of the result.
+        forward's, attended causally as part of the result. question: this is the question's
+        forward, which TopK.prefill "exact" attends to every key (`_parts_exact`).
 
         With the compiled kernel, the sink, the retrieved keys and the own keys are one
         call and one part (one softmax); elsewhere a part each."""
         k = min(self.budgets[layer], self.n_keys - self.n_sink)
         tokens = tokens or q.shape[2]
+        if question and self.settings.prefill == "exact":
+            return self._parts_exact(layer, q, scale, tokens, own)
         native_ok = q.device.type == "cpu" and self.searchers is None and native.available()
         if native_ok and self._table_of(layer, k) is not None:
             return self._parts_native(layer, q, max(k, 1), scale, tokens, own)
@@ -226,6 +244,25 @@ class TopKShard:
         out, lse = _joined(q, tokens, [(m, *self._part_selected(layer, piece, k, scale, m))
                                        for _, m, piece in _pieces(q, tokens, width)])
         return outs + [out], lses + [lse]
+
+    def _parts_exact(self, layer: int, q: torch.Tensor, scale: float, tokens: int,
+                     own: tuple[torch.Tensor, torch.Tensor] | None
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`parts` for the question's forward under TopK.prefill "exact": exact attention
+        over every key of this worker's blocks (the sink's too), a part per block, each
+        mapped block's layer released after its call (so a shard on disk never holds more
+        than a block's layer), then (own) the question's keys, causally."""
+        outs, lses = [], []
+        for key, value, release in self.blocks:
+            out, lse = partial_rows(q[0], *(x[layer].to(q.device, q.dtype) for x in (key, value)),
+                                    scale)
+            outs.append(out[None]), lses.append(lse[None])
+            if release is not None:
+                release(layer)
+        if own is not None:
+            out, lse = partial_rows(q[0], own[0][0], own[1][0], scale, tokens)
+            outs.append(out[None]), lses.append(lse[None])
+        return outs, lses
 
     def _parts_native(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int,
                       own: tuple[torch.Tensor, torch.Tensor] | None

@@ -104,6 +104,56 @@ def test_each_index_kind_with_every_key_is_exact_and_merges_across_workers(kind)
 
 
 @pytest.mark.parametrize("kind", indexes.KINDS)
+def test_the_question_attends_every_key_exactly_unless_told_otherwise(kind):
+    """TopK.prefill "exact" (the default): the question's forward (question=True) attends
+    every key of the worker's blocks, the sink's included, and its own keys causally,
+    whatever k and the index: fp32 against an fp64 reference, within a few times fp32's
+    own error. The answer's tokens (question=False), and the question under prefill
+    "topk", attend their k keys, which is not the same."""
+    torch.manual_seed(8)
+    hkv, g, m, dim = 2, 3, 5, 16
+    blocks = [(torch.randn(2, hkv, t, dim), torch.randn(2, hkv, t, dim)) for t in (60, 50)]
+    own_k, own_v = torch.randn(1, hkv, m, dim), torch.randn(1, hkv, m, dim)
+    query = torch.randn(1, hkv * g, m, dim)
+    q, scale, layer = query.reshape(1, hkv, g * m, dim), dim ** -0.5, 1
+    keys = torch.cat([b[0][layer] for b in blocks] + [own_k[0]], dim=1)[None]
+    values = torch.cat([b[1][layer] for b in blocks] + [own_v[0]], dim=1)[None]
+    ref, ref_lse = attend(query.double(), keys.double(), values.double(), scale, causal=True)
+    ref32, _ = attend(query, keys, values, scale, causal=True)
+    bound = 4 * (ref32.double() - ref).abs().max() + 1e-6
+
+    def merged(settings, question):
+        shard = TopKShard.from_parts(blocks, settings, 110)
+        outs, lses = shard.parts(layer, q, scale, m, (own_k, own_v), question)
+        out, lse = merge(torch.cat([o.float() for o in outs]), torch.cat(lses))
+        return out.reshape(ref.shape).double(), lse.reshape(ref_lse.shape).double()
+
+    out, lse = merged(TopK(count=3, index=kind, sink=4), True)
+    assert (out - ref).abs().max() <= bound and (lse - ref_lse).abs().max() <= bound
+    for settings, question in ((TopK(count=3, index=kind, sink=4), False),
+                               (TopK(count=3, index=kind, sink=4, prefill="topk"), True)):
+        out, _ = merged(settings, question)
+        assert (out - ref).abs().max() > 100 * bound
+
+
+def test_the_question_reads_a_mapped_shard_a_block_layer_at_a_time():
+    """With the blocks memory-mapped, the question's exact forward releases each block's
+    layer as soon as it is attended, so it never holds more than one of them."""
+    torch.manual_seed(9)
+    hkv, dim = 2, 8
+    parts = [(torch.randn(2, hkv, t, dim), torch.randn(2, hkv, t, dim)) for t in (30, 20)]
+    shard = TopKShard.from_parts(parts, TopK(count=2), 50)
+    released = []
+    shard.blocks = [(k, v, lambda layer, b=b: released.append((b, layer)))
+                    for b, (k, v) in enumerate(parts)]
+    q = torch.randn(1, hkv, 3, dim)
+    shard.parts(1, q, dim ** -0.5, question=True)
+    assert released == [(0, 1), (1, 1)]
+    shard.parts(1, q, dim ** -0.5)  # an answer's token reads no whole block
+    assert released == [(0, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("kind", indexes.KINDS)
 def test_the_sink_is_attended_apart_and_never_retrieved(kind):
     """The first worker attends to the context's first `sink` rows exactly, in addition
     to the k keys it retrieves from the rest: flat gives attention over exactly the sink
@@ -239,6 +289,13 @@ def test_top_k_settings_parse_and_every_bad_value_is_named():
         indexes.topk_settings("topk", "1%", index="lsh")
     with pytest.raises(StarqaError, match="Unknown --top-k-schedule"):
         indexes.topk_settings("topk", "1%", schedule="cubic")
+    assert indexes.topk_settings("topk").prefill == "exact"  # the paper's prefilled cache
+    assert indexes.topk_settings("topk", prefill="topk").prefill == "topk"
+    with pytest.raises(StarqaError, match="Unknown --top-k-prefill 'fast'") as err:
+        indexes.topk_settings("topk", "1%", prefill="fast")
+    assert "exact or topk" in err.value.hint
+    with pytest.raises(StarqaError, match="--top-k-prefill only apply to --attention topk"):
+        indexes.topk_settings("exact", prefill="topk")
     with pytest.raises(StarqaError, match="Unknown --attention"):
         indexes.topk_settings("sparse")
 

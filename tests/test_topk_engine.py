@@ -36,8 +36,12 @@ def test_every_key_gives_exact_greedy_tokens_on_1_2_3_workers(home, docs, tiny_m
         answer = ask(topk=every, workers=workers)
         assert answer.token_ids == exact.token_ids, (kind, workers)
         assert answer.sources == [] and answer.attention.startswith("top-k 100% (" + kind)
-    one = ask(topk=TopK(count=1))  # one key per row and layer: attention changes
+    # one key per row and layer: attention changes, the question's too under prefill topk
+    one = ask(topk=TopK(count=1, prefill="topk"))
     assert one.token_ids != exact.token_ids
+    # the question attends every key (prefill exact, the default): the first token, which
+    # its forward picks, is exact's
+    assert ask(topk=TopK(count=1)).token_ids[0] == exact.token_ids[0]
 
 
 def test_indexes_built_at_ingest_are_named_and_checksummed(home, docs, tiny_model):
@@ -107,9 +111,11 @@ def test_kv_on_disk_answers_as_in_memory(home, docs, tiny_model):
     """Values (and flat's keys, ivf's lists) memory-mapped from the cache: the same
     keys, the same tokens. (Each worker keeps its own k: 2 workers attend to up to 2k keys.)"""
     ingest(docs, tiny_model, method="dense", block_size=50)
-    for kind, workers in (("flat", None), ("flat", 2), ("ivf", None), ("ivf", 2)):
-        wanted = ask(topk=TopK(count=20, index=kind), workers=workers).token_ids
-        assert ask(topk=TopK(count=20, index=kind, kv_on_disk=True),
+    for kind, workers, prefill in (("flat", None, "topk"), ("flat", 2, "topk"),
+                                   ("ivf", None, "topk"), ("ivf", 2, "topk"),
+                                   ("flat", None, "exact"), ("ivf", 2, "exact")):
+        wanted = ask(topk=TopK(count=20, index=kind, prefill=prefill), workers=workers).token_ids
+        assert ask(topk=TopK(count=20, index=kind, kv_on_disk=True, prefill=prefill),
                    workers=workers).token_ids == wanted
 
 
@@ -119,6 +125,8 @@ def test_kv_on_disk_answers_as_in_memory(home, docs, tiny_model):
     (["--attention", "topk", "--top-k", "lots"], "neither a number of keys nor a percentage"),
     (["--top-k", "1%"], "only apply to --attention topk"),
     (["--attention", "topk", "--index", "lsh"], "Unknown --index"),
+    (["--attention", "topk", "--top-k-prefill", "fast"], "Unknown --top-k-prefill"),
+    (["--top-k-prefill", "topk"], "only apply to --attention topk"),
 ])
 def test_cli_bad_topk_options(home, args, says):
     proc = subprocess.run([sys.executable, "-m", "starqa", "ask", "q", *args],

@@ -114,7 +114,7 @@ class Plan:
 def topk_label(method: str, topk: TopK) -> str:
     """A top-k run's column: the method, then the settings that differ from the defaults."""
     extra = "".join(f" {v}" for v, d in ((topk.index, "flat"), (topk.schedule, "uniform"))
-                    if v != d)
+                    if v != d) + (" question-topk" if topk.prefill == "topk" else "")
     return f"{method} topk {topk.label}{extra}"
 
 
