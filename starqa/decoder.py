@@ -54,11 +54,18 @@ class Linear:
     scales and zeros inside, `scale` None; starqa/_int4.c) or torch's packed CPU layout
     (`scale` the scales and zeros [K / 32, N, 2]). Quantised formats also hold `w8` (int8
     [N, K]) and `w8_scale` (fp32 [N]): the weight per output channel in int8, for forwards
-    of `w8a8_rows` rows or more (for int8 these are the weight and its scale)."""
+    of `w8a8_rows` rows or more (for int8 these are the weight and its scale).
+
+    release: given where the weights are memory-mapped (`tensorfile.FileMap.release`). An
+    int4 layer's int8 copy serves a question's prefill only, so its pages are released
+    after each forward that read it: a process that answers holds the decode's int4
+    weights, not both (SmolLM2: 99 MiB of int8 copies, Qwen2.5-Coder-1.5B: 1.3 GB); the
+    next prefill maps them again from the page cache."""
 
     def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, w8: torch.Tensor | None = None,
-                 w8_scale: torch.Tensor | None = None):
+                 w8_scale: torch.Tensor | None = None,
+                 release: Callable[[torch.Tensor], None] | None = None):
         if fmt != "dense":
             # The packed kernels read past 64-byte alignment assumptions: a tensor mapped
             # from a safetensors file at an unaligned offset crashes _weight_int8pack_mm.
@@ -69,6 +76,7 @@ class Linear:
         self.format, self.weight, self.scale, self.bias = fmt, weight, scale, bias
         self.w8 = None if w8 is None else _aligned(w8)
         self.w8_scale = w8_scale
+        self._release = release if fmt == "int4" else None  # int8's w8 is its decode weight
         # forwards of this many rows or more run W8A8 (where there is an int8 copy)
         self.w8a8_rows = W8A8_MIN_ROWS_TILES if fmt == "int4" and scale is None else \
             W8A8_MIN_ROWS
@@ -100,6 +108,8 @@ class Linear:
         drafted tokens picks exactly the tokens one-token steps would."""
         if self.w8 is not None and x.shape[0] >= self.w8a8_rows and not rowwise:
             y = _w8a8(x, self.w8, self.w8_scale)
+            if self._release is not None:
+                self._release(self.w8)
         elif self.format == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scale)
         elif self.format == "int4" and self.scale is None:  # starqa's tiles
@@ -117,11 +127,12 @@ class Linear:
         return {f"{prefix}.{k}": v for k, v in found.items() if v is not None}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> Linear:
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str,
+                     release: Callable[[torch.Tensor], None] | None = None) -> Linear:
         weight = tensors[f"{prefix}.weight"]
         fmt = {torch.uint8: "int4", torch.int8: "int8"}.get(weight.dtype, "dense")
         return cls(fmt, weight, *(tensors.get(f"{prefix}.{k}")
-                                  for k in ("scale", "bias", "w8", "w8_scale")))
+                                  for k in ("scale", "bias", "w8", "w8_scale")), release)
 
     def nbytes(self) -> int:
         """Bytes of the weights a decode step reads (the W8A8 copy serves prefill only)."""
@@ -285,10 +296,14 @@ class Decoder:
 
     @classmethod
     def from_tensors(cls, config: DecoderConfig, tensors: dict[str, torch.Tensor],
-                     dtype: torch.dtype, weights: str) -> Decoder:
+                     dtype: torch.dtype, weights: str,
+                     release: Callable[[torch.Tensor], None] | None = None) -> Decoder:
+        """The decoder of `Decoder.tensors`' tensors; release: where they are memory-mapped,
+        what drops a tensor's pages (`Linear`)."""
         tensors.setdefault("lm_head.weight", tensors["embed"])
         layers = [Layer(attn_norm=tensors[f"{i}.attn_norm"], mlp_norm=tensors[f"{i}.mlp_norm"],
-                        **{n: Linear.from_tensors(tensors, f"{i}.{n}") for n in LINEARS})
+                        **{n: Linear.from_tensors(tensors, f"{i}.{n}", release)
+                           for n in LINEARS})
                   for i in range(config.layers)]
         return cls(config, tensors["embed"], layers, tensors["norm"],
                    Linear.from_tensors(tensors, "lm_head"), dtype, weights,
@@ -342,7 +357,8 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
         # process on the machine shares one copy in the page cache. Reading Qwen2.5-Coder-
         # 1.5B's 2.7 GB took 2 s of a cold ask; mapping it takes milliseconds.
         if tensorfile.header(cached)[1].get("__metadata__") == stamp:
-            return Decoder.from_tensors(config, tensorfile.map_all(cached)[0], dtype, weights)
+            tensors, _, mapped = tensorfile.map_file(cached)
+            return Decoder.from_tensors(config, tensors, dtype, weights, mapped.release)
     except (OSError, ValueError, KeyError, RuntimeError, ShardError):  # absent, damaged, stale
         pass
     decoder = _build(folder, config, dtype, weights, device)

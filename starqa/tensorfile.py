@@ -109,12 +109,45 @@ def map_all(path: Path) -> tuple[dict, dict]:
     header's metadata. A private mapping: writing to a tensor never reaches the file. A
     tensor that does not start at a multiple of ALIGN bytes (a file `save_aligned` did not
     write) is still mapped, unaligned."""
+    tensors, metadata, _ = map_file(path)
+    return tensors, metadata
+
+
+def map_file(path: Path) -> tuple[dict, dict, FileMap]:
+    """`map_all`, and the mapping, whose `release` drops a tensor's pages on demand."""
     start, found = header(path)
     metadata = found.pop("__metadata__", None) or {}
-    mapped = _map(path)
-    tensors = {name: _mapped_view(mapped, start, entry, path, name)
+    mapped = FileMap(path)
+    tensors = {name: _mapped_view(mapped.map, start, entry, path, name)
                for name, entry in found.items() if not name.startswith(PAD)}
-    return tensors, metadata
+    return tensors, metadata, mapped
+
+
+class FileMap:
+    """A file mapped privately (`_map`), with its tensors' pages released on demand."""
+
+    def __init__(self, path: Path):
+        import numpy as np
+
+        self.map = _map(path)
+        self._address = np.frombuffer(self.map, dtype=np.uint8).ctypes.data if len(self.map) \
+            else 0
+
+    def release(self, tensor) -> None:
+        """Drop the pages that lie wholly within `tensor`'s bytes from this process's
+        resident memory: they stay in the page cache, and a later read maps them again.
+        Nothing here writes to its tensors, so no page holds anything the file does not. A
+        tensor that is not a view of this map is left alone."""
+        import mmap
+
+        first = tensor.data_ptr() - self._address
+        end = first + tensor.numel() * tensor.element_size()
+        if first < 0 or end > len(self.map):
+            return
+        start = -(-first // mmap.PAGESIZE) * mmap.PAGESIZE
+        stop = end - end % mmap.PAGESIZE
+        if stop > start:
+            self.map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
 
 # numpy's dtype for each safetensors dtype; bf16 (which numpy lacks) as its 16 bits
@@ -180,16 +213,9 @@ class MappedTensor:
     def __init__(self, path: Path, name: str):
         start, found = header(path)
         entry = found[name]
-        begin, end = entry["data_offsets"]
-        self._map = _map(path)
-        self._first = start + begin  # the tensor's first byte in the file (and the map)
-        self.tensor = _mapped_view(self._map, start, entry, path, name)
-        self._layer_bytes = (end - begin) // max(entry["shape"][0], 1)
+        self._file = FileMap(path)
+        self.tensor = _mapped_view(self._file.map, start, entry, path, name)
 
     def release(self, layer: int) -> None:
         """Drop the pages of `layer` from this process's resident memory."""
-        import mmap
-
-        first = self._first + layer * self._layer_bytes
-        aligned = first - first % mmap.PAGESIZE
-        self._map.madvise(mmap.MADV_DONTNEED, aligned, first + self._layer_bytes - aligned)
+        self._file.release(self.tensor[layer])

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from starqa import models, native
+from starqa import models, native, tensorfile
 from starqa.attention import attend
 from starqa.decoder import load_decoder
 from starqa.errors import StarqaError
@@ -55,6 +55,27 @@ def test_quantised_weights_are_prepared_once(tiny, weights, bound):
     torch.testing.assert_close(again, fresh, rtol=0, atol=0)
     assert ((fresh - dense).norm() / dense.norm()).item() < bound
     assert models.fingerprint(tiny)["digest"] == before
+
+
+def test_a_prefill_gives_back_the_int8_copy_it_read(tiny, monkeypatch):
+    """int4 mapped from its prepared file: a forward of W8A8's rows reads each layer's int8
+    copy and releases its pages after (only the decode's int4 weights stay resident); the
+    next one maps them again and gives the very same logits; a one-row step reads no copy."""
+    load_decoder(tiny, torch.bfloat16, "int4")  # prepares the file
+    released = []
+    real = tensorfile.FileMap.release
+    monkeypatch.setattr(tensorfile.FileMap, "release",
+                        lambda self, t: (released.append(t.data_ptr()), real(self, t)))
+    decoder = load_decoder(tiny, torch.bfloat16, "int4")
+    ids = torch.arange(70) % 30  # more rows than either int4 layout's W8A8 threshold
+    first = logits(decoder, ids)
+    copies = [lin.w8.data_ptr() for layer in decoder.layers
+              for lin in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+    assert all(copies) and sorted(released) == sorted(copies)
+    torch.testing.assert_close(logits(decoder, ids), first, rtol=0, atol=0)
+    released.clear()
+    logits(decoder, ids[:1])
+    assert released == []
 
 
 def test_stale_prepared_weights_are_rebuilt(tiny, tmp_path):

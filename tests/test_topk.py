@@ -333,6 +333,28 @@ def test_a_mapped_layer_released_leaves_resident_memory(tmp_path):
     assert mapped.tensor[1].sum() == total  # read again from the file
 
 
+def test_a_file_map_releases_only_the_pages_of_its_own_tensors(tmp_path):
+    """`FileMap.release` drops the pages wholly inside a tensor it maps (RSS falls, the
+    tensor still reads right from the file) and leaves a tensor of another memory alone."""
+    from starqa.shards import save_block
+
+    def rss() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+    k = torch.randn(2, 1, 1 << 17, 64)  # 32 MiB a layer in fp32
+    path = save_block(tmp_path, 0, k, k[:, :, :8].clone(), range(1 << 17), {"index": "0"})
+    tensors, _, mapped = tensorfile.map_file(path)
+    total = tensors["k"][1].sum()
+    other = torch.ones(1 << 23)  # 32 MiB of this process's own memory
+    before = rss()
+    mapped.release(other)
+    assert abs(rss() - before) < 4 << 20 and other.sum() == 1 << 23
+    mapped.release(tensors["k"][1])
+    assert before - rss() > 24 << 20
+    assert tensors["k"][1].sum() == total
+
+
 def test_eval_runs_each_method_exact_then_with_each_top_k(home, tiny_model, tmp_path):
     from starqa.evals import runner
 
