@@ -252,21 +252,8 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
                     allow_over_window=True, device=opts.device, ui=ui)
             manifest = ingested.manifest
             shard_bytes = sum((manifest.folder / b.file).stat().st_size for b in manifest.blocks)
-            with new_ui() as ui:
-                answer = engine.ask_tokens(manifest, query_ids, workers=r.workers,
-                                           max_new_tokens=opts.new_tokens, stop=False,
-                                           measure=True, allow_over_window=True,
-                                           device=opts.device, ui=ui)
-            topk_rows = []
-            for settings in opts.topk:
-                with new_ui() as ui:
-                    fast = engine.ask_tokens(manifest, query_ids, workers=r.workers,
-                                             max_new_tokens=opts.new_tokens, stop=False,
-                                             measure=True, allow_over_window=True,
-                                             device=opts.device, topk=settings, ui=ui)
-                manifest = fast.context  # with the indexes built for it
-                topk_rows.append(_topk_row(settings, manifest, fast, answer))
-                report(f"    {_describe_topk(topk_rows[-1])}")
+            answer, topk_rows, manifest = phase2(manifest, query_ids, r.workers, opts, new_ui,
+                                                 report)
             if contexts_dir is None:
                 store.remove_context(manifest)
             row = _row(r, manifest, ingested, answer, shard_bytes,
@@ -282,6 +269,28 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     return result
+
+
+def phase2(manifest: Manifest, query_ids: list[int], workers: int, opts: BenchOptions,
+           new_ui, report) -> tuple:
+    """Phase 2 of one cached context side by side: exact, then each of `opts.topk` (its
+    indexes built on first use). Returns (exact's Answer, the top-k rows, the manifest with
+    any indexes built). `run` calls it for every run; benchmarks/topk_phase2.py for a
+    context ingested once."""
+    def answer(topk: TopK | None):
+        with new_ui() as ui:
+            return engine.ask_tokens(manifest, query_ids, workers=workers,
+                                     max_new_tokens=opts.new_tokens, stop=False, measure=True,
+                                     allow_over_window=True, device=opts.device, topk=topk,
+                                     ui=ui)
+
+    exact, rows = answer(None), []
+    for settings in opts.topk:
+        fast = answer(settings)
+        manifest = fast.context  # with the indexes built for it
+        rows.append(_topk_row(settings, manifest, fast, exact))
+        report(f"    {_describe_topk(rows[-1])}")
+    return exact, rows, manifest
 
 
 def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds: float) -> dict:

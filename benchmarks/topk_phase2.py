@@ -1,0 +1,56 @@
+"""`starqa bench`'s Phase 2 rows, exact against top-k, on a context already cached: the
+bench's own code (`starqa.bench.phase2`: torchrun workers, wall time, each worker's peak
+memory), without encoding the context again. Where Phase 1 of a long context takes most
+of an hour (32K on a 2-core AVX2 machine), encode it once and measure Phase 2 as often
+as needed:
+
+    python benchmarks/topk_phase2.py CONTEXT_DIR --top-k 1% --index flat,ivf --kv-on-disk
+
+CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa ingest`'s. The question
+and the tokens generated are the bench's (16 by default, every one decoded).
+"""
+
+import argparse
+import json
+from contextlib import nullcontext
+from pathlib import Path
+
+from starqa import bench, engine, models, prompt
+from starqa.ask import _checked_model
+from starqa.manifest import read_manifest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("context", type=Path)
+    parser.add_argument("--top-k", default="1%")
+    parser.add_argument("--index", default="flat,ivf")
+    parser.add_argument("--kv-on-disk", action="store_true")
+    parser.add_argument("--top-k-prefill", default=None)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    opts = bench.options(lengths="1k", workers=str(args.workers), new_tokens=args.new_tokens,
+                         top_k=args.top_k, index=args.index, kv_on_disk=args.kv_on_disk,
+                         prefill=args.top_k_prefill)
+    manifest = read_manifest(args.context)
+    tokenizer = models.load_tokenizer(_checked_model(manifest, None))
+    query_ids = prompt.tokenize_query(tokenizer, bench.QUESTION)
+    print(f"{manifest.n_tokens:,} tokens, {len(manifest.blocks)} blocks; CPU: "
+          f"{bench.cpu_info()}")
+    exact, rows, _ = bench.phase2(manifest, query_ids, args.workers, opts,
+                                lambda: nullcontext(engine.UI()), print)
+    new = len(exact.token_ids)
+    exact_row = {"first_token_seconds": exact.prefill_seconds,
+                 "seconds_per_token": exact.decode_seconds / (new - 1),
+                 "peak_bytes": max(exact.peak_bytes)}
+    print(f"    exact: first token {exact_row['first_token_seconds']:.2f} s, "
+          f"{exact_row['seconds_per_token'] * 1e3:.1f} ms/token, "
+          f"peak {exact_row['peak_bytes'] / 2**20:,.0f} MiB")
+    if args.json:
+        args.json.write_text(json.dumps({"exact": exact_row, "topk": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
