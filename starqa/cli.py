@@ -554,8 +554,7 @@ def chat(
     from starqa.repl import Chat
 
     Chat(context, workers, keepalive, max_new_tokens,
-         _topk(attention, top_k, top_k_schedule, index, kv_on_disk,
-                                       top_k_prefill)).run()
+         _topk(attention, top_k, top_k_schedule, index, kv_on_disk, top_k_prefill)).run()
 
 
 @app.command("index")
