@@ -41,9 +41,8 @@ def main() -> None:
           f"{bench.cpu_info()}")
     exact, rows, _ = bench.phase2(manifest, query_ids, args.workers, opts,
                                 lambda: nullcontext(engine.UI()), print)
-    new = len(exact.token_ids)
     exact_row = {"first_token_seconds": exact.prefill_seconds,
-                 "seconds_per_token": exact.decode_seconds / (new - 1),
+                 "seconds_per_token": bench.per_token(exact),
                  "peak_bytes": max(exact.peak_bytes)}
     print(f"    exact: first token {exact_row['first_token_seconds']:.2f} s, "
           f"{exact_row['seconds_per_token'] * 1e3:.1f} ms/token, "

@@ -325,7 +325,7 @@ def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds
             "workers": answer.workers, "query_tokens": answer.query_tokens, "new_tokens": new,
             "first_token_seconds": answer.prefill_seconds,
             "cold_first_token_seconds": answer.first_token_seconds,
-            "seconds_per_token": answer.decode_seconds / (new - 1) if new > 1 else None,
+            "seconds_per_token": per_token(answer),
             # source attribution after the answer (the slowest worker), inside decode_seconds
             "sources_seconds": max(w["sources_seconds"] for w in p2),
             "decode_seconds": answer.decode_seconds,
@@ -334,21 +334,24 @@ def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds
     }
 
 
+def per_token(answer) -> float | None:
+    """An answer's decode seconds per token after the first (None for fewer than two)."""
+    new = len(answer.token_ids)
+    return answer.decode_seconds / (new - 1) if new > 1 else None
+
+
 def _topk_row(settings: TopK, manifest: Manifest, answer, exact) -> dict:
     """One top-k Phase 2 run against the exact one on the same context and workers."""
     built = find_set(manifest, settings.index)
-    new = len(answer.token_ids)
-    per_token = answer.decode_seconds / (new - 1) if new > 1 else None
-    exact_new = len(exact.token_ids)
-    exact_per_token = exact.decode_seconds / (exact_new - 1) if exact_new > 1 else None
+    per_token_s, exact_per_token = per_token(answer), per_token(exact)
     peak, exact_peak = max(answer.peak_bytes), max(exact.peak_bytes)
     return {"attention": settings.describe(), "settings": settings.as_dict(),
             "k": settings.keys(manifest.n_tokens),
             "index_bytes": sum(f.bytes for f in built.files) if built else 0,
             "index_build_seconds": built.build_seconds if built else 0.0,
-            "first_token_seconds": answer.prefill_seconds, "seconds_per_token": per_token,
+            "first_token_seconds": answer.prefill_seconds, "seconds_per_token": per_token_s,
             "peak_bytes": peak, "same_tokens_as_exact": answer.token_ids == exact.token_ids,
-            "decode_vs_exact": per_token / exact_per_token if per_token and exact_per_token
+            "decode_vs_exact": per_token_s / exact_per_token if per_token_s and exact_per_token
             else None,
             "peak_vs_exact": peak / exact_peak if exact_peak else None}
 
