@@ -5,6 +5,7 @@
 #define STARQA_SIMD_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* One bf16 value (its 16 bits) as fp32, exactly. */
@@ -76,11 +77,50 @@ AVX512 static inline __m512 load16(const char *src, int bf16) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* 8 ymm partial sums (one per key) → one ymm of the 8 totals, in key order. */
+AVX2 static inline __m256 sum8(const __m256 *x) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* 8 bf16 or fp32 elements → 8 fp32 lanes. */
+AVX2 static inline __m256 load8(const char *src, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)src);
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+/* The widest hand-written paths allowed: 2 AVX-512 (what the CPU has, the default), 1 AVX2,
+   0 none (portable C), from STARQA_SIMD=avx512|avx2|none (tests and benchmarks run every
+   path on one CPU; starqa.kernels refuses other values before a kernel runs). */
+static inline int simd_cap(void) {
+    static int cap = -1;
+    if (cap < 0) {
+        const char *e = getenv("STARQA_SIMD");
+        cap = !e || !*e || !strcmp(e, "avx512") ? 2 : !strcmp(e, "avx2") ? 1 : 0;
+    }
+    return cap;
+}
+
+static inline int has_avx2(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = simd_cap() >= 1 && __builtin_cpu_supports("avx2") &&
+                __builtin_cpu_supports("fma");
+    }
+    return known;
+}
+
 static inline int has_avx512(void) {
     static int known = -1;
     if (known < 0) {
         __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        known = simd_cap() >= 2 && __builtin_cpu_supports("avx512f") &&
+                __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
     }
     return known;

@@ -276,12 +276,47 @@ SCORE_AVX512(4)
 SCORE_AVX512(8)
 #endif
 
-/* score_any, with AVX-512 where D is 64 or 128. kp[x] for x >= width must point at zeros. */
+#ifdef STARQA_X86
+/* The same for CPUs with AVX2 but not AVX-512, D = 8 * NC (NC = 8: D 64, 16: D 128): eight
+   keys at a time, each row's 8 dot products accumulated in 8 ymm and reduced together
+   (`sum8`); the query's pieces read from L1 (16 ymm leave no room to hold them). */
+#define SCORE_AVX2(NC)                                                                     \
+    AVX2 static void score_avx2_##NC(const char *const *kp, int bf16,                     \
+                                     const float *const *qs, int64_t nq,                  \
+                                     float *const *outs, float *block) {                  \
+        const size_t esize = bf16 ? 2 : 4;                                                 \
+        for (int x = 0; x < CHUNK; x++)                                                    \
+            for (int c = 0; c < NC; c++)                                                   \
+                _mm256_store_ps(block + (x * NC + c) * 8, load8(kp[x] + c * 8 * esize, bf16)); \
+        for (int64_t i = 0; i < nq; i++)                                                   \
+            for (int x0 = 0; x0 < CHUNK; x0 += 8) {                                        \
+                const float *key = block + x0 * NC * 8;                                    \
+                __m256 dots[8];                                                            \
+                const __m256 q0 = _mm256_loadu_ps(qs[i]);                                  \
+                for (int x = 0; x < 8; x++) dots[x] = _mm256_mul_ps(q0, _mm256_load_ps(key + x * NC * 8)); \
+                for (int c = 1; c < NC; c++) {                                             \
+                    const __m256 qc = _mm256_loadu_ps(qs[i] + c * 8);                      \
+                    for (int x = 0; x < 8; x++)                                            \
+                        dots[x] = _mm256_fmadd_ps(qc, _mm256_load_ps(key + (x * NC + c) * 8), dots[x]); \
+                }                                                                          \
+                _mm256_storeu_ps(outs[i] + x0, sum8(dots));                                \
+            }                                                                              \
+    }
+SCORE_AVX2(8)
+SCORE_AVX2(16)
+#endif
+
+/* score_any, with AVX-512 or AVX2 where D is 64 or 128. kp[x] for x >= width must point at
+   zeros. */
 static void score_keys(const char *const *kp, int width, int bf16, const float *const *qs,
                        int64_t nq, int64_t d, float *const *outs, float *block) {
 #ifdef STARQA_X86
     if (has_avx512() && (d == 64 || d == 128)) {
         (d == 64 ? score_avx512_4 : score_avx512_8)(kp, bf16, qs, nq, outs, block);
+        return;
+    }
+    if (has_avx2() && (d == 64 || d == 128)) {
+        (d == 64 ? score_avx2_8 : score_avx2_16)(kp, bf16, qs, nq, outs, block);
         return;
     }
 #endif
@@ -396,6 +431,40 @@ SIMD_CLONES static void accumulate(float *o, const float *v, float weight, int64
     }
 WSUM_AVX512(4)
 WSUM_AVX512(8)
+
+/* weighted_sum with AVX2 for D a multiple of 32: 3 rows' sums over 32 columns in 12 ymm at
+   a time (a value row's 32 columns widened once per 3 rows, from the cache after the
+   first slice). */
+AVX2 static void wsum_avx2(const char *const *vp, int64_t m, int bf16, const float *w,
+                           int64_t room, int64_t per, int64_t d, float *const *outs) {
+    enum { GB = 3, CW = 4 };
+    const size_t esize = bf16 ? 2 : 4;
+    for (int64_t g0 = 0; g0 < per; g0 += GB) {
+        const int64_t gn = per - g0 < GB ? per - g0 : GB;
+        for (int64_t c0 = 0; c0 < d; c0 += CW * 8) {
+            __m256 acc[GB][CW];
+            for (int g = 0; g < GB; g++)
+                for (int c = 0; c < CW; c++)
+                    acc[g][c] = g < gn ? _mm256_loadu_ps(outs[g0 + g] + c0 + c * 8)
+                                       : _mm256_setzero_ps();
+            for (int64_t u = 0; u < m; u++) {
+                if (c0 == 0 && u + AHEAD_ROWS < m)
+                    for (size_t y = 0; y < (size_t)d * esize; y += 64)
+                        __builtin_prefetch(vp[u + AHEAD_ROWS] + y, 0, 3);
+                __m256 wg[GB];
+                for (int g = 0; g < GB; g++)
+                    wg[g] = _mm256_set1_ps(g < gn ? w[(g0 + g) * room + u] : 0.0f);
+                for (int c = 0; c < CW; c++) {
+                    const __m256 v = load8(vp[u] + (c0 + c * 8) * esize, bf16);
+                    for (int g = 0; g < GB; g++) acc[g][c] = _mm256_fmadd_ps(wg[g], v, acc[g][c]);
+                }
+            }
+            for (int g = 0; g < gn; g++)
+                for (int c = 0; c < CW; c++)
+                    _mm256_storeu_ps(outs[g0 + g] + c0 + c * 8, acc[g][c]);
+        }
+    }
+}
 #endif
 
 /* outs[g] [D] += sum_u w[g * room + u] * v_u for the rows g < per, over the value rows
@@ -406,6 +475,10 @@ static void weighted_sum(const char *const *vp, int64_t m, int bf16, const float
 #ifdef STARQA_X86
     if (has_avx512() && (d == 64 || d == 128)) {
         (d == 64 ? wsum_avx512_4 : wsum_avx512_8)(vp, m, bf16, w, room, per, outs);
+        return;
+    }
+    if (has_avx2() && d % 32 == 0) {
+        wsum_avx2(vp, m, bf16, w, room, per, d, outs);
         return;
     }
 #endif

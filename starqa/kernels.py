@@ -35,10 +35,21 @@ _SIGNATURES = {
 }
 
 
+# STARQA_SIMD caps the kernels' hand-written paths (read by _simd.h's simd_cap): unset or
+# avx512 what the CPU has, avx2 no AVX-512, none the portable C; tests run each on one CPU.
+SIMD_CAPS = ("", "avx512", "avx2", "none")
+
+
 @functools.cache
 def library():
     """The compiled library with every function's signature set, or None (not built, built
     for another platform, damaged, or an older build without some function)."""
+    simd = os.environ.get("STARQA_SIMD", "")
+    if simd not in SIMD_CAPS:
+        from starqa.errors import StarqaError
+
+        raise StarqaError(f"STARQA_SIMD={simd!r} is not one of {', '.join(SIMD_CAPS[1:])}.",
+                          hint="unset STARQA_SIMD (the kernels then use what the CPU has)")
     folder = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = folder / f"_attend{suffix}"

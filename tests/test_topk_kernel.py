@@ -291,3 +291,38 @@ def test_a_table_kept_across_calls_gives_what_a_fresh_one_gives(kind):
         kept = table.attend(q, k, 2, 0.125, tokens)
         fresh = native.topk_attend(q, keys, [(0, value)], k, 2, 0.125, key_map, lists, tokens)
         assert torch.equal(kept[0], fresh[0]) and torch.equal(kept[1], fresh[1])
+
+
+@pytest.mark.parametrize("cap", ["avx2", "none"])
+def test_every_simd_path_passes_the_kernel_tests(cap):
+    """The kernels' hand-written AVX-512 and AVX2 paths and their portable C, each through
+    this file's tests, exact attention's (test_attention.py) and the decode step's
+    (test_decode_kernels.py): STARQA_SIMD caps the paths a process may take, so one CPU
+    runs every path it has (the default run above takes the widest)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not simd_path",
+         str(here / "test_topk_kernel.py"), str(here / "test_attention.py"),
+         str(here / "test_decode_kernels.py")],
+        env={**os.environ, "STARQA_SIMD": cap}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout
+
+
+def test_an_unknown_simd_cap_is_refused(monkeypatch):
+    from starqa import kernels
+    from starqa.errors import StarqaError
+
+    monkeypatch.setenv("STARQA_SIMD", "avx3")
+    kernels.library.cache_clear()
+    try:
+        with pytest.raises(StarqaError, match="STARQA_SIMD='avx3' is not one of avx512, avx2, none"):
+            kernels.library()
+    finally:
+        monkeypatch.delenv("STARQA_SIMD")
+        kernels.library.cache_clear()
