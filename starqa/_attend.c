@@ -286,12 +286,153 @@ AVX512 static inline void softmax_block16(int64_t rows, int64_t jn, int64_t d,
 TASK_AVX512(4)
 TASK_AVX512(8)
 
+/* The same for CPUs with AVX2 but not AVX-512, 8 lanes: rows j0 .. j0 + jn widened into
+   `block` [jn][nc * 8] fp32, the next block's rows fetched meanwhile. */
+AVX2 static inline void widen_rows8(const char *src, int bf16, int64_t j0, int64_t jn, int nc,
+                                    size_t row_bytes, float *block) {
+    const size_t esize = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < jn; j++) {
+        const char *row = src + (size_t)(j0 + j) * row_bytes;
+        for (size_t x = 0; x < row_bytes; x += 64)
+            _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);
+        for (int c = 0; c < nc; c++)
+            _mm256_store_ps(block + (j * nc + c) * 8, load8(row + c * 8 * esize, bf16));
+    }
+}
+
+/* exp_nonpositive on 8 lanes, the same arithmetic lane by lane. */
+AVX2 static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.0f);
+    __m256 t = _mm256_mul_ps(_mm256_max_ps(x, low), _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_and_ps(e, _mm256_cmp_ps(x, low, _CMP_GE_OQ));
+}
+
+/* softmax_block with AVX2; s[r][jn .. jn rounded up to 8) must hold -inf (weight 0). */
+AVX2 static inline void softmax_block8(int64_t rows, int64_t jn, int64_t d, float s[][BLOCK],
+                                       float *m, float *l, float *acc) {
+    const int64_t jp = (jn + 7) / 8 * 8;
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = s[r];
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < jp; j += 8) top8 = _mm256_max_ps(top8, _mm256_load_ps(sr + j));
+        float lanes[8] __attribute__((aligned(32)));
+        _mm256_store_ps(lanes, top8);
+        float top = -INFINITY;
+        for (int x = 0; x < 8; x++) top = lanes[x] > top ? lanes[x] : top;
+        if (top == -INFINITY) { /* every key of the block hidden from this row */
+            for (int64_t j = 0; j < jp; j++) sr[j] = 0.0f;
+            continue;
+        }
+        if (top > m[r]) {
+            float shrink = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
+            l[r] *= shrink;
+            float *ar = acc + r * d;
+            for (int64_t i = 0; i < d; i++) ar[i] *= shrink;
+            m[r] = top;
+        }
+        __m256 mr = _mm256_set1_ps(m[r]), sum8 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < jp; j += 8) {
+            __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(sr + j), mr));
+            _mm256_store_ps(sr + j, p);
+            sum8 = _mm256_add_ps(sum8, p);
+        }
+        _mm256_store_ps(lanes, sum8);
+        float sum = 0.0f;
+        for (int x = 0; x < 8; x++) sum += lanes[x];
+        l[r] += sum;
+    }
+}
+
+/* D = 8 * NC (NC = 8: D 64, NC = 16: D 128), AVX2: scores 8 keys at a time with one
+   transposed reduction (`sum8`; the query's pieces read from L1: 16 ymm hold no more than
+   the 8 sums), each output row's sums in registers over the block, even and odd keys in
+   separate chains (D 64; with D 128 the halves of a row one after the other). */
+#define TASK_AVX2(NC)                                                                      \
+    AVX2 static void task_avx2_##NC(TASK_ARGS) {                                          \
+        enum { HALF = NC < 8 ? NC : 8 }; /* ymm of a row's sums per pass */               \
+        const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);                               \
+        float s[ROWS][BLOCK] __attribute__((aligned(64)));                                 \
+        float block[BLOCK * 8 * NC] __attribute__((aligned(64)));                          \
+        int64_t limit[ROWS];                                                               \
+        task_start(TASK_PASS, limit);                                                      \
+        for (int64_t j0 = a; j0 < b; j0 += BLOCK) {                                        \
+            int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;                                  \
+            const int64_t jp = (jn + 7) / 8 * 8;                                           \
+            widen_rows8(k, bf16, j0, jn, NC, row_bytes, block); /* the block's keys */      \
+            for (int64_t j = jn; j < jp; j++) /* pad to 8 keys */                          \
+                for (int c = 0; c < NC; c++)                                               \
+                    _mm256_store_ps(block + (j * NC + c) * 8, _mm256_setzero_ps());        \
+            for (int64_t r = 0; r < rows; r++) {                                           \
+                const float *qr = q + (r0 + r) * d;                                        \
+                for (int64_t j = 0; j < jp; j += 8) {                                      \
+                    const float *key = block + j * NC * 8;                                 \
+                    __m256 dots[8];                                                        \
+                    const __m256 q0 = _mm256_loadu_ps(qr);                                 \
+                    for (int x = 0; x < 8; x++)                                            \
+                        dots[x] = _mm256_mul_ps(q0, _mm256_load_ps(key + x * NC * 8));     \
+                    for (int c = 1; c < NC; c++) {                                         \
+                        const __m256 qc = _mm256_loadu_ps(qr + c * 8);                     \
+                        for (int x = 0; x < 8; x++)                                        \
+                            dots[x] = _mm256_fmadd_ps(qc, _mm256_load_ps(key + (x * NC + c) * 8), dots[x]); \
+                    }                                                                      \
+                    _mm256_store_ps(&s[r][j], _mm256_mul_ps(sum8(dots), _mm256_set1_ps(scale))); \
+                }                                                                          \
+                for (int64_t j = limit[r] - j0 < 0 ? 0 : limit[r] - j0; j < jp; j++)       \
+                    s[r][j] = -INFINITY; /* keys after the row's causal limit, the padding */ \
+                for (int64_t j = jn; j < jp; j++) s[r][j] = -INFINITY;                     \
+            }                                                                              \
+            softmax_block8(rows, jn, d, s, m, l, acc);                                     \
+            widen_rows8(v, bf16, j0, jn, NC, row_bytes, block); /* and its values */        \
+            for (int64_t r = 0; r < rows; r++)                                             \
+                for (int c0 = 0; c0 < NC; c0 += HALF) {                                    \
+                    float *ar = acc + r * d + c0 * 8;                                      \
+                    __m256 even[HALF], odd[HALF];                                          \
+                    for (int c = 0; c < HALF; c++) {                                       \
+                        even[c] = _mm256_loadu_ps(ar + c * 8);                             \
+                        odd[c] = _mm256_setzero_ps();                                      \
+                    }                                                                      \
+                    int64_t j = 0;                                                         \
+                    for (; j + 1 < jn; j += 2) {                                           \
+                        const __m256 p0 = _mm256_set1_ps(s[r][j]), p1 = _mm256_set1_ps(s[r][j + 1]); \
+                        for (int c = 0; c < HALF; c++) {                                   \
+                            even[c] = _mm256_fmadd_ps(p0, _mm256_load_ps(block + (j * NC + c0 + c) * 8), even[c]); \
+                            odd[c] = _mm256_fmadd_ps(p1, _mm256_load_ps(block + ((j + 1) * NC + c0 + c) * 8), odd[c]); \
+                        }                                                                  \
+                    }                                                                      \
+                    if (j < jn) {                                                          \
+                        const __m256 p0 = _mm256_set1_ps(s[r][j]);                         \
+                        for (int c = 0; c < HALF; c++)                                     \
+                            even[c] = _mm256_fmadd_ps(p0, _mm256_load_ps(block + (j * NC + c0 + c) * 8), even[c]); \
+                    }                                                                      \
+                    for (int c = 0; c < HALF; c++)                                         \
+                        _mm256_storeu_ps(ar + c * 8, _mm256_add_ps(even[c], odd[c]));      \
+                }                                                                          \
+        }                                                                                  \
+    }
+TASK_AVX2(8)
+TASK_AVX2(16)
+
 #endif
 
 static void task(TASK_ARGS) {
 #ifdef STARQA_X86
     if (has_avx512() && (d == 64 || d == 128)) {
         (d == 64 ? task_avx512_4 : task_avx512_8)(TASK_PASS);
+        return;
+    }
+    if (has_avx2() && (d == 64 || d == 128)) {
+        (d == 64 ? task_avx2_8 : task_avx2_16)(TASK_PASS);
         return;
     }
 #endif
