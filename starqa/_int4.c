@@ -158,12 +158,69 @@ VNNI static void tile_vnni(const uint8_t *w, int64_t groups, const int8_t *x8, c
     }
     for (int64_t r = 0; r < rn; r++) _mm512_storeu_ps(y + r * 16, acc[r]);
 }
+
+/* `vpdpbusd` on AVX2: acc + the sums of 4 products u8 · s8 per 32-bit lane, exactly (a
+   nibble times a digit is at most 15 · 128 in size, so the pairs' 16-bit sums never
+   saturate). */
+AVX2 static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+}
+
+/* tile_vnni for CPUs with AVX2 but no AVX-512 VNNI: the same integer sums and float steps
+   (so the same bits), a tile's 16 outputs as two halves of 8. */
+AVX2 static void tile_avx2(const uint8_t *w, int64_t groups, const int8_t *x8, const float *sx,
+                           const float *xsum, int64_t m, int64_t r0, int64_t rn, float *y) {
+    const __m256i nibble = _mm256_set1_epi8(15);
+    __m256 acc[ROW_STEP][2];
+    for (int r = 0; r < ROW_STEP; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *rec = w + g * RECORD;
+        for (int line = 0; line < RECORD; line += 64)
+            _mm_prefetch((const char *)rec + PREFETCH * RECORD + line, _MM_HINT_T0);
+        for (int half = 0; half < 2; half++) { /* lanes 8 · half .. 8 · half + 7 */
+            __m256i lo[4], hi[4];
+            for (int c = 0; c < 4; c++) {
+                __m256i bytes = _mm256_loadu_si256((const __m256i *)(rec + 64 * c + 32 * half));
+                lo[c] = _mm256_and_si256(bytes, nibble);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+            }
+            __m256 scale = load8((const char *)rec + 256 + 16 * half, 1);
+            __m256 low = _mm256_sub_ps(load8((const char *)rec + 288 + 16 * half, 1),
+                                       _mm256_mul_ps(scale, _mm256_set1_ps(8.0f)));
+            for (int64_t r = 0; r < rn; r++) {
+                const int32_t *xh = (const int32_t *)(x8 + (g * m + r0 + r) * DIGITS), *xl = xh + 8;
+                __m256i dh[4], dl[4];
+                for (int c = 0; c < 4; c++) {
+                    dh[c] = dpbusd8(dpbusd8(_mm256_setzero_si256(), lo[c], _mm256_set1_epi32(xh[c])),
+                                    hi[c], _mm256_set1_epi32(xh[4 + c]));
+                    dl[c] = dpbusd8(dpbusd8(_mm256_setzero_si256(), lo[c], _mm256_set1_epi32(xl[c])),
+                                    hi[c], _mm256_set1_epi32(xl[4 + c]));
+                }
+                __m256i dot_high = _mm256_add_epi32(_mm256_add_epi32(dh[0], dh[1]),
+                                                    _mm256_add_epi32(dh[2], dh[3]));
+                __m256i dot_low = _mm256_add_epi32(_mm256_add_epi32(dl[0], dl[1]),
+                                                   _mm256_add_epi32(dl[2], dl[3]));
+                __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_high, 7), dot_low);
+                int64_t at = g * m + r0 + r;
+                acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                               _mm256_mul_ps(scale, _mm256_set1_ps(sx[at])),
+                                               acc[r][half]);
+                acc[r][half] = _mm256_fmadd_ps(low, _mm256_set1_ps(xsum[at]), acc[r][half]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rn; r++) {
+        _mm256_storeu_ps(y + r * 16, acc[r][0]);
+        _mm256_storeu_ps(y + r * 16 + 8, acc[r][1]);
+    }
+}
 #endif
 
-/* 1 where the fast path runs on this CPU (AVX-512 with VNNI), else 0. */
+/* The fast path this CPU runs: 2 AVX-512 VNNI, 1 AVX2 (with FMA), 0 none. */
 int starqa_int4_fast(void) {
 #ifdef STARQA_X86
-    return has_vnni();
+    return has_vnni() ? 2 : has_avx2() ? 1 : 0;
 #else
     return 0;
 #endif
@@ -187,11 +244,7 @@ int starqa_int4_mm(int x_bf16, const void *x, int64_t m, int64_t k, const uint8_
     float *xsum = sx + m * groups;
     for (int64_t r = 0; r < m; r++)
         quantise_row(x, x_bf16, r, m, k, x8, sx, xsum);
-#ifdef STARQA_X86
-    fast = fast && has_vnni();
-#else
-    fast = 0;
-#endif
+    fast = fast ? starqa_int4_fast() : 0;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *tile = w + (size_t)t * (size_t)groups * RECORD;
@@ -199,8 +252,10 @@ int starqa_int4_mm(int x_bf16, const void *x, int64_t m, int64_t k, const uint8_
         for (int64_t r0 = 0; r0 < m; r0 += ROW_STEP) {
             int64_t rn = m - r0 < ROW_STEP ? m - r0 : ROW_STEP;
 #ifdef STARQA_X86
-            if (fast)
+            if (fast == 2)
                 tile_vnni(tile, groups, x8, sx, xsum, m, r0, rn, part);
+            else if (fast == 1)
+                tile_avx2(tile, groups, x8, sx, xsum, m, r0, rn, part);
             else
 #endif
                 tile_plain(tile, groups, x8, sx, xsum, m, r0, rn, part);

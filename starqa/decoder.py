@@ -77,9 +77,11 @@ class Linear:
         self.w8 = None if w8 is None else _aligned(w8)
         self.w8_scale = w8_scale
         self._release = release if fmt == "int4" else None  # int8's w8 is its decode weight
-        # forwards of this many rows or more run W8A8 (where there is an int8 copy)
-        self.w8a8_rows = W8A8_MIN_ROWS_TILES if fmt == "int4" and scale is None else \
-            W8A8_MIN_ROWS
+        # forwards of this many rows or more run W8A8 (where there is an int8 copy); with
+        # the tiles, none where torch's int8 GEMM is slow (`native.int8_gemm_fast`)
+        tiles = fmt == "int4" and scale is None
+        self.w8a8_rows = W8A8_MIN_ROWS if not tiles else \
+            W8A8_MIN_ROWS_TILES if native.int8_gemm_fast() else None
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
@@ -106,7 +108,8 @@ class Linear:
         """rowwise: compute every row as a forward of that row alone would, bit for bit
         (no W8A8; torch's int8/int4 kernels are row-independent), so a forward that checks
         drafted tokens picks exactly the tokens one-token steps would."""
-        if self.w8 is not None and x.shape[0] >= self.w8a8_rows and not rowwise:
+        if (self.w8 is not None and self.w8a8_rows is not None and x.shape[0] >= self.w8a8_rows
+                and not rowwise):
             y = _w8a8(x, self.w8, self.w8_scale)
             if self._release is not None:
                 self._release(self.w8)

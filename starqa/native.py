@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from starqa import kernels
-from starqa.kernels import int4_fast  # noqa: F401  (starqa.decoder's question, asked here)
+from starqa.kernels import int4_fast, int8_gemm_fast  # noqa: F401  (starqa.decoder's questions)
 
 _library = kernels.library
 

@@ -52,7 +52,7 @@ def test_int4_mm_is_its_formula(n, k, m, dtype):
         assert excess.max() <= 0, (fast, excess.max())
 
 
-@pytest.mark.skipif(not native.int4_fast(), reason="no AVX-512 VNNI here")
+@pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("n,k,m", SHAPES)
 def test_fast_path_equals_plain_c_bit_for_bit(n, k, m):
     torch.manual_seed(7)
@@ -100,7 +100,7 @@ def test_bad_shapes_are_refused():
         native.int4_mm(torch.randn(2, 64).half(), tiles)
 
 
-@pytest.mark.skipif(not native.int4_fast(), reason="no AVX-512 VNNI here")
+@pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")
 def test_linear_uses_the_tiles_for_decode_rows():
     """Where the fast path runs, an int4 Linear holds the tiles (no torch packing) and one
     row (decode), or rows computed rowwise (drafts), go through `int4_mm`."""

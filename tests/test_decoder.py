@@ -60,7 +60,9 @@ def test_quantised_weights_are_prepared_once(tiny, weights, bound):
 def test_a_prefill_gives_back_the_int8_copy_it_read(tiny, monkeypatch):
     """int4 mapped from its prepared file: a forward of W8A8's rows reads each layer's int8
     copy and releases its pages after (only the decode's int4 weights stay resident); the
-    next one maps them again and gives the very same logits; a one-row step reads no copy."""
+    next one maps them again and gives the very same logits; a one-row step reads no copy.
+    (W8A8 as where torch's int8 GEMM is fast, whatever this CPU.)"""
+    monkeypatch.setattr(native, "int8_gemm_fast", lambda: True)
     load_decoder(tiny, torch.bfloat16, "int4")  # prepares the file
     released = []
     real = tensorfile.FileMap.release
@@ -131,14 +133,15 @@ def test_int4_keeps_weights_that_came_from_4_bit_blocks():
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_several_rows_multiply_int8_activations_by_int8_weights(fmt):
+def test_several_rows_multiply_int8_activations_by_int8_weights(fmt, monkeypatch):
     """From `w8a8_rows` rows on (a long question's prefill), a quantised Linear quantises x
     per row and runs one int8 GEMM: per row it then equals that row alone through the same
     path (no row leaks into another's scale), stays within 2% of the fp32 product, and for
     int4 it is closer to it than the int4 kernel; fewer rows (decode, a short question)
-    keep the format's own kernel."""
+    keep the format's own kernel. (As where torch's int8 GEMM is fast, whatever this CPU.)"""
     from starqa.decoder import INT4_GROUP, W8A8_MIN_ROWS, W8A8_MIN_ROWS_TILES, Linear
 
+    monkeypatch.setattr(native, "int8_gemm_fast", lambda: True)
     torch.manual_seed(1)
     weight = torch.randn(96, 128).bfloat16()
     lin = Linear.quantize(weight, None, fmt, torch.bfloat16)
@@ -167,3 +170,17 @@ def test_several_rows_multiply_int8_activations_by_int8_weights(fmt):
     if fmt == "int4":
         per_row = torch.cat([lin(x[i:i + 1]) for i in range(len(x))]).float()
         assert (rows - exact).norm() < (per_row - exact).norm()
+
+
+@pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")
+def test_without_a_fast_int8_gemm_every_forward_runs_the_tiles(monkeypatch):
+    """Where torch's int8 GEMM is a plain loop (no AVX-512 VNNI: ~20x the tiles' time), an
+    int4 Linear never runs W8A8: a prefill of any length is the tiles', row for row."""
+    from starqa.decoder import W8A8_MIN_ROWS_TILES, Linear
+
+    monkeypatch.setattr(native, "int8_gemm_fast", lambda: False)
+    torch.manual_seed(2)
+    lin = Linear.quantize(torch.randn(96, 128).bfloat16(), None, "int4", torch.bfloat16)
+    assert lin.scale is None and lin.w8a8_rows is None
+    x = torch.randn(W8A8_MIN_ROWS_TILES + 7, 128).bfloat16()
+    torch.testing.assert_close(lin(x), native.int4_mm(x, lin.weight), rtol=0, atol=0)
