@@ -157,15 +157,15 @@ AVX512 static inline void widen_rows(const char *src, int bf16, int64_t j0, int6
 /* exp_nonpositive on 16 lanes, the same arithmetic lane by lane. */
 AVX512 static inline __m512 exp_nonpositive16(__m512 x) {
     const __m512 low = _mm512_set1_ps(-87.0f);
-    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, low), _mm512_set1_ps(1.44269504088896341f));
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, low), _mm512_set1_ps(LOG2_E));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    __m512 p = _mm512_set1_ps(EXP2_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
@@ -303,15 +303,15 @@ AVX2 static inline void widen_rows8(const char *src, int bf16, int64_t j0, int64
 /* exp_nonpositive on 8 lanes, the same arithmetic lane by lane. */
 AVX2 static inline __m256 exp_nonpositive8(__m256 x) {
     const __m256 low = _mm256_set1_ps(-87.0f);
-    __m256 t = _mm256_mul_ps(_mm256_max_ps(x, low), _mm256_set1_ps(1.44269504088896341f));
+    __m256 t = _mm256_mul_ps(_mm256_max_ps(x, low), _mm256_set1_ps(LOG2_E));
     __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    __m256 p = _mm256_set1_ps(EXP2_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));

@@ -26,17 +26,26 @@ static inline uint16_t float_to_bf16(float f) {
 /* exp(x) for x <= 0 (fp32 accuracy; 0 below -87, where fp32 would go subnormal). Written
    for vectorisation: a rounding by the 1.5 * 2^23 trick, a degree-6 polynomial for 2^f on
    [-0.5, 0.5] (Cephes' exp2f), and the exponent bits. */
+/* Its coefficients, highest degree first (the SIMD versions in _attend.c use them too). */
+#define EXP2_C6 1.535336188319500e-4f
+#define EXP2_C5 1.339887440266574e-3f
+#define EXP2_C4 9.618437357674640e-3f
+#define EXP2_C3 5.550332471162809e-2f
+#define EXP2_C2 2.402264791363012e-1f
+#define EXP2_C1 6.931472028550421e-1f
+#define LOG2_E 1.44269504088896341f
+
 static inline float exp_nonpositive(float x) {
     const float magic = 12582912.0f; /* 1.5 * 2^23 */
-    float t = (x < -87.0f ? -87.0f : x) * 1.44269504088896341f;
+    float t = (x < -87.0f ? -87.0f : x) * LOG2_E;
     float n = (t + magic) - magic;
     float f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
+    float p = EXP2_C6;
+    p = p * f + EXP2_C5;
+    p = p * f + EXP2_C4;
+    p = p * f + EXP2_C3;
+    p = p * f + EXP2_C2;
+    p = p * f + EXP2_C1;
     p = p * f + 1.0f;
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
     return x < -87.0f ? 0.0f : p * scale.f;
