@@ -15,6 +15,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from starqa.errors import StarqaError
+
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 # name: (restype, argtypes)
@@ -46,10 +48,9 @@ def library():
     for another platform, damaged, or an older build without some function)."""
     simd = os.environ.get("STARQA_SIMD", "")
     if simd not in SIMD_CAPS:
-        from starqa.errors import StarqaError
-
         raise StarqaError(f"STARQA_SIMD={simd!r} is not one of {', '.join(SIMD_CAPS[1:])}.",
-                          hint="unset STARQA_SIMD (the kernels then use what the CPU has)")
+                          hint="run: unset STARQA_SIMD (the kernels then take the widest paths the CPU has; "
+                          "avx2 or none cap them, for tests and benchmarks)")
     folder = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = folder / f"_attend{suffix}"
