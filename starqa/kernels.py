@@ -49,8 +49,9 @@ def library():
     simd = os.environ.get("STARQA_SIMD", "")
     if simd not in SIMD_CAPS:
         raise StarqaError(f"STARQA_SIMD={simd!r} is not one of {', '.join(SIMD_CAPS[1:])}.",
-                          hint="run: unset STARQA_SIMD (the kernels then take the widest paths the CPU has; "
-                          "avx2 or none cap them, for tests and benchmarks)")
+                          hint="run: unset STARQA_SIMD (the kernels then take the widest "
+                               "paths the CPU has; avx2 or none cap them, for tests and "
+                               "benchmarks)")
     folder = Path(__file__).parent
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = folder / f"_attend{suffix}"
