@@ -23,10 +23,8 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* exp(x) for x <= 0 (fp32 accuracy; 0 below -87, where fp32 would go subnormal). Written
-   for vectorisation: a rounding by the 1.5 * 2^23 trick, a degree-6 polynomial for 2^f on
-   [-0.5, 0.5] (Cephes' exp2f), and the exponent bits. */
-/* Its coefficients, highest degree first (the SIMD versions in _attend.c use them too). */
+/* exp_nonpositive's polynomial for 2^f, highest degree first, and log2(e) (the SIMD
+   versions in _attend.c use them too). */
 #define EXP2_C6 1.535336188319500e-4f
 #define EXP2_C5 1.339887440266574e-3f
 #define EXP2_C4 9.618437357674640e-3f
@@ -35,6 +33,9 @@ static inline uint16_t float_to_bf16(float f) {
 #define EXP2_C1 6.931472028550421e-1f
 #define LOG2_E 1.44269504088896341f
 
+/* exp(x) for x <= 0 (fp32 accuracy; 0 below -87, where fp32 would go subnormal). Written
+   for vectorisation: a rounding by the 1.5 * 2^23 trick, a degree-6 polynomial for 2^f on
+   [-0.5, 0.5] (Cephes' exp2f), and the exponent bits. */
 static inline float exp_nonpositive(float x) {
     const float magic = 12582912.0f; /* 1.5 * 2^23 */
     float t = (x < -87.0f ? -87.0f : x) * LOG2_E;
