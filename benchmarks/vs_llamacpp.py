@@ -33,6 +33,9 @@ build crashed on one of this project's CPUs, hence the explicit flags:
     python3 -m venv /tmp/llamacpp && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON \\
       -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \\
       /tmp/llamacpp/bin/pip install llama-cpp-python==0.3.36
+
+On a CPU without AVX-512 (flags without avx512f) those flags build code it cannot run
+(SIGILL): there use CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON".
 """
 
 from __future__ import annotations
