@@ -355,9 +355,9 @@ AVX2 static inline void softmax_block8(int64_t rows, int64_t jn, int64_t d, floa
 }
 
 /* D = 8 * NC (NC = 8: D 64, NC = 16: D 128), AVX2: scores 8 keys at a time with one
-   transposed reduction (`sum8`; the query's pieces read from L1: 16 ymm hold no more than
-   the 8 sums), each output row's sums in registers over the block, even and odd keys in
-   separate chains (D 64; with D 128 the halves of a row one after the other). */
+   transposed reduction (`dots8`), each output row's sums in registers over the block, even
+   and odd keys in separate chains (D 64; with D 128 the halves of a row one after the
+   other). */
 #define TASK_AVX2(NC)                                                                      \
     AVX2 static void task_avx2_##NC(TASK_ARGS) {                                          \
         enum { HALF = NC < 8 ? NC : 8 }; /* ymm of a row's sums per pass */               \
@@ -375,22 +375,12 @@ AVX2 static inline void softmax_block8(int64_t rows, int64_t jn, int64_t d, floa
                     _mm256_store_ps(block + (j * NC + c) * 8, _mm256_setzero_ps());        \
             for (int64_t r = 0; r < rows; r++) {                                           \
                 const float *qr = q + (r0 + r) * d;                                        \
-                for (int64_t j = 0; j < jp; j += 8) {                                      \
-                    const float *key = block + j * NC * 8;                                 \
-                    __m256 dots[8];                                                        \
-                    const __m256 q0 = _mm256_loadu_ps(qr);                                 \
-                    for (int x = 0; x < 8; x++)                                            \
-                        dots[x] = _mm256_mul_ps(q0, _mm256_load_ps(key + x * NC * 8));     \
-                    for (int c = 1; c < NC; c++) {                                         \
-                        const __m256 qc = _mm256_loadu_ps(qr + c * 8);                     \
-                        for (int x = 0; x < 8; x++)                                        \
-                            dots[x] = _mm256_fmadd_ps(qc, _mm256_load_ps(key + (x * NC + c) * 8), dots[x]); \
-                    }                                                                      \
-                    _mm256_store_ps(&s[r][j], _mm256_mul_ps(sum8(dots), _mm256_set1_ps(scale))); \
-                }                                                                          \
-                for (int64_t j = limit[r] - j0 < 0 ? 0 : limit[r] - j0; j < jp; j++)       \
-                    s[r][j] = -INFINITY; /* keys after the row's causal limit, the padding */ \
-                for (int64_t j = jn; j < jp; j++) s[r][j] = -INFINITY;                     \
+                for (int64_t j = 0; j < jp; j += 8)                                        \
+                    _mm256_store_ps(&s[r][j], _mm256_mul_ps(dots8(qr, block + j * NC * 8, NC), \
+                                                            _mm256_set1_ps(scale)));       \
+                for (int64_t j = limit[r] - j0 < 0 ? 0 : limit[r] - j0; j < jn; j++)       \
+                    s[r][j] = -INFINITY; /* keys after the row's causal limit */           \
+                for (int64_t j = jn; j < jp; j++) s[r][j] = -INFINITY; /* the padding */   \
             }                                                                              \
             softmax_block8(rows, jn, d, s, m, l, acc);                                     \
             widen_rows8(v, bf16, j0, jn, NC, row_bytes, block); /* and its values */        \

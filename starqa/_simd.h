@@ -96,6 +96,22 @@ AVX2 static inline __m256 sum8(const __m256 *x) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+/* The inner products of q [8 * nc] with the 8 fp32 rows keys[x * 8 * nc ..] (x < 8), in
+   key order: each key's 8 lanes summed in a register, the 8 reduced together (`sum8`); q's
+   pieces are read from L1 (16 ymm hold no more than the 8 sums). Exact attention's and
+   top-k's AVX2 scoring (_attend.c, _topk.c). */
+AVX2 static inline __m256 dots8(const float *q, const float *keys, int nc) {
+    __m256 dots[8];
+    const __m256 q0 = _mm256_loadu_ps(q);
+    for (int x = 0; x < 8; x++) dots[x] = _mm256_mul_ps(q0, _mm256_load_ps(keys + x * nc * 8));
+    for (int c = 1; c < nc; c++) {
+        const __m256 qc = _mm256_loadu_ps(q + c * 8);
+        for (int x = 0; x < 8; x++)
+            dots[x] = _mm256_fmadd_ps(qc, _mm256_load_ps(keys + (x * nc + c) * 8), dots[x]);
+    }
+    return sum8(dots);
+}
+
 /* 8 bf16 or fp32 elements → 8 fp32 lanes. */
 AVX2 static inline __m256 load8(const char *src, int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)src);

@@ -278,8 +278,7 @@ SCORE_AVX512(8)
 
 #ifdef STARQA_X86
 /* The same for CPUs with AVX2 but not AVX-512, D = 8 * NC (NC = 8: D 64, 16: D 128): eight
-   keys at a time, each row's 8 dot products accumulated in 8 ymm and reduced together
-   (`sum8`); the query's pieces read from L1 (16 ymm leave no room to hold them). */
+   keys at a time, each row's 8 dot products reduced together (`dots8`). */
 #define SCORE_AVX2(NC)                                                                     \
     AVX2 static void score_avx2_##NC(const char *const *kp, int bf16,                     \
                                      const float *const *qs, int64_t nq,                  \
@@ -289,18 +288,8 @@ SCORE_AVX512(8)
             for (int c = 0; c < NC; c++)                                                   \
                 _mm256_store_ps(block + (x * NC + c) * 8, load8(kp[x] + c * 8 * esize, bf16)); \
         for (int64_t i = 0; i < nq; i++)                                                   \
-            for (int x0 = 0; x0 < CHUNK; x0 += 8) {                                        \
-                const float *key = block + x0 * NC * 8;                                    \
-                __m256 dots[8];                                                            \
-                const __m256 q0 = _mm256_loadu_ps(qs[i]);                                  \
-                for (int x = 0; x < 8; x++) dots[x] = _mm256_mul_ps(q0, _mm256_load_ps(key + x * NC * 8)); \
-                for (int c = 1; c < NC; c++) {                                             \
-                    const __m256 qc = _mm256_loadu_ps(qs[i] + c * 8);                      \
-                    for (int x = 0; x < 8; x++)                                            \
-                        dots[x] = _mm256_fmadd_ps(qc, _mm256_load_ps(key + (x * NC + c) * 8), dots[x]); \
-                }                                                                          \
-                _mm256_storeu_ps(outs[i] + x0, sum8(dots));                                \
-            }                                                                              \
+            for (int x0 = 0; x0 < CHUNK; x0 += 8)                                          \
+                _mm256_storeu_ps(outs[i] + x0, dots8(qs[i], block + x0 * NC * 8, NC));      \
     }
 SCORE_AVX2(8)
 SCORE_AVX2(16)
