@@ -36,10 +36,12 @@
 
    Work: (head, rows, span of positions) tasks over OpenMP threads: a group of up to GROUP
    rows of a head is scored in one pass over the keys it reads (ivf: a list is read once
-   for the rows of the group that chose it, and scored against those only); keys are widened
-   CHUNK at a time (with AVX-512 a row's CHUNK dot products are reduced together, as in
-   _attend.c), each row's scores kept, and its best picked (`best_of`). Then one task per
-   (head, position) merges its rows' spans' selections into the union and attends. */
+   for the rows of the group that chose it, and scored against those only); keys are
+   widened CHUNK at a time (with AVX-512 a row's CHUNK dot products are reduced together,
+   as in _attend.c), each row's scores kept, and its best picked (`best_of`). Then a task per
+   (head, position) merges its rows' spans' selections into the union (in shard row
+   order), a task per PIECE keys of a union attends its G rows to them, and each row's
+   pieces are merged by log-sum-exp, in order. */
 
 #include <math.h>
 #include <stdint.h>
@@ -56,6 +58,7 @@
 #define AHEAD 64          /* keys prefetched ahead of a scan */
 #define AHEAD_ROWS 8      /* value rows prefetched ahead of the one read */
 #define AHEAD_KEYS 48     /* union key rows prefetched ahead of the chunk scored */
+#define PIECE 128         /* a position's union keys attended per task (then merged) */
 #define PREFETCH_LISTS 3  /* ivf: lists prefetched ahead of the one scanned */
 #define PREFETCH_KEYS 512 /* ... when they are at most this long (longer: the scan's own) */
 
@@ -79,7 +82,8 @@ typedef struct {
    threshold: fresh pages, cleared by the kernel). A slot grows to the largest size asked
    of it and is never returned. */
 enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_BEST, S_BLOCK, S_SCORES, S_SEGS, S_POOL,
-       S_ALL, S_TMP, S_ORDER, S_UNION, S_WEIGHTS, S_SEEN, S_VALUE, S_ROWS, S_KEYROWS, SLOTS };
+       S_ALL, S_TMP, S_ORDER, S_WEIGHTS, S_SEEN, S_VALUE, S_UKEYS, S_UVALS, S_UCOUNT, S_PIECES,
+       S_PARTS, SLOTS };
 static __thread struct { void *p; size_t size; } scratch[SLOTS];
 
 static void *scratch_get(int slot, size_t bytes) {
@@ -88,14 +92,9 @@ static void *scratch_get(int slot, size_t bytes) {
         free(scratch[slot].p);
         scratch[slot].p = aligned_alloc(64, bytes);
         scratch[slot].size = scratch[slot].p ? bytes : 0;
-        if (scratch[slot].p) memset(scratch[slot].p, 0, bytes); /* S_SEEN relies on it */
     }
     return scratch[slot].p;
 }
-
-/* A mark per shard row (S_SEEN): row r is in the current set iff seen[r] == *stamp. A new
-   set is one increment of the stamp, not a clearing of n marks. */
-static __thread int32_t stamp_now;
 
 static inline float median3(float x, float y, float z) {
     return x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
@@ -278,17 +277,19 @@ SCORE_AVX512(8)
 
 #ifdef STARQA_X86
 /* The same for CPUs with AVX2 but not AVX-512, D = 8 * NC (NC = 8: D 64, 16: D 128): eight
-   keys at a time, each row's 8 dot products reduced together (`dots8`). */
+   keys at a time, each row's 8 dot products reduced together (`dots8`), the eights that
+   hold the chunk's `width` keys only (an ivf list's last chunk is often part empty). */
 #define SCORE_AVX2(NC)                                                                     \
-    AVX2 static void score_avx2_##NC(const char *const *kp, int bf16,                     \
+    AVX2 static void score_avx2_##NC(const char *const *kp, int width, int bf16,          \
                                      const float *const *qs, int64_t nq,                  \
                                      float *const *outs, float *block) {                  \
         const size_t esize = bf16 ? 2 : 4;                                                 \
-        for (int x = 0; x < CHUNK; x++)                                                    \
+        const int keys = (width + 7) / 8 * 8; /* whole eights: past `width`, zero rows */  \
+        for (int x = 0; x < keys; x++)                                                     \
             for (int c = 0; c < NC; c++)                                                   \
                 _mm256_store_ps(block + (x * NC + c) * 8, load8(kp[x] + c * 8 * esize, bf16)); \
         for (int64_t i = 0; i < nq; i++)                                                   \
-            for (int x0 = 0; x0 < CHUNK; x0 += 8)                                          \
+            for (int x0 = 0; x0 < keys; x0 += 8)                                           \
                 _mm256_storeu_ps(outs[i] + x0, dots8(qs[i], block + x0 * NC * 8, NC));      \
     }
 SCORE_AVX2(8)
@@ -296,7 +297,7 @@ SCORE_AVX2(16)
 #endif
 
 /* score_any, with AVX-512 or AVX2 where D is 64 or 128. kp[x] for x >= width must point at
-   zeros. */
+   zeros; a row's scores past `width` may be left unwritten. */
 static void score_keys(const char *const *kp, int width, int bf16, const float *const *qs,
                        int64_t nq, int64_t d, float *const *outs, float *block) {
 #ifdef STARQA_X86
@@ -305,7 +306,7 @@ static void score_keys(const char *const *kp, int width, int bf16, const float *
         return;
     }
     if (has_avx2() && (d == 64 || d == 128)) {
-        (d == 64 ? score_avx2_8 : score_avx2_16)(kp, bf16, qs, nq, outs, block);
+        (d == 64 ? score_avx2_8 : score_avx2_16)(kp, width, bf16, qs, nq, outs, block);
         return;
     }
 #endif
@@ -537,9 +538,14 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     /* Tasks: a group of up to GROUP rows of a head scored in one pass over the keys it
        reads (flat: all of them; ivf: the lists some row of the group chose, each scored
        against the rows that chose it only). Keys are cut into spans only where there are
-       too few (head, rows) tasks for the threads. */
+       too few (head, rows) tasks for the threads. The choice of lists takes a row per task
+       where groups would be too few tasks (a decode's G rows per KV head: 3 heads on 2
+       threads left one thread idle a third of the time); the scan keeps its groups (a
+       flat scan a row at a time would read every key G times). */
     const int64_t group = GROUP;
     const int64_t groups = (rows + group - 1) / group;
+    const int64_t lgroup = heads * groups >= 4 * threads ? GROUP : 1;
+    const int64_t lgroups = (rows + lgroup - 1) / lgroup;
     int64_t spans = (2 * threads + heads * groups - 1) / (heads * groups);
     const int64_t most = n > MIN_SPAN ? n / MIN_SPAN : 1;
     spans = spans < most ? spans : most;
@@ -571,11 +577,11 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
 #pragma omp atomic write
                 failed = 1;
             }
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < heads * groups; t++) {
+#pragma omp for schedule(dynamic)
+            for (int64_t t = 0; t < heads * lgroups; t++) {
                 if (!ok) continue;
-                const int64_t h = t / groups, r0 = t % groups * GROUP;
-                const int64_t rn = rows - r0 < GROUP ? rows - r0 : GROUP;
+                const int64_t h = t / lgroups, r0 = t % lgroups * lgroup;
+                const int64_t rn = rows - r0 < lgroup ? rows - r0 : lgroup;
                 int64_t who[GROUP], got[GROUP] = {0};
                 for (int64_t r = 0; r < rn; r++) who[r] = r;
                 /* the centroids are bf16 rows: scored like keys, positions = list numbers */
@@ -645,91 +651,143 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     if (failed) goto done;
 
     /* Each (head, token): the G query heads of the KV head at that token share
-       retrieval. Each row's k best of its spans' selections; the union of the G rows'
-       keys; every row's attention over the union (its scores computed afresh, the
-       values read once for the G rows). */
+       retrieval. (1) Each row's k best of its spans' selections; the union of the G rows'
+       keys, in shard row order (a position's own order, whatever else the call holds), the
+       sink's rows first, then the position's own keys. (2) The union cut into pieces of
+       PIECE keys, a task each (every thread busy however few the positions): each row's
+       scores of the piece's keys computed afresh, its weights and weighted sum of the
+       piece's values (read once for the G rows), with the piece's maximum and total.
+       (3) Each row's pieces merged in order by log-sum-exp. The cuts depend on the
+       position's keys only, so its result does too. */
     const int64_t per = rows / tokens; /* G */
+    const int64_t kk = k < n ? k : n;
+    const int64_t ht = heads * tokens;
+    const int64_t room = skip + per * kk + own_most; /* a position's keys, at most */
+    const int64_t pieces_most = (room + PIECE - 1) / PIECE;
+    const size_t part = (size_t)per * (d + 2); /* a piece's G rows: out [D], max, total */
+    /* shared by the threads (slots of the calling thread no task uses) */
+    const char **ukeys = scratch_get(S_UKEYS, (size_t)(ht * room + 1) * sizeof(char *));
+    const char **uvals = scratch_get(S_UVALS, (size_t)(ht * room + 1) * sizeof(char *));
+    int64_t *ucount = scratch_get(S_UCOUNT, (size_t)(3 * ht + 2) * sizeof(int64_t));
+    int64_t *piece_of = scratch_get(S_PIECES, (size_t)(ht * pieces_most + 1) * sizeof(int64_t));
+    float *parts = scratch_get(S_PARTS, (size_t)(ht * pieces_most + 1) * part * sizeof(float));
+    if (!ukeys || !uvals || !ucount || !piece_of || !parts) {
+        failed = 1;
+        goto done;
+    }
+    int64_t *unions = ucount, *owns = ucount + ht, *first = ucount + 2 * ht; /* first [ht + 1] */
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t kk = k < n ? k : n;
         cand *all = scratch_get(S_ALL, (size_t)(spans * kcap) * sizeof(cand));
         float *tmp = scratch_get(S_TMP, (size_t)(2 * spans * kcap) * sizeof(float));
-        int64_t *uni = scratch_get(S_UNION, (size_t)(skip + per * kk + 1) * sizeof(int64_t));
-        /* a row's scores of the sink, the union and its own keys (chunks written whole) */
-        const int64_t room = skip + per * kk + own_most + CHUNK;
-        float *w = scratch_get(S_WEIGHTS, (size_t)(per * room) * sizeof(float));
-        int32_t *seen = scratch_get(S_SEEN, (size_t)(n > 0 ? n : 1) * sizeof(int32_t));
+        uint64_t *marks = scratch_get(S_SEEN, (size_t)((n + 63) / 64 + 1) * sizeof(uint64_t));
+        float *w = scratch_get(S_WEIGHTS, (size_t)(per * (PIECE + CHUNK)) * sizeof(float));
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
         float *value = scratch_get(S_VALUE, (size_t)MAX_DIM * sizeof(float));
-        const char **vp = scratch_get(S_ROWS, (size_t)(room > 1 ? room : 1) * sizeof(char *));
-        const char **kr = scratch_get(S_KEYROWS, (size_t)(room > 1 ? room : 1) * sizeof(char *));
-        const int ok = all && tmp && uni && w && seen && block && value && vp && kr;
+        const int ok = all && tmp && marks && w && block && value;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < heads * tokens; t++) {
+#pragma omp for schedule(dynamic)
+        for (int64_t t = 0; t < ht; t++) { /* (1) */
+            unions[t] = owns[t] = 0;
             if (!ok) continue;
             const int64_t h = t / tokens, m = t % tokens;
-            if (stamp_now == INT32_MAX) { /* a new set each task: start the marks over */
-                memset(seen, 0, (size_t)(n > 0 ? n : 1) * sizeof(int32_t));
-                stamp_now = 0;
-            }
-            const int32_t stamp = ++stamp_now;
-            int64_t nu = 0;
-            for (int64_t r = 0; r < skip; r++) { /* the sink: every row attends to it */
-                seen[r] = stamp;
-                uni[nu++] = r;
-            }
+            memset(marks, 0, (size_t)((n + 63) / 64) * sizeof(uint64_t));
             for (int64_t g = 0; g < per; g++) {
                 const int64_t row = h * rows + g * tokens + m;
-                int64_t got = 0;
-                for (int64_t span = 0; span < spans; span++) {
-                    const int64_t slot = row * spans + span;
-                    memcpy(all + got, sel + slot * kcap, (size_t)count[slot] * sizeof(cand));
-                    got += count[slot];
-                }
-                keep_best(all, got, k, tmp);
-                for (int64_t j = 0; j < (got < k ? got : k); j++)
-                    if (seen[all[j].row] != stamp) {
-                        seen[all[j].row] = stamp;
-                        uni[nu++] = all[j].row;
+                const cand *mine = sel + row * spans * kcap;
+                int64_t got = count[row * spans];
+                if (spans > 1) {
+                    got = 0;
+                    for (int64_t span = 0; span < spans; span++) {
+                        const int64_t slot = row * spans + span;
+                        memcpy(all + got, sel + slot * kcap, (size_t)count[slot] * sizeof(cand));
+                        got += count[slot];
                     }
+                    keep_best(all, got, k, tmp);
+                    got = got < k ? got : k;
+                    mine = all;
+                }
+                for (int64_t j = 0; j < got; j++)
+                    marks[mine[j].row >> 6] |= (uint64_t)1 << (mine[j].row & 63);
             }
-            const float *qs[MAX_GROUP];
-            float *outs[MAX_GROUP];
-            for (int64_t g = 0; g < per; g++) {
-                const int64_t row = h * rows + g * tokens + m;
-                qs[g] = q + row * d;
-                memset(out + row * d, 0, (size_t)d * sizeof(float));
-                lse[row] = -INFINITY;
+            const char **kr = ukeys + t * room, **vp = uvals + t * room;
+            int64_t nu = 0;
+            for (int64_t r = 0; r < skip; r++) kr[nu++] = (const char *)(intptr_t)r; /* rows */
+            for (int64_t word = 0; word < (n + 63) / 64; word++)
+                for (uint64_t bits = marks[word]; bits; bits &= bits - 1)
+                    kr[nu++] = (const char *)(intptr_t)(word * 64 + __builtin_ctzll(bits));
+            for (int64_t u = 0; u < nu; u++) { /* rows → their key and value rows */
+                const int64_t r = (int64_t)(intptr_t)kr[u];
+                kr[u] = row_at(kstart, kptr, kstride, kbuffers, h, inv ? inv[h * n + r] : r, d, kes);
+                vp[u] = row_at(vstart, vptr, vstride, vbuffers, h, r, d, ves);
             }
             const int64_t no = own_k ? own_before + m + 1 : 0; /* own keys seen (causal) */
-            if (!nu && !no) continue;
-            /* each row's scores of the union's keys, then of its own keys */
-            for (int64_t u = 0; u < nu; u++)
-                kr[u] = row_at(kstart, kptr, kstride, kbuffers, h, inv ? inv[h * n + uni[u]] : uni[u],
-                               d, kes);
-            for (int64_t j = 0; j < no; j++)
-                kr[nu + j] = own_k + ((size_t)(h * own_stride) + (size_t)j * d) * oes;
-            score_rows(kr, nu, k_bf16, qs, per, d, w, room, block);
-            score_rows(kr + nu, no, o_bf16, qs, per, d, w + nu, room, block);
-            float tops[MAX_GROUP], totals[MAX_GROUP];
+            for (int64_t j = 0; j < no; j++) {
+                const size_t at = ((size_t)(h * own_stride) + (size_t)j * d) * oes;
+                kr[nu + j] = own_k + at;
+                vp[nu + j] = own_v + at;
+            }
+            unions[t] = nu;
+            owns[t] = no;
+        }
+#pragma omp single
+        {
+            first[0] = 0;
+            for (int64_t t = 0; t < ht; t++) {
+                const int64_t many = (unions[t] + owns[t] + PIECE - 1) / PIECE;
+                for (int64_t i = 0; i < many; i++) piece_of[first[t] + i] = t;
+                first[t + 1] = first[t] + many;
+            }
+        }
+#pragma omp for schedule(dynamic)
+        for (int64_t i = 0; i < first[ht]; i++) { /* (2) */
+            if (!ok) continue;
+            const int64_t t = piece_of[i], h = t / tokens, m = t % tokens;
+            const int64_t nu = unions[t], a = (i - first[t]) * PIECE;
+            const int64_t b = a + PIECE < nu + owns[t] ? a + PIECE : nu + owns[t];
+            const int64_t cut = nu < a ? a : nu > b ? b : nu; /* [a, cut) shard, [cut, b) own */
+            const char **kr = ukeys + t * room, **vp = uvals + t * room;
+            const float *qs[MAX_GROUP];
+            float *outs[MAX_GROUP], *piece = parts + (size_t)i * part;
+            for (int64_t g = 0; g < per; g++) {
+                qs[g] = q + (h * rows + g * tokens + m) * d;
+                outs[g] = piece + (size_t)g * (d + 2);
+                memset(outs[g], 0, (size_t)d * sizeof(float));
+            }
+            const int64_t wroom = PIECE + CHUNK;
+            score_rows(kr + a, cut - a, k_bf16, qs, per, d, w, wroom, block);
+            score_rows(kr + cut, b - cut, o_bf16, qs, per, d, w + (cut - a), wroom, block);
             for (int64_t g = 0; g < per; g++) /* scores → weights exp((s - max s) * scale) */
-                totals[g] = weigh(w + g * room, nu + no, scale, &tops[g]);
-            /* each value row read once for the G rows: the union's, then the own keys' */
-            for (int64_t u = 0; u < nu; u++)
-                vp[u] = row_at(vstart, vptr, vstride, vbuffers, h, uni[u], d, ves);
-            for (int64_t j = 0; j < no; j++)
-                vp[nu + j] = own_v + ((size_t)(h * own_stride) + (size_t)j * d) * oes;
-            for (int64_t g = 0; g < per; g++) outs[g] = out + (h * rows + g * tokens + m) * d;
-            weighted_sum(vp, nu, v_bf16, w, room, per, d, outs, value);
-            weighted_sum(vp + nu, no, o_bf16, w + nu, room, per, d, outs, value);
+                outs[g][d + 1] = weigh(w + g * wroom, b - a, scale, &outs[g][d]);
+            weighted_sum(vp + a, cut - a, v_bf16, w, wroom, per, d, outs, value);
+            weighted_sum(vp + cut, b - cut, o_bf16, w + (cut - a), wroom, per, d, outs, value);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < ht; t++) { /* (3) */
+            const int64_t h = t / tokens, m = t % tokens;
             for (int64_t g = 0; g < per; g++) {
                 const int64_t row = h * rows + g * tokens + m;
-                for (int64_t i = 0; i < d; i++) out[row * d + i] /= totals[g];
-                lse[row] = tops[g] * scale + logf(totals[g]);
+                float *o = out + row * d, top = -INFINITY, total = 0.0f;
+                memset(o, 0, (size_t)d * sizeof(float));
+                for (int64_t i = first[t]; i < first[t + 1]; i++) {
+                    const float peak = parts[(size_t)i * part + (size_t)g * (d + 2) + d];
+                    top = peak > top ? peak : top;
+                }
+                for (int64_t i = first[t]; i < first[t + 1]; i++) {
+                    const float *piece = parts + (size_t)i * part + (size_t)g * (d + 2);
+                    const float f = expf((piece[d] - top) * scale);
+                    total += f * piece[d + 1];
+                    for (int64_t x = 0; x < d; x++) o[x] += f * piece[x];
+                }
+                if (first[t + 1] == first[t]) { /* no key: weighs nothing */
+                    lse[row] = -INFINITY;
+                    continue;
+                }
+                for (int64_t x = 0; x < d; x++) o[x] /= total;
+                lse[row] = top * scale + logf(total);
             }
         }
     }
