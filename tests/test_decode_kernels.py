@@ -192,3 +192,44 @@ def test_rope_table_is_transformers_angles(dtype):
         assert ((got.float() - expected).abs() <= ulp + 1e-6).all()
         assert torch.equal(got[..., :32], got[..., 32:])
     assert torch.equal(cos[0], torch.ones(1, 64, dtype=dtype))
+
+
+@pytest.mark.parametrize("setting, before, after", [
+    ("always [madvise] never\n", None, "1"),  # huge pages on request only: asked for
+    ("always [madvise] never\n", "0", "0"),  # the user's choice kept
+    ("[always] madvise never\n", None, None),  # every large mapping gets them already
+    ("always madvise [never]\n", None, None),  # none to be had
+    (None, None, None),  # no such setting (not Linux, no THP)
+])
+def test_large_tensors_ask_for_huge_pages_where_the_kernel_wants_asking(tmp_path, setting,
+                                                                        before, after):
+    import starqa
+
+    path = tmp_path / "enabled"
+    if setting is not None:
+        path.write_text(setting)
+    environ = {} if before is None else {"THP_MEM_ALLOC_ENABLE": before}
+    starqa._huge_pages(str(path), environ)
+    assert environ.get("THP_MEM_ALLOC_ENABLE") == after
+
+
+def test_a_starqa_process_asks_before_torch_allocates():
+    import os
+    import subprocess
+    import sys
+
+    import starqa
+
+    wanted = "1"
+    try:
+        with open(starqa.THP_SETTING) as fh:
+            if "[madvise]" not in fh.read():
+                wanted = None
+    except OSError:
+        wanted = None
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    shown = subprocess.run([sys.executable, "-c", "import starqa.worker, os, sys; "
+                            "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), "
+                            "'torch' in sys.modules)"],
+                           env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert shown == [str(wanted), "False"]  # set, and torch not yet imported
