@@ -662,7 +662,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     const int64_t per = rows / tokens; /* G */
     const int64_t kk = k < n ? k : n;
     const int64_t ht = heads * tokens;
-    const int64_t room = skip + per * kk + own_most; /* a position's keys, at most */
+    const int64_t picked = skip + per * kk < n ? skip + per * kk : n; /* shard rows, once */
+    const int64_t room = picked + own_most; /* a position's keys, at most */
     const int64_t pieces_most = (room + PIECE - 1) / PIECE;
     const size_t part = (size_t)per * (d + 2); /* a piece's G rows: out [D], max, total */
     /* shared by the threads (slots of the calling thread no task uses) */
