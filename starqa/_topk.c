@@ -82,8 +82,8 @@ typedef struct {
    threshold: fresh pages, cleared by the kernel). A slot grows to the largest size asked
    of it and is never returned. */
 enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_BEST, S_BLOCK, S_SCORES, S_SEGS, S_POOL,
-       S_ALL, S_TMP, S_ORDER, S_WEIGHTS, S_SEEN, S_VALUE, S_UKEYS, S_UVALS, S_UCOUNT, S_PIECES,
-       S_PARTS, SLOTS };
+       S_ALL, S_TMP, S_ORDER, S_WEIGHTS, S_SEEN, S_UNION, S_VALUE, S_UKEYS, S_UVALS, S_UCOUNT,
+       S_PIECES, S_PARTS, SLOTS };
 static __thread struct { void *p; size_t size; } scratch[SLOTS];
 
 static void *scratch_get(int slot, size_t bytes) {
@@ -682,10 +682,11 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         cand *all = scratch_get(S_ALL, (size_t)(spans * kcap) * sizeof(cand));
         float *tmp = scratch_get(S_TMP, (size_t)(2 * spans * kcap) * sizeof(float));
         uint64_t *marks = scratch_get(S_SEEN, (size_t)((n + 63) / 64 + 1) * sizeof(uint64_t));
+        int64_t *union_rows = scratch_get(S_UNION, (size_t)(picked + 1) * sizeof(int64_t));
         float *w = scratch_get(S_WEIGHTS, (size_t)(per * (PIECE + CHUNK)) * sizeof(float));
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
         float *value = scratch_get(S_VALUE, (size_t)MAX_DIM * sizeof(float));
-        const int ok = all && tmp && marks && w && block && value;
+        const int ok = all && tmp && marks && union_rows && w && block && value;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -714,14 +715,14 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 for (int64_t j = 0; j < got; j++)
                     marks[mine[j].row >> 6] |= (uint64_t)1 << (mine[j].row & 63);
             }
-            const char **kr = ukeys + t * room, **vp = uvals + t * room;
-            int64_t nu = 0;
-            for (int64_t r = 0; r < skip; r++) kr[nu++] = (const char *)(intptr_t)r; /* rows */
+            int64_t nu = 0; /* the union's rows, in order: the sink's, then the picks */
+            for (int64_t r = 0; r < skip; r++) union_rows[nu++] = r;
             for (int64_t word = 0; word < (n + 63) / 64; word++)
                 for (uint64_t bits = marks[word]; bits; bits &= bits - 1)
-                    kr[nu++] = (const char *)(intptr_t)(word * 64 + __builtin_ctzll(bits));
-            for (int64_t u = 0; u < nu; u++) { /* rows → their key and value rows */
-                const int64_t r = (int64_t)(intptr_t)kr[u];
+                    union_rows[nu++] = word * 64 + __builtin_ctzll(bits);
+            const char **kr = ukeys + t * room, **vp = uvals + t * room;
+            for (int64_t u = 0; u < nu; u++) {
+                const int64_t r = union_rows[u];
                 kr[u] = row_at(kstart, kptr, kstride, kbuffers, h, inv ? inv[h * n + r] : r, d, kes);
                 vp[u] = row_at(vstart, vptr, vstride, vbuffers, h, r, d, ves);
             }
