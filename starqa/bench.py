@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from starqa import engine, methods, prompt, store
+from starqa import engine, methods, models, prompt, store
 from starqa.errors import StarqaError
 from starqa.indexes import TopK, find_set, topk_settings
 from starqa.launch import cpu_count
@@ -367,17 +367,8 @@ def _describe_topk(row: dict) -> str:
 
 def cpu_info() -> dict:
     """The CPU's model name and the flags that decide bf16 speed (Linux /proc/cpuinfo)."""
-    model, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name") and model == "unknown":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    model, flags = models.cpu_description()
+    wanted = ("avx2", "avx512f", *models.BF16_FLAGS, "amx_tile")
     return {"model": model, "flags": [f for f in wanted if f in flags]}
 
 

@@ -401,6 +401,65 @@ def parse_dtype(name: str | None, device: Any = "cpu") -> torch.dtype:
     return getattr(torch, DTYPES[name.lower()])
 
 
+# x86 flags behind fast bf16 matrix products on the CPU (oneDNN's AVX-512 BF16 and AMX
+# kernels); without either, torch's bf16 GEMMs are emulated in fp32 and slower than fp32's.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_description() -> tuple[str, set[str]]:
+    """The CPU's model name and flags (Linux /proc/cpuinfo; "unknown" and none elsewhere)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name") and model == "unknown":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable (Linux /proc/meminfo), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def phase1_dtype(dtype: torch.dtype, device: Any, model_path: Path | str,
+                 local_workers: int = 1) -> torch.dtype:
+    """The dtype Phase 1's model computes in, for a cache stored in `dtype` (the KV is
+    rounded to `dtype` as each block is saved): fp32 for a bf16 cache on an x86 CPU without
+    bf16 matrix instructions (`BF16_FLAGS`: AVX2-only CPUs, most laptops), where torch's bf16
+    products are emulated: SmolLM2 over 1,024 tokens took 33.8 s in bf16 and 7.5 in fp32 on
+    a Zen 3 (README, Weights and dtype); the cache is the same size, its keys and values
+    rounded once instead of computed in bf16 throughout. Blocks that dense and ring continue
+    from on a re-ingest are read back as stored, so there a bf16 cache matches a full
+    encoding within bf16's rounding of the kept blocks, not bit for bit (fp32 caches: bit
+    for bit). Kept in `dtype` elsewhere, and where the fp32 weights of this machine's
+    `local_workers` would take more than half the memory available (a 1.5B model: ~6 GB a
+    worker)."""
+    import torch
+
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return dtype
+    _, flags = cpu_description()
+    if "avx2" not in flags or any(flag in flags for flag in BF16_FLAGS):
+        return dtype  # not x86 as known here, or bf16 products in hardware
+    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    available = _available_bytes()
+    if available is None or 2 * weights * local_workers > available / 2:  # bf16 files → fp32
+        return dtype
+    return torch.float32
+
+
 def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 

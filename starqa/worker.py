@@ -33,12 +33,15 @@ def emit(event: str, **fields) -> None:
 
 
 def _load_model(job: dict, info):
+    """Phase 1's model, in the dtype it computes in (`models.phase1_dtype`: fp32 for a bf16
+    cache on a CPU without bf16 matrix instructions; the blocks are stored in the job's)."""
     import torch
 
     from starqa import hooks
-    from starqa.models import load_model
+    from starqa.models import load_model, phase1_dtype
 
-    dtype = getattr(torch, job["dtype"])
+    dtype = phase1_dtype(getattr(torch, job["dtype"]), info.device, job["model_path"],
+                         int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return load_model(job["model_path"], dtype=dtype, device=info.device,
                       attn_implementation=hooks.register())
 
@@ -79,7 +82,8 @@ def run_ingest(job: dict, info) -> None:
                       lambda index, tokens: emit("block", rank=info.rank, index=index,
                                                  tokens=tokens),
                       index=job.get("index"),
-                      on_index=lambda seconds: emit("index", rank=info.rank, seconds=seconds))
+                      on_index=lambda seconds: emit("index", rank=info.rank, seconds=seconds),
+                      dtype=job["dtype"])
     if measure:
         emit("measure", rank=info.rank, phase="ingest", seconds=time.perf_counter() - started,
              cpu_seconds=time.process_time() - cpu, flops=counter.get_total_flops(),

@@ -359,3 +359,38 @@ def test_a_reingest_keeps_the_previous_block_size_while_the_default_moves(home, 
     assert result.reuse.reused >= len(first.blocks) - 1, result.reuse
     forced = engine.ingest(replace(opts, force=True)).manifest  # --force plans afresh
     assert forced.method.block_size == methods.default_block(forced.n_tokens)
+
+
+def test_a_bf16_cache_computed_in_fp32_holds_the_fp32_encoding_rounded(home, repo, tiny_model,
+                                                                        monkeypatch):
+    """On a CPU without bf16 matrix instructions Phase 1 runs the model in fp32 and rounds
+    each block's KV to the cache's bf16 as it saves it (`models.phase1_dtype`); dense's
+    incremental path reads the kept blocks back in fp32 to continue from them."""
+    from starqa import models
+
+    monkeypatch.setattr(models, "cpu_description", lambda: ("an AVX2 CPU", {"avx2", "fma"}))
+
+    def ingest(dtype, **kw):
+        return engine.ingest(engine.IngestOptions(
+            paths=(str(repo),), model=str(tiny_model), dtype=dtype, method="dense",
+            block_size=40, encode_in="process", **kw)).manifest
+
+    rounded = [{k: t.to(torch.bfloat16) for k, t in kv.items() if k in ("k", "v")}
+               for kv in _kv(ingest("fp32"))]
+    stored = _kv(ingest("bf16"))
+    assert stored[0]["k"].dtype == torch.bfloat16 and len(stored) == len(rounded) > 2
+    for a, b in zip(stored, rounded):
+        assert torch.equal(a["k"], b["k"]) and torch.equal(a["v"], b["v"])
+    _append(repo / "f6.md")  # the kept prefix read back (bf16 → fp32) and continued from
+    result = engine.ingest(engine.IngestOptions(
+        paths=(str(repo),), model=str(tiny_model), dtype="bf16", method="dense",
+        block_size=40, encode_in="process"))
+    assert result.reuse.reused > 0 and result.reuse.encoded > 0
+    full = _kv(ingest("bf16", force=True))  # every block in one fp32 pass, then rounded
+    for i, (a, b) in enumerate(zip(_kv(result.manifest), full)):
+        for name in ("k", "v"):
+            if i < result.reuse.reused:  # kept: the very blocks
+                assert torch.equal(a[name], b[name])
+            else:  # continued from the kept blocks as stored: within bf16's rounding of them
+                worst = (a[name].float() - b[name].float()).abs().max()
+                assert worst <= 2 ** -5 * b[name].float().abs().max(), (i, name, worst)

@@ -84,7 +84,7 @@ def _ingest(evaluator, sample: Sample, method: str, store: Path, folder: Path,
                       rotate=freqs is not None)
     keep(plan, store, folder, blocks, freqs, method)
     encode_blocks(evaluator.model, torch.tensor(ids), config, blocks, list(plan.todo), folder,
-                  evaluator.info, prepared)
+                  evaluator.info, prepared, dtype=str(evaluator.dtype).removeprefix("torch."))
     if not force:
         adopt(plan, store, folder, blocks)
     parts = [(t["k"], t["v"]) for t in (load_file(str(folder / block_file(i)),

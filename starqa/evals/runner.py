@@ -233,8 +233,9 @@ class Evaluator:
         self.device = torch.device(plan.device)
         self.dtype = getattr(torch, plan.dtype)
         self.tokenizer = models.load_tokenizer(plan.model_path)
-        self.model = models.load_model(plan.model_path, dtype=self.dtype, device=self.device,
-                                       attn_implementation=hooks.register())
+        self.model = models.load_model(  # Phase 1's, in the dtype it computes in
+            plan.model_path, device=self.device, attn_implementation=hooks.register(),
+            dtype=models.phase1_dtype(self.dtype, self.device, plan.model_path))
         self.weights = models.phase2_weights(plan.opts.weights, plan.opts.model, plan.device)
         self.decoder = load_decoder(plan.model_path, self.dtype, self.weights, self.device)
         self.stop_ids = models.stop_ids(self.tokenizer, plan.model_path)
@@ -256,7 +257,8 @@ class Evaluator:
         prepared = encoder.prepare(sample.context_ids, config, blocks)
         encoded = encoder.encode_local(self.model, torch.tensor(sample.context_ids), config,
                                        blocks, prepared)
-        parts = [(k, v) for _, k, v in sorted(encoded, key=lambda x: x[0])]
+        parts = [(k.to(self.dtype), v.to(self.dtype))  # stored in the cache's dtype
+                 for _, k, v in sorted(encoded, key=lambda x: x[0])]
         start = encoder.query_position(sample.context_ids, config, blocks, prepared)
         return Encoded(config, len(blocks), parts, start, time.perf_counter() - started)
 
