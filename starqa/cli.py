@@ -46,8 +46,9 @@ MaxNewTokens = Annotated[int, typer.Option(envvar="STARQA_MAX_NEW_TOKENS", min=1
 BeyondWindow = Annotated[bool, typer.Option(
     "--beyond-window", envvar="STARQA_BEYOND_WINDOW",
     help="Go on even when the context is longer than the model's trained window.")]
-Dtype = Annotated[Optional[str], typer.Option(
-    envvar="STARQA_DTYPE", help="Compute dtype: bf16 (default), fp16, fp32.")]
+DTYPE_HELP = ("The cache's dtype: bf16 (default), fp16, fp32 (a bf16 cache is computed in fp32 "
+              "on CPUs without bf16 matrix instructions).")
+Dtype = Annotated[Optional[str], typer.Option(envvar="STARQA_DTYPE", help=DTYPE_HELP)]
 # method settings (ingest, eval)
 BlockSize = Annotated[Optional[int], typer.Option(
     envvar="STARQA_BLOCK_SIZE", help="Tokens per block (default: a quarter of the context).")]
@@ -598,8 +599,7 @@ def bench(
         help="Worker counts, comma-separated (simulated hosts; may outnumber the cores).")
     ] = "1,2,4",
     model: Model = None,
-    dtype: Annotated[Optional[str], typer.Option(
-        envvar="STARQA_DTYPE", help="Compute dtype: bf16 (default), fp16, fp32.")] = None,
+    dtype: Annotated[Optional[str], typer.Option(envvar="STARQA_DTYPE", help=DTYPE_HELP)] = None,
     new_tokens: Annotated[int, typer.Option(
         envvar="STARQA_BENCH_NEW_TOKENS",
         help="Tokens generated per run, for time to first token and per-token latency.")] = 16,
