@@ -439,13 +439,13 @@ def phase1_dtype(dtype: torch.dtype, device: Any, model_path: Path | str,
     rounded to `dtype` as each block is saved): fp32 for a bf16 cache on an x86 CPU without
     bf16 matrix instructions (`BF16_FLAGS`: AVX2-only CPUs, most laptops), where torch's bf16
     products are emulated: SmolLM2 over 1,024 tokens took 33.8 s in bf16 and 7.5 in fp32 on
-    a Zen 3 (README, Weights and dtype); the cache is the same size, its keys and values
-    rounded once instead of computed in bf16 throughout. Blocks that dense and ring continue
-    from on a re-ingest are read back as stored, so there a bf16 cache matches a full
-    encoding within bf16's rounding of the kept blocks, not bit for bit (fp32 caches: bit
-    for bit). Kept in `dtype` elsewhere, and where the fp32 weights of this machine's
-    `local_workers` would take more than half the memory available (a 1.5B model: ~6 GB a
-    worker)."""
+    a Zen 3, and `ingest samples/` encoded ~5x faster (README, Phase 1 in fp32 on CPUs
+    without bf16 products); the cache is the same size, its keys and values rounded once
+    instead of computed in bf16 throughout. Blocks that dense and ring continue from on a
+    re-ingest are read back as stored, so there a bf16 cache matches a full encoding within
+    bf16's rounding of the kept blocks, not bit for bit (fp32 caches: bit for bit). Kept in
+    `dtype` elsewhere, and where the fp32 weights of this machine's `local_workers` would
+    take more than half the memory available (a 1.5B model: ~6 GB a worker)."""
     import torch
 
     if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
