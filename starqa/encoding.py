@@ -67,7 +67,7 @@ def encode_in_process(model_path, dtype: str, device: str, ids, method, blocks, 
 
     info = dist.local_world(device)
     model = load_model(str(model_path), device=info.device, attn_implementation=hooks.register(),
-                       dtype=phase1_dtype(getattr(torch, dtype), info.device, model_path))
+                       dtype=getattr(torch, phase1_dtype(dtype, info.device, model_path)))
     on_ready()
     if seconds := os.environ.get("STARQA_SLOW"):  # test-only, as in starqa.worker
         time.sleep(float(seconds))

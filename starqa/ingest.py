@@ -299,8 +299,12 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
                               on_block=lambda index, tokens: ui.advance(tokens),
                               index=index_job, on_index=index_seconds.append)
         else:
+            from starqa import dist, models
+
             tokens_file = _save_tokens(staging, ids, opts.node_rank)
             job = {"phase": "ingest", "model_path": model.path, "dtype": dtype,
+                   "compute_dtype": models.phase1_dtype(
+                       dtype, dist.resolve_device(opts.device), model.path, workers),
                    "method": method.as_dict(), "blocks": blocks, "todo": todo,
                    "staging": str(staging), "tokens_file": str(tokens_file),
                    "measure": measure, "prepared": prepared, "index": index_job,

@@ -433,11 +433,10 @@ def _available_bytes() -> int | None:
     return None
 
 
-def phase1_dtype(dtype: torch.dtype, device: Any, model_path: Path | str,
-                 local_workers: int = 1) -> torch.dtype:
-    """The dtype Phase 1's model computes in, for a cache stored in `dtype` (the KV is
-    rounded to `dtype` as each block is saved): fp32 for a bf16 cache on an x86 CPU without
-    bf16 matrix instructions (`BF16_FLAGS`: AVX2-only CPUs, most laptops), where torch's bf16
+def phase1_dtype(dtype: str, device: Any, model_path: Path | str, local_workers: int = 1) -> str:
+    """The dtype Phase 1's model computes in (torch's name: "float32"), for a cache stored
+    in `dtype` ("bfloat16", ...; the KV is rounded to it as each block is saved): fp32 for
+    a bf16 cache on an x86 CPU without bf16 matrix instructions (`BF16_FLAGS`: AVX2-only CPUs, most laptops), where torch's bf16
     products are emulated: SmolLM2 over 1,024 tokens took 33.8 s in bf16 and 7.5 in fp32 on
     a Zen 3, and `ingest samples/` encoded ~5x faster (README, Phase 1 in fp32 on CPUs
     without bf16 products); the cache is the same size, its keys and values rounded once
@@ -445,10 +444,9 @@ def phase1_dtype(dtype: torch.dtype, device: Any, model_path: Path | str,
     re-ingest are read back as stored, so there a bf16 cache matches a full encoding within
     bf16's rounding of the kept blocks, not bit for bit (fp32 caches: bit for bit). Kept in
     `dtype` elsewhere, and where the fp32 weights of this machine's `local_workers` would
-    take more than half the memory available (a 1.5B model: ~6 GB a worker)."""
-    import torch
-
-    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+    take more than half the memory available (a 1.5B model: ~6 GB a worker). No torch
+    import: the launcher decides once for its workers (`ingest`)."""
+    if dtype != "bfloat16" or str(device).split(":")[0] != "cpu":
         return dtype
     _, flags = cpu_description()
     if "avx2" not in flags or any(flag in flags for flag in BF16_FLAGS):
@@ -457,7 +455,7 @@ def phase1_dtype(dtype: torch.dtype, device: Any, model_path: Path | str,
     available = _available_bytes()
     if available is None or 2 * weights * local_workers > available / 2:  # bf16 files → fp32
         return dtype
-    return torch.float32
+    return "float32"
 
 
 def load_tokenizer(path: Path) -> Any:

@@ -33,16 +33,21 @@ def emit(event: str, **fields) -> None:
 
 
 def _load_model(job: dict, info):
-    """Phase 1's model, in the dtype it computes in (`models.phase1_dtype`: fp32 for a bf16
-    cache on a CPU without bf16 matrix instructions; the blocks are stored in the job's)."""
+    """Phase 1's model, in the dtype it computes in: the job's `compute_dtype`, chosen once
+    by the launcher for its workers (`models.phase1_dtype`: fp32 for a bf16 cache on a CPU
+    without bf16 matrix instructions; the blocks are stored in the job's `dtype`). Across
+    machines every rank must compute in one dtype, or the methods that pass KV between
+    ranks (ring, APB) would exchange tensors of two: where the machines chose differently,
+    all keep the cache's."""
     import torch
 
-    from starqa import hooks
-    from starqa.models import load_model, phase1_dtype
+    from starqa import dist, hooks
+    from starqa.models import load_model
 
-    dtype = phase1_dtype(getattr(torch, job["dtype"]), info.device, job["model_path"],
-                         int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    return load_model(job["model_path"], dtype=dtype, device=info.device,
+    dtype = job.get("compute_dtype", job["dtype"])
+    if job.get("across") and len(set(dist.all_gather_object(info, dtype))) > 1:
+        dtype = job["dtype"]
+    return load_model(job["model_path"], dtype=getattr(torch, dtype), device=info.device,
                       attn_implementation=hooks.register())
 
 

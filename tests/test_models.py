@@ -114,15 +114,15 @@ AVX2 = {"fpu", "sse2", "avx2", "fma"}
 
 
 @pytest.mark.parametrize(("stored", "device", "flags", "available", "computed"), [
-    (torch.bfloat16, "cpu", AVX2, 8 << 30, torch.float32),  # bf16 products emulated: fp32
-    (torch.bfloat16, "cpu", AVX2 | {"avx512f", "avx512_bf16"}, 8 << 30, torch.bfloat16),
-    (torch.bfloat16, "cpu", AVX2 | {"amx_tile", "amx_bf16"}, 8 << 30, torch.bfloat16),
-    (torch.bfloat16, "cpu", set(), 8 << 30, torch.bfloat16),  # not x86 as known: as asked
-    (torch.bfloat16, "cpu", AVX2, None, torch.bfloat16),  # memory unknown: as asked
-    (torch.bfloat16, "cpu", AVX2, 1 << 20, torch.bfloat16),  # fp32 weights would not fit
-    (torch.float16, "cpu", AVX2, 8 << 30, torch.float16),
-    (torch.float32, "cpu", AVX2, 8 << 30, torch.float32),
-    (torch.bfloat16, "cuda", AVX2, 8 << 30, torch.bfloat16),
+    ("bfloat16", "cpu", AVX2, 8 << 30, "float32"),  # bf16 products emulated: fp32
+    ("bfloat16", "cpu", AVX2 | {"avx512f", "avx512_bf16"}, 8 << 30, "bfloat16"),
+    ("bfloat16", "cpu", AVX2 | {"amx_tile", "amx_bf16"}, 8 << 30, "bfloat16"),
+    ("bfloat16", "cpu", set(), 8 << 30, "bfloat16"),  # not x86 as known: as asked
+    ("bfloat16", "cpu", AVX2, None, "bfloat16"),  # memory unknown: as asked
+    ("bfloat16", "cpu", AVX2, 1 << 20, "bfloat16"),  # fp32 weights would not fit
+    ("float16", "cpu", AVX2, 8 << 30, "float16"),
+    ("float32", "cpu", AVX2, 8 << 30, "float32"),
+    ("bfloat16", "cuda:1", AVX2, 8 << 30, "bfloat16"),
 ])
 def test_phase1_computes_in_fp32_where_bf16_products_are_emulated(
         tiny: Path, monkeypatch, stored, device, flags, available, computed) -> None:
@@ -136,8 +136,8 @@ def test_phase1_keeps_bf16_where_the_workers_fp32_weights_would_crowd_memory(
     weights = sum(f.stat().st_size for f in tiny.glob("*.safetensors"))
     monkeypatch.setattr(models, "cpu_description", lambda: ("a CPU", AVX2))
     monkeypatch.setattr(models, "_available_bytes", lambda: 4 * weights * 3)  # fp32 x 3: 1/2
-    assert models.phase1_dtype(torch.bfloat16, "cpu", tiny, 3) == torch.float32
-    assert models.phase1_dtype(torch.bfloat16, "cpu", tiny, 4) == torch.bfloat16
+    assert models.phase1_dtype("bfloat16", "cpu", tiny, 3) == "float32"
+    assert models.phase1_dtype("bfloat16", "cpu", tiny, 4) == "bfloat16"
 
 
 def test_load_model_and_tokenizer(tiny: Path) -> None:

@@ -394,3 +394,29 @@ def test_a_bf16_cache_computed_in_fp32_holds_the_fp32_encoding_rounded(home, rep
             else:  # continued from the kept blocks as stored: within bf16's rounding of them
                 worst = (a[name].float() - b[name].float()).abs().max()
                 assert worst <= 2 ** -5 * b[name].float().abs().max(), (i, name, worst)
+
+
+def test_workers_compute_in_the_dtype_their_launcher_chose(home, repo, tiny_model, monkeypatch):
+    """The launcher chooses Phase 1's compute dtype once for its workers (the job's
+    `compute_dtype`): a group's bf16 blocks are the fp32 encoding rounded, as in process."""
+    from starqa import models
+
+    monkeypatch.setattr(models, "cpu_description", lambda: ("an AVX2 CPU", {"avx2", "fma"}))
+
+    def ingest(dtype, **kw):
+        return engine.ingest(engine.IngestOptions(
+            paths=(str(repo),), model=str(tiny_model), dtype=dtype, method="star",
+            block_size=40, **kw)).manifest
+
+    rounded = [{k: t.to(torch.bfloat16) for k, t in kv.items() if k in ("k", "v")}
+               for kv in _kv(ingest("fp32", encode_in="process"))]
+    grouped = _kv(ingest("bf16", encode_in="group", workers=2))
+    assert len(grouped) == len(rounded) > 2
+    for a, b in zip(grouped, rounded):
+        assert a["k"].dtype == torch.bfloat16
+        assert torch.equal(a["k"], b["k"]) and torch.equal(a["v"], b["v"])
+    computed = _kv(ingest("bf16", encode_in="process", force=True))  # the rule's own path
+    monkeypatch.setattr(models, "cpu_description", lambda: ("a CPU", {"avx2", "avx512_bf16"}))
+    in_bf16 = _kv(ingest("bf16", encode_in="process", force=True))  # computed in bf16
+    assert any(not torch.equal(a["k"], b["k"]) for a, b in zip(in_bf16, computed))
+    assert all(torch.equal(a["k"], b["k"]) for a, b in zip(computed, rounded))

@@ -235,7 +235,7 @@ class Evaluator:
         self.tokenizer = models.load_tokenizer(plan.model_path)
         self.model = models.load_model(  # Phase 1's, in the dtype it computes in
             plan.model_path, device=self.device, attn_implementation=hooks.register(),
-            dtype=models.phase1_dtype(self.dtype, self.device, plan.model_path))
+            dtype=getattr(torch, models.phase1_dtype(plan.dtype, plan.device, plan.model_path)))
         self.weights = models.phase2_weights(plan.opts.weights, plan.opts.model, plan.device)
         self.decoder = load_decoder(plan.model_path, self.dtype, self.weights, self.device)
         self.stop_ids = models.stop_ids(self.tokenizer, plan.model_path)
