@@ -435,17 +435,17 @@ def _available_bytes() -> int | None:
 
 def phase1_dtype(dtype: str, device: Any, model_path: Path | str, local_workers: int = 1) -> str:
     """The dtype Phase 1's model computes in (torch's name: "float32"), for a cache stored
-    in `dtype` ("bfloat16", ...; the KV is rounded to it as each block is saved): fp32 for
-    a bf16 cache on an x86 CPU without bf16 matrix instructions (`BF16_FLAGS`: AVX2-only CPUs, most laptops), where torch's bf16
-    products are emulated: SmolLM2 over 1,024 tokens took 33.8 s in bf16 and 7.5 in fp32 on
-    a Zen 3, and `ingest samples/` encoded ~5x faster (README, Phase 1 in fp32 on CPUs
-    without bf16 products); the cache is the same size, its keys and values rounded once
-    instead of computed in bf16 throughout. Blocks that dense and ring continue from on a
-    re-ingest are read back as stored, so there a bf16 cache matches a full encoding within
-    bf16's rounding of the kept blocks, not bit for bit (fp32 caches: bit for bit). Kept in
-    `dtype` elsewhere, and where the fp32 weights of this machine's `local_workers` would
-    take more than half the memory available (a 1.5B model: ~6 GB a worker). No torch
-    import: the launcher decides once for its workers (`ingest`)."""
+    in `dtype` ("bfloat16", ...; the KV is rounded to it as each block is saved): fp32 for a
+    bf16 cache on an x86 CPU without bf16 matrix instructions (`BF16_FLAGS`: AVX2-only CPUs,
+    most laptops), where torch's bf16 products are emulated: SmolLM2 over 1,024 tokens took
+    33.8 s in bf16 and 7.5 in fp32 on a Zen 3, and `ingest samples/` encoded ~5x faster
+    (README, Phase 1 in fp32 on CPUs without bf16 products); the cache is the same size, its
+    keys and values rounded once instead of computed in bf16 throughout. Blocks that dense
+    and ring continue from on a re-ingest are read back as stored, so there a bf16 cache
+    matches a full encoding within bf16's rounding of the kept blocks, not bit for bit (fp32
+    caches: bit for bit). Kept in `dtype` elsewhere, and where the fp32 weights of this
+    machine's `local_workers` would take more than half the memory available (a 1.5B model:
+    ~6 GB a worker). No torch import: the launcher decides once for its workers (`ingest`)."""
     if dtype != "bfloat16" or str(device).split(":")[0] != "cpu":
         return dtype
     _, flags = cpu_description()
