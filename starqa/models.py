@@ -421,8 +421,9 @@ def cpu_description() -> tuple[str, set[str]]:
     return model, flags
 
 
-def _available_bytes() -> int | None:
-    """MemAvailable (Linux /proc/meminfo), or None where unknown."""
+def available_memory() -> int | None:
+    """Bytes of memory available (Linux /proc/meminfo's MemAvailable), or None where
+    unknown."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
@@ -452,7 +453,7 @@ def phase1_dtype(dtype: str, device: Any, model_path: Path | str, local_workers:
     if "avx2" not in flags or any(flag in flags for flag in BF16_FLAGS):
         return dtype  # not x86 as known here, or bf16 products in hardware
     weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
-    available = _available_bytes()
+    available = available_memory()
     if available is None or 2 * weights * local_workers > available / 2:  # bf16 files → fp32
         return dtype
     return "float32"

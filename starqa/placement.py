@@ -62,11 +62,6 @@ def _free_memory(device: str) -> int | None:
         import torch
 
         return torch.cuda.mem_get_info(0)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from starqa.models import available_memory
+
+    return available_memory()

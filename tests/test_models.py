@@ -127,7 +127,7 @@ AVX2 = {"fpu", "sse2", "avx2", "fma"}
 def test_phase1_computes_in_fp32_where_bf16_products_are_emulated(
         tiny: Path, monkeypatch, stored, device, flags, available, computed) -> None:
     monkeypatch.setattr(models, "cpu_description", lambda: ("a CPU", set(flags)))
-    monkeypatch.setattr(models, "_available_bytes", lambda: available)
+    monkeypatch.setattr(models, "available_memory", lambda: available)
     assert models.phase1_dtype(stored, device, tiny) == computed
 
 
@@ -135,7 +135,7 @@ def test_phase1_keeps_bf16_where_the_workers_fp32_weights_would_crowd_memory(
         tiny: Path, monkeypatch) -> None:
     weights = sum(f.stat().st_size for f in tiny.glob("*.safetensors"))
     monkeypatch.setattr(models, "cpu_description", lambda: ("a CPU", AVX2))
-    monkeypatch.setattr(models, "_available_bytes", lambda: 4 * weights * 3)  # fp32 x 3: 1/2
+    monkeypatch.setattr(models, "available_memory", lambda: 4 * weights * 3)  # fp32 x 3: 1/2
     assert models.phase1_dtype("bfloat16", "cpu", tiny, 3) == "float32"
     assert models.phase1_dtype("bfloat16", "cpu", tiny, 4) == "bfloat16"
 
