@@ -12,7 +12,8 @@ Builds of the kernels (any two commits; the package's own build is not touched):
     python benchmarks/topk_kernel_ab.py CONTEXT_DIR --libs old.so,new.so [--index flat]
 
 The same keys and values in 4 KB pages against a copy in transparent huge pages (the
-process runs with THP_MEM_ALLOC_ENABLE=0, so torch's own tensors are in 4 KB pages):
+process then runs with THP_MEM_ALLOC_ENABLE=0, so torch's own tensors are in 4 KB pages;
+otherwise starqa's setting, `starqa._huge_pages`):
 
     python benchmarks/topk_kernel_ab.py CONTEXT_DIR --huge-pages
 
@@ -20,8 +21,10 @@ CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa ingest`'s.
 """
 
 import os
+import sys
 
-os.environ["THP_MEM_ALLOC_ENABLE"] = "0"  # before torch: its tensors in 4 KB pages
+if "--huge-pages" in sys.argv:  # before torch: its tensors in 4 KB pages, as against a copy
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
 
 import argparse  # noqa: E402
 import ctypes  # noqa: E402

@@ -34,9 +34,12 @@
    position's queries only (never on the other positions of the call), so a decode step
    that also checks drafted tokens gives every token exactly what a one-token step gives.
 
-   Work: (head, rows, span of positions) tasks over OpenMP threads: a group of up to GROUP
-   rows of a head is scored in one pass over the keys it reads (ivf: a list is read once
-   for the rows of the group that chose it, and scored against those only); keys are
+   Work: tasks over OpenMP threads. ivf's choice of lists: a (head, group of rows, piece
+   of the centroids) task scores them, then a task per row picks its lists. The scan:
+   (head, rows, span of positions) tasks, a group of up to GROUP rows of a head scored in
+   one pass over the keys it reads (ivf: a list is read once for the rows of the group
+   that chose it, and scored against those only; where groups are too few tasks for the
+   threads, as in a decode, a row per task, which then picks its k once); keys are
    widened CHUNK at a time (with AVX-512 a row's CHUNK dot products are reduced together,
    as in _attend.c), each row's scores kept, and its best picked (`best_of`). Then a task per
    (head, position) merges its rows' spans' selections into the union (in shard row
@@ -61,6 +64,7 @@
 #define PIECE 128         /* a position's union keys attended per task (then merged) */
 #define PREFETCH_LISTS 3  /* ivf: lists prefetched ahead of the one scanned */
 #define PREFETCH_KEYS 512 /* ... when they are at most this long (longer: the scan's own) */
+#define MIN_LISTS 128     /* centroids per task choosing lists, at least (fewer: one piece) */
 
 static const float zeros[MAX_DIM]; /* a key row past a chunk's end (zero bits: bf16 too) */
 
@@ -538,14 +542,14 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     /* Tasks: a group of up to GROUP rows of a head scored in one pass over the keys it
        reads (flat: all of them; ivf: the lists some row of the group chose, each scored
        against the rows that chose it only). Keys are cut into spans only where there are
-       too few (head, rows) tasks for the threads. The choice of lists takes a row per task
-       where groups would be too few tasks (a decode's G rows per KV head: 3 heads on 2
-       threads left one thread idle a third of the time); the scan keeps its groups (a
-       flat scan a row at a time would read every key G times). */
-    const int64_t group = GROUP;
+       too few (head, rows) tasks for the threads. Where groups would be too few tasks for
+       the threads (a decode: G rows per KV head, 3 heads on 2 threads), an ivf scan takes
+       a row per task instead: its lists are its own, so each row's k best are picked once,
+       from all its candidates, where a head's group cut into two spans picked k from each
+       span and then k of the two (a flat scan keeps its groups: a row at a time would read
+       every key G times). */
+    const int64_t group = lists > 1 && heads * ((rows + GROUP - 1) / GROUP) < 4 * threads ? 1 : GROUP;
     const int64_t groups = (rows + group - 1) / group;
-    const int64_t lgroup = heads * groups >= 4 * threads ? GROUP : 1;
-    const int64_t lgroups = (rows + lgroup - 1) / lgroup;
     int64_t spans = (2 * threads + heads * groups - 1) / (heads * groups);
     const int64_t most = n > MIN_SPAN ? n / MIN_SPAN : 1;
     spans = spans < most ? spans : most;
@@ -561,39 +565,61 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     if (failed) goto done;
 
     /* Each row's lists: the probes nearest centroids (every list when all are probed).
-       A (head, group of rows) task reads the head's centroids once for all its rows. */
+       (1) A (head, group of up to GROUP rows, piece of the centroids) task scores the
+       piece's centroids once for all the group's rows (the head's centroids are cut into
+       pieces only where there are too few (head, group) tasks for the threads: a decode
+       reads each head's centroids once, not once per row); (2) a task per row picks its
+       nearest lists from all its scores. */
     memset(chosen, chosen_lists == lists, (size_t)(heads * rows * lists));
     if (chosen_lists < lists) {
         const int64_t room = lists + CHUNK; /* a row's scores of the centroids */
+        const int64_t cgroups = (rows + GROUP - 1) / GROUP;
+        int64_t pieces = (2 * threads + heads * cgroups - 1) / (heads * cgroups);
+        const int64_t fewest = lists > MIN_LISTS ? lists / MIN_LISTS : 1;
+        pieces = pieces < fewest ? pieces : fewest;
+        /* a piece is whole chunks (a chunk's scores are written whole: no two tasks write
+           the same scores), the last one what is left */
+        const int64_t piece = ((lists + pieces - 1) / pieces + CHUNK - 1) / CHUNK * CHUNK;
+        pieces = (lists + piece - 1) / piece;
+        float *near = scratch_get(S_NEAR, (size_t)(heads * rows * room) * sizeof(float));
+        if (!near) {
+            failed = 1;
+            goto done;
+        }
 
 #pragma omp parallel num_threads(threads)
         {
-            float *near = scratch_get(S_NEAR, (size_t)(GROUP * room) * sizeof(float));
             cand *best = scratch_get(S_BEST, (size_t)lists * sizeof(cand));
             float *tmp = scratch_get(S_TMP, (size_t)(2 * lists) * sizeof(float));
             float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
-            const int ok = near && best && block && tmp;
+            const int ok = best && block && tmp;
             if (!ok) {
 #pragma omp atomic write
                 failed = 1;
             }
 #pragma omp for schedule(dynamic)
-            for (int64_t t = 0; t < heads * lgroups; t++) {
+            for (int64_t t = 0; t < heads * cgroups * pieces; t++) { /* (1) */
                 if (!ok) continue;
-                const int64_t h = t / lgroups, r0 = t % lgroups * lgroup;
-                const int64_t rn = rows - r0 < lgroup ? rows - r0 : lgroup;
-                int64_t who[GROUP], got[GROUP] = {0};
-                for (int64_t r = 0; r < rn; r++) who[r] = r;
-                /* the centroids are bf16 rows: scored like keys, positions = list numbers */
-                scan((const char *)(centroids + h * lists * d), (size_t)d * 2, 1, 0,
-                     lists, q + (h * rows + r0) * d, d, who, rn, near, room, got, block, NULL, 0,
-                     NULL);
-                const seg whole = {0, 0};
+                const int64_t h = t / (cgroups * pieces), r0 = t / pieces % cgroups * GROUP;
+                const int64_t rn = rows - r0 < GROUP ? rows - r0 : GROUP;
+                const int64_t c0 = t % pieces * piece, c1 = c0 + piece < lists ? c0 + piece : lists;
+                int64_t who[GROUP], got[GROUP];
                 for (int64_t r = 0; r < rn; r++) {
-                    best_of(near + r * room, &whole, 1, NULL, lists, 0, chosen_lists, best, tmp);
-                    unsigned char *mine = chosen + (h * rows + r0 + r) * lists;
-                    for (int64_t c = 0; c < chosen_lists; c++) mine[best[c].row] = 1;
+                    who[r] = r;
+                    got[r] = c0;
                 }
+                /* the centroids are bf16 rows: scored like keys, positions = list numbers */
+                scan((const char *)(centroids + (h * lists + c0) * d), (size_t)d * 2, 1, c0, c1,
+                     q + (h * rows + r0) * d, d, who, rn, near + (h * rows + r0) * room, room,
+                     got, block, NULL, 0, NULL);
+            }
+            const seg whole = {0, 0};
+#pragma omp for schedule(dynamic)
+            for (int64_t row = 0; row < heads * rows; row++) { /* (2) */
+                if (!ok) continue;
+                best_of(near + row * room, &whole, 1, NULL, lists, 0, chosen_lists, best, tmp);
+                unsigned char *mine = chosen + row * lists;
+                for (int64_t c = 0; c < chosen_lists; c++) mine[best[c].row] = 1;
             }
         }
         if (failed) goto done;

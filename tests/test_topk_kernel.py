@@ -87,6 +87,26 @@ def test_each_row_attends_to_exactly_its_best_keys(kind, dtype, heads, rows, n, 
     assert (lse.double() - want_lse).abs().max().item() <= 2 * own_lse + 1e-6
 
 
+@pytest.mark.parametrize("rows", [3, 40])
+def test_many_lists_are_chosen_in_pieces_and_each_row_keeps_its_best(rows):
+    """Hundreds of lists and few rows (a decode): the centroids are scored a piece per task
+    and each row picks its lists from all its scores, then scans them as a task of its own
+    (40 rows: groups, one piece); every row still attends to exactly its best keys of its
+    nearest lists."""
+    torch.manual_seed(3)
+    heads, n, dim, k = 2, 20000, 64, 50
+    q = torch.randn(heads, rows, dim)
+    key, value = torch.randn(heads, n, dim).bfloat16(), torch.randn(heads, n, dim).bfloat16()
+    ordered, key_map, centroids, offsets = ivf_layout(key, 600, 40)
+    out, lse = native.topk_attend(q, [(0, ordered)], [(0, value)], k, 2, 0.125, key_map,
+                                  (centroids, offsets, 40))
+    allowed = allowed_by_lists(q, key_map, centroids, offsets, 40)
+    want_out, want_lse = reference(q, key, value, k, 0.125, 2, allowed)
+    fp32_out, fp32_lse = reference(q, key, value, k, 0.125, 2, allowed, torch.float32)
+    assert (out.double() - want_out).abs().max() <= 2 * (fp32_out.double() - want_out).abs().max() + 1e-6
+    assert (lse.double() - want_lse).abs().max() <= 2 * (fp32_lse.double() - want_lse).abs().max() + 1e-6
+
+
 def test_every_key_is_exact_attention():
     """k >= N: the kernel's part is exact attention's, as close to float64 as
     attention.attend's own fp32 result is."""
