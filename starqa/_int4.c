@@ -159,12 +159,19 @@ VNNI static void tile_vnni(const uint8_t *w, int64_t groups, const int8_t *x8, c
     for (int64_t r = 0; r < rn; r++) _mm512_storeu_ps(y + r * 16, acc[r]);
 }
 
-/* `vpdpbusd` on AVX2: acc + the sums of 4 products u8 · s8 per 32-bit lane, exactly (a
-   nibble times a digit is at most 15 · 128 in size, so the pairs' 16-bit sums never
-   saturate). */
-AVX2 static inline __m256i dpbusd8(__m256i acc, __m256i u, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
-                                                   _mm256_set1_epi16(1)));
+/* The 16-bit sums of a half tile's 8 lanes with one digit (d [8]: the group's 32 digits
+   as 8 words of 4): for each lane, pairs of nibble · digit products (maddubs), the 8
+   registers' pairs added in 16 bits (each pair is at most 2 · 15 · 64 = 1,920 in size, so
+   8 of them, 15,360, never overflow), then pairs of those to 32 bits: per lane the exact
+   integer dot product of its 32 nibbles with the digits. */
+AVX2 static inline __m256i dot_digits(const __m256i *lo, const __m256i *hi, const int32_t *d) {
+    __m256i sum = _mm256_maddubs_epi16(lo[0], _mm256_set1_epi32(d[0]));
+    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(hi[0], _mm256_set1_epi32(d[4])));
+    for (int c = 1; c < 4; c++) {
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(d[c])));
+        sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(d[4 + c])));
+    }
+    return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
 }
 
 /* tile_vnni for CPUs with AVX2 but no AVX-512 VNNI: the same integer sums and float steps
@@ -190,18 +197,8 @@ AVX2 static void tile_avx2(const uint8_t *w, int64_t groups, const int8_t *x8, c
                                        _mm256_mul_ps(scale, _mm256_set1_ps(8.0f)));
             for (int64_t r = 0; r < rn; r++) {
                 const int32_t *xh = (const int32_t *)(x8 + (g * m + r0 + r) * DIGITS), *xl = xh + 8;
-                __m256i dh[4], dl[4];
-                for (int c = 0; c < 4; c++) {
-                    dh[c] = dpbusd8(dpbusd8(_mm256_setzero_si256(), lo[c], _mm256_set1_epi32(xh[c])),
-                                    hi[c], _mm256_set1_epi32(xh[4 + c]));
-                    dl[c] = dpbusd8(dpbusd8(_mm256_setzero_si256(), lo[c], _mm256_set1_epi32(xl[c])),
-                                    hi[c], _mm256_set1_epi32(xl[4 + c]));
-                }
-                __m256i dot_high = _mm256_add_epi32(_mm256_add_epi32(dh[0], dh[1]),
-                                                    _mm256_add_epi32(dh[2], dh[3]));
-                __m256i dot_low = _mm256_add_epi32(_mm256_add_epi32(dl[0], dl[1]),
-                                                   _mm256_add_epi32(dl[2], dl[3]));
-                __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_high, 7), dot_low);
+                __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_digits(lo, hi, xh), 7),
+                                               dot_digits(lo, hi, xl));
                 int64_t at = g * m + r0 + r;
                 acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                                _mm256_mul_ps(scale, _mm256_set1_ps(sx[at])),
