@@ -9,7 +9,10 @@ and 3 drafted ones), min-of-trials ms of one forward plus the LM head on its las
 - torch: int4 through torch's `_weight_int4pack_mm_for_cpu` (torch's packed layout),
   RMSNorm and RoPE as torch operators (what starqa ran before starqa/_int4.c and _rows.c);
 - int4: starqa's int4 kernel (starqa/_int4.c), norms and RoPE still torch's;
-- starqa: starqa's int4 kernel and its RMSNorm and RoPE (starqa/_rows.c): what runs now.
+- rows: starqa's int4 kernel and its RMSNorm, RoPE and SiLU·mul (starqa/_rows.c), each
+  called from Python;
+- starqa: the same kernels, a layer's steps before and after its attention one call each
+  (starqa/_layer.c): what runs now.
 
 Then, per weight shape of the models, one product of 1 and 4 rows through each int4 kernel
 in GB/s of int4 weights read (5 bits a weight with the scales), from many copies of the
@@ -70,15 +73,18 @@ def step_times(model: str, rows_list: list[int]) -> None:
     def attention(layer, q, k, v):  # the attention left out: its output is its query
         return q.contiguous()
 
-    setups = [("torch", theirs, False), ("int4", ours, False), ("starqa", ours, True)]
+    # (name, decoder, starqa's norm/RoPE/SiLU kernels, a layer's steps in one call each)
+    setups = [("torch", theirs, False, False), ("int4", ours, False, False),
+              ("rows", ours, True, False), ("starqa", ours, True, True)]
     print(f"{model}: ms per forward (weights, norms, RoPE; no attention)")
-    print(f"{'rows':>5}" + "".join(f"{name:>9}" for name, _, _ in setups) + f"{'torch/starqa':>14}")
+    print(f"{'rows':>5}" + "".join(f"{name:>9}" for name, *_ in setups) + f"{'torch/starqa':>14}")
     for rows in rows_list:
         ids, positions = torch.arange(100, 100 + rows), torch.arange(5000, 5000 + rows)
         times = []
-        for _, decoder, native_rows in setups:
+        for _, decoder, native_rows, layer_kernels in setups:
             decoder.native_rows = native_rows and native.rows_supported(decoder.device,
                                                                         decoder.dtype)
+            decoder.layer_kernels = layer_kernels and decoder.native_rows
 
             def run(decoder=decoder):
                 hidden = decoder.forward(ids, positions, attention, rowwise=True)

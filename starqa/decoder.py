@@ -23,7 +23,10 @@ Zen 5 starqa's reads 1.2-2.9x the bytes per second from memory that torch's does
 compute-bound instead, and there int8 activations times int8 weights (`torch._int_mm`,
 VNNI on x86) run about 4x faster than torch's int4 kernel: quantised formats keep an int8
 copy for it (int8: the weight itself), see `Linear.__call__`. On the CPU, RMSNorm and RoPE
-are starqa's kernels too (starqa/_rows.c, one call each where torch runs ~8 operators).
+are starqa's kernels too (starqa/_rows.c, one call each where torch runs ~8 operators), and
+where every linear is in starqa's int4 tiles a layer's steps before and after its attention
+are one call each (starqa/_layer.c: the same kernels, the same bits, without ~10 calls'
+overhead a layer: SmolLM2's step 11-12 -> 8.4-10.3 ms on a 2-core Zen 3).
 The model's part of a forward with starqa's kernels against torch's: 1.4-1.6x faster for
 SmolLM2 and Qwen2.5-Coder-1.5B at one row and at four (benchmarks/decode_step.py).
 """
@@ -230,6 +233,17 @@ class Decoder:
         self.scale = d ** -0.5
         self.native_rows = (native.rows_supported(embed.device, dtype) and d % 2 == 0
                             and d <= 512 and all(t.is_contiguous() for t in self._norms()))
+        # each layer's steps around its attention in one compiled call each
+        # (starqa/_layer.c): where every linear is starqa's int4 tiles; a forward of
+        # `layer_rows` rows or more (not rowwise) takes the W8A8 copies instead
+        linears = [lin for layer in layers for lin in (layer.qkv, layer.out, layer.gate_up,
+                                                       layer.down)]
+        self.layer_kernels = self.native_rows and all(
+            lin.format == "int4" and lin.scale is None and lin.weight.is_contiguous()
+            and (lin.bias is None or lin.bias.is_contiguous()) for lin in linears)
+        self.layer_rows = min((lin.w8a8_rows for lin in linears
+                               if lin.w8 is not None and lin.w8a8_rows is not None),
+                              default=float("inf"))
 
     def _norms(self) -> list[torch.Tensor]:
         return [self.norm, *(w for layer in self.layers for w in (layer.attn_norm,
@@ -262,16 +276,29 @@ class Decoder:
         else:
             norm, rotate, silu_mul = _rms_norm, _rotate, _silu_mul
             cos, sin = self.rope(positions)
-        hidden = self.embed[ids]  # [M, H]
+        hidden = self.embed[ids]  # [M, H], this forward's own (updated in place when fused)
+        fused = self.layer_kernels and (rowwise or m < self.layer_rows)
         for index, layer in enumerate(self.layers):
-            x = norm(hidden, layer.attn_norm, c.eps)
-            qkv = layer.qkv(x, rowwise).view(m, c.heads + 2 * c.kv_heads, c.head_dim)
-            qk = rotate(qkv, c.heads + c.kv_heads, cos, sin)  # RoPE on q and k at once
-            q, k, v = qk[:, :c.heads], qk[:, c.heads:], qkv[:, c.heads + c.kv_heads:]
+            if fused:  # the same kernels in the same order, one call: the same bits
+                qkv = qk = native.layer_before(hidden, layer.attn_norm, c.eps, layer.qkv.weight,
+                                               layer.qkv.bias, c.heads + c.kv_heads, c.head_dim,
+                                               cos, sin)
+            else:
+                x = norm(hidden, layer.attn_norm, c.eps)
+                qkv = layer.qkv(x, rowwise).view(m, c.heads + 2 * c.kv_heads, c.head_dim)
+                qk = rotate(qkv, c.heads + c.kv_heads, cos, sin)  # RoPE on q and k at once
+            q, k = qk[:, :c.heads], qk[:, c.heads:c.heads + c.kv_heads]
+            v = qkv[:, c.heads + c.kv_heads:]
             out = attention(index, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                             v.transpose(0, 1)[None])  # [1, Hq, M, D]
-            hidden = hidden + layer.out(out[0].transpose(0, 1).reshape(m, q_size).to(self.dtype),
-                                       rowwise)
+            attended = out[0].transpose(0, 1).reshape(m, q_size).to(self.dtype)
+            if fused:
+                native.layer_after(hidden, attended.contiguous(), (layer.out.weight,
+                                   layer.out.bias), layer.mlp_norm, c.eps,
+                                   (layer.gate_up.weight, layer.gate_up.bias),
+                                   (layer.down.weight, layer.down.bias))
+                continue
+            hidden = hidden + layer.out(attended, rowwise)
             x = norm(hidden, layer.mlp_norm, c.eps)
             hidden = hidden + layer.down(silu_mul(layer.gate_up(x, rowwise)), rowwise)
         return norm(hidden, self.norm, c.eps)

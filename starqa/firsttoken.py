@@ -183,8 +183,12 @@ def _forward(model: _Model, tables: Sequence[kernels.KeyTable], ids: list[int], 
                                 c.eps, y.ctypes.data)
         return y
 
-    def add(x: np.ndarray, y: np.ndarray) -> None:
-        library.starqa_add(1, x.ctypes.data, x.shape[0], x.shape[1], y.ctypes.data, y.shape[1])
+    def address(lin: _Linear) -> tuple[int, int | None]:
+        return lin.tiles.ctypes.data, None if lin.bias is None else lin.bias.ctypes.data
+
+    def check(code: int) -> None:
+        if code:
+            raise MemoryError() if code == 2 else ValueError("decoder layer: impossible shapes")
 
     positions = np.arange(start, start + m, dtype=np.int64)
     cos, sin = np.empty((m, d), dtype=np.uint16), np.empty((m, d), dtype=np.uint16)
@@ -195,12 +199,13 @@ def _forward(model: _Model, tables: Sequence[kernels.KeyTable], ids: list[int], 
     keys, values, queries, lses = [], [], [], []
     for layer in range(c.layers):
         prefix = f"{layer}."
-        x = norm(hidden, model.arrays[prefix + "attn_norm"])
-        qkv = linear(x, model.linear(prefix + "qkv"))  # [M, (Hq + 2 Hkv) D]
-        if library.starqa_rope(1, qkv.ctypes.data, m, qkv.shape[1], heads + kv, d,
-                               cos.ctypes.data, sin.ctypes.data):
-            raise ValueError(f"RoPE kernel: head size {d}")
-        qkv = qkv.reshape(m, heads + 2 * kv, d)
+        # the layer before its attention, one call (starqa/_layer.c, as Decoder.forward)
+        tiles, bias = address(model.linear(prefix + "qkv"))
+        qkv = np.empty((m, heads + 2 * kv, d), dtype=np.uint16)
+        check(library.starqa_layer_before(
+            1, hidden.ctypes.data, m, hidden.shape[1],
+            model.arrays[prefix + "attn_norm"].ctypes.data, c.eps, tiles, qkv.shape[1] * d,
+            bias, heads + kv, d, cos.ctypes.data, sin.ctypes.data, qkv.ctypes.data, threads))
         key = np.ascontiguousarray(qkv[:, heads:heads + kv].transpose(1, 0, 2))  # [Hkv, M, D]
         value = np.ascontiguousarray(qkv[:, heads + kv:].transpose(1, 0, 2))
         # query heads of a KV head as rows (attention.fold_gqa): [Hkv, G M, D]
@@ -215,12 +220,15 @@ def _forward(model: _Model, tables: Sequence[kernels.KeyTable], ids: list[int], 
         if code:
             raise MemoryError() if code == 2 else ValueError("attention kernel: shapes")
         attended = _narrow(out.reshape(heads, m, d).transpose(1, 0, 2).reshape(m, heads * d))
-        add(hidden, linear(attended, model.linear(prefix + "out")))
-        x = norm(hidden, model.arrays[prefix + "mlp_norm"])
-        gate_up = linear(x, model.linear(prefix + "gate_up"))
-        inner = np.empty((m, gate_up.shape[1] // 2), dtype=np.uint16)
-        library.starqa_silu_mul(1, gate_up.ctypes.data, m, inner.shape[1], inner.ctypes.data)
-        add(hidden, linear(inner, model.linear(prefix + "down")))
+        # the layer after it, one call
+        out_tiles, out_bias = address(model.linear(prefix + "out"))
+        gate_up = model.linear(prefix + "gate_up")
+        up_tiles, up_bias = address(gate_up)
+        down_tiles, down_bias = address(model.linear(prefix + "down"))
+        check(library.starqa_layer_after(
+            1, hidden.ctypes.data, m, hidden.shape[1], attended.ctypes.data, attended.shape[1],
+            out_tiles, out_bias, model.arrays[prefix + "mlp_norm"].ctypes.data, c.eps, up_tiles,
+            gate_up.outputs // 2, up_bias, down_tiles, down_bias, threads))
         keys.append(key), values.append(value)
         queries.append(folded.reshape(kv, group, m, d)), lses.append(lse.reshape(kv, group, m))
     last = norm(np.ascontiguousarray(hidden[-1:]), model.norm)

@@ -1,9 +1,10 @@
 """starqa's compiled CPU kernels, bound through ctypes on raw addresses: no torch here.
 
 The library (`_attend*.so`: starqa/_attend.c exact attention, _topk.c top-k attention,
-_int4.c int4 weights, _rows.c RMSNorm, RoPE, SiLU·mul and adds) is built by `pip install`
-where a C compiler is found. starqa.native calls it on torch tensors; starqa.firsttoken on
-numpy arrays, before torch is imported. `library()` is None where it was not built.
+_int4.c int4 weights, _rows.c RMSNorm, RoPE, SiLU·mul and adds, _layer.c a decoder layer's
+steps on either side of its attention) is built by `pip install` where a C compiler is
+found. starqa.native calls it on torch tensors; starqa.firsttoken on numpy arrays, before
+torch is imported. `library()` is None where it was not built.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ _SIGNATURES = {
     "starqa_rope_table": (None, [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR]),
     "starqa_silu_mul": (None, [_INT, _PTR, _I64, _I64, _PTR]),
     "starqa_add": (None, [_INT, _PTR, _I64, _I64, _PTR, _I64]),
+    "starqa_layer_before": (_INT, [_INT, _PTR, _I64, _I64, _PTR, _F32, _PTR, _I64, _PTR, _I64,
+                                   _I64, _PTR, _PTR, _PTR, _INT]),
+    "starqa_layer_after": (_INT, [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _F32,
+                                  _PTR, _I64, _PTR, _PTR, _PTR, _INT]),
 }
 
 

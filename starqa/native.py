@@ -1,7 +1,8 @@
 """starqa's compiled CPU kernels on torch tensors (starqa/_attend.c: exact attention;
 starqa/_topk.c: top-k attention; starqa/_int4.c: int4 weights times a few rows;
-starqa/_rows.c: RMSNorm, RoPE, SiLU·mul), built by `pip install` where a C compiler is found
-and bound through ctypes by starqa.kernels. Without them, `available()` is False and
+starqa/_rows.c: RMSNorm, RoPE, SiLU·mul; starqa/_layer.c: a decoder layer's steps on either
+side of its attention), built by `pip install` where a C compiler is found and bound
+through ctypes by starqa.kernels. Without them, `available()` is False and
 starqa.attention, starqa.retrieval and starqa.decoder fall back to torch's and numpy's
 code."""
 
@@ -263,6 +264,55 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dty
     _library().starqa_rope_table(dtype == torch.bfloat16, positions.data_ptr(), m,
                                  inv_freq.data_ptr(), d, cos.data_ptr(), sin.data_ptr())
     return cos, sin
+
+
+def _address(x: torch.Tensor | None) -> int | None:
+    return None if x is None else x.data_ptr()
+
+
+def _check(code: int, what: str) -> None:
+    if code:
+        raise MemoryError() if code == 2 else ValueError(f"{what}: impossible shapes")
+
+
+def layer_before(hidden: torch.Tensor, norm: torch.Tensor, eps: float, qkv: torch.Tensor,
+                 bias: torch.Tensor | None, rotated: int, dim: int, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """A decoder layer before its attention (starqa/_layer.c): RMSNorm of hidden [M, H],
+    times the int4 tiles `qkv` (+ bias), RoPE on the first `rotated` heads of D = dim;
+    returns [M, N / dim, dim]. Every tensor contiguous, one dtype `rows_supported` takes
+    (the caller's to check, as for `rms_norm`)."""
+    m, h = hidden.shape
+    n = qkv.shape[0] * 16
+    if qkv.shape[1] * 32 != h or n % dim:
+        raise ValueError(f"decoder layer: hidden {tuple(hidden.shape)} against qkv tiles "
+                         f"{tuple(qkv.shape)} of heads of {dim}")
+    y = hidden.new_empty(m, n // dim, dim)
+    _check(_library().starqa_layer_before(
+        hidden.dtype == torch.bfloat16, hidden.data_ptr(), m, h, norm.data_ptr(), eps,
+        qkv.data_ptr(), n, _address(bias), rotated, dim, cos.data_ptr(), sin.data_ptr(),
+        y.data_ptr(), torch.get_num_threads()), "decoder layer")
+    return y
+
+
+def layer_after(hidden: torch.Tensor, attn: torch.Tensor, out, norm: torch.Tensor, eps: float,
+                gate_up, down) -> None:
+    """A decoder layer after its attention (starqa/_layer.c), on hidden [M, H] in place:
+    the output projection of attn [M, K] and its residual, RMSNorm, the MLP and its
+    residual. out, gate_up, down: (int4 tiles, bias or None). Every tensor contiguous,
+    one dtype `rows_supported` takes."""
+    m, h = hidden.shape
+    if (attn.shape[1] != out[0].shape[1] * 32 or out[0].shape[0] * 16 != h
+            or gate_up[0].shape[1] * 32 != h or down[0].shape[0] * 16 != h
+            or down[0].shape[1] * 32 != gate_up[0].shape[0] * 8):
+        raise ValueError(f"decoder layer: hidden {tuple(hidden.shape)}, attention "
+                         f"{tuple(attn.shape)} against tiles {tuple(out[0].shape)}, "
+                         f"{tuple(gate_up[0].shape)}, {tuple(down[0].shape)}")
+    _check(_library().starqa_layer_after(
+        hidden.dtype == torch.bfloat16, hidden.data_ptr(), m, h, attn.data_ptr(),
+        attn.shape[1], out[0].data_ptr(), _address(out[1]), norm.data_ptr(), eps,
+        gate_up[0].data_ptr(), gate_up[0].shape[0] * 8, _address(gate_up[1]),
+        down[0].data_ptr(), _address(down[1]), torch.get_num_threads()), "decoder layer")
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

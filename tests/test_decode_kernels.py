@@ -113,6 +113,55 @@ def test_linear_uses_the_tiles_for_decode_rows():
                                rtol=0, atol=0)
 
 
+def tiny_decoder(dtype: torch.dtype, bias: bool):
+    """Two random layers of int4 tiles (9 query heads, 3 KV heads of 32, MLP 192; a bias on
+    qkv like Qwen2's where `bias`)."""
+    from starqa.decoder import Decoder, Layer
+    from starqa.prepared import DecoderConfig
+
+    torch.manual_seed(4)
+    c = DecoderConfig(layers=2, hidden=96, heads=9, kv_heads=3, head_dim=32, vocab=64,
+                      eps=1e-5, rope_theta=10000.0, tied=False)
+
+    def lin(n, k, with_bias=False):
+        return Linear.quantize(torch.randn(n, k) / k ** 0.5,
+                               torch.randn(n) if with_bias else None, "int4", dtype)
+
+    layers = [Layer(attn_norm=(1 + torch.randn(96) / 4).to(dtype), qkv=lin(480, 96, bias),
+                    out=lin(96, 288), mlp_norm=(1 + torch.randn(96) / 4).to(dtype),
+                    gate_up=lin(384, 96), down=lin(96, 192)) for _ in range(2)]
+    return Decoder(c, torch.randn(64, 96).to(dtype), layers, torch.ones(96).to(dtype),
+                   lin(64, 96), dtype, "int4")
+
+
+@pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_layer_in_two_calls_gives_the_bits_of_its_kernels_one_by_one(dtype, bias):
+    """starqa/_layer.c composes the norm, int4, RoPE, SiLU·mul and add kernels around each
+    layer's attention in one call each: the forward's hidden states equal those of the
+    kernels called one by one, bit for bit, for a token and for rows computed rowwise."""
+    decoder = tiny_decoder(dtype, bias)
+    assert decoder.layer_kernels
+    ids, positions = torch.tensor([3, 17, 42]), torch.tensor([100, 101, 102])
+
+    def attention(layer, q, k, v):  # any function of q, k and v will do
+        return q * 0.5 + (k + v).repeat_interleave(3, dim=1)
+
+    for rows in (1, 3):
+        fused = decoder.forward(ids[:rows], positions[:rows], attention, rowwise=True)
+        decoder.layer_kernels = False
+        separate = decoder.forward(ids[:rows], positions[:rows], attention, rowwise=True)
+        decoder.layer_kernels = True
+        assert torch.equal(fused, separate)
+    layer = decoder.layers[0]
+    hidden = torch.randn(1, 96).to(dtype)
+    with pytest.raises(ValueError, match="decoder layer"):  # attention of 10 heads for 9
+        native.layer_after(hidden, torch.randn(1, 320).to(dtype), (layer.out.weight, None),
+                           layer.mlp_norm, 1e-5, (layer.gate_up.weight, None),
+                           (layer.down.weight, None))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rms_norm_rounds_as_transformers_does(dtype):
     """LlamaRMSNorm: normalised in fp32, rounded to the dtype, times the weight (rounded
