@@ -4,9 +4,8 @@
    Each side is a few of starqa's own kernels (_rows.c's RMSNorm, RoPE, SiLU·mul and adds,
    _int4.c's int4 product) called in the order, and with the buffers, that the callers
    used to call them one by one from Python: about ten calls a layer, whose overhead
-   (argument checks, tensors made, ctypes) was ~6 of SmolLM2's ~14 ms a decode step on a
-   2-core Zen 3, as much as reading the layer's weights. Same kernels, same order: the same
-   bits.
+   (argument checks, tensors made, ctypes) was ~3 of SmolLM2's 10-13 ms a decode step on a
+   2-core Zen 3 (benchmarks/decode_step.py). Same kernels, same order: the same bits.
 
    before: x = RMSNorm(hidden); qkv = x Wqkvᵀ (+ bias); RoPE on qkv's first `rotated` heads.
    after:  hidden = round(hidden + (attn Woᵀ (+ bias)));  x = RMSNorm(hidden);

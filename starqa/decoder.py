@@ -26,7 +26,7 @@ copy for it (int8: the weight itself), see `Linear.__call__`. On the CPU, RMSNor
 are starqa's kernels too (starqa/_rows.c, one call each where torch runs ~8 operators), and
 where every linear is in starqa's int4 tiles a layer's steps before and after its attention
 are one call each (starqa/_layer.c: the same kernels, the same bits, without ~10 calls'
-overhead a layer: SmolLM2's step 11-12 -> 8.4-10.3 ms on a 2-core Zen 3).
+overhead a layer: SmolLM2's step at one row 10-13 -> 7.4-9.5 ms on a 2-core Zen 3).
 The model's part of a forward with starqa's kernels against torch's: 1.4-1.6x faster for
 SmolLM2 and Qwen2.5-Coder-1.5B at one row and at four (benchmarks/decode_step.py).
 """
