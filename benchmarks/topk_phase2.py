@@ -4,7 +4,8 @@ memory), without encoding the context again. Where Phase 1 of a long context tak
 of an hour (32K on a 2-core AVX2 machine), encode it once and measure Phase 2 as often
 as needed:
 
-    python benchmarks/topk_phase2.py CONTEXT_DIR --top-k 1% --index flat,ivf --kv-on-disk
+    python benchmarks/topk_phase2.py CONTEXT_DIR --top-k 1% --index flat,ivf --kv-on-disk \\
+        [--rounds 3]
 
 CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa ingest`'s. The question
 and the tokens generated are the bench's (16 by default, every one decoded).
@@ -29,11 +30,13 @@ def main() -> None:
     parser.add_argument("--top-k-prefill", default=None)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="exact and each top-k this many times, alternating (medians)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     opts = bench.options(lengths="1k", workers=str(args.workers), new_tokens=args.new_tokens,
                          top_k=args.top_k, index=args.index, kv_on_disk=args.kv_on_disk,
-                         prefill=args.top_k_prefill)
+                         prefill=args.top_k_prefill, rounds=args.rounds)
     manifest = read_manifest(args.context)
     tokenizer = models.load_tokenizer(_checked_model(manifest, None))
     query_ids = prompt.tokenize_query(tokenizer, bench.QUESTION)

@@ -44,19 +44,25 @@ class BenchOptions:
     new_tokens: int = 16  # tokens generated per run; per-token latency needs at least 2
     device: str = "auto"
     topk: tuple[TopK, ...] = ()  # Phase 2 also with each, on the same context, after exact
+    rounds: int = 1  # Phase 2 runs of exact and each top-k, alternating (`phase2`)
 
 
 def options(methods: str | None = None, lengths: str = DEFAULT_LENGTHS,
             workers: str = DEFAULT_WORKERS, model: str | None = None, dtype: str | None = None,
             new_tokens: int = 16, device: str = "auto", top_k: str | None = None,
             index: str = "flat,ivf,hnsw", schedule: str | None = None,
-            kv_on_disk: bool = False, prefill: str | None = None) -> BenchOptions:
+            kv_on_disk: bool = False, prefill: str | None = None,
+            rounds: int = 1) -> BenchOptions:
     """BenchOptions from the command line's strings; every bad value is a clear error.
     top_k: Phase 2 also runs top-k attention with this budget for each index kind of
-    `index` (comma-separated), in memory and, with `kv_on_disk`, memory-mapped too."""
+    `index` (comma-separated), in memory and, with `kv_on_disk`, memory-mapped too.
+    rounds: Phase 2's runs of exact and of each top-k, alternating (see `phase2`)."""
     if new_tokens < 2:
         raise StarqaError(f"--new-tokens must be at least 2 (got {new_tokens}): per-token "
                           "latency is measured between generated tokens.")
+    if rounds < 1:
+        raise StarqaError(f"--rounds must be at least 1 (got {rounds}).",
+                          hint="--rounds 3   (exact and each top-k three times, alternating)")
     topk = []
     if top_k is not None:
         for kind in dict.fromkeys(k.strip() for k in index.split(",") if k.strip()):
@@ -71,7 +77,7 @@ def options(methods: str | None = None, lengths: str = DEFAULT_LENGTHS,
                           "runs.",
                           hint="add --top-k 1%")
     return BenchOptions(parse_methods(methods), parse_lengths(lengths), parse_workers(workers),
-                        model, dtype, new_tokens, device, tuple(topk))
+                        model, dtype, new_tokens, device, tuple(topk), rounds)
 
 
 def parse_methods(text: str | None) -> tuple[str, ...]:
@@ -274,9 +280,12 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
 def phase2(manifest: Manifest, query_ids: list[int], workers: int, opts: BenchOptions,
            new_ui, report) -> tuple:
     """Phase 2 of one cached context side by side: exact, then each of `opts.topk` (its
-    indexes built on first use). Returns (exact's Answer, the top-k rows, the manifest with
-    any indexes built). `run` calls it for every run; benchmarks/topk_phase2.py for a
-    context ingested once."""
+    indexes built on first use), `opts.rounds` times in turn (exact, each top-k, exact,
+    ...): on a machine whose speed drifts between runs minutes apart, each kind is then
+    measured across the same stretch of time, and each is reported by its run of median
+    decode time (its other numbers from that same run). Returns (exact's Answer, the top-k
+    rows, the manifest with any indexes built). `run` calls it for every run;
+    benchmarks/topk_phase2.py for a context ingested once."""
     def answer(topk: TopK | None):
         with new_ui() as ui:
             return engine.ask_tokens(manifest, query_ids, workers=workers,
@@ -284,13 +293,24 @@ def phase2(manifest: Manifest, query_ids: list[int], workers: int, opts: BenchOp
                                      allow_over_window=True, device=opts.device, topk=topk,
                                      ui=ui)
 
-    exact, rows = answer(None), []
-    for settings in opts.topk:
-        fast = answer(settings)
-        manifest = fast.context  # with the indexes built for it
-        rows.append(_topk_row(settings, manifest, fast, exact))
+    runs: list[list] = [[] for _ in range(1 + len(opts.topk))]  # exact's, then each top-k's
+    for _ in range(opts.rounds):
+        runs[0].append(answer(None))
+        for i, settings in enumerate(opts.topk, 1):
+            runs[i].append(answer(settings))
+            manifest = runs[i][-1].context  # with the indexes built for it
+    exact, rows = median_run(runs[0]), []
+    for settings, found in zip(opts.topk, runs[1:]):
+        rows.append(_topk_row(settings, manifest, median_run(found), exact))
         report(f"    {_describe_topk(rows[-1])}")
     return exact, rows, manifest
+
+
+def median_run(answers: Sequence) -> object:
+    """Of one kind's runs, the one of median decode time per token (the lower middle one of
+    an even count; runs without a per-token time last)."""
+    order = sorted(answers, key=lambda a: (per_token(a) is None, per_token(a) or 0.0))
+    return order[(len(order) - 1) // 2]
 
 
 def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds: float) -> dict:

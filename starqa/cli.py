@@ -620,6 +620,10 @@ def bench(
         help="With --top-k: each kind also with values memory-mapped from the cache.")
     ] = False,
     top_k_prefill: TopKPrefill = None,
+    rounds: Annotated[int, typer.Option(
+        "--rounds", envvar="STARQA_BENCH_ROUNDS",
+        help="Phase 2 runs of exact and of each top-k, alternating; each reported by its "
+             "run of median decode time (for a machine whose speed drifts).")] = 1,
 ) -> None:
     """Measure Phase 1 and Phase 2 of each method side by side on synthetic contexts.
 
@@ -631,7 +635,7 @@ def bench(
     from starqa.ui import RichUI, bench_notes, bench_table, err
 
     opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device, top_k,
-                             index, top_k_schedule, kv_on_disk, top_k_prefill)
+                             index, top_k_schedule, kv_on_disk, top_k_prefill, rounds)
     _fetch_model(model)
     plan = bench_mod.make_plan(opts)
     bench_notes(plan)

@@ -1,6 +1,7 @@
 """`starqa bench` and its instruments: bytes counted by dist's collectives, FLOPs counted by
 the worker, a whole bench through torchrun on the tiny model, and every input error."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -174,6 +175,32 @@ def test_bench_top_k_against_exact_on_the_same_context(tiny_model, tmp_path):
     assert runs[2]["index_build_seconds"] > 0
 
 
+def test_phase2_rounds_alternate_and_report_each_kinds_median_run(monkeypatch):
+    """--rounds 3: exact, flat, ivf, exact, flat, ivf, ...; each kind reported by its run of
+    median decode time (a machine's drift between runs lands on every kind alike)."""
+    from types import SimpleNamespace
+
+    opts = bench.options("star", "1k", "1", top_k="1%", index="flat,ivf", rounds=3)
+    calls, context = [], SimpleNamespace(n_tokens=1000)
+    # decode seconds per run, in call order: exact 9, 3, 6; flat 2, 8, 5; ivf 7, 1, 4
+    seconds = iter([9, 2, 7, 3, 8, 1, 6, 5, 4])
+
+    def ask_tokens(manifest, query_ids, *, topk, **_):
+        calls.append(topk.index if topk else "exact")
+        return SimpleNamespace(token_ids=[1, 2, 3], decode_seconds=next(seconds),
+                               prefill_seconds=0.5, peak_bytes=[len(calls)], context=context)
+
+    monkeypatch.setattr(bench.engine, "ask_tokens", ask_tokens)
+    monkeypatch.setattr(bench, "find_set", lambda manifest, kind: None)
+    exact, rows, _ = bench.phase2(context, [1], 1, opts, lambda: contextlib.nullcontext(None),
+                                  lambda line: None)
+    assert calls == ["exact", "flat", "ivf"] * 3
+    assert exact.decode_seconds == 6  # the median of 9, 3, 6
+    assert [r["seconds_per_token"] * 2 for r in rows] == [5, 4]  # medians of 2, 8, 5 and 7, 1, 4
+    assert [r["peak_bytes"] for r in rows] == [8, 9]  # the numbers of those same runs
+    assert rows[0]["decode_vs_exact"] == 5 / 6
+
+
 def test_ring_phase1_bytes_are_the_kv_going_round(tiny_model, tmp_path):
     """Ring on 2 workers: each layer, each worker sends its chunk's K and V (fp32, padded to
     the longest chunk) once to the other, under the FLOP counter."""
@@ -221,6 +248,7 @@ def test_parsing():
     ({"workers": "-1"}, "--workers must be at least 1"),
     ({"workers": "two"}, "'two' is not a whole number"),
     ({"new_tokens": 1}, "--new-tokens must be at least 2"),
+    ({"rounds": 0}, "--rounds must be at least 1"),
 ])
 def test_bad_options(kwargs, message):
     with pytest.raises(StarqaError, match=message):
@@ -230,7 +258,8 @@ def test_bad_options(kwargs, message):
 def test_cli_errors_are_messages_not_tracebacks(home):
     for args, message in ((["--methods", "nope"], "Unknown method 'nope'"),
                           (["--workers", "0"], "--workers must be at least 1"),
-                          (["--lengths", "2k;4k"], "Bad --lengths")):
+                          (["--lengths", "2k;4k"], "Bad --lengths"),
+                          (["--rounds", "0"], "--rounds must be at least 1")):
         proc = subprocess.run([sys.executable, "-m", "starqa", "bench", *args],
                               capture_output=True, text=True)
         assert proc.returncode == 1, proc.stderr
