@@ -306,7 +306,7 @@ def phase2(manifest: Manifest, query_ids: list[int], workers: int, opts: BenchOp
     return exact, rows, manifest
 
 
-def median_run(answers: Sequence) -> object:
+def median_run(answers: Sequence[engine.Answer]) -> engine.Answer:
     """Of one kind's runs, the one of median decode time per token (the lower middle one of
     an even count; runs without a per-token time last)."""
     order = sorted(answers, key=lambda a: (per_token(a) is None, per_token(a) or 0.0))
