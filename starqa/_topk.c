@@ -515,6 +515,18 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
     }
 }
 
+/* How many pieces n items (key positions, centroids) are cut into so that `tasks` tasks
+   become about two per thread, none shorter than `least` items (n <= least: one piece);
+   *len: a piece's length, whole chunks (a chunk's scores are written whole: no two pieces'
+   tasks write the same scores), the last piece what is left. */
+static int64_t cut(int64_t n, int64_t tasks, int64_t threads, int64_t least, int64_t *len) {
+    int64_t pieces = (2 * threads + tasks - 1) / tasks;
+    const int64_t most = n > least ? n / least : 1;
+    pieces = pieces < most ? pieces : most;
+    *len = n > 0 ? ((n + pieces - 1) / pieces + CHUNK - 1) / CHUNK * CHUNK : 1;
+    return pieces;
+}
+
 /* Arguments: see the file's comment; pointers ptr[] are addresses. R = G * tokens rows (G
    query heads, each at `tokens` positions of the forward, the position fastest). centroids
    bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
@@ -548,12 +560,11 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
        from all its candidates, where a head's group cut into two spans picked k from each
        span and then k of the two (a flat scan keeps its groups: a row at a time would read
        every key G times). */
-    const int64_t group = lists > 1 && heads * ((rows + GROUP - 1) / GROUP) < 4 * threads ? 1 : GROUP;
+    const int64_t row_groups = (rows + GROUP - 1) / GROUP; /* of up to GROUP rows */
+    const int64_t group = lists > 1 && heads * row_groups < 4 * threads ? 1 : GROUP;
     const int64_t groups = (rows + group - 1) / group;
-    int64_t spans = (2 * threads + heads * groups - 1) / (heads * groups);
-    const int64_t most = n > MIN_SPAN ? n / MIN_SPAN : 1;
-    spans = spans < most ? spans : most;
-    const int64_t span_len = n > 0 ? ((n + spans - 1) / spans + CHUNK - 1) / CHUNK * CHUNK : 1;
+    int64_t span_len;
+    const int64_t spans = cut(n, heads * groups, threads, MIN_SPAN, &span_len);
     const int64_t stride = span_len + CHUNK;
     const int64_t kcap = k < span_len ? k : span_len; /* a span's selection per row */
     const int64_t segroom = lists + kbuffers; /* a row's pieces in a span, at most */
@@ -573,14 +584,9 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     memset(chosen, chosen_lists == lists, (size_t)(heads * rows * lists));
     if (chosen_lists < lists) {
         const int64_t room = lists + CHUNK; /* a row's scores of the centroids */
-        const int64_t cgroups = (rows + GROUP - 1) / GROUP;
-        int64_t pieces = (2 * threads + heads * cgroups - 1) / (heads * cgroups);
-        const int64_t fewest = lists > MIN_LISTS ? lists / MIN_LISTS : 1;
-        pieces = pieces < fewest ? pieces : fewest;
-        /* a piece is whole chunks (a chunk's scores are written whole: no two tasks write
-           the same scores), the last one what is left */
-        const int64_t piece = ((lists + pieces - 1) / pieces + CHUNK - 1) / CHUNK * CHUNK;
-        pieces = (lists + piece - 1) / piece;
+        int64_t piece;
+        cut(lists, heads * row_groups, threads, MIN_LISTS, &piece);
+        const int64_t pieces = (lists + piece - 1) / piece; /* none past the last list */
         float *near = scratch_get(S_NEAR, (size_t)(heads * rows * room) * sizeof(float));
         if (!near) {
             failed = 1;
@@ -598,9 +604,9 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 failed = 1;
             }
 #pragma omp for schedule(dynamic)
-            for (int64_t t = 0; t < heads * cgroups * pieces; t++) { /* (1) */
+            for (int64_t t = 0; t < heads * row_groups * pieces; t++) { /* (1) */
                 if (!ok) continue;
-                const int64_t h = t / (cgroups * pieces), r0 = t / pieces % cgroups * GROUP;
+                const int64_t h = t / (row_groups * pieces), r0 = t / pieces % row_groups * GROUP;
                 const int64_t rn = rows - r0 < GROUP ? rows - r0 : GROUP;
                 const int64_t c0 = t % pieces * piece, c1 = c0 + piece < lists ? c0 + piece : lists;
                 int64_t who[GROUP], got[GROUP];

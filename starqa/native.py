@@ -91,6 +91,11 @@ def _buffer(key: torch.Tensor, value: torch.Tensor) -> tuple[int, int, int, int,
     return key.data_ptr(), value.data_ptr(), key.shape[1], key.stride(0), value.stride(0)
 
 
+def _address(x: torch.Tensor | None) -> int | None:
+    """A tensor's address for a kernel's pointer argument; None (NULL) for none."""
+    return None if x is None else x.data_ptr()
+
+
 def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> bool:
     """Whether `topk_attend` takes these key and value buffers (see there)."""
     buffers = list(keys) + list(values)
@@ -144,14 +149,11 @@ class TopKTable:
         self._keep = (keys, values, key_map, key_at, centroids, offsets, kstart, kptr, kstride,
                       vstart, vptr, vstride)
 
-        def address(x):
-            return None if x is None else x.data_ptr()
-
         # every argument after q, heads, rows, tokens and dim, up to k
         self._middle = (n, len(keys), kstart.data_ptr(), kptr.data_ptr(), kstride.data_ptr(),
-                        address(key_map), address(key_at), len(values), vstart.data_ptr(),
-                        vptr.data_ptr(), vstride.data_ptr(), self.lists, address(centroids),
-                        address(offsets), self.probes)
+                        _address(key_map), _address(key_at), len(values), vstart.data_ptr(),
+                        vptr.data_ptr(), vstride.data_ptr(), self.lists, _address(centroids),
+                        _address(offsets), self.probes)
         self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
                         int(values[0][1].dtype == torch.bfloat16))
 
@@ -264,10 +266,6 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dty
     _library().starqa_rope_table(dtype == torch.bfloat16, positions.data_ptr(), m,
                                  inv_freq.data_ptr(), d, cos.data_ptr(), sin.data_ptr())
     return cos, sin
-
-
-def _address(x: torch.Tensor | None) -> int | None:
-    return None if x is None else x.data_ptr()
 
 
 def _check(code: int, what: str) -> None:
