@@ -184,6 +184,27 @@ def test_a_row_gets_the_same_bits_alone_or_among_others(kind):
         assert torch.equal(one[:, 0], out[:, r]) and torch.equal(one_lse[:, 0], lse[:, r])
 
 
+def test_a_rows_picks_do_not_depend_on_how_many_rows_score_a_chunk():
+    """A decode's few rows score a chunk's keys where they lie, many rows score a widened
+    copy of it: both must add the same products in the same order, or a row's picks would
+    depend on the rows it came with. Each key here is one of a family's 8 members, the
+    same key with its 8-column pieces in another order; every query has its 8 pieces equal,
+    so a family's members score the same in exact arithmetic and rounding alone (the order
+    of the sums) decides which of them make the k, which cuts through a family."""
+    torch.manual_seed(11)
+    dim, families, members, rows = 64, 250, 8, 12
+    q = torch.randn(1, rows, 8).repeat(1, 1, dim // 8)
+    base = torch.randn(families, dim // 8, 8)
+    orders = [torch.randperm(dim // 8) for _ in range(members)]
+    key = torch.stack([base[:, order] for order in orders], 1).reshape(1, -1, dim).bfloat16()
+    value = torch.randn(1, families * members, dim).bfloat16()
+    k = 12 * members + members // 2
+    out, lse = native.topk_attend(q, [(0, key)], [(0, value)], k, 0, 0.125)
+    for r in range(rows):
+        one, one_lse = native.topk_attend(q[:, r:r + 1], [(0, key)], [(0, value)], k, 0, 0.125)
+        assert torch.equal(one[:, 0], out[:, r]) and torch.equal(one_lse[:, 0], lse[:, r])
+
+
 def test_keys_and_values_in_several_buffers_give_the_same_bits():
     """--kv-on-disk hands the kernel one buffer per block (heads apart by each block's
     length), keys and values cut in different places."""
