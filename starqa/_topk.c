@@ -57,7 +57,7 @@
 #define MIN_SPAN 4096     /* key positions per task, at least (fewer keys: one span) */
 #define MAX_GROUP 128     /* query heads per KV head */
 #define CHUNK 16          /* keys scored at once */
-#define DIRECT_ROWS 3     /* AVX2: up to this many rows read a chunk's bf16 keys themselves */
+#define DIRECT_ROWS 3     /* AVX2: up to this many rows read a chunk's keys where they lie */
 #define MAX_DIM 256
 #define AHEAD 64          /* keys prefetched ahead of a scan */
 #define AHEAD_ROWS 8      /* value rows prefetched ahead of the one read */
@@ -295,12 +295,6 @@ SCORE_AVX512(8)
 #endif
 
 #ifdef STARQA_X86
-/* The same for CPUs with AVX2 but not AVX-512, D = 8 * NC (NC = 8: D 64, 16: D 128): eight
-   keys at a time, each row's 8 dot products reduced together (`dots8`), the eights that
-   hold the chunk's `width` keys only (an ivf list's last chunk is often part empty). For
-   more than DIRECT_ROWS rows the chunk's keys are widened once into `block`; for fewer (a
-   decode: a row, or a KV head's G rows) each row reads them where they lie (`dots8_at`),
-   which spares the copy's stores and loads (6% of an ivf decode's kernel, 3 rows). */
 /* dots8 of q with the 8 key rows kp[x] read where they lie (bf16 or fp32), each piece
    widened as it is used: the same products summed in the same order as dots8 over their
    widened copies (the same bits), without writing the copies. */
@@ -317,6 +311,13 @@ AVX2 static inline __m256 dots8_at(const float *q, const char *const *kp, int nc
     return sum8(dots);
 }
 
+/* The AVX-512 scorers' work for CPUs with AVX2 but not AVX-512, D = 8 * NC (NC = 8: D 64,
+   16: D 128): eight keys at a time, each row's 8 dot products reduced together (`dots8`),
+   the eights that hold the chunk's `width` keys only (an ivf list's last chunk is often
+   part empty). For more than DIRECT_ROWS rows the chunk's keys are widened once into
+   `block`; for fewer (a decode: a row, or a KV head's G rows) each row reads them where
+   they lie (`dots8_at`), which spares the copy's stores and loads (6% of an ivf decode's
+   kernel, 3 rows). */
 #define SCORE_AVX2(NC)                                                                     \
     AVX2 static void score_avx2_##NC(const char *const *kp, int width, int bf16,          \
                                      const float *const *qs, int64_t nq,                  \
