@@ -117,19 +117,22 @@ class TopKShard:
                    ) -> TopKShard | None:
         """From blocks' (k, v), each [L, Hkv, T, D], in memory, building any index here
         (`starqa eval`, tests); first: they begin with the context's first block (the
-        sink's). None when there are no blocks."""
+        sink's). Values, flat's keys and the sink stay on the blocks' device; ivf and hnsw
+        search on the CPU (faiss). None when there are no blocks."""
         if not parts:
             return None
         layers, heads = parts[0][0].shape[:2]
+        device = parts[0][0].device
         keys = ivf = searchers = None
         if settings.index == "flat":
-            keys = _per_layer([k for k, _ in parts], dtype)
+            keys = _per_layer([k for k, _ in parts], dtype, device)
         else:
             def index_of(block: int, layer: int, head: int):
-                return indexes.build(settings.index, parts[block][0][layer, head].float().numpy())
+                return indexes.build(settings.index,
+                                     parts[block][0][layer, head].float().cpu().numpy())
 
             if settings.index == "ivf":
-                ivf = [IvfLayer.of([k[layer] for k, _ in parts], index_of, layer, dtype)
+                ivf = [IvfLayer.of([k[layer].cpu() for k, _ in parts], index_of, layer, dtype)
                        for layer in range(layers)]
             else:
                 searchers = _per_block(_starts([k.shape[2] for k, _ in parts]), layers, heads,
@@ -137,8 +140,8 @@ class TopKShard:
         n = sum(k.shape[2] for k, _ in parts)
         budgets = topk.layer_budgets(settings.keys(n_tokens), layers, settings.schedule)
         return cls(settings, budgets, n, keys, ivf, searchers,
-                   _per_layer([v for _, v in parts], dtype),
-                   sinks=_sinks(*parts[0], settings.sink) if first else None,
+                   _per_layer([v for _, v in parts], dtype, device),
+                   sinks=_sinks(*parts[0], settings.sink, device) if first else None,
                    blocks=[(k, v, None) for k, v in parts])
 
     @classmethod
@@ -373,7 +376,8 @@ class TopKShard:
     def _select_mapped(self, layer: int, q: torch.Tensor, k: int):
         """`select` for flat with --kv-on-disk: each block's k best of its mapped keys in
         this layer (past the sink), then the k best of those; the layer's pages are
-        released block by block."""
+        released block by block. On the CPU, whatever q's device: the keys stay on disk."""
+        q = q.cpu()
         scores, idx = [], []
         for start, mapped in self.mapped_keys:
             key = mapped.tensor[layer]  # [Hkv, T, D]
@@ -401,7 +405,8 @@ class TopKShard:
         lay = self.ivf[layer]
         heads, rows, dim = q.shape
         n = self.n_keys
-        x = q.float().cpu()
+        q = q.cpu()  # the lists and keys are on the CPU, whatever q's device
+        x = q.float()
         coarse = np.matmul(x.numpy(), lay.centroids.transpose(0, 2, 1))  # [Hkv, r, C]
         n_lists = coarse.shape[2]
         probes = indexes.ivf_probes(n, n_lists, k, indexes.IVF_ROW_SCAN)

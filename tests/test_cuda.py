@@ -74,3 +74,91 @@ def test_more_workers_than_gpus_is_refused_before_anything_starts():
     with pytest.raises(StarqaError, match=f"need {gpus + 1} GPUs") as err:
         check_gpus("auto", gpus + 1)
     assert f"--workers {gpus}" in err.value.hint
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_topk_every_key_selected_equals_exact_partial_attention(dtype):
+    """test_topk's CPU test on the GPU: with k >= the keys, selection and attention over
+    the selected rows are exact attention, within twice fp32's own error against fp64;
+    a small k picks exactly the best keys, as the CPU does."""
+    from starqa import topk
+    from test_topk import exact_part
+
+    torch.manual_seed(0)
+    hkv, rows, n, dim = 3, 9, 300, 64
+    q = torch.randn(hkv, rows, dim).to(dtype)
+    key, value = torch.randn(hkv, n, dim).to(dtype), torch.randn(hkv, n, dim).to(dtype)
+    scale = dim ** -0.5
+    scores, idx = topk.select_exact(q.cuda(), key.cuda(), n + 5)
+    out, lse = topk.attend_selected(scores, idx, topk.gather_rows(value.cuda(), idx), scale)
+    assert out.is_cuda and out.dtype == lse.dtype == torch.float32
+    ref_out, ref_lse = exact_part(q.float(), key.float(), value.float(), scale, torch.float64)
+    own_out, own_lse = exact_part(q.float(), key.float(), value.float(), scale, torch.float32)
+    assert (out.double().cpu() - ref_out).abs().max() <= 2 * (own_out - ref_out).abs().max() + 1e-6
+    assert (lse.double().cpu() - ref_lse).abs().max() <= 2 * (own_lse - ref_lse).abs().max() + 1e-6
+    _, small = topk.select_exact(q.float().cuda(), key.float().cuda(), 7)
+    _, want = topk.select_exact(q.float(), key.float(), 7)
+    assert torch.equal(small.cpu().sort(-1).values, want.sort(-1).values)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
+def test_cuda_topk_shard_with_every_key_merges_to_exact_attention(kind):
+    """test_topk's merge test with the blocks and queries on the GPU (what `starqa eval`
+    builds): flat attends there, ivf and hnsw search on the CPU; two workers' parts and
+    the own causal part merge to exact attention over every key."""
+    from starqa.attention import merge
+    from starqa.indexes import TopK
+    from starqa.retrieval import TopKShard
+
+    torch.manual_seed(2)
+    hkv, g, m, dim, layer = 2, 3, 4, 16, 1
+    blocks = [(torch.randn(2, hkv, t, dim), torch.randn(2, hkv, t, dim)) for t in (40, 90, 70)]
+    own_k, own_v = torch.randn(1, hkv, m, dim), torch.randn(1, hkv, m, dim)
+    query = torch.randn(1, hkv * g, m, dim)
+    gpu = [(k.cuda(), v.cuda()) for k, v in blocks]
+    settings, scale = TopK(count=1000, index=kind), dim ** -0.5
+    q = query.reshape(1, hkv, g * m, dim).cuda()
+    outs, lses = [], []
+    for shard in (TopKShard.from_parts(gpu[:1], settings, 200),
+                  TopKShard.from_parts(gpu[1:], settings, 200, first=False)):
+        out, lse = shard.parts(layer, q, scale, m)
+        assert all(o.is_cuda for o in out)
+        outs += out
+        lses += lse
+    own_out, own_lse = attend(query.cuda(), own_k.cuda(), own_v.cuda(), scale, causal=True)
+    outs.append(own_out.reshape(1, hkv, g * m, dim))
+    lses.append(own_lse.reshape(1, hkv, g * m))
+    out, lse = merge(torch.cat([o.float() for o in outs]), torch.cat(lses))
+    keys = torch.cat([b[0][layer] for b in blocks] + [own_k[0]], dim=1)[None]
+    values = torch.cat([b[1][layer] for b in blocks] + [own_v[0]], dim=1)[None]
+    ref, ref_lse = attend(query.double(), keys.double(), values.double(), scale, causal=True)
+    assert (out.reshape(ref.shape).double().cpu() - ref).abs().max() <= 1e-5
+    assert (lse.reshape(ref_lse.shape).double().cpu() - ref_lse).abs().max() <= 1e-5
+
+
+def test_cuda_topk_ask_with_every_key_is_exact_ask(home, docs, tiny_model):
+    """A dense ingest and cold asks on the GPU, fp32: top-k with k = 100% gives exact
+    Phase 2's greedy tokens for every index kind, keys and values in memory or mapped
+    from the cache (--kv-on-disk), the question's forward exact or top-k; a small k on
+    disk answers as in memory."""
+    from starqa import engine
+    from starqa.indexes import TopK
+
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model), dtype="fp32",
+                                       method="dense", block_size=50, device="cuda"))
+
+    def ask(topk=None):
+        return engine.ask(engine.AskOptions(question="who approved the travel budget",
+                                            max_new_tokens=8, device="cuda", topk=topk))
+
+    exact = ask()
+    assert exact.token_ids and exact.attention == "exact"
+    for kind in ("flat", "ivf", "hnsw"):
+        for on_disk in (False, True):
+            for prefill in ("exact", "topk"):
+                answer = ask(TopK(fraction=1.0, index=kind, kv_on_disk=on_disk, prefill=prefill))
+                assert answer.token_ids == exact.token_ids, (kind, on_disk, prefill)
+                assert answer.attention.startswith("top-k 100% (" + kind)
+    for kind in ("flat", "ivf"):
+        wanted = ask(TopK(count=20, index=kind, prefill="topk")).token_ids
+        assert ask(TopK(count=20, index=kind, prefill="topk", kv_on_disk=True)).token_ids == wanted
