@@ -269,7 +269,8 @@ class ShardAttention:
         lses = lses.view(layers * kv_heads, groups, steps)
         # candidates in pieces whose keys (every layer, fp32) take at most MASS_BYTES
         piece = max(1, MASS_BYTES // (layers * kv_heads * dim * 4))
-        gathered = torch.empty(layers, kv_heads, min(piece, len(where)), dim)
+        device = queries.device  # the shard's and the rows' (CUDA: the GPU)
+        gathered = torch.empty(layers, kv_heads, min(piece, len(where)), dim, device=device)
         blocks = self._block_keys()
         for start in range(0, len(where), piece):
             chosen = where[start:start + piece]
@@ -288,7 +289,7 @@ class ShardAttention:
             runs = torch.unique_consecutive(tokens_of[start:start + piece], return_counts=True)
             first = 0
             for token, count in zip(*(t.tolist() for t in runs)):
-                emitters = (emitted == token).nonzero().flatten()
+                emitters = (emitted == token).nonzero().flatten().to(device)
                 q = queries[:, :, emitters].reshape(layers * kv_heads, -1, dim)
                 lse = lses[:, :, emitters].reshape(layers * kv_heads, -1, 1)
                 # [L * Hkv, G * S_t, U_t]: the token's rows against its keys, every layer
@@ -346,11 +347,12 @@ def _gather(plan, source, out: torch.Tensor, dim: int) -> None:
     """Write the keys `plan` (`ShardAttention._gather_plan`) locates into `out`: for each
     (piece, indices, rows), rows `rows` of `source(piece)` along `dim` go to `indices`."""
     for index, mine, rows in plan:
-        keys = source(index).index_select(dim, rows)
+        keys = source(index)
+        keys = keys.index_select(dim, rows.to(keys.device))
         if len(plan) == 1:
             out.copy_(keys)
         else:
-            out.index_copy_(dim, mine, keys.to(out.dtype))
+            out.index_copy_(dim, mine.to(out.device), keys.to(out.device, out.dtype))
 
 
 def _folded(result: tuple[torch.Tensor, torch.Tensor], kv_heads: int

@@ -102,14 +102,16 @@ def run_ingest(job: dict, info) -> None:
 
 
 def flop_counter():
-    """torch's FLOP counter (`FlopCounterMode`), taught the CPU attention kernel.
+    """torch's FLOP counter (`FlopCounterMode`), taught SDPA's kernels with GQA.
 
-    torch counts matmuls (2·m·n·k) and its CUDA SDPA kernels, but not the CPU one SDPA
-    dispatches to (`_scaled_dot_product_flash_attention_for_cpu`), which Phase 1 uses; it
-    is counted here the way torch counts the CUDA ones: QKᵀ and PV over the full [M, N]
-    score matrix, 4·B·Hq·M·N·D, causal masks not discounted. Phase 2's `attend` is plain
-    matmuls and needs nothing. flash-attn's own kernels (CUDA, optional) are not counted.
-    """
+    torch counts matmuls (2·m·n·k) but not the CPU kernel SDPA dispatches to
+    (`_scaled_dot_product_flash_attention_for_cpu`), which Phase 1 uses, and its own
+    formula for the CUDA kernels refuses fewer KV heads than query heads (`enable_gqa`:
+    "sdpa_flop_count: query/key/value shapes are incompatible", which stopped a bench on
+    an H100). Each is counted here the way torch counts the CUDA ones: QKᵀ and PV over the
+    full [M, N] score matrix, 4·B·Hq·M·N·D, causal masks not discounted. Phase 2's `attend`
+    is plain matmuls and needs nothing. flash-attn's own kernels (CUDA, optional) are not
+    counted."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -119,8 +121,13 @@ def flop_counter():
         n, dim_v = key_shape[2], value_shape[3]
         return 2 * batch * heads * m * n * dim + 2 * batch * heads * m * n * dim_v
 
-    return FlopCounterMode(display=False, custom_mapping={
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: sdpa})
+    aten = torch.ops.aten
+    kernels = [aten._scaled_dot_product_flash_attention_for_cpu,
+               aten._scaled_dot_product_flash_attention,
+               aten._scaled_dot_product_efficient_attention]
+    if hasattr(aten, "_scaled_dot_product_cudnn_attention"):  # torch >= 2.5
+        kernels.append(aten._scaled_dot_product_cudnn_attention)
+    return FlopCounterMode(display=False, custom_mapping=dict.fromkeys(kernels, sdpa))
 
 
 def _answerer(job: dict, info):
