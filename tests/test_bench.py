@@ -100,6 +100,24 @@ def test_flop_counter_counts_every_linear_and_the_cpu_attention_kernel(tiny_mode
     assert counter.get_total_flops() == sum(counts.values())
 
 
+def test_flop_counter_counts_each_cuda_sdpa_kernel_with_gqa():
+    """The CUDA kernels' counts, on shapes alone (meta tensors; no GPU): torch 2.11's own
+    formula raises on fewer KV heads than query heads (2.13's does not), which stopped
+    `bench --device cuda` in Phase 1 on an H100; starqa's counts 4·B·Hq·M·N·D on any torch,
+    as for the CPU kernel."""
+    counter = flop_counter()
+    q = torch.empty(1, 9, 5, 64, device="meta")
+    k = v = torch.empty(1, 3, 7, 64, device="meta")
+    aten = torch.ops.aten
+    kernels = [aten._scaled_dot_product_flash_attention_for_cpu,
+               aten._scaled_dot_product_flash_attention,
+               aten._scaled_dot_product_efficient_attention]
+    kernels += [aten._scaled_dot_product_cudnn_attention] * hasattr(
+        aten, "_scaled_dot_product_cudnn_attention")
+    for op in kernels:
+        assert counter.flop_registry[op](q, k, v, out_val=None) == 4 * 9 * 5 * 7 * 64, op
+
+
 # --------------------------------------------------------------------------- bench end to end
 
 
