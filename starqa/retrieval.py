@@ -43,8 +43,9 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
     ivf    every KV head's IVF lists over all the worker's blocks (`IvfLayer`: the
            blocks' lists side by side, their keys in list order in the cache's dtype,
            their centroids [Hkv, C, D], bf16 values). A row ranks its KV head's C centroids,
-           picks its nearest lists (about IVF_ROW_SCAN * k keys) and keeps the k best
-           of their keys (`native.topk_attend`, one call per layer; numpy's
+           picks its nearest lists (`indexes.row_probes`: about IVF_ROW_SCAN * k keys, at
+           least IVF_MIN_PROBES lists) and keeps the k best of their keys
+           (`native.topk_attend`, one call per layer; numpy's
            `_select_ivf` where no kernel was built).
     hnsw   each block's faiss HNSW index per KV head (a graph is not merged), searched one
            block at a time; the worker keeps the k best of the blocks' k best.
@@ -321,7 +322,7 @@ class TopKShard:
             key_map, key_at = torch.from_numpy(lay.rows), torch.from_numpy(lay.at)
             n_lists = lay.centroids.shape[1]
             lists = (torch.from_numpy(lay.centroids), torch.from_numpy(lay.offsets),
-                     indexes.ivf_probes(self.n_keys, n_lists, k, indexes.IVF_ROW_SCAN))
+                     indexes.row_probes(self.n_keys, n_lists, k))
         if self.values is not None:
             values = [(0, self.values[layer])]
         else:
@@ -409,7 +410,7 @@ class TopKShard:
         x = q.float()
         coarse = np.matmul(x.numpy(), lay.centroids.transpose(0, 2, 1))  # [Hkv, r, C]
         n_lists = coarse.shape[2]
-        probes = indexes.ivf_probes(n, n_lists, k, indexes.IVF_ROW_SCAN)
+        probes = indexes.row_probes(n, n_lists, k)
         if probes < n_lists:
             chosen = np.argpartition(coarse, n_lists - probes, axis=-1)[..., n_lists - probes:]
             union = np.zeros((heads, n_lists), bool)

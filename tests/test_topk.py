@@ -244,6 +244,16 @@ def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
                 assert (scores.argmax(-1) == c - first).all()
 
 
+def test_a_row_probes_enough_lists_however_small_the_context():
+    """IVF_ROW_SCAN * k keys is few lists on a short context (8K, k = 82, 208 lists: 17,
+    which found 0.75 of the exact top k); a row probes at least IVF_MIN_PROBES, never more
+    than every list, and on a long context the scan rule is unchanged (32K: 68 of 840)."""
+    assert indexes.ivf_probes(8192, 208, 82, indexes.IVF_ROW_SCAN) == 17
+    assert indexes.row_probes(8192, 208, 82) == indexes.IVF_MIN_PROBES == 48
+    assert indexes.row_probes(32768, 840, 328) == 68
+    assert indexes.row_probes(4096, 30, 41) == 30
+
+
 def test_ivf_finds_the_exact_top_k_when_every_list_is_scanned():
     """With k at least the keys (every list scanned), ivf selects exactly flat's keys
     with flat's scores, sink or not."""
