@@ -67,8 +67,8 @@ IVF_ROW_SCAN = 8
 # ...and never fewer than this many lists (or all of them): what a row finds depends on
 # how many lists it probes more than on the share of keys they hold. Measured on SmolLM2 at
 # 8K (4 blocks, 208 lists, k = 82): 8k keys per row is 17 lists, which found 0.75 of the
-# exact top k; 32 lists 0.88, 48 lists 0.93 (32K's 68 lists of 840: 0.92). With 17 lists
-# `eval --index ivf` kept 0.74 of exact's accuracy at 4K (10 samples per task; flat 0.96).
+# exact top k; 32 lists 0.88, 48 lists 0.93 (32K's 68 lists of 840: 0.92). At 4K (9 lists
+# of 101) `eval --index ivf` kept 0.74 of exact's accuracy, with the floor 1.04 (README).
 IVF_MIN_PROBES = 48
 IVF_TRAIN_ITERATIONS = 10
 HNSW_M = 16
