@@ -18,7 +18,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
   lscpu | grep -E 'Model name|^CPU\(s\)'; } 2>&1 | tee "$OUT/machine.txt"
 timeout "${TEST_SECONDS:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
     | tee "$OUT/tests.log"
-python3 benchmarks/random_model.py .devcarry/smollm2 /tmp/smollm2-random >/dev/null 2>&1 || exit 1
+python3 benchmarks/random_model.py .devcarry/smollm2 /tmp/smollm2-random >"$OUT/model.log" 2>&1 \
+    || { tail "$OUT/model.log"; exit 1; }
 STARQA_HOME=/tmp/starqa-home timeout "${BENCH_SECONDS:-300}" python3 -m starqa bench \
     --methods star --workers 1 --lengths "${LENGTHS:-8k,32k,128k}" --new-tokens 16 \
     --top-k 1% --index flat,ivf --kv-on-disk --device cuda --model /tmp/smollm2-random \

@@ -108,10 +108,10 @@ def flop_counter():
     (`_scaled_dot_product_flash_attention_for_cpu`), which Phase 1 uses, and before 2.13
     its formula for the CUDA kernels refuses fewer KV heads than query heads (`enable_gqa`:
     "sdpa_flop_count: query/key/value shapes are incompatible", which stopped a bench on
-    an H100 with torch 2.11). Each is counted here the way torch counts the CUDA ones: QKᵀ and PV over the
-    full [M, N] score matrix, 4·B·Hq·M·N·D, causal masks not discounted. Phase 2's `attend`
-    is plain matmuls and needs nothing. flash-attn's own kernels (CUDA, optional) are not
-    counted."""
+    an H100 with torch 2.11). Each is counted here the way torch counts the CUDA ones: QKᵀ
+    and PV over the full [M, N] score matrix, 4·B·Hq·M·N·D, causal masks not discounted.
+    Phase 2's `attend` is plain matmuls and needs nothing. flash-attn's own kernels (CUDA,
+    optional) are not counted."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
