@@ -211,7 +211,7 @@ def test_index_search_finds_most_of_the_exact_top_k(kind):
 def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
     """Phase 2 keeps a worker's blocks' IVF lists (every KV head) list by list: every key
     once, in the cache's dtype, under its row in the shard and in the list its block's
-    index put it in."""
+    index put it in; a list's centre is the mean of its keys (rounded to bf16)."""
     import faiss
 
     from starqa.retrieval import IvfLayer
@@ -224,6 +224,7 @@ def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
     layer = IvfLayer.of(blocks, lambda b, _layer, h: built[(b, h)], 0)
     n = sum(b.shape[1] for b in blocks)
     whole = torch.cat(blocks, dim=1)  # [Hkv, N, D]
+    moved = 0  # lists whose mean is not their trained centroid
     for head in range(hkv):
         assert sorted(layer.rows[head].tolist()) == list(range(n))
         assert torch.equal(layer.keys[head], whole[head][torch.from_numpy(layer.rows[head])])
@@ -236,12 +237,19 @@ def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
             lists = built[(block, head)].nlist
             first = sum(built[(b, head)].nlist for b in range(block))
             exact = faiss.extract_index_ivf(built[(block, head)]).quantizer.reconstruct_n(
-                0, lists)  # the layer keeps them rounded to bf16 (the kernel reads bf16)
-            assert torch.equal(torch.from_numpy(layer.centroids[head][first:first + lists]),
-                               torch.from_numpy(exact).bfloat16().float())
+                0, lists)
+            centre = torch.from_numpy(layer.centroids[head][c])
             if len(rows):
                 scores = whole[head][torch.from_numpy(rows)].float() @ torch.from_numpy(exact.T)
                 assert (scores.argmax(-1) == c - first).all()
+                mean = whole[head][torch.from_numpy(rows)].float().mean(0)
+                # the layer keeps it rounded to bf16 (the kernel reads bf16)
+                torch.testing.assert_close(centre, mean, rtol=2 ** -8, atol=1e-6)
+                moved += not torch.allclose(centre, torch.from_numpy(exact[c - first]),
+                                            rtol=2 ** -8, atol=1e-6)
+            else:  # nothing to average: the index's own centroid
+                assert torch.equal(centre, torch.from_numpy(exact[c - first]).bfloat16().float())
+    assert moved > 0
 
 
 def test_a_row_probes_enough_lists_however_small_the_context():
