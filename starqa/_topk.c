@@ -569,30 +569,17 @@ static int64_t cut(int64_t n, int64_t tasks, int64_t threads, int64_t least, int
     return pieces;
 }
 
-/* Arguments: see the file's comment; pointers ptr[] are addresses. R = G * tokens rows (G
-   query heads, each at `tokens` positions of the forward, the position fastest). centroids
-   bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
-   list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
-   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R].
-   Returns 0, 1 for impossible arguments, 2 when out of memory. */
-int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, int64_t rows,
-                       int64_t tokens, int64_t d, int64_t n, int64_t kbuffers,
-                       const int64_t *kstart, const int64_t *kptr, const int64_t *kstride,
-                       const int64_t *map, const int32_t *inv,
-                       int64_t vbuffers, const int64_t *vstart, const int64_t *vptr,
-                       const int64_t *vstride, int64_t lists, const uint16_t *centroids,
-                       const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
-                       int o_bf16, const char *own_k, const char *own_v, int64_t own_stride,
-                       int64_t own_before, float scale, float *out, float *lse, int threads) {
-    if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
-        kbuffers < 1 || vbuffers < 1 || lists < 1 || (lists > 1 && (!centroids || !offsets)) ||
-        probes < 1 || tokens < 1 || rows % tokens || rows / tokens > MAX_GROUP || skip < 0 ||
-        skip > n || (own_k && (!own_v || own_before < 0 || own_stride < (own_before + tokens) * d)))
-        return 1;
-    const size_t oes = o_bf16 ? 2 : 4;
-    const int64_t own_most = own_k ? own_before + tokens : 0; /* a row sees at most these */
-    threads = threads > 0 ? threads : 1;
-    const size_t kes = k_bf16 ? 2 : 4, ves = v_bf16 ? 2 : 4;
+/* Stages 1 and 2 of a call (the file's comment): each row's lists chosen (ivf) and
+   scanned, and the row's best kcap keys of each span of positions kept: *sel_out [H * R *
+   spans][kcap] (raw score, shard row), *count_out [H * R * spans] how many, in scratch
+   slots of the calling thread. Returns 0, or 2 when out of memory. */
+static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t d, int64_t n,
+                int64_t kbuffers, const int64_t *kstart, const int64_t *kptr,
+                const int64_t *kstride, const int64_t *map, int64_t lists,
+                const uint16_t *centroids, const int64_t *offsets, int64_t probes, int64_t k,
+                int64_t skip, int threads, cand **sel_out, int64_t **count_out,
+                int64_t *spans_out, int64_t *kcap_out) {
+    const size_t kes = k_bf16 ? 2 : 4;
     /* Tasks: a group of up to GROUP rows of a head scored in one pass over the keys it
        reads (flat: all of them; ivf: the lists some row of the group chose, each scored
        against the rows that chose it only). Keys are cut into spans only where there are
@@ -615,7 +602,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     cand *sel = scratch_get(S_SEL, (size_t)(heads * rows * spans * kcap) * sizeof(cand));
     int64_t *count = scratch_get(S_COUNT, (size_t)(heads * rows * spans) * sizeof(int64_t));
     int failed = !chosen || !sel || !count;
-    if (failed) goto done;
+    if (failed) return 2;
 
     /* Each row's lists: the probes nearest centroids (every list when all are probed).
        (1) A (head, group of up to GROUP rows, piece of the centroids) task scores the
@@ -632,7 +619,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         float *near = scratch_get(S_NEAR, (size_t)(heads * rows * room) * sizeof(float));
         if (!near) {
             failed = 1;
-            goto done;
+            return 2;
         }
 
 #pragma omp parallel num_threads(threads)
@@ -670,7 +657,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 for (int64_t c = 0; c < chosen_lists; c++) mine[best[c].row] = 1;
             }
         }
-        if (failed) goto done;
+        if (failed) return 2;
     }
 
     /* Each (head, group of rows, span): every row's best kcap keys of the span. The
@@ -722,6 +709,42 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             }
         }
     }
+    if (failed) return 2;
+    *sel_out = sel;
+    *count_out = count;
+    *spans_out = spans;
+    *kcap_out = kcap;
+    return 0;
+}
+
+/* Arguments: see the file's comment; pointers ptr[] are addresses. R = G * tokens rows (G
+   query heads, each at `tokens` positions of the forward, the position fastest). centroids
+   bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
+   list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
+   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R].
+   Returns 0, 1 for impossible arguments, 2 when out of memory. */
+int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, int64_t rows,
+                       int64_t tokens, int64_t d, int64_t n, int64_t kbuffers,
+                       const int64_t *kstart, const int64_t *kptr, const int64_t *kstride,
+                       const int64_t *map, const int32_t *inv,
+                       int64_t vbuffers, const int64_t *vstart, const int64_t *vptr,
+                       const int64_t *vstride, int64_t lists, const uint16_t *centroids,
+                       const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
+                       int o_bf16, const char *own_k, const char *own_v, int64_t own_stride,
+                       int64_t own_before, float scale, float *out, float *lse, int threads) {
+    if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
+        kbuffers < 1 || vbuffers < 1 || lists < 1 || (lists > 1 && (!centroids || !offsets)) ||
+        probes < 1 || tokens < 1 || rows % tokens || rows / tokens > MAX_GROUP || skip < 0 ||
+        skip > n || (own_k && (!own_v || own_before < 0 || own_stride < (own_before + tokens) * d)))
+        return 1;
+    const size_t oes = o_bf16 ? 2 : 4;
+    const int64_t own_most = own_k ? own_before + tokens : 0; /* a row sees at most these */
+    threads = threads > 0 ? threads : 1;
+    const size_t kes = k_bf16 ? 2 : 4, ves = v_bf16 ? 2 : 4;
+    cand *sel;
+    int64_t *count, spans, kcap;
+    int failed = pick(k_bf16, q, heads, rows, d, n, kbuffers, kstart, kptr, kstride, map, lists,
+                      centroids, offsets, probes, k, skip, threads, &sel, &count, &spans, &kcap);
     if (failed) goto done;
 
     /* Each (head, token): the G query heads of the KV head at that token share
@@ -869,5 +892,63 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     }
 
 done:
+    return failed ? 2 : 0;
+}
+
+/* The selection alone, for a caller that attends elsewhere (a GPU holding the values):
+   every row's k best keys, as a call of starqa_topk_attend picks them (stages 1 and 2,
+   then its k best of its spans'), each row on its own (no GQA union). The arguments are
+   starqa_topk_attend's less the values, the own keys and `tokens`; out_rows int64 and
+   out_scores fp32 [H, R, k]: each row's picks, shard rows and raw inner products
+   q . key, in no set order; -1 and -inf past the keys found. Returns 0, 1 for impossible
+   arguments, 2 when out of memory. */
+int starqa_topk_select(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t d,
+                       int64_t n, int64_t kbuffers, const int64_t *kstart, const int64_t *kptr,
+                       const int64_t *kstride, const int64_t *map, int64_t lists,
+                       const uint16_t *centroids, const int64_t *offsets, int64_t probes,
+                       int64_t k, int64_t skip, int64_t *out_rows, float *out_scores,
+                       int threads) {
+    if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
+        kbuffers < 1 || lists < 1 || (lists > 1 && (!centroids || !offsets)) || probes < 1 ||
+        skip < 0 || skip > n)
+        return 1;
+    threads = threads > 0 ? threads : 1;
+    cand *sel;
+    int64_t *count, spans, kcap;
+    if (pick(k_bf16, q, heads, rows, d, n, kbuffers, kstart, kptr, kstride, map, lists,
+             centroids, offsets, probes, k, skip, threads, &sel, &count, &spans, &kcap))
+        return 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        cand *all = scratch_get(S_ALL, (size_t)(spans * kcap) * sizeof(cand));
+        float *tmp = scratch_get(S_TMP, (size_t)(2 * spans * kcap) * sizeof(float));
+        if (!all || !tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t row = 0; row < heads * rows; row++) {
+            if (!all || !tmp) continue;
+            int64_t got = 0;
+            for (int64_t span = 0; span < spans; span++) {
+                const int64_t slot = row * spans + span;
+                memcpy(all + got, sel + slot * kcap, (size_t)count[slot] * sizeof(cand));
+                got += count[slot];
+            }
+            keep_best(all, got, k, tmp);
+            got = got < k ? got : k;
+            int64_t *to = out_rows + row * k;
+            float *at = out_scores + row * k;
+            for (int64_t j = 0; j < got; j++) {
+                to[j] = all[j].row;
+                at[j] = all[j].s;
+            }
+            for (int64_t j = got; j < k; j++) {
+                to[j] = -1;
+                at[j] = -INFINITY;
+            }
+        }
+    }
     return failed ? 2 : 0;
 }

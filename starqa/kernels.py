@@ -28,6 +28,8 @@ _SIGNATURES = {
                                   _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
                                   _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _I64, _I64, _F32,
                                   _PTR, _PTR, _INT]),
+    "starqa_topk_select": (_INT, [_INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
+                                  _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT]),
     "starqa_int4_fast": (_INT, []),
     "starqa_int4_mm": (_INT, [_INT, _PTR, _I64, _I64, _PTR, _I64, _INT, _PTR, _INT, _INT]),
     "starqa_rms_norm": (None, [_INT, _PTR, _I64, _I64, _PTR, _F32, _PTR]),

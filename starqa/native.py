@@ -97,10 +97,11 @@ def _address(x: torch.Tensor | None) -> int | None:
 
 
 def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> bool:
-    """Whether `topk_attend` takes these key and value buffers (see there)."""
+    """Whether `topk_attend` takes these key and value buffers (see there); no values: a
+    table that only selects (`TopKTable.select`)."""
     buffers = list(keys) + list(values)
     return (available() and all(_fits(x) for x in buffers)
-            and len({x.dtype for x in keys}) == 1 and len({x.dtype for x in values}) == 1
+            and len({x.dtype for x in keys}) == 1 and len({x.dtype for x in values}) <= 1
             and len({x.shape[-1] for x in buffers}) == 1)
 
 
@@ -114,13 +115,14 @@ class TopKTable:
     keys: [(first position, [H, T, D])] the buffers holding positions 0 .. N-1 of every head,
     in order; key_map [H, N] int64: each position's row in the shard, key_at [H, N] int32
     each row's position (both None: the same). values: [(first row, [H, T, D])] the buffers
-    holding the shard's value rows. lists (ivf): (centroids [H, C, D], read in bf16, offsets
-    [H, C + 1] int64, probes): position ranges, and how many of the nearest a row scans;
-    None scans every position. The buffers must stay where they are while the table lives
-    (it keeps them referenced)."""
+    holding the shard's value rows, or None: a table that only selects (`select`; the
+    values are elsewhere, e.g. on a GPU). lists (ivf): (centroids [H, C, D], read in bf16,
+    offsets [H, C + 1] int64, probes): position ranges, and how many of the nearest a row
+    scans; None scans every position. The buffers must stay where they are while the table
+    lives (it keeps them referenced)."""
 
     def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],
-                 values: Sequence[tuple[int, torch.Tensor]],
+                 values: Sequence[tuple[int, torch.Tensor]] | None,
                  key_map: torch.Tensor | None = None,
                  lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                  key_at: torch.Tensor | None = None):
@@ -144,18 +146,21 @@ class TopKTable:
             offsets = lists[1].to(torch.int64).contiguous()
             self.lists, self.probes = centroids.shape[1], lists[2]
         kstart, kptr, kstride = table(keys)
-        vstart, vptr, vstride = table(values)
+        self.selects_only = not values
+        vstart, vptr, vstride = table(values) if values else (torch.zeros(1, dtype=torch.int64),) * 3
         # what the kernel reads through the addresses below, kept alive with the table
         self._keep = (keys, values, key_map, key_at, centroids, offsets, kstart, kptr, kstride,
                       vstart, vptr, vstride)
 
+        key_args = (n, len(keys), kstart.data_ptr(), kptr.data_ptr(), kstride.data_ptr(),
+                    _address(key_map))
+        list_args = (self.lists, _address(centroids), _address(offsets), self.probes)
         # every argument after q, heads, rows, tokens and dim, up to k
-        self._middle = (n, len(keys), kstart.data_ptr(), kptr.data_ptr(), kstride.data_ptr(),
-                        _address(key_map), _address(key_at), len(values), vstart.data_ptr(),
-                        vptr.data_ptr(), vstride.data_ptr(), self.lists, _address(centroids),
-                        _address(offsets), self.probes)
+        self._middle = (*key_args, _address(key_at), len(values or ()), vstart.data_ptr(),
+                        vptr.data_ptr(), vstride.data_ptr(), *list_args)
+        self._select_args = (*key_args, *list_args)  # select's, after q, heads, rows and dim
         self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
-                        int(values[0][1].dtype == torch.bfloat16))
+                        int(bool(values) and values[0][1].dtype == torch.bfloat16))
 
     def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
                tokens: int | None = None,
@@ -169,6 +174,8 @@ class TopKTable:
         contiguous, bf16 or fp32), the last M of them this forward's, attended causally
         with the rest under one softmax. Returns out [H, R, D] and lse [H, R], fp32 (a row
         with no key: 0 and -inf)."""
+        if self.selects_only:
+            raise ValueError("top-k kernel: this table holds no values (it only selects)")
         heads, rows, dim = q.shape
         tokens = rows if tokens is None else tokens
         q = q.to(torch.float32).contiguous()
@@ -193,6 +200,26 @@ class TopKTable:
                 f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "
                 f"{self.lists} lists, {self.probes} probes"))
         return out, lse
+
+
+    def select(self, q: torch.Tensor, k: int, skip: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's k best keys, as `attend` picks them, without attending: q [H, R, D]
+        (any device; ranked on the CPU, where the keys are) → scores fp32 and shard rows
+        int64 [H, R, k], in no set order: raw inner products q . key, -inf and -1 past the
+        keys found. Rows below `skip` (the sink) are never picked. Each row is on its own
+        (the GQA union is the caller's, `topk.share`)."""
+        heads, rows, dim = q.shape
+        q = q.to("cpu", torch.float32).contiguous()
+        found = torch.empty(heads, rows, k, dtype=torch.int64)
+        scores = torch.empty(heads, rows, k)
+        code = _library().starqa_topk_select(
+            self._dtypes[0], q.data_ptr(), heads, rows, dim, *self._select_args, k, skip,
+            found.data_ptr(), scores.data_ptr(), torch.get_num_threads())
+        if code:
+            raise (MemoryError() if code == 2 else ValueError(
+                f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "
+                f"{self.lists} lists, {self.probes} probes"))
+        return scores, found
 
 
 def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],

@@ -368,3 +368,38 @@ def test_an_unknown_simd_cap_is_refused(monkeypatch):
     finally:
         monkeypatch.delenv("STARQA_SIMD")
         kernels.library.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_select_gives_each_rows_k_best_of_its_lists_without_attending(kind):
+    """`TopKTable.select` (a GPU's ranking, done on the host where ivf's lists are): each
+    row's k best keys among its own lists (flat: every key, in two buffers as on disk),
+    never a sink row, with their raw inner products; -1 and -inf past the keys there are.
+    A table without values only selects."""
+    torch.manual_seed(11)
+    heads, rows, n, dim, skip = 2, 4, 600, 32, 5
+    key = torch.randn(heads, n, dim)  # fp32: no near-ties
+    q = torch.randn(heads, rows, dim)
+    if kind == "ivf":
+        ordered, order, centroids, offsets = ivf_layout(key, 12, 3)
+        table = native.TopKTable([(0, ordered)], None, order, (centroids, offsets, 3))
+        allowed = allowed_by_lists(q, order, centroids, offsets, 3)
+    else:
+        table = native.TopKTable([(0, key[:, :250].contiguous()),
+                                  (250, key[:, 250:].contiguous())], None)
+        allowed = torch.ones(heads, rows, n, dtype=torch.bool)
+    allowed[..., :skip] = False
+    full = torch.einsum("hrd,hnd->hrn", q, key)
+    ranked = full.masked_fill(~allowed, float("-inf"))
+    for k in (7, n):
+        scores, picked = table.select(q, k, skip)
+        assert scores.shape == picked.shape == (heads, rows, k)
+        for h in range(heads):
+            for r in range(rows):
+                take = min(k, int(allowed[h, r].sum()))
+                mine, found = picked[h, r], picked[h, r][picked[h, r] >= 0]
+                assert sorted(found.tolist()) == sorted(ranked[h, r].topk(take).indices.tolist())
+                torch.testing.assert_close(scores[h, r][mine >= 0], full[h, r, found])
+                assert torch.isneginf(scores[h, r][mine < 0]).all() and len(found) == take
+    with pytest.raises(ValueError, match="only selects"):
+        table.attend(q, 7, skip, dim ** -0.5)
