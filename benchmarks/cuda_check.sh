@@ -13,8 +13,14 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# starqa's CPU kernels, as `pip install` builds them (setup.py): on a GPU, ivf and flat on
+# disk rank on the host with them; without a compiler, numpy's path
+gcc -O3 -fopenmp -fno-math-errno -std=gnu11 -shared -fPIC -Istarqa starqa/_attend.c \
+    starqa/_topk.c starqa/_int4.c starqa/_rows.c starqa/_layer.c -lm -o "starqa/_attend$(
+    python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
+    || echo "no C compiler: starqa's kernels not built"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, faiss; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'faiss', faiss.__version__)"
+  python3 -c "import torch, transformers, faiss; from starqa import native; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'faiss', faiss.__version__, 'kernels', native.available())"
   lscpu | grep -E 'Model name|^CPU\(s\)'; } 2>&1 | tee "$OUT/machine.txt"
 timeout "${TEST_SECONDS:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
     | tee "$OUT/tests.log"
