@@ -617,10 +617,7 @@ static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t
         cut(lists, heads * row_groups, threads, MIN_LISTS, &piece);
         const int64_t pieces = (lists + piece - 1) / piece; /* none past the last list */
         float *near = scratch_get(S_NEAR, (size_t)(heads * rows * room) * sizeof(float));
-        if (!near) {
-            failed = 1;
-            return 2;
-        }
+        if (!near) return 2;
 
 #pragma omp parallel num_threads(threads)
         {
@@ -717,6 +714,27 @@ static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t
     return 0;
 }
 
+/* A row's k best keys of its spans' selections (`pick`'s sel and count): returns how many
+   (at most k) and sets *best to where they lie: in sel itself where there is one span
+   (a span keeps at most k), else gathered into `all` (room for spans * kcap; tmp: 2 *
+   spans * kcap floats) and the k best kept. */
+static int64_t row_best(const cand *sel, const int64_t *count, int64_t row, int64_t spans,
+                        int64_t kcap, int64_t k, cand *all, float *tmp, const cand **best) {
+    if (spans == 1) {
+        *best = sel + row * kcap;
+        return count[row];
+    }
+    int64_t got = 0;
+    for (int64_t span = 0; span < spans; span++) {
+        const int64_t slot = row * spans + span;
+        memcpy(all + got, sel + slot * kcap, (size_t)count[slot] * sizeof(cand));
+        got += count[slot];
+    }
+    keep_best(all, got, k, tmp);
+    *best = all;
+    return got < k ? got : k;
+}
+
 /* Arguments: see the file's comment; pointers ptr[] are addresses. R = G * tokens rows (G
    query heads, each at `tokens` positions of the forward, the position fastest). centroids
    bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
@@ -796,19 +814,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             memset(marks, 0, (size_t)((n + 63) / 64) * sizeof(uint64_t));
             for (int64_t g = 0; g < per; g++) {
                 const int64_t row = h * rows + g * tokens + m;
-                const cand *mine = sel + row * spans * kcap;
-                int64_t got = count[row * spans];
-                if (spans > 1) {
-                    got = 0;
-                    for (int64_t span = 0; span < spans; span++) {
-                        const int64_t slot = row * spans + span;
-                        memcpy(all + got, sel + slot * kcap, (size_t)count[slot] * sizeof(cand));
-                        got += count[slot];
-                    }
-                    keep_best(all, got, k, tmp);
-                    got = got < k ? got : k;
-                    mine = all;
-                }
+                const cand *mine;
+                const int64_t got = row_best(sel, count, row, spans, kcap, k, all, tmp, &mine);
                 for (int64_t j = 0; j < got; j++)
                     marks[mine[j].row >> 6] |= (uint64_t)1 << (mine[j].row & 63);
             }
@@ -930,19 +937,13 @@ int starqa_topk_select(int k_bf16, const float *q, int64_t heads, int64_t rows, 
 #pragma omp for schedule(static)
         for (int64_t row = 0; row < heads * rows; row++) {
             if (!all || !tmp) continue;
-            int64_t got = 0;
-            for (int64_t span = 0; span < spans; span++) {
-                const int64_t slot = row * spans + span;
-                memcpy(all + got, sel + slot * kcap, (size_t)count[slot] * sizeof(cand));
-                got += count[slot];
-            }
-            keep_best(all, got, k, tmp);
-            got = got < k ? got : k;
+            const cand *mine;
+            const int64_t got = row_best(sel, count, row, spans, kcap, k, all, tmp, &mine);
             int64_t *to = out_rows + row * k;
             float *at = out_scores + row * k;
             for (int64_t j = 0; j < got; j++) {
-                to[j] = all[j].row;
-                at[j] = all[j].s;
+                to[j] = mine[j].row;
+                at[j] = mine[j].s;
             }
             for (int64_t j = got; j < k; j++) {
                 to[j] = -1;

@@ -147,7 +147,8 @@ class TopKTable:
             self.lists, self.probes = centroids.shape[1], lists[2]
         kstart, kptr, kstride = table(keys)
         self.selects_only = not values
-        vstart, vptr, vstride = table(values) if values else (torch.zeros(1, dtype=torch.int64),) * 3
+        none = torch.zeros(1, dtype=torch.int64)
+        vstart, vptr, vstride = table(values) if values else (none, none, none)
         # what the kernel reads through the addresses below, kept alive with the table
         self._keep = (keys, values, key_map, key_at, centroids, offsets, kstart, kptr, kstride,
                       vstart, vptr, vstride)
@@ -200,7 +201,6 @@ class TopKTable:
                 f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "
                 f"{self.lists} lists, {self.probes} probes"))
         return out, lse
-
 
     def select(self, q: torch.Tensor, k: int, skip: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's k best keys, as `attend` picks them, without attending: q [H, R, D]

@@ -224,7 +224,8 @@ class TopKShard:
         if question and self.settings.prefill == "exact":
             return self._parts_exact(layer, q, scale, tokens, own)
         native_ok = q.device.type == "cpu" and self.searchers is None and native.available()
-        if native_ok and getattr(self._table_of(layer, k), "selects_only", True) is False:
+        table = self._table_of(layer, k) if native_ok else None
+        if table is not None and not table.selects_only:
             return self._parts_native(layer, q, max(k, 1), scale, tokens, own)
         outs, lses = [], []
         if own is not None:
@@ -346,10 +347,12 @@ class TopKShard:
         sink = self.n_sink
         if self.keys is not None:
             return topk.select_exact(q, self.keys[layer], k, sink)
-        if self.searchers is None and native.available() and self._table_of(layer, k):
-            # ivf, or flat's keys on disk: the compiled kernel ranks them on the CPU (on a
-            # GPU too: ~100x numpy's time at 128K) as it does for `_parts_native`
-            scores, rows = self._tables[layer].select(q, k, sink)
+        table = self._table_of(layer, k) if self.searchers is None and native.available() \
+            else None
+        if table is not None:  # ivf, or flat's keys on disk: the compiled kernel ranks them
+            # on the CPU whatever q's device (on an H100's host numpy's ranking of ivf's
+            # lists took ~74 ms a layer at 128K), as it does for `_parts_native`
+            scores, rows = table.select(q, k, sink)
             for _, mapped in self.mapped_keys or []:
                 mapped.release(layer)
             return scores, rows
@@ -581,8 +584,8 @@ class IvfLayer:
                                            of rows: GQA sharing scores a key by its row)
 
     The lists are the blocks' own (their IVF files: which list each key went to); the
-    keys are the cache's, so scores are exact. In memory: the keys (2 bytes
-    a dimension in bf16), an int64 row and an int32 position each, and the centroids."""
+    keys are the cache's, so scores are exact. In memory: the keys (2 bytes a dimension in
+    bf16), an int64 row and an int32 position each, and the centroids."""
 
     def __init__(self, centroids, offsets, rows, keys):
         import numpy as np
