@@ -12,11 +12,11 @@ Index kinds (`--index`), over one (block, layer, KV head)'s keys, by inner produ
            a layer at a time, memory-mapped, and their pages released after the layer)
     ivf    faiss IndexIVFFlat (METRIC_INNER_PRODUCT): ~4 sqrt(T) k-means lists (the file
            holds the centroids and every key in fp32, plus an int64 id each). Phase 2
-           does not search the files: it takes a worker's blocks' lists (centroids, and
-           which list each key went to), for every KV head of a layer, and keeps the keys
-           list by list in memory (`retrieval.IvfLayer`: the keys in the cache's dtype, 2
-           bytes each in bf16, plus an int64 row; the centroids in fp32); a row picks the
-           lists nearest it until about IVF_ROW_SCAN * k keys, and at least
+           does not search the files: it takes a worker's blocks' lists (which list each
+           key went to), for every KV head of a layer, and keeps the keys list by list in
+           memory (`retrieval.IvfLayer`: the keys in the cache's dtype, 2 bytes each in
+           bf16, plus an int64 row; each list's mean key as its centre, in fp32); a row
+           picks the lists nearest it until about IVF_ROW_SCAN * k keys, and at least
            IVF_MIN_PROBES lists (`row_probes`), with or without --kv-on-disk.
     hnsw   faiss IndexHNSWFlat (METRIC_INNER_PRODUCT, M = HNSW_M): every key in fp32 plus
            its graph links; with --kv-on-disk the keys are memory-mapped, the graph read.

@@ -42,11 +42,12 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
            released (every key is still read, from the page cache)
     ivf    every KV head's IVF lists over all the worker's blocks (`IvfLayer`: the
            blocks' lists side by side, their keys in list order in the cache's dtype,
-           their centroids [Hkv, C, D], bf16 values). A row ranks its KV head's C centroids,
-           picks its nearest lists (`indexes.row_probes`: about IVF_ROW_SCAN * k keys, at
-           least IVF_MIN_PROBES lists) and keeps the k best of their keys
-           (`native.topk_attend`, one call per layer; numpy's
-           `_select_ivf` where no kernel was built).
+           their centres [Hkv, C, D]: each list's mean key, bf16 values). A row ranks its
+           KV head's C centres, picks its nearest lists (`indexes.row_probes`: about
+           IVF_ROW_SCAN * k keys, at least IVF_MIN_PROBES lists) and keeps the k best of
+           their keys (`native.topk_attend`, one call per layer; on a GPU the same
+           selection, `native.TopKTable.select`, on the host; numpy's `_select_ivf` where
+           no kernel was built).
     hnsw   each block's faiss HNSW index per KV head (a graph is not merged), searched one
            block at a time; the worker keeps the k best of the blocks' k best.
 """
@@ -180,8 +181,8 @@ class TopKShard:
                 return indexes.read_index(where / files[(blocks[block], layer, head)], mapped)
 
             if settings.index == "ivf":
-                # The blocks' files are read mapped (only centroids and ids are used), the
-                # keys one layer at a time.
+                # The blocks' files are read mapped (only their lists are used: which list
+                # each key went to), the keys one layer at a time.
                 ivf = [IvfLayer.of([tensorfile.read_layer(p, "k", layer) for p in paths],
                                    lambda b, lay, h: index_of(b, lay, h, True), layer, dtype)
                        for layer in range(layers)]
