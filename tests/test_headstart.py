@@ -120,9 +120,13 @@ def test_head_start_never_outlives_the_command(home, docs, tmp_path, how):
     model = make_tiny_model(tmp_path / "long-tiny", window=8192, never_stops=True)
     engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32",
                                        block_size=60))
+    # Ctrl-C at its default, as in a terminal's foreground job, whatever this test inherited
+    # (a runner started as `cmd &` by a shell without job control ignores SIGINT, and Python
+    # keeps an inherited SIG_IGN: the ask would rightly go on answering)
     proc = subprocess.Popen([sys.executable, "-m", "starqa", "ask", QUESTION, "--keep-alive",
                              "0", "--max-new-tokens", "7000"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.read(1)  # the answer streams: the child is answering
         children = _children(proc.pid)
