@@ -4,6 +4,7 @@ Generators are checked with the tiny word-level tokenizer (every word and punctu
 a token, unknown words one <unk> each), so lengths are measured without any real model.
 """
 
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from starqa import prompt
 from starqa.cli import app
 from starqa.errors import StarqaError
+from starqa.indexes import TopK
 from starqa.evals import generators, prose, runner, scoring, words
 from starqa.models import load_model, load_tokenizer
 
@@ -442,6 +444,10 @@ def test_runner_names_sources_and_scores_them(home, tiny_model, tmp_path, capsys
         assert r["source_score"]["top1"] == top1
     # A random model answers nothing correctly: the sources score has no sample to count.
     assert results["summary"][0]["methods"]["star"]["sources"] is None
+    # top-k attention names no sources: nothing to score (not "0 of n right")
+    topk = runner.run(runner.plan(dataclasses.replace(opts, methods="dense", topk=(
+        TopK(count=8),), json_path=str(tmp_path / "t.json"))))["samples"][0]["results"]
+    assert "source_score" in topk["dense"] and "source_score" not in topk["dense topk 8"]
     row = results["summary"][0]
     row["methods"]["star"]["sources"] = {"n": 4, "top1": 0.75, "top3": 1.0, "line_distance": 1}
     report.results_table(results)

@@ -304,7 +304,10 @@ class Evaluator:
         stop = ("answer" if answered[0] else
                 "max_new_tokens" if len(tokens) >= sample.max_new_tokens else "end")
         where = sample.meta.get("source")
-        scored = {"source_score": scoring.source_score(named or [], where)} if where else {}
+        # scored where the answer was attributed (exact attention: none found counts as
+        # wrong); top-k names no sources (`Answerer.answer`), so it has no score to count
+        scored = {"source_score": scoring.source_score(named, where)} \
+            if where and named is not None else {}
         return {"prediction": text,
                 "correct": scoring.is_correct(text, sample.answers, sample.match),
                 "found": scoring.found(text, sample.answers), "token_ids": tokens, "stop": stop,
