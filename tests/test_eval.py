@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from starqa import prompt
 from starqa.cli import app
 from starqa.errors import StarqaError
-from starqa.indexes import TopK
 from starqa.evals import generators, prose, runner, scoring, words
+from starqa.indexes import TopK
 from starqa.models import load_model, load_tokenizer
 
 SYNTHETIC = [t for t in generators.TASKS if t != "qa"]
