@@ -257,7 +257,7 @@ def test_a_row_probes_enough_lists_however_small_the_context():
     which found 0.75 of the exact top k); a row probes at least IVF_MIN_PROBES, never more
     than every list, and on a long context the scan rule is unchanged (32K: 68 of 840)."""
     assert indexes.ivf_probes(8192, 208, 82, indexes.IVF_ROW_SCAN) == 17
-    assert indexes.row_probes(8192, 208, 82) == indexes.IVF_MIN_PROBES == 48
+    assert indexes.row_probes(8192, 208, 82) == indexes.IVF_MIN_PROBES == 64
     assert indexes.row_probes(32768, 840, 328) == 68
     assert indexes.row_probes(4096, 30, 41) == 30
 
