@@ -17,6 +17,7 @@ CONTEXT_DIR: a context folder (its manifest.json) with ivf indexes, e.g. `starqa
 """
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -50,11 +51,22 @@ def record(context: Path, tokens: int) -> tuple[list, object]:
     return calls, shard
 
 
+def quantized(keys: torch.Tensor) -> torch.Tensor:
+    """keys [N, D] as the kernel's int8 scan sees them: a code in -127 .. 127 per dimension,
+    scaled by the dimension's largest |key| / 127 (per KV head), back in fp32."""
+    scale = keys.abs().amax(0).clamp(min=1e-30) / 127
+    return (keys / scale).round().clamp(-127, 127) * scale
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("context", type=Path)
     parser.add_argument("--probes", default="", help="other list counts, comma-separated")
     parser.add_argument("--shared", action="store_true")
+    parser.add_argument("--int8", action="store_true",
+                        help="add, for each, the lists scanned through int8 codes of the keys")
+    parser.add_argument("--margin", type=float, default=0.25,
+                        help="--int8: k (1 + margin) candidates by the codes, rescored exactly")
     parser.add_argument("--tokens", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -69,6 +81,7 @@ def main() -> None:
         variants = [("own", probes, False)] + [
             (f"own {p}", p, False) for p in map(int, filter(None, args.probes.split(",")))]
         variants += [(f"shared {p}", p, True) for _, p, _ in variants] if args.shared else []
+        variants += [(f"{n} int8", p, s) for n, p, s in variants] if args.int8 else []
         for h in range(q.shape[0]):
             rows = q[h].float()
             scores = rows @ keys[h].T
@@ -78,13 +91,19 @@ def main() -> None:
             list_of = torch.repeat_interleave(torch.arange(centroids.shape[1]),
                                               offsets[h, 1:] - offsets[h, :-1])
             near = rows @ centroids[h].T
+            coded = rows @ quantized(keys[h]).T if args.int8 else None
             for name, p, shared in variants:
                 chosen = torch.zeros_like(near, dtype=torch.bool)
                 chosen.scatter_(1, near.topk(min(p, near.shape[1]), dim=1).indices, True)
                 if shared:
                     chosen[:] = chosen.any(0)
                 scanned = chosen[:, list_of]
-                picks = scores.masked_fill(~scanned, float("-inf")).topk(k, dim=1).indices
+                if name.endswith("int8"):  # k + margin by the codes, the k best of them exactly
+                    wide = min(k + math.ceil(args.margin * k), scores.shape[1])
+                    near_k = coded.masked_fill(~scanned, float("-inf")).topk(wide, dim=1).indices
+                    picks = near_k.gather(1, scores.gather(1, near_k).topk(k, dim=1).indices)
+                else:
+                    picks = scores.masked_fill(~scanned, float("-inf")).topk(k, dim=1).indices
                 hits = (picks.unsqueeze(2) == exact.unsqueeze(1)).any(2).float().mean(1)
                 mass = weights.gather(1, picks).sum(1) / exact_mass
                 reads = scanned.any(0).sum() if shared else scanned.sum()
