@@ -28,6 +28,7 @@ if "--huge-pages" in sys.argv:  # before torch: its tensors in 4 KB pages, as ag
 
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
+import gc  # noqa: E402
 import mmap  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -96,6 +97,7 @@ def main() -> None:
     for table in shard._tables.values():
         del table.attend
     token = calls[-len(shard._tables):]  # the last token's call per layer
+    gc.freeze()  # as a loaded Answerer does (starqa.gcpause): the recording never walked again
     print(f"{manifest.n_tokens:,} tokens, {len(token)} calls a token; CPU: {bench.cpu_info()}")
 
     variants = {}  # name -> (library or None, layer -> table)
