@@ -1,0 +1,105 @@
+"""Where a Phase 2 decode token's time goes, exact against top-k, on a cached context: timers
+around every compiled call of a real answer (`Answerer`, as `ask` and the warm groups run
+it), split into the attention kernel (exact's `native.Layout.attend`, top-k's
+`native.TopKTable.attend`), the model's steps (a layer's two calls either side of its
+attention, `native.layer_before`/`layer_after`, and the logits) and the rest: Python and
+torch between them ("glue"). Each attention in turn, alternating, in one process:
+
+    python benchmarks/decode_split.py CONTEXT_DIR [--attention exact,ivf] [--rounds 3]
+
+Prints per attention the median ms per token of each share (one-token steps: no drafts,
+so a step is a token). CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa
+ingest`'s; ivf needs its indexes (built on first use where missing).
+"""
+
+import argparse
+import gc
+import time
+from pathlib import Path
+
+import torch
+
+from starqa import bench, decoder, dist, indexes, models, native
+from starqa.answering import Answerer
+from starqa.ask import question_ids
+from starqa.manifest import read_manifest
+
+QUESTION = "Which function merges the partial attentions of the workers?"
+
+
+class Timers:
+    """Seconds spent in wrapped callables, by share."""
+
+    def __init__(self):
+        self.spent = {"attention": 0.0, "model": 0.0}
+
+    def wrap(self, owner, name: str, share: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.spent[share] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("context", type=Path)
+    parser.add_argument("--attention", default="exact,ivf")
+    parser.add_argument("--top-k", default="1%")
+    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    timers = Timers()
+    timers.wrap(native.Layout, "attend", "attention")
+    timers.wrap(native.TopKTable, "attend", "attention")
+    timers.wrap(native, "layer_before", "model")
+    timers.wrap(native, "layer_after", "model")
+    timers.wrap(decoder.Decoder, "logits", "model")
+
+    answerers = {}
+    for attention in args.attention.split(","):
+        manifest = read_manifest(args.context)
+        settings = None
+        if attention != "exact":
+            settings = indexes.topk_settings("topk", args.top_k, None, attention, False)
+            manifest = indexes.ensure(manifest, attention)
+        path = models.resolve_model(manifest.model.spec)
+        query = question_ids(manifest, path, QUESTION)[1]
+        answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), path, "int4",
+                                       settings)
+        answerer.answer(query, 2, set(), None, draft_tokens=0)  # tables and buffers made
+        answerers[attention] = (answerer, query)
+    gc.collect()
+    gc.freeze()
+    print(f"{read_manifest(args.context).n_tokens:,} tokens; CPU: {bench.cpu_info()}")
+
+    found = {name: [] for name in answerers}
+    for _ in range(args.rounds):
+        for name, (answerer, query) in answerers.items():
+            stamps = []
+
+            def on_token(token: int) -> None:
+                stamps.append((time.perf_counter(), dict(timers.spent)))
+
+            answerer.answer(query, args.tokens, set(), on_token, draft_tokens=0)
+            (t0, s0), (t1, s1) = stamps[0], stamps[-1]
+            steps = len(stamps) - 1
+            shares = {k: (s1[k] - s0[k]) / steps * 1e3 for k in s0}
+            total = (t1 - t0) / steps * 1e3
+            found[name].append((total, shares["attention"], shares["model"],
+                                total - shares["attention"] - shares["model"]))
+    for name, runs in found.items():
+        median = [sorted(x)[len(x) // 2] for x in zip(*runs)]
+        print(f"{name}: {median[0]:.1f} ms/token = attention kernel {median[1]:.1f} + model "
+              f"{median[2]:.1f} + glue {median[3]:.1f} (medians of {len(runs)})")
+
+
+if __name__ == "__main__":
+    main()
