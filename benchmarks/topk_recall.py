@@ -5,13 +5,15 @@ the k best of the keys the selection scans. Prints, per variant, the share of th
 k found and the share of its softmax mass (scale 1/sqrt(d)) the picks hold, and how many
 keys a KV head reads per position (own: its rows' reads summed; shared: each key once):
 
-    python benchmarks/topk_recall.py CONTEXT_DIR [--probes 52,68] [--shared]
+    python benchmarks/topk_recall.py CONTEXT_DIR [--probes 52,68] [--shared] [--int8]
 
 Variants: `own` is what starqa's kernel does (each query row scans its own nearest lists,
 as many as the table's probes); `--probes` lists other counts; `--shared` adds, for each,
 the G query heads of a KV head scanning the union of their lists (each row's k picked from
-all of them). The selection is recomputed here in fp32 with torch (the kernel's own scores
-are the same products; ties aside, the same picks).
+all of them); `--int8` adds, for each, the scan ranking int8 codes of the keys (each
+dimension scaled by its largest |key| / 127), its k (1 + margin) best then rescored with
+the keys (`--margin`, default 0.25). The selection is recomputed here in fp32 with torch
+(the kernel's own scores are the same products; ties aside, the same picks).
 
 CONTEXT_DIR: a context folder (its manifest.json) with ivf indexes, e.g. `starqa ingest`'s.
 """
