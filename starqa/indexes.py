@@ -68,11 +68,11 @@ IVF_ROW_SCAN = 8
 # how many lists it probes more than on the share of keys they hold. Measured on SmolLM2 at
 # 8K (4 blocks, 208 lists, k = 82): 8k keys per row is 17 lists, which found 0.75 of the
 # exact top k; 32 lists 0.88, 48 lists 0.93 (32K's 68 lists of 840: 0.92). At 4K (9 lists
-# of 101) `eval --index ivf` kept 0.74 of exact's accuracy, with a floor of 48 1.04, while
-# at 8K 48 kept 0.92 (README). With each list's centre its mean key, 8K's rows find 0.955
-# of the exact top k with 48 lists, 0.967 with 56, 0.974 with 64 (topk_recall.py), though
-# the 8K eval kept the same answers with 64 (0.92); 32K probes more than 64 anyway (68), so
-# the floor costs keys read at short contexts only.
+# of 101) `eval --index ivf` kept 0.74 of exact's accuracy; with a floor of 48, 1.04 (README).
+# With each list's centre its mean key, 8K's rows find 0.955 of the exact top k with 48
+# lists, 0.974 with 64 (topk_recall.py); the 8K eval kept 0.92 either way (its two lost
+# answers are lost by the exact top k too). 32K probes 68 anyway: the floor costs keys read
+# at short contexts only.
 IVF_MIN_PROBES = 64
 IVF_TRAIN_ITERATIONS = 10
 HNSW_M = 16
