@@ -2,14 +2,18 @@
 around every compiled call of a real answer (`Answerer`, as `ask` and the warm groups run
 it), split into the attention kernel (exact's `native.Layout.attend`, top-k's
 `native.TopKTable.attend`), the model's steps (a layer's two calls either side of its
-attention, `native.layer_before`/`layer_after`, and the logits) and the rest: Python and
-torch between them ("glue"). Each attention in turn, alternating, in one process:
+attention, `native.layer_before`/`layer_after`, and the logits), every layer in one call
+(`native.decode_layers`, starqa/_step.c: attention and model steps together, as answers
+run where it applies) and the rest: Python and torch between them ("glue"). Each
+attention in turn, alternating, in one process:
 
-    python benchmarks/decode_split.py CONTEXT_DIR [--attention exact,ivf] [--rounds 3]
+    python benchmarks/decode_split.py CONTEXT_DIR [--attention exact,ivf,exact:loop,ivf:loop]
 
-Prints per attention the median ms per token of each share (one-token steps: no drafts,
-so a step is a token). CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa
-ingest`'s; ivf needs its indexes (built on first use where missing).
+An attention named NAME:loop runs its layers one by one (`ShardAttention.compiled`
+offers no words), as answers did before starqa/_step.c: the split of each share. Prints
+per attention the median ms per token of each share (one-token steps: no drafts, so a step
+is a token). CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa ingest`'s; ivf
+needs its indexes (built on first use where missing).
 """
 
 import argparse
@@ -31,7 +35,7 @@ class Timers:
     """Seconds spent in wrapped callables, by share."""
 
     def __init__(self):
-        self.spent = {"attention": 0.0, "model": 0.0}
+        self.spent = {"attention": 0.0, "model": 0.0, "layers": 0.0}
 
     def wrap(self, owner, name: str, share: str) -> None:
         inner = getattr(owner, name)
@@ -49,7 +53,7 @@ class Timers:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("context", type=Path)
-    parser.add_argument("--attention", default="exact,ivf")
+    parser.add_argument("--attention", default="exact,ivf,exact:loop,ivf:loop")
     parser.add_argument("--top-k", default="1%")
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
@@ -62,9 +66,11 @@ def main() -> None:
     timers.wrap(native, "layer_before", "model")
     timers.wrap(native, "layer_after", "model")
     timers.wrap(decoder.Decoder, "logits", "model")
+    timers.wrap(native, "decode_layers", "layers")
 
     answerers = {}
-    for attention in args.attention.split(","):
+    for name in args.attention.split(","):
+        attention, _, loop = name.partition(":")
         manifest = read_manifest(args.context)
         settings = None
         if attention != "exact":
@@ -77,8 +83,10 @@ def main() -> None:
         if not answerer.decoder.layer_kernels:  # the model's steps would count as glue
             raise SystemExit("this decoder runs its layers' kernels one by one only "
                              "(no int4 tiles or no compiled kernels here)")
+        if loop:
+            answerer.hook.compiled = lambda *_: None
         answerer.answer(query, 2, set(), None, draft_tokens=0)  # tables and buffers made
-        answerers[attention] = (answerer, query)
+        answerers[name] = (answerer, query)
     gc.collect()
     gc.freeze()
     print(f"{manifest.n_tokens:,} tokens; CPU: {bench.cpu_info()}")
@@ -96,12 +104,13 @@ def main() -> None:
             steps = len(stamps) - 1
             shares = {k: (s1[k] - s0[k]) / steps * 1e3 for k in s0}
             total = (t1 - t0) / steps * 1e3
-            found[name].append((total, shares["attention"], shares["model"],
-                                total - shares["attention"] - shares["model"]))
+            found[name].append((total, shares["attention"], shares["model"], shares["layers"],
+                                total - sum(shares.values())))
     for name, runs in found.items():
         median = [sorted(x)[len(x) // 2] for x in zip(*runs)]
         print(f"{name}: {median[0]:.1f} ms/token = attention kernel {median[1]:.1f} + model "
-              f"{median[2]:.1f} + glue {median[3]:.1f} (medians of {len(runs)})")
+              f"{median[2]:.1f} + layers in one call {median[3]:.1f} + glue {median[4]:.1f} "
+              f"(medians of {len(runs)})")
 
 
 if __name__ == "__main__":

@@ -163,14 +163,15 @@ class Pieces:
         self.parts = list(parts)
         fits = native.available() and len({key.dtype for key, _ in self.parts}) <= 1 and \
             all(native.supports(key, value) for key, value in self.parts)
-        self._layout = native.Layout(self.parts) if fits else None
+        # the compiled kernel's table (None: torch's code), read by starqa/_step.c too
+        self.layout = native.Layout(self.parts) if fits else None
 
     def attend(self, q: torch.Tensor, key: torch.Tensor | None = None,
                value: torch.Tensor | None = None, scale: float = 1.0, own: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """`partial_parts` of folded queries q [Hkv, R, D] over these buffers, then over
         key/value [Hkv, M, D] if given (`own` of its keys the queries' own)."""
-        layout = self._layout
+        layout = self.layout
         if layout is not None and (key is None or layout.dtype in (None, key.dtype)
                                    and native.supports(key, value)):
             return layout.attend(q, key, value, scale, own)
@@ -188,6 +189,7 @@ def attend_gemm(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: 
     # Scores head by head: each head's keys [:N] are contiguous even when they are a slice
     # of a longer buffer, which one batched GEMM over the slice would first copy.
     heads, rows, n = key.shape[0], q.shape[1], key.shape[1]
+    q = q.to(key.dtype)  # bf16 rows over fp32 keys (top-k's sink) are widened exactly
     raw = q.new_empty(heads, rows, n, dtype=key.dtype)
     for head in range(heads):
         torch.mm(q[head], key[head].t(), out=raw[head])

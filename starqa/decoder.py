@@ -51,6 +51,22 @@ from starqa.prepared import (INT4_GROUP, W8A8_MIN_ROWS, W8A8_MIN_ROWS_TILES, Dec
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass
+class StepPlan:
+    """A forward's attention as starqa/_step.c takes it (`native.decode_layers`): words [L,
+    A] int64, the own keys written `before` this forward's, and where each layer's folded
+    query rows [L, Hkv, G * M, D] and their LSE [L, Hkv, G * M] (fp32) go."""
+    words: torch.Tensor
+    before: int
+    q_rows: torch.Tensor
+    lse: torch.Tensor
+
+
+# (rows M, the model's dtype, query heads, KV heads, head size) → the attention's StepPlan
+# for a forward of M rows, or None for the layer-by-layer loop
+Compiled = Callable[[int, torch.dtype, int, int, int], "StepPlan | None"]
+
+
 class Linear:
     """y = x Wᵀ (+ b) for x [M, K]: `weight` [N, K] dense, or weight-only int8 (`weight`
     int8 [N, K], `scale` [N]) or int4: starqa's tiles (`weight` uint8 [N / 16, K / 32, 320],
@@ -244,6 +260,14 @@ class Decoder:
         self.layer_rows = min((lin.w8a8_rows for lin in linears
                                if lin.w8 is not None and lin.w8a8_rows is not None),
                               default=float("inf"))
+        # every layer of a forward in one call where the attention offers its words
+        # (`forward`'s `compiled`; starqa/_step.c): the layers' words, laid out once
+        self.step_words = native.step_words([(
+            dtype == torch.bfloat16, config.hidden, config.heads, config.kv_heads, d,
+            layer.gate_up.weight.shape[0] * 8, float(config.eps), layer.attn_norm,
+            layer.qkv.weight, layer.qkv.bias, layer.out.weight, layer.out.bias,
+            layer.mlp_norm, layer.gate_up.weight, layer.gate_up.bias, layer.down.weight,
+            layer.down.bias) for layer in layers]) if self.layer_kernels else None
 
     def _norms(self) -> list[torch.Tensor]:
         return [self.norm, *(w for layer in self.layers for w in (layer.attn_norm,
@@ -260,10 +284,15 @@ class Decoder:
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
-                rowwise: bool = False) -> torch.Tensor:
+                rowwise: bool = False, compiled: Compiled | None = None) -> torch.Tensor:
         """Hidden states [M, H] after the final norm, for token `ids` [M] at `positions` [M].
         rowwise: each row's arithmetic is that of a one-token forward (see `Linear`): for
-        checking drafted tokens (starqa.phase2.generate), not for a question's prefill."""
+        checking drafted tokens (starqa.phase2.generate), not for a question's prefill.
+        compiled: the attention as words of starqa/_step.c for a forward of M rows (a
+        `StepPlan`; None where it has none: `phase2.ShardAttention.compiled`): where each
+        layer's steps run in one call, every layer of the forward is then one call, the
+        same kernels in the same order (the same bits) without the ~20 tensor operations
+        and ctypes calls a layer between them."""
         c = self.config
         m = ids.shape[0]
         q_size = c.heads * c.head_dim
@@ -278,6 +307,12 @@ class Decoder:
             cos, sin = self.rope(positions)
         hidden = self.embed[ids]  # [M, H], this forward's own (updated in place when fused)
         fused = self.layer_kernels and (rowwise or m < self.layer_rows)
+        plan = None if not fused or compiled is None or self.step_words is None else \
+            compiled(m, self.dtype, c.heads, c.kv_heads, c.head_dim)
+        if plan is not None:
+            native.decode_layers(self.step_words, plan.words, hidden, cos, sin, plan.before,
+                                 plan.q_rows, plan.lse)
+            return norm(hidden, self.norm, c.eps)
         for index, layer in enumerate(self.layers):
             if fused:  # the same kernels in the same order, one call: the same bits
                 qkv = qk = native.layer_before(hidden, layer.attn_norm, c.eps, layer.qkv.weight,

@@ -41,6 +41,9 @@ _SIGNATURES = {
                                    _I64, _PTR, _PTR, _PTR, _INT]),
     "starqa_layer_after": (_INT, [_INT, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _F32,
                                   _PTR, _I64, _PTR, _PTR, _PTR, _INT]),
+    "starqa_decode_layers": (_INT, [_I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR,
+                                    _INT]),
+    "starqa_step_words": (_I64, [_INT]),
 }
 
 
@@ -125,7 +128,9 @@ class KeyTable:
             self.keys += buffer[2]
         size = ctypes.sizeof(ctypes.c_int64)
         base = ctypes.addressof(self._table)
-        self._addresses = (base, *(base + (k * count + 1) * size for k in range(1, 5)))
+        # the addresses of its starts, key and value addresses and head strides (the slot
+        # after the laid-out buffers is filled by each call: `attend`, starqa/_step.c)
+        self.addresses = (base, *(base + (k * count + 1) * size for k in range(1, 5)))
 
     def _set(self, index: int, key: int, value: int, keys: int, key_stride: int,
              value_stride: int) -> None:
@@ -147,5 +152,5 @@ class KeyTable:
         if own_buffer is not None:
             self._set(pieces, *own_buffer)
             pieces += 1
-        return library().starqa_attend(int(bf16), q, pieces, *self._addresses, out, lse,
+        return library().starqa_attend(int(bf16), q, pieces, *self.addresses, out, lse,
                                        heads, rows, dim, own, scale, threads)

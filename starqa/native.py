@@ -85,6 +85,12 @@ class Layout:
                 f"own {own}"))
         return out, lse
 
+    def step_words(self) -> tuple[int, ...]:
+        """The exact part of a layer's attention words for `decode_layers` (starqa/_step.c's
+        E_*): the laid-out buffers and the addresses of the table's five arrays, whose slot
+        after them the kernel fills with the own buffer at each call."""
+        return (self._table.count - 1, *self._table.addresses)
+
 
 def _buffer(key: torch.Tensor, value: torch.Tensor) -> tuple[int, int, int, int, int]:
     """(key, value) [H, N, D] as a `kernels.KeyTable` buffer."""
@@ -162,6 +168,13 @@ class TopKTable:
         self._select_args = (*key_args, *list_args)  # select's, after q, heads, rows and dim
         self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
                         int(bool(values) and values[0][1].dtype == torch.bfloat16))
+
+    def step_words(self, k: int, skip: int) -> tuple[int, ...]:
+        """The top-k part of a layer's attention words for `decode_layers` (starqa/_step.c's
+        T_*): `attend`'s arguments that stay the same, then k and skip."""
+        if self.selects_only:
+            raise ValueError("top-k kernel: this table holds no values (it only selects)")
+        return (*self._dtypes, *self._middle, k, skip)
 
     def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
                tokens: int | None = None,
@@ -347,3 +360,63 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     y = x.new_empty(m, n)
     _library().starqa_silu_mul(x.dtype == torch.bfloat16, x.data_ptr(), m, n, y.data_ptr())
     return y
+
+
+# starqa/_step.c's words of a layer, in its order: the model's (M_*); the attention's (A_*:
+# kind, scale, own keys, own values, their capacity) followed by exact's (E_*) or top-k's
+# (T_*); the kinds A_EXACT and A_TOPK.
+MODEL_WORDS = ("bf16", "hidden", "heads", "kv_heads", "dim", "inner", "eps", "attn_norm",
+               "qkv", "qkv_bias", "out", "out_bias", "mlp_norm", "gate_up", "gate_up_bias",
+               "down", "down_bias")
+STEP_EXACT, STEP_TOPK = 0, 1
+
+
+def _word(value) -> int:
+    """A word of a `decode_layers` array: a tensor's address (None: 0), a float's fp32 bits,
+    an int."""
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr()
+    if isinstance(value, float):
+        return int(torch.tensor(value, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF
+    return int(value)
+
+
+def step_words(layers: Sequence[Sequence], attention: bool = False) -> torch.Tensor | None:
+    """[L, words] int64 for `decode_layers`: per layer its values in MODEL_WORDS order (or
+    with attention, the attention's words as _step.c orders them); None where the compiled
+    library is not here or lays its words out otherwise."""
+    library = _library()
+    if library is None:
+        return None
+    width = int(library.starqa_step_words(int(attention)))
+    if not attention and width != len(MODEL_WORDS):
+        return None
+    words = torch.zeros(len(layers), width, dtype=torch.int64)
+    for index, values in enumerate(layers):
+        if len(values) > width:
+            return None
+        words[index, :len(values)] = torch.tensor([_word(v) for v in values],
+                                                  dtype=torch.int64)
+    return words
+
+
+def decode_layers(model: torch.Tensor, attention: torch.Tensor, hidden: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, before: int, q_rows: torch.Tensor,
+                  lse: torch.Tensor) -> None:
+    """Every decoder layer of a forward in one call (starqa/_step.c), on hidden [M, H] in
+    place: model and attention, `step_words`' arrays (their tensors alive and where they
+    were); cos, sin [M, 1, D] (`rope_table`); before: the own keys written before this
+    forward's; q_rows [L, Hkv, G * M, D] and lse [L, Hkv, G * M], fp32, contiguous: filled
+    with each layer's folded query rows and their LSE."""
+    layers, m = model.shape[0], hidden.shape[0]
+    if (attention.shape[0] != layers or not hidden.is_contiguous() or q_rows.shape[0] != layers
+            or q_rows.dtype != torch.float32 or lse.dtype != torch.float32
+            or not q_rows.is_contiguous() or not lse.is_contiguous()):
+        raise ValueError(f"decode step: {layers} layers against attention words "
+                         f"{tuple(attention.shape)}, rows {tuple(q_rows.shape)}")
+    _check(_library().starqa_decode_layers(
+        layers, model.data_ptr(), attention.data_ptr(), hidden.data_ptr(), m, cos.data_ptr(),
+        sin.data_ptr(), before, q_rows.data_ptr(), lse.data_ptr(), torch.get_num_threads()),
+        "decode step")

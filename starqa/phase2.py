@@ -18,9 +18,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from starqa import dist
+from starqa import dist, native
 from starqa.attention import (Pieces, attend, fold_gqa, fused_available, merge,
                               partial_chunks, partial_rows)
+from starqa.decoder import StepPlan
 from starqa.errors import StarqaError
 from starqa.lookup import Drafter
 
@@ -88,10 +89,14 @@ class ShardAttention:
         self.head = min(head, self.n_keys)
         self.track = False
         self.fused = shard is not None and fused_available(shard[0][0][0])
-        # Per layer, each tracked forward's query rows that picked a token [Hkv, G, P, D]
-        # and their global LSE [Hkv, G, P] (see `key_mass`).
-        self._rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        self._last: list = []  # per layer, the running forward's rows (see `attention`)
+        # Each tracked forward's query rows that picked a token [L, Hkv, G, P, D] and their
+        # global LSE [L, Hkv, G, P] (see `key_mass`).
+        self._rows: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the running forward's rows [Hkv, G, M(, D)]: per layer (`attention`), or of every
+        # layer at once (`compiled`)
+        self._last: list | tuple | None = None
+        # `compiled`'s words while the own buffers stay (False: this attention has none)
+        self._words: torch.Tensor | bool | None = None
         # (query host) per layer this question's and answer's KV [1, Hkv, capacity, D],
         # written in place: allocated by the first question, grown by a longer one
         self._own: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -107,10 +112,10 @@ class ShardAttention:
         they grow if a question needs more."""
         self.length = 0
         self.question = True
-        self._rows = [[] for _ in self.shard or ()]
-        self._last = [None] * len(self._rows)
+        self._rows, self._last = [], None
         if capacity > self._capacity:
             self._own, self._capacity = [], capacity
+            self._forget_words()
 
     def advance(self, kept: int, picked: slice | None = None) -> None:
         """The forward that just ran added its first `kept` tokens to the question's KV (the
@@ -119,11 +124,12 @@ class ShardAttention:
         self.question = False
         if self.query_host:
             self.length += kept
-        if self.track and self.n_keys and self._last:
+        if self.track and self.n_keys and self._last is not None:
             picked = picked or slice(-1, None)
-            for layer, (q, lse) in enumerate(self._last):
-                self._rows[layer].append((q[:, :, picked], lse[:, :, picked]))
-            self._last = [None] * len(self._last)
+            q, lse = self._last if isinstance(self._last, tuple) else (
+                torch.stack([q for q, _ in self._last]), torch.stack([x for _, x in self._last]))
+            self._rows.append((q[:, :, :, picked], lse[:, :, :, picked]))
+        self._last = None
 
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
@@ -185,8 +191,67 @@ class ShardAttention:
             # their global LSE, rows (g, m) with m fastest; `advance` keeps those that
             # picked a token, and key_mass() uses them once the answer is done.
             self._scale = scale
-            self._last[layer] = (q.view(kv_heads, -1, m, dim), lse.view(kv_heads, -1, m))
+            self._last_layer(layer, q.view(kv_heads, -1, m, dim), lse.view(kv_heads, -1, m))
         return out.view(1, q_heads, m, dim)
+
+    def _last_layer(self, layer: int, q: torch.Tensor, lse: torch.Tensor) -> None:
+        """Keep a layer's rows of the running forward (`advance` stacks them)."""
+        if not isinstance(self._last, list):
+            self._last = [None] * len(self.shard)
+        self._last[layer] = (q, lse)
+
+    def compiled(self, m: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+                 ) -> StepPlan | None:
+        """This forward's attention as starqa/_step.c's words (`decoder.Decoder.forward`'s
+        `compiled`: every layer in one call), or None where it goes layer by layer: a world
+        of more than one (a collective between the layers), not on the CPU, the shard's
+        dtype not the model's, top-k's exact question or pages to release after each layer
+        (--kv-on-disk), or no compiled kernel for the attention. The own buffers are made
+        for every layer here, at once; their words are kept while the buffers stay."""
+        if self.info.world_size > 1 or not self.query_host or self._words is False or not (
+                self.cpu and self.retriever is None or self.retriever is not None and
+                self.shard is None and self.retriever.compiles(m, heads // kv_heads,
+                                                               self.question)):
+            return None
+        end = self.length + m
+        if self._words is None or self._own[0][0].shape[2] < end:
+            self._words = self._step_words(end, dtype, kv_heads, dim)
+            if self._words is None:
+                self._words = False  # no compiled step for this attention: never again
+                return None
+        layers = len(self._own)
+        rows = torch.empty(layers, kv_heads, heads // kv_heads * m, dim)
+        lse = torch.empty(layers, kv_heads, heads // kv_heads * m)
+        if self.track and self.n_keys:
+            self._scale = dim**-0.5
+            self._last = (rows.view(layers, kv_heads, -1, m, dim),
+                          lse.view(layers, kv_heads, -1, m))
+        return StepPlan(self._words, self.length, rows, lse)
+
+    def _forget_words(self) -> None:
+        if self._words is not False:
+            self._words = None
+
+    def _step_words(self, end: int, dtype: torch.dtype, kv_heads: int, dim: int
+                    ) -> torch.Tensor | None:
+        """`compiled`'s words, with every layer's own buffers made to hold `end` keys; None
+        where the attention has no compiled kernel (or the shard's dtype is not the
+        model's)."""
+        if self.retriever is None:
+            layouts = [pieces.layout for pieces in self._pieces]
+            if any(lay is None or lay.dtype not in (None, dtype) for lay in layouts):
+                return None
+            kinds = [(native.STEP_EXACT, lay.step_words()) for lay in layouts]
+        else:
+            tables = self.retriever.step_words()
+            if tables is None:
+                return None
+            kinds = [(native.STEP_TOPK, words) for words in tables]
+        for layer in range(len(kinds)):
+            self._grow(layer, end, (1, kv_heads, 0, dim), dtype, torch.device("cpu"))
+        return native.step_words([(kind, dim**-0.5, *own, own[0].shape[2], *args)
+                                  for (kind, args), own in zip(kinds, self._own)],
+                                 attention=True)
 
     def adopt(self, prefill) -> None:
         """(CPU, query host) Take the question's forward that starqa.firsttoken ran before
@@ -200,25 +265,33 @@ class ShardAttention:
             self._append(layer, tensor(key)[None], tensor(value)[None])
             if self.track and self.n_keys:
                 self._scale = key.shape[-1] ** -0.5  # the decoder's, as `attention` got it
-                self._last[layer] = (tensor(prefill.queries[layer]),
-                                     torch.from_numpy(prefill.lses[layer]))
+                self._last_layer(layer, tensor(prefill.queries[layer]),
+                                 torch.from_numpy(prefill.lses[layer]))
 
     def _append(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Write this forward's KV after the question's so far; returns the filled views."""
         end = self.length + key.shape[2]
-        if len(self._own) <= layer or self._own[layer][0].shape[2] < end:
-            shape = (1, key.shape[1], max(end, self._capacity), key.shape[3])
-            grown = (key.new_empty(shape), value.new_empty(shape))
-            if len(self._own) > layer:  # keep what this question wrote so far
-                for new, old in zip(grown, self._own[layer]):
-                    new[:, :, :self.length] = old[:, :, :self.length]
-                self._own[layer] = grown
-            else:
-                self._own.append(grown)
+        self._grow(layer, end, key.shape, key.dtype, key.device)
         own_k, own_v = self._own[layer]
         own_k[:, :, self.length:end] = key
         own_v[:, :, self.length:end] = value
         return own_k[:, :, :end], own_v[:, :, :end]
+
+    def _grow(self, layer: int, end: int, shape: Sequence[int], dtype: torch.dtype,
+              device: torch.device) -> None:
+        """Make the own buffers of `layer` (layers come in order) [1, Hkv, capacity, D] hold
+        `end` keys, keeping what this question wrote so far; shape: a key's [1, Hkv, *, D]."""
+        if len(self._own) > layer and self._own[layer][0].shape[2] >= end:
+            return
+        shape = (1, shape[1], max(end, self._capacity), shape[3])
+        grown = tuple(torch.empty(shape, dtype=dtype, device=device) for _ in range(2))
+        self._forget_words()  # the compiled step's words point at the buffers
+        if len(self._own) > layer:  # keep what this question wrote so far
+            for new, old in zip(grown, self._own[layer]):
+                new[:, :, :self.length] = old[:, :, :self.length]
+            self._own[layer] = grown
+        else:
+            self._own.append(grown)
 
     def key_mass(self, tokens: Sequence[int]) -> torch.Tensor:
         """[N_h] float64: the attention each shard key received from the answer's rows that
@@ -241,7 +314,7 @@ class ShardAttention:
         after the answer, in one batched matmul per distinct token: no pass over the keys
         while decoding. The head gets nothing."""
         mass = torch.zeros(self.n_keys, dtype=torch.float64)
-        rows_kept = sum(q.shape[2] for q, _ in self._rows[0]) if self._rows else 0
+        rows_kept = sum(q.shape[3] for q, _ in self._rows)
         steps = min(len(tokens), rows_kept)
         if self.ids is None or not steps:
             return mass
@@ -260,10 +333,9 @@ class ShardAttention:
         order = torch.argsort(ids[where], stable=True)
         where = where[order]  # the candidates, token by token
         tokens_of = ids[where]
-        queries = torch.stack([torch.cat([r[0] for r in rows], dim=2)[:, :, :steps]
-                               for rows in self._rows]).float()  # [L, Hkv, G, S, D]
-        lses = torch.stack([torch.cat([r[1] for r in rows], dim=2)[:, :, :steps]
-                            for rows in self._rows]).float()  # [L, Hkv, G, S]
+        queries = torch.cat([q.float() for q, _ in self._rows], dim=3)[:, :, :, :steps]
+        lses = torch.cat([lse.float() for _, lse in self._rows], dim=3)[:, :, :, :steps]
+        # queries [L, Hkv, G, S, D], lses [L, Hkv, G, S]
         layers, kv_heads, groups, _, dim = queries.shape
         queries = queries.mul_(self._scale).view(layers * kv_heads, groups, steps, dim)
         lses = lses.view(layers * kv_heads, groups, steps)
@@ -297,8 +369,7 @@ class ShardAttention:
                 probs[first:first + count] = scores.exp_().sum(dim=(0, 1)).cpu()
                 first += count
             mass.index_add_(0, chosen + self.head, probs.double())
-        heads = self._rows[0][0][0].shape[0] * self._rows[0][0][0].shape[1]
-        return mass / (steps * len(self._rows) * heads)
+        return mass / (steps * layers * kv_heads * groups)
 
     def _gather_plan(self, offsets: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
         """Where the shard keys at positions head + offsets lie: (piece, the indices of the
@@ -411,7 +482,8 @@ def generate(decoder, info: dist.DistInfo, hook: ShardAttention, query_ids: Sequ
                 rows = decoder.forward(torch.tensor(ids, device=device),
                                        torch.arange(position, position + len(ids),
                                                     device=device),
-                                       hook.attention, rowwise=drafts > 0)[first:]
+                                       hook.attention, rowwise=drafts > 0,
+                                       compiled=hook.compiled)[first:]
             if hook.query_host:
                 stop = should_stop is not None and should_stop()
                 _pack(message, *_pick(decoder, rows, ids[first:], drafter, stop_ids,

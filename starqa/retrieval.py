@@ -251,6 +251,32 @@ class TopKShard:
                                        for _, m, piece in _pieces(q, tokens, width)])
         return outs + [out], lses + [lse]
 
+    def compiles(self, tokens: int, groups: int, question: bool = False) -> bool:
+        """Whether `parts`, for a forward of `tokens` positions of `groups` query heads per
+        KV head, is one call of the compiled kernel that starqa/_step.c can make instead
+        (`step_words`): not the question's exact forward, hnsw, pages to release after each
+        layer (--kv-on-disk) or a forward scored in pieces."""
+        if (question and self.settings.prefill == "exact" or self.searchers is not None
+                or self.mapped_keys or self.mapped_values or not native.available()):
+            return False
+        heads = self.ivf[0].centroids.shape[0] if self.ivf is not None else \
+            self.keys[0].shape[0] if self.keys is not None else None
+        return heads is not None and \
+            max(1, ROWS_X_KEYS // (max(self.n_keys, 1) * heads * groups)) >= tokens
+
+    def step_words(self) -> list[tuple[int, ...]] | None:
+        """Per layer the top-k kernel's words for starqa/_step.c (`native.TopKTable.step_words`:
+        what `parts` passes the kernel where it `compiles`), or None where a layer has no
+        compiled table."""
+        words = []
+        for layer in range(len(self.budgets)):
+            k = min(self.budgets[layer], self.n_keys - self.n_sink)
+            table = self._table_of(layer, k)
+            if table is None or table.selects_only:
+                return None
+            words.append(table.step_words(max(k, 1), self.n_sink))
+        return words
+
     def _parts_exact(self, layer: int, q: torch.Tensor, scale: float, tokens: int,
                      own: tuple[torch.Tensor, torch.Tensor] | None
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

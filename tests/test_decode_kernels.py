@@ -282,3 +282,77 @@ def test_a_starqa_process_asks_before_torch_allocates():
                             "'torch' in sys.modules)"],
                            env=env, capture_output=True, text=True, check=True).stdout.split()
     assert shown == [str(wanted), "False"]  # set, and torch not yet imported
+
+
+@pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["exact", "flat", "ivf"])
+def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype, kind):
+    """starqa/_step.c runs a forward's layers in one call (the attention's words from
+    `ShardAttention.compiled`): a question, then single tokens and drafted rows, give the
+    hidden states of the loop that calls the same kernels layer by layer, bit for bit, with
+    the own keys written alike (a later forward reads them) and, for exact, the same source
+    attribution from the rows kept."""
+    from starqa import dist, phase2
+    from starqa.indexes import TopK
+    from starqa.retrieval import TopKShard
+
+    torch.manual_seed(9)
+    decoder = tiny_decoder(dtype, bias=True)
+    assert decoder.step_words is not None
+    n = 700
+    blocks = [(torch.randn(2, 3, t, 32).to(dtype), torch.randn(2, 3, t, 32).to(dtype))
+              for t in (300, n - 300)]
+    ids = torch.randint(0, 64, (n,))
+
+    def hook():
+        if kind == "exact":
+            pieces = [[(k[layer][None], v[layer][None]) for k, v in blocks] for layer in range(2)]
+            return phase2.ShardAttention(dist.local_world(), pieces, query_host=True, head=5,
+                                         ids=ids)
+        shard = TopKShard.from_parts(blocks, TopK(count=24, index=kind, sink=4), n)
+        return phase2.ShardAttention(dist.local_world(), None, query_host=True,
+                                     retriever=shard)
+
+    forwards = [list(range(1, 6)), [7], [9], [11, 12, 13], [14]]  # question, tokens, drafts
+    results, planned = [], []
+    for compiled in (True, False):
+        attention = hook()
+        attention.begin(4)  # grown by the question (the own buffers' copy is checked too)
+        attention.track = True
+        hidden, position = [], 1000
+        for step, tokens in enumerate(forwards):
+            plan = attention.compiled(len(tokens), dtype, 9, 3, 32) if compiled else None
+            planned.append(plan is not None)
+            hidden.append(decoder.forward(
+                torch.tensor(tokens), torch.arange(position, position + len(tokens)),
+                attention.attention, rowwise=step > 0,
+                compiled=(lambda *_, plan=plan: plan) if compiled else None))
+            attention.advance(len(tokens))
+            position += len(tokens)
+        mass = attention.key_mass([3, 7, 9, 11, 12]) if kind == "exact" else None
+        results.append((hidden, mass))
+    # top-k's question attends every key exactly (`retrieval`): layer by layer, as before
+    assert planned[:5] == [kind == "exact", True, True, True, True]
+    assert not any(planned[5:])
+    (fused, fused_mass), (loop, loop_mass) = results
+    for a, b in zip(fused, loop):
+        assert torch.equal(a, b)
+    if kind == "exact":
+        assert fused_mass.sum() > 0 and torch.equal(fused_mass, loop_mass)
+
+
+def test_a_world_of_several_or_a_shard_on_disk_goes_layer_by_layer():
+    """The compiled step has no collective between layers and no pages to release after
+    one: a world of two, or top-k with --kv-on-disk's mapped values, offer no words."""
+    from starqa import dist, phase2
+
+    pieces = [[(torch.randn(1, 3, 10, 32), torch.randn(1, 3, 10, 32))] for _ in range(2)]
+    two = dist.DistInfo(1, 1, 2, torch.device("cpu"), None)
+    hook = phase2.ShardAttention(two, pieces, query_host=True)
+    hook.begin(8)
+    assert hook.compiled(1, torch.float32, 9, 3, 32) is None
+    for dtype, offers in ((torch.bfloat16, False), (torch.float32, True)):  # an fp32 shard
+        alone = phase2.ShardAttention(dist.local_world(), pieces, query_host=True)
+        alone.begin(8)
+        assert (alone.compiled(1, dtype, 9, 3, 32) is not None) == offers

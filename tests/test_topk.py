@@ -188,6 +188,27 @@ def test_the_sink_is_attended_apart_and_never_retrieved(kind):
             assert torch.allclose(lse[head, row], ref_lse.flatten(), atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_without_the_compiled_kernel_a_bf16_shard_attends_as_with_it(kind, monkeypatch):
+    """Where no C compiler built the kernels, torch's code takes a bf16 shard's rows over
+    the fp32 sink (it raised a dtype error) and gives the kernel's attention up to its
+    bf16-rounded scores."""
+    torch.manual_seed(8)
+    hkv, g, dim = 2, 3, 16
+    blocks = [(torch.randn(1, hkv, t, dim).bfloat16(), torch.randn(1, hkv, t, dim).bfloat16())
+              for t in (60, 50)]
+    shard = TopKShard.from_parts(blocks, TopK(count=5, index=kind, sink=4), 110)
+    q = torch.randn(1, hkv, g, dim).bfloat16()
+    results = []
+    for compiled in (True, False):
+        if not compiled:
+            monkeypatch.setattr(native, "available", lambda: False)
+        outs, lses = shard.parts(0, q, dim ** -0.5)
+        results.append(merge(torch.cat([o.float() for o in outs]), torch.cat(lses)))
+    (out, lse), (ref, ref_lse) = results
+    assert torch.allclose(out, ref, atol=0.05) and torch.allclose(lse, ref_lse, atol=0.05)
+
+
 @pytest.mark.parametrize("kind", ["ivf", "hnsw"])
 def test_index_search_finds_most_of_the_exact_top_k(kind):
     """Approximate retrieval on keys with structure (clusters, as real keys have): the
