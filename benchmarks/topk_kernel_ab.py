@@ -8,7 +8,7 @@ Builds of the kernels (any two commits; the package's own build is not touched):
 
     git show REV:starqa/_topk.c > old/_topk.c   # likewise _attend.c, _int4.c, _rows.c, _simd.h
     gcc -O3 -fopenmp -fno-math-errno -std=gnu11 -shared -fPIC -Iold old/_attend.c \\
-        old/_topk.c old/_int4.c old/_rows.c -lm -o old.so
+        old/_topk.c old/_int4.c old/_rows.c old/_layer.c old/_step.c -lm -o old.so
     python benchmarks/topk_kernel_ab.py CONTEXT_DIR --libs old.so,new.so [--index flat]
 
 The same keys and values in 4 KB pages against a copy in transparent huge pages (the
@@ -86,6 +86,7 @@ def main() -> None:
     answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), path, "int4", settings)
     answerer.answer(query, 2, set(), None)  # every layer's table made
     shard = answerer.hook.retriever
+    answerer.hook.compiled = lambda *_: None  # layer by layer: each layer's call recorded
     calls = []
     for layer, table in sorted(shard._tables.items()):
         def recorder(*call, table=table, layer=layer):
