@@ -9,7 +9,7 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension(
     "starqa._attend", ["starqa/_attend.c", "starqa/_topk.c", "starqa/_int4.c",
                      "starqa/_rows.c", "starqa/_layer.c", "starqa/_step.c"], optional=True,
-    depends=["starqa/_simd.h"],
+    depends=["starqa/_simd.h", "starqa/_kernels.h"],
     # OpenMP: loaded after torch, the kernel shares torch's libgomp and its threads.
     extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-std=gnu11"],
     libraries=["m"],

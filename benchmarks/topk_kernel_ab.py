@@ -6,7 +6,7 @@ min and max ms per token (the sum of the token's calls) and whether the outputs 
 
 Builds of the kernels (any two commits; the package's own build is not touched):
 
-    git show REV:starqa/_topk.c > old/_topk.c   # likewise _attend.c, _int4.c, _rows.c, _simd.h
+    git show REV:starqa/_topk.c > old/_topk.c   # likewise every other _*.c and _*.h
     gcc -O3 -fopenmp -fno-math-errno -std=gnu11 -shared -fPIC -Iold old/_attend.c \\
         old/_topk.c old/_int4.c old/_rows.c old/_layer.c old/_step.c -lm -o old.so
     python benchmarks/topk_kernel_ab.py CONTEXT_DIR --libs old.so,new.so [--index flat]

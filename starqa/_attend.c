@@ -36,6 +36,7 @@
 #define TASK_KEYS 512 /* keys per task */
 #define MAX_DIM 256
 
+#include "_kernels.h"
 #include "_simd.h"
 
 /* Rows j0 .. j0 + jn of keys or values (D each, rows row_bytes apart) in fp32: bf16 rows

@@ -34,6 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_kernels.h"
 #include "_simd.h"
 
 #define GROUP 32

@@ -18,15 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* the kernels composed here (their own files say what each computes) */
-int starqa_int4_mm(int x_bf16, const void *x, int64_t m, int64_t k, const uint8_t *w,
-                   int64_t n, int y_bf16, void *y, int fast, int threads);
-void starqa_rms_norm(int bf16, const void *x, int64_t m, int64_t h, const void *w, float eps,
-                     void *y);
-int starqa_rope(int bf16, void *x, int64_t m, int64_t row, int64_t heads, int64_t d,
-                const void *cos, const void *sin);
-void starqa_silu_mul(int bf16, const void *x, int64_t m, int64_t n, void *y);
-void starqa_add(int bf16, void *x, int64_t m, int64_t n, const void *y, int64_t stride);
+#include "_kernels.h"
 
 /* y [M, N] = x [M, K] Wᵀ (+ bias [N]): a Linear of int4 tiles, as starqa.decoder's. */
 static int linear(int bf16, const void *x, int64_t m, int64_t k, const uint8_t *w,

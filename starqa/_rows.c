@@ -25,6 +25,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "_kernels.h"
 #include "_simd.h"
 
 static inline float get(const void *x, int bf16, int64_t i) {

@@ -51,6 +51,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_kernels.h"
 #include "_simd.h"
 
 #define GROUP 16          /* rows of one head scored in one pass over a span's keys */
