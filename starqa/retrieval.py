@@ -261,8 +261,8 @@ class TopKShard:
             return False
         heads = self.ivf[0].centroids.shape[0] if self.ivf is not None else \
             self.keys[0].shape[0] if self.keys is not None else None
-        return heads is not None and \
-            max(1, ROWS_X_KEYS // (max(self.n_keys, 1) * heads * groups)) >= tokens
+        # `_parts_native`'s pieces: one, for all the forward's positions
+        return heads is not None and _piece_positions(self.n_keys, heads, groups) >= tokens
 
     def step_words(self) -> list[tuple[int, ...]] | None:
         """Per layer the top-k kernel's words for starqa/_step.c (`native.TopKTable.step_words`:
@@ -529,7 +529,7 @@ def _pieces(q: torch.Tensor, tokens: int, width: int):
     positions m, piece [Hkv, G * m, D])."""
     _, heads, rows, dim = q.shape
     groups = rows // tokens
-    step = max(1, ROWS_X_KEYS // (width * heads * groups))
+    step = _piece_positions(width, heads, groups)
     if step >= tokens:
         yield 0, tokens, q[0]
         return
@@ -537,6 +537,11 @@ def _pieces(q: torch.Tensor, tokens: int, width: int):
     for start in range(0, tokens, step):
         piece = by_token[:, :, start:start + step].reshape(heads, -1, dim)
         yield start, piece.shape[1] // groups, piece
+
+
+def _piece_positions(width: int, heads: int, groups: int) -> int:
+    """Positions a piece of `_pieces` holds: their rows score at most ROWS_X_KEYS keys."""
+    return max(1, ROWS_X_KEYS // (width * heads * groups))
 
 
 def _joined(q: torch.Tensor, tokens: int, found) -> tuple[torch.Tensor, torch.Tensor]:
