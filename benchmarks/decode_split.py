@@ -8,9 +8,13 @@ run where it applies) and the rest: Python and torch between them ("glue"). Each
 attention in turn, alternating, in one process:
 
     python benchmarks/decode_split.py CONTEXT_DIR [--attention exact,ivf,exact:loop,ivf:loop]
+    python benchmarks/decode_split.py CONTEXT_DIR --attention exact,ivf --libs old.so,new.so
 
 An attention named NAME:loop runs its layers one by one (`ShardAttention.compiled`
-offers no words), as answers did before starqa/_step.c: the split of each share. Prints
+offers no words), as answers did before starqa/_step.c: the split of each share. With
+--libs, each attention runs through each build of the kernels in turn (NAME@LIB; builds as
+benchmarks/topk_kernel_ab.py's docstring makes them): a kernel change measured on whole
+decode tokens, the model's steps and their traffic included, side by side. Prints
 per attention the median ms per token of each share (one-token steps: no drafts, so a step
 is a token). CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa ingest`'s; ivf
 needs its indexes (built on first use where missing).
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from starqa import bench, decoder, dist, indexes, models, native
+from starqa import bench, decoder, dist, indexes, kernels, models, native
 from starqa.answering import Answerer
 from starqa.ask import question_ids
 from starqa.manifest import read_manifest
@@ -50,6 +54,17 @@ class Timers:
         setattr(owner, name, timed)
 
 
+def _load(path: str):
+    """A build of the kernels as starqa.native calls them (its signatures set)."""
+    import ctypes
+
+    library = ctypes.CDLL(str(Path(path).resolve()))
+    for name, (restype, argtypes) in kernels._SIGNATURES.items():
+        function = getattr(library, name)
+        function.restype, function.argtypes = restype, argtypes
+    return lambda: library
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("context", type=Path)
@@ -58,7 +73,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--libs", default="", help="builds of the kernels, comma-separated")
     args = parser.parse_args()
+    libraries = {"": native._library}  # "": the package's own build
+    if args.libs:
+        libraries = {f"@{Path(name).stem}": _load(name) for name in args.libs.split(",")}
     torch.set_num_threads(args.threads)
     timers = Timers()
     timers.wrap(native.Layout, "attend", "attention")
@@ -91,9 +110,11 @@ def main() -> None:
     gc.freeze()
     print(f"{manifest.n_tokens:,} tokens; CPU: {bench.cpu_info()}")
 
-    found = {name: [] for name in answerers}
+    found = {name + lib: [] for name in answerers for lib in libraries}
     for _ in range(args.rounds):
-        for name, (answerer, query) in answerers.items():
+        for name, lib in [(name, lib) for name in answerers for lib in libraries]:
+            answerer, query = answerers[name]
+            native._library = libraries[lib]
             stamps = []
 
             def on_token(token: int) -> None:
@@ -104,7 +125,7 @@ def main() -> None:
             steps = len(stamps) - 1
             shares = {k: (s1[k] - s0[k]) / steps * 1e3 for k in s0}
             total = (t1 - t0) / steps * 1e3
-            found[name].append((total, shares["attention"], shares["model"], shares["layers"],
+            found[name + lib].append((total, shares["attention"], shares["model"], shares["layers"],
                                 total - sum(shares.values())))
     for name, runs in found.items():
         median = [sorted(x)[len(x) // 2] for x in zip(*runs)]

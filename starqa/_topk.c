@@ -67,6 +67,11 @@
 #define PREFETCH_LISTS 3  /* ivf: lists prefetched ahead of the one scanned */
 #define PREFETCH_KEYS 512 /* ... when they are at most this long (longer: the scan's own) */
 #define MIN_LISTS 128     /* centroids per task choosing lists, at least (fewer: one piece) */
+/* Prefetches of keys and values ahead of their use go to L2, not L1 (locality 2, x86's
+   prefetcht1): a row's next lists (~5 KB each at 32K) asked for into L1 held its few miss
+   buffers and evicted the chunk being scored; into L2 the replayed decode kernel took 16.5
+   → 13.5 ms a token (32K, ivf, Zen 4; benchmarks/topk_kernel_ab.py), the same picks. */
+#define TO_L2 2
 
 static const float zeros[MAX_DIM]; /* a key row past a chunk's end (zero bits: bf16 too) */
 
@@ -368,11 +373,11 @@ static void score_rows(const char *const *kr, int64_t m, int bf16, const float *
     const size_t bytes = (size_t)d * (bf16 ? 2 : 4);
     float *outs[MAX_GROUP];
     for (int64_t u = 0; u < (m < AHEAD_KEYS ? m : AHEAD_KEYS); u++)
-        for (size_t y = 0; y < bytes; y += 64) __builtin_prefetch(kr[u] + y, 0, 3);
+        for (size_t y = 0; y < bytes; y += 64) __builtin_prefetch(kr[u] + y, 0, TO_L2);
     for (int64_t u0 = 0; u0 < m; u0 += CHUNK) {
         const int width = m - u0 < CHUNK ? (int)(m - u0) : CHUNK;
         for (int64_t u = u0 + AHEAD_KEYS; u < u0 + AHEAD_KEYS + width && u < m; u++)
-            for (size_t y = 0; y < bytes; y += 64) __builtin_prefetch(kr[u] + y, 0, 3);
+            for (size_t y = 0; y < bytes; y += 64) __builtin_prefetch(kr[u] + y, 0, TO_L2);
         const char *kp[CHUNK];
         for (int x = 0; x < CHUNK; x++) kp[x] = x < width ? kr[u0 + x] : (const char *)zeros;
         for (int64_t g = 0; g < nq; g++) outs[g] = w + g * room + u0;
@@ -404,7 +409,7 @@ static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64
             kp[x] = x < width ? base + (size_t)(p - lo + x) * row_bytes : (const char *)zeros;
             if (p + x + AHEAD < hi) /* rows a few chunks on, into the cache meanwhile */
                 for (size_t y = 0; y < row_bytes; y += 64)
-                    __builtin_prefetch(kp[x] + AHEAD * row_bytes + y, 0, 3);
+                    __builtin_prefetch(kp[x] + AHEAD * row_bytes + y, 0, TO_L2);
         }
         for (int64_t w = 0; w < many; w++) {
             qs[w] = q + who[w] * d;
@@ -454,7 +459,7 @@ SIMD_CLONES static void accumulate(float *o, const float *v, float weight, int64
             for (int64_t u = 0; u < m; u++) {                                              \
                 if (u + AHEAD_ROWS < m)                                                    \
                     for (size_t y = 0; y < NC * 16 * esize; y += 64)                       \
-                        __builtin_prefetch(vp[u + AHEAD_ROWS] + y, 0, 3);                  \
+                        __builtin_prefetch(vp[u + AHEAD_ROWS] + y, 0, TO_L2);              \
                 __m512 v[NC];                                                              \
                 for (int c = 0; c < NC; c++) v[c] = load16(vp[u] + c * 16 * esize, bf16);  \
                 for (int g = 0; g < GB; g++) {                                             \
@@ -487,7 +492,7 @@ AVX2 static void wsum_avx2(const char *const *vp, int64_t m, int bf16, const flo
             for (int64_t u = 0; u < m; u++) {
                 if (c0 == 0 && u + AHEAD_ROWS < m)
                     for (size_t y = 0; y < (size_t)d * esize; y += 64)
-                        __builtin_prefetch(vp[u + AHEAD_ROWS] + y, 0, 3);
+                        __builtin_prefetch(vp[u + AHEAD_ROWS] + y, 0, TO_L2);
                 __m256 wg[GB];
                 for (int g = 0; g < GB; g++)
                     wg[g] = _mm256_set1_ps(g < gn ? w[(g0 + g) * room + u] : 0.0f);
@@ -523,7 +528,7 @@ static void weighted_sum(const char *const *vp, int64_t m, int bf16, const float
     for (int64_t u = 0; u < m; u++) {
         if (u + AHEAD_ROWS < m)
             for (size_t y = 0; y < (size_t)d * esize; y += 64)
-                __builtin_prefetch(vp[u + AHEAD_ROWS] + y, 0, 3);
+                __builtin_prefetch(vp[u + AHEAD_ROWS] + y, 0, TO_L2);
         widen_row(vp[u], bf16, d, value);
         for (int64_t g = 0; g < per; g++) accumulate(outs[g], value, w[g * room + u], d);
     }
@@ -552,7 +557,7 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
                  block, segs, segroom, nsegs);
         } else if (end - lo <= PREFETCH_KEYS) {
             for (size_t y = 0; y < (size_t)(end - lo) * d * kes; y += 64)
-                __builtin_prefetch(base + y, 0, 3);
+                __builtin_prefetch(base + y, 0, TO_L2);
         }
         lo = end;
     }
