@@ -242,10 +242,9 @@ def _answer_here(manifest: Manifest, model_path: Path, tokenizer, query_ids: lis
                  max_new_tokens: int, stops: set[int], weights: str, device: str, why: str,
                  ui: UI, started: float, topk: TopK | None = None) -> Answer:
     """Phase 2 as a world of one in this process: no torchrun, no second Python start."""
-    import resource
-
     from starqa import dist
     from starqa.answering import Answerer
+    from starqa.worker import own_peak_rss
 
     ui.waiting(f"Loading model and shards ({why})")
     answerer = Answerer.from_cache(manifest, dist.local_world(device), model_path, weights,
@@ -269,7 +268,7 @@ def _answer_here(manifest: Manifest, model_path: Path, tokenizer, query_ids: lis
                   first_token_seconds=(first[0] - started) if first else None,
                   decode_seconds=(end - first[0]) if first else 0.0,
                   prefill_seconds=(first[0] if first else end) - loaded, sources=top or [],
-                  peak_bytes=[resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024],
+                  peak_bytes=[own_peak_rss()],
                   weights=weights, attention=topk.describe() if topk else "exact")
 
 

@@ -189,14 +189,31 @@ def run_serve(job: dict, info) -> None:
 
 
 def _peak_memory(info) -> int:
-    """This worker's peak memory in bytes: GPU memory on CUDA, else the process's max RSS."""
+    """This worker's peak memory in bytes: GPU memory on CUDA, else `own_peak_rss`."""
     if info.device.type == "cuda":
         import torch
 
         return torch.cuda.max_memory_allocated(info.device)
+    return own_peak_rss()
+
+
+def own_peak_rss() -> int:
+    """The largest resident set of this process's own memory since it started, in bytes
+    (Linux: /proc/self/status VmHWM). Not getrusage's ru_maxrss: Linux carries it across
+    execve, so a process started by another holds the starter's resident set at its fork
+    (torchrun's agent, ~360 MiB with torch imported: above a worker whose shard stays on
+    disk). Elsewhere ru_maxrss, the best there is (bytes on macOS, KiB on the others)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:

@@ -121,6 +121,26 @@ def test_flop_counter_counts_each_cuda_sdpa_kernel_with_gqa():
 # --------------------------------------------------------------------------- bench end to end
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux's /proc")
+def test_worker_peak_memory_is_its_own_not_its_starters():
+    """A worker started by a big process (torchrun's agent) reports its own peak: getrusage's
+    ru_maxrss carries the starter's resident set across the exec, which hid a small
+    worker's (the bench's top-k with the KV on disk)."""
+    held = bytearray(256 << 20)
+    held[::4096] = b"\x01" * len(held[::4096])  # resident: every page touched
+    probe = textwrap.dedent("""
+        import resource
+        from starqa.worker import own_peak_rss
+        print(own_peak_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True).stdout.split()
+    own, inherited = int(out[0]), int(out[1])
+    assert 0 < own < 128 << 20  # a small Python's own, not the 256 MiB its starter holds
+    assert inherited >= len(held)  # what the old measure gave (Linux keeps it across exec)
+    del held
+
+
 def test_bench_on_the_tiny_model(tiny_model, tmp_path):
     """star and dense, 600 tokens (past the tiny model's 512-token window), workers 1 and 2,
     through torchrun: every number is there and sane."""
