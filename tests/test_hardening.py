@@ -640,6 +640,14 @@ def test_sources_add_takes_lines_gathered_as_json():
 
 # ---------------------------------------------------------------- 9: concurrent commits
 
+def _default_signals() -> None:
+    """A pool worker's signal handlers: the defaults, whatever the forking process had."""
+    import signal
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _commit_many(root: str, key: str, template: str, manifest, n: int,
                  replace_existing: bool) -> list[str]:
     """`n` commits of context `key` (`manifest`) from copies of the folder `template`, in this
@@ -666,9 +674,15 @@ def test_concurrent_commits_of_one_context(home, tmp_path, replace_existing):
     manifest = read_manifest(template)
     shutil.move(template, tmp_path / "template")
     root = home / "contexts"
-    with multiprocessing.get_context("fork").Pool(8) as pool:
+    # The workers take the default signal handlers (an in-process `cli.main` of an earlier
+    # test leaves its SIGTERM handler, which a forked worker inherits) and end by closing
+    # the pool, not by its terminate: a worker that caught terminate's SIGTERM once hung the
+    # suite in its exit, waiting on the pool's queue.
+    with multiprocessing.get_context("fork").Pool(8, initializer=_default_signals) as pool:
         results = pool.starmap(_commit_many, [(str(root), key, str(tmp_path / "template"),
                                                manifest, 20, replace_existing)] * 8, chunksize=1)
+        pool.close()
+        pool.join()
     assert [e for errors in results for e in errors] == []
     manifest = read_manifest(root / key)
     shards.verify_checksums(manifest)  # every shard matches the hash committed with it
