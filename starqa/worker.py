@@ -201,8 +201,8 @@ def own_peak_rss() -> int:
     """The largest resident set of this process's own memory since it started, in bytes
     (Linux: /proc/self/status VmHWM). Not getrusage's ru_maxrss: Linux carries it across
     execve, so a process started by another holds the starter's resident set at its fork
-    (torchrun's agent, ~360 MiB with torch imported: above a worker whose shard stays on
-    disk). Elsewhere ru_maxrss, the best there is (bytes on macOS, KiB on the others)."""
+    (torchrun's agent, ~220 MiB with torch imported: above a small worker's own, which
+    it hid). Elsewhere ru_maxrss, the best there is (bytes on macOS, KiB on the others)."""
     try:
         with open("/proc/self/status", encoding="ascii", errors="replace") as status:
             for line in status:

@@ -125,7 +125,7 @@ def test_flop_counter_counts_each_cuda_sdpa_kernel_with_gqa():
 def test_worker_peak_memory_is_its_own_not_its_starters():
     """A worker started by a big process (torchrun's agent) reports its own peak: getrusage's
     ru_maxrss carries the starter's resident set across the exec, which hid a small
-    worker's (the bench's top-k with the KV on disk)."""
+    worker's own."""
     held = bytearray(256 << 20)
     held[::4096] = b"\x01" * len(held[::4096])  # resident: every page touched
     probe = textwrap.dedent("""
