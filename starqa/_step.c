@@ -117,7 +117,7 @@ static int layer(const int64_t *mw, int64_t *aw, void *hidden, int64_t m, const 
             ADDR(aw, T_MAP), ADDR(aw, T_INV), aw[T_VBUFFERS], ADDR(aw, T_VSTART),
             ADDR(aw, T_VPTR), ADDR(aw, T_VSTRIDE), aw[T_LISTS], ADDR(aw, T_CENTROIDS),
             ADDR(aw, T_OFFSETS), aw[T_PROBES], aw[T_K], aw[T_SKIP], bf16, own_k, own_v,
-            capacity * d, before, scale, out, lse, threads);
+            capacity * d, before, scale, out, lse, 0, threads);
     } else {
         code = 1;
     }

@@ -50,6 +50,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "_kernels.h"
 #include "_simd.h"
@@ -72,6 +74,8 @@
    buffers and evicted the chunk being scored; into L2 the replayed decode kernel took 16.5
    → 13.5 ms a token (32K, ivf, Zen 4; benchmarks/topk_kernel_ab.py), the same picks. */
 #define TO_L2 2
+#define DROP_KEYS 1   /* starqa_topk_attend's drop: see there */
+#define DROP_VALUES 2
 
 static const float zeros[MAX_DIM]; /* a key row past a chunk's end (zero bits: bf16 too) */
 
@@ -94,7 +98,7 @@ typedef struct {
    of it and is never returned. */
 enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_BEST, S_BLOCK, S_SCORES, S_SEGS, S_POOL,
        S_ALL, S_TMP, S_ORDER, S_WEIGHTS, S_SEEN, S_UNION, S_VALUE, S_UKEYS, S_UVALS, S_UCOUNT,
-       S_PIECES, S_PARTS, SLOTS };
+       S_PIECES, S_PARTS, S_KEEP, S_UROWS, SLOTS };
 static __thread struct { void *p; size_t size; } scratch[SLOTS];
 
 static void *scratch_get(int slot, size_t bytes) {
@@ -402,6 +406,8 @@ static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64
         if (!nsegs[r] || last->pos + (got[r] - last->at) != lo) /* else it goes on the last */
             segs[r * segroom + nsegs[r]++] = (seg){got[r], lo};
     }
+    float tail[GROUP][CHUNK]; /* a last chunk's scores, `width` of them copied: a row's
+                                 scores are written up to hi, never past (kept scores) */
     for (int64_t p = lo; p < hi; p += CHUNK) {
         const int width = hi - p < CHUNK ? (int)(hi - p) : CHUNK;
         const char *kp[CHUNK];
@@ -413,11 +419,32 @@ static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64
         }
         for (int64_t w = 0; w < many; w++) {
             qs[w] = q + who[w] * d;
-            outs[w] = scores + who[w] * stride + got[who[w]];
+            outs[w] = width < CHUNK ? tail[w] : scores + who[w] * stride + got[who[w]];
         }
         score_keys(kp, width, bf16, qs, many, d, outs, block);
-        for (int64_t w = 0; w < many; w++) got[who[w]] += width;
+        for (int64_t w = 0; w < many; w++) {
+            if (width < CHUNK)
+                memcpy(scores + who[w] * stride + got[who[w]], tail[w], (size_t)width * sizeof(float));
+            got[who[w]] += width;
+        }
     }
+}
+
+/* Drops the pages wholly inside [from, to) from this process (MADV_DONTNEED): for buffers
+   that are clean private file mappings (--kv-on-disk) only, whose pages a later read maps
+   again from the page cache. The pages at either end, which may hold rows another task
+   still reads, are kept (the caller releases the layer's pages after its call). */
+static void drop_pages(const char *from, const char *to) {
+#ifdef MADV_DONTNEED
+    static long page;
+    if (!page) page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
+    const uintptr_t a = ((uintptr_t)from + (uintptr_t)page - 1) / (uintptr_t)page * (uintptr_t)page;
+    const uintptr_t b = (uintptr_t)to / (uintptr_t)page * (uintptr_t)page;
+    if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
+#else
+    (void)from;
+    (void)to;
+#endif
 }
 
 /* Scores s[0 .. m) (raw inner products) → weights exp((s - max s) * scale), in place;
@@ -536,13 +563,13 @@ static void weighted_sum(const char *const *vp, int64_t m, int bf16, const float
 
 /* List c of head h, its positions within [a, b), cut where the key buffers change: each
    piece scanned (see `scan`) or, where q is NULL, only prefetched so that it is in the
-   cache when its scan comes. */
+   cache when its scan comes. drop: each piece's pages dropped once scanned (`drop_pages`). */
 static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets, int64_t n,
                      int64_t a, int64_t b, const int64_t *kstart, const int64_t *kptr,
                      const int64_t *kstride, int64_t kbuffers, int64_t d, size_t kes,
                      const float *q, int bf16, const int64_t *who, int64_t many, float *scores,
                      int64_t stride, int64_t *got, float *block, seg *segs, int64_t segroom,
-                     int64_t *nsegs) {
+                     int64_t *nsegs, int drop) {
     int64_t lo = offsets ? offsets[h * (lists + 1) + c] : 0;
     int64_t hi = offsets ? offsets[h * (lists + 1) + c + 1] : n;
     lo = lo > a ? lo : a;
@@ -555,6 +582,7 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
         if (q) {
             scan(base, (size_t)d * kes, bf16, lo, end, q, d, who, many, scores, stride, got,
                  block, segs, segroom, nsegs);
+            if (drop) drop_pages(base, base + (size_t)(end - lo) * d * kes);
         } else if (end - lo <= PREFETCH_KEYS) {
             for (size_t y = 0; y < (size_t)(end - lo) * d * kes; y += 64)
                 __builtin_prefetch(base + y, 0, TO_L2);
@@ -578,13 +606,16 @@ static int64_t cut(int64_t n, int64_t tasks, int64_t threads, int64_t least, int
 /* Stages 1 and 2 of a call (the file's comment): each row's lists chosen (ivf) and
    scanned, and the row's best kcap keys of each span of positions kept: *sel_out [H * R *
    spans][kcap] (raw score, shard row), *count_out [H * R * spans] how many, in scratch
-   slots of the calling thread. Returns 0, or 2 when out of memory. */
+   slots of the calling thread. keep (flat only; NULL: none): every row's score of every
+   position, row r's at keep + r * keep_stride (keep_stride >= n), written by the scan
+   instead of its scratch, and each scanned piece of keys dropped (`drop_pages`): the
+   union's attention then reads no key. Returns 0, or 2 when out of memory. */
 static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t d, int64_t n,
                 int64_t kbuffers, const int64_t *kstart, const int64_t *kptr,
                 const int64_t *kstride, const int64_t *map, int64_t lists,
                 const uint16_t *centroids, const int64_t *offsets, int64_t probes, int64_t k,
-                int64_t skip, int threads, cand **sel_out, int64_t **count_out,
-                int64_t *spans_out, int64_t *kcap_out) {
+                int64_t skip, int threads, float *keep, int64_t keep_stride, cand **sel_out,
+                int64_t **count_out, int64_t *spans_out, int64_t *kcap_out) {
     const size_t kes = k_bf16 ? 2 : 4;
     /* Tasks: a group of up to GROUP rows of a head scored in one pass over the keys it
        reads (flat: all of them; ivf: the lists some row of the group chose, each scored
@@ -694,19 +725,22 @@ static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t
             for (int64_t i = 0; i < todo + PREFETCH_LISTS; i++) {
                 if (i < todo) /* a list whose scan comes later: its keys on their way meanwhile */
                     for_list(order[i], h, lists, offsets, n, a, b, kstart, kptr, kstride, kbuffers,
-                             d, kes, NULL, 0, NULL, 0, NULL, 0, NULL, NULL, NULL, 0, NULL);
+                             d, kes, NULL, 0, NULL, 0, NULL, 0, NULL, NULL, NULL, 0, NULL, 0);
                 if (i < PREFETCH_LISTS) continue;
                 const int64_t c = order[i - PREFETCH_LISTS];
                 int64_t who[GROUP], many = 0;
                 for (int64_t r = 0; r < rn; r++)
                     if (chosen[(h * rows + r0 + r) * lists + c]) who[many++] = r;
                 for_list(c, h, lists, offsets, n, a, b, kstart, kptr, kstride, kbuffers, d, kes,
-                         q + (h * rows + r0) * d, k_bf16, who, many, scores, stride, got, block,
-                         segs, segroom, nsegs);
+                         q + (h * rows + r0) * d, k_bf16, who, many,
+                         keep ? keep + (h * rows + r0) * keep_stride + a : scores,
+                         keep ? keep_stride : stride, got, block, segs, segroom, nsegs,
+                         keep != NULL);
             }
             for (int64_t r = 0; r < rn; r++) {
                 const int64_t slot = (h * rows + r0 + r) * spans + span;
-                count[slot] = best_of(scores + r * stride, segs + r * segroom, nsegs[r],
+                count[slot] = best_of(keep ? keep + (h * rows + r0 + r) * keep_stride + a
+                                           : scores + r * stride, segs + r * segroom, nsegs[r],
                                       map ? map + h * n : NULL, got[r], skip, kcap, pool, tmp);
                 memcpy(sel + slot * kcap, pool, (size_t)count[slot] * sizeof(cand));
             }
@@ -745,7 +779,14 @@ static int64_t row_best(const cand *sel, const int64_t *count, int64_t row, int6
    query heads, each at `tokens` positions of the forward, the position fastest). centroids
    bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
    list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
-   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R].
+   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R]. drop (--kv-on-disk:
+   buffers that are clean private file mappings): DROP_KEYS, the key buffers' pages are
+   dropped as the scan passes them (flat only: each row's score of every position is kept
+   for the union's attention, which then reads no key; with lists the keys, in memory,
+   are never dropped); DROP_VALUES, the value rows' pages as each piece of a union has
+   read them (`drop_pages`; a task that reads a dropped page again maps it again, so the
+   results are the same bits either way). A shard on disk then holds a few pages of a
+   layer at a time, not the layer.
    Returns 0, 1 for impossible arguments, 2 when out of memory. */
 int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, int64_t rows,
                        int64_t tokens, int64_t d, int64_t n, int64_t kbuffers,
@@ -755,7 +796,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                        const int64_t *vstride, int64_t lists, const uint16_t *centroids,
                        const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
                        int o_bf16, const char *own_k, const char *own_v, int64_t own_stride,
-                       int64_t own_before, float scale, float *out, float *lse, int threads) {
+                       int64_t own_before, float scale, float *out, float *lse, int drop,
+                       int threads) {
     if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
         kbuffers < 1 || vbuffers < 1 || lists < 1 || (lists > 1 && (!centroids || !offsets)) ||
         probes < 1 || tokens < 1 || rows % tokens || rows / tokens > MAX_GROUP || skip < 0 ||
@@ -767,8 +809,14 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     const size_t kes = k_bf16 ? 2 : 4, ves = v_bf16 ? 2 : 4;
     cand *sel;
     int64_t *count, spans, kcap;
+    float *keep = NULL; /* every row's score of every position (flat, keys dropped) */
+    if ((drop & DROP_KEYS) && lists == 1 && n > 0) {
+        keep = scratch_get(S_KEEP, (size_t)(heads * rows) * (size_t)n * sizeof(float));
+        if (!keep) return 2;
+    }
     int failed = pick(k_bf16, q, heads, rows, d, n, kbuffers, kstart, kptr, kstride, map, lists,
-                      centroids, offsets, probes, k, skip, threads, &sel, &count, &spans, &kcap);
+                      centroids, offsets, probes, k, skip, threads, keep, n, &sel, &count,
+                      &spans, &kcap);
     if (failed) goto done;
 
     /* Each (head, token): the G query heads of the KV head at that token share
@@ -776,8 +824,10 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
        keys, in shard row order (a position's own order, whatever else the call holds), the
        sink's rows first, then the position's own keys. (2) The union cut into pieces of
        PIECE keys, a task each (every thread busy however few the positions): each row's
-       scores of the piece's keys computed afresh, its weights and weighted sum of the
-       piece's values (read once for the G rows), with the piece's maximum and total.
+       scores of the piece's keys computed afresh (or, kept, looked up: the same bits, a
+       key's dot product being the same whichever chunk holds it), its weights and weighted
+       sum of the piece's values (read once for the G rows), with the piece's maximum and
+       total.
        (3) Each row's pieces merged in order by log-sum-exp. The cuts depend on the
        position's keys only, so its result does too. */
     const int64_t per = rows / tokens; /* G */
@@ -793,7 +843,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     int64_t *ucount = scratch_get(S_UCOUNT, (size_t)(3 * ht + 2) * sizeof(int64_t));
     int64_t *piece_of = scratch_get(S_PIECES, (size_t)(ht * pieces_most + 1) * sizeof(int64_t));
     float *parts = scratch_get(S_PARTS, (size_t)(ht * pieces_most + 1) * part * sizeof(float));
-    if (!ukeys || !uvals || !ucount || !piece_of || !parts) {
+    int64_t *urows = drop ? scratch_get(S_UROWS, (size_t)(ht * room + 1) * sizeof(int64_t)) : NULL;
+    if (!ukeys || !uvals || !ucount || !piece_of || !parts || (drop && !urows)) {
         failed = 1;
         goto done;
     }
@@ -842,6 +893,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 kr[nu + j] = own_k + at;
                 vp[nu + j] = own_v + at;
             }
+            if (urows) memcpy(urows + t * room, union_rows, (size_t)nu * sizeof(int64_t));
             unions[t] = nu;
             owns[t] = no;
         }
@@ -870,12 +922,27 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 memset(outs[g], 0, (size_t)d * sizeof(float));
             }
             const int64_t wroom = PIECE + CHUNK;
-            score_rows(kr + a, cut - a, k_bf16, qs, per, d, w, wroom, block);
+            if (keep) { /* flat with its keys dropped: the scan's scores, by position */
+                for (int64_t g = 0; g < per; g++) {
+                    const float *mine = keep + (h * rows + g * tokens + m) * n;
+                    for (int64_t u = a; u < cut; u++)
+                        w[g * wroom + (u - a)] = mine[urows[t * room + u]];
+                }
+            } else {
+                score_rows(kr + a, cut - a, k_bf16, qs, per, d, w, wroom, block);
+            }
             score_rows(kr + cut, b - cut, o_bf16, qs, per, d, w + (cut - a), wroom, block);
             for (int64_t g = 0; g < per; g++) /* scores → weights exp((s - max s) * scale) */
                 outs[g][d + 1] = weigh(w + g * wroom, b - a, scale, &outs[g][d]);
             weighted_sum(vp + a, cut - a, v_bf16, w, wroom, per, d, outs, value);
             weighted_sum(vp + cut, b - cut, o_bf16, w + (cut - a), wroom, per, d, outs, value);
+            if (drop & DROP_VALUES) /* the pages of the piece's value rows, buffer by buffer */
+                for (int64_t u = a, v = a; u < cut; u = v) {
+                    const int64_t *mine = urows + t * room;
+                    const int64_t vb = buffer_of(vstart, vbuffers, mine[u]);
+                    for (v = u + 1; v < cut && mine[v] < vstart[vb + 1]; v++) {}
+                    drop_pages(vp[u], vp[v - 1] + d * ves); /* rows in order: one head's */
+                }
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ht; t++) { /* (3) */
@@ -929,7 +996,7 @@ int starqa_topk_select(int k_bf16, const float *q, int64_t heads, int64_t rows, 
     cand *sel;
     int64_t *count, spans, kcap;
     if (pick(k_bf16, q, heads, rows, d, n, kbuffers, kstart, kptr, kstride, map, lists,
-             centroids, offsets, probes, k, skip, threads, &sel, &count, &spans, &kcap))
+             centroids, offsets, probes, k, skip, threads, NULL, 0, &sel, &count, &spans, &kcap))
         return 2;
     int failed = 0;
 #pragma omp parallel num_threads(threads)

@@ -27,7 +27,7 @@ _SIGNATURES = {
     "starqa_topk_attend": (_INT, [_INT, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR,
                                   _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
                                   _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _I64, _I64, _F32,
-                                  _PTR, _PTR, _INT]),
+                                  _PTR, _PTR, _INT, _INT]),
     "starqa_topk_select": (_INT, [_INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
                                   _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT]),
     "starqa_int4_fast": (_INT, []),

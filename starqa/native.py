@@ -111,6 +111,9 @@ def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
             and len({x.shape[-1] for x in buffers}) == 1)
 
 
+DROP_KEYS, DROP_VALUES = 1, 2  # TopKTable's drop (starqa/_topk.c's)
+
+
 class TopKTable:
     """The arguments of the top-k kernel (starqa/_topk.c) that stay the same from call to
     call, laid out once: a layer's key and value buffers, its key order and ivf's lists.
@@ -124,15 +127,19 @@ class TopKTable:
     holding the shard's value rows, or None: a table that only selects (`select`; the
     values are elsewhere, e.g. on a GPU). lists (ivf): (centroids [H, C, D], read in bf16,
     offsets [H, C + 1] int64, probes): position ranges, and how many of the nearest a row
-    scans; None scans every position. The buffers must stay where they are while the table
-    lives (it keeps them referenced)."""
+    scans; None scans every position. drop: DROP_KEYS and/or DROP_VALUES where those
+    buffers are clean private file mappings (--kv-on-disk): the kernel drops their pages as
+    it reads them (flat's keys as its scan passes them, the union's value rows piece by
+    piece; starqa/_topk.c), so a layer's shard is never resident at once; the same results.
+    The buffers must stay where they are while the table lives (it keeps them referenced)."""
 
     def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],
                  values: Sequence[tuple[int, torch.Tensor]] | None,
                  key_map: torch.Tensor | None = None,
                  lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                 key_at: torch.Tensor | None = None):
+                 key_at: torch.Tensor | None = None, drop: int = 0):
         n = keys[-1][0] + keys[-1][1].shape[1]
+        self.drop = drop
 
         def table(buffers):
             return (torch.tensor([first for first, _ in buffers] + [n], dtype=torch.int64),
@@ -208,7 +215,7 @@ class TopKTable:
         code = _library().starqa_topk_attend(
             *self._dtypes, q.data_ptr(), heads, rows, tokens, dim,
             *self._middle, k, skip, *own_args, scale, out.data_ptr(), lse.data_ptr(),
-            torch.get_num_threads())
+            self.drop, torch.get_num_threads())
         if code:
             raise (MemoryError() if code == 2 else ValueError(
                 f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "

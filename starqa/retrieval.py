@@ -340,10 +340,12 @@ class TopKShard:
         None where the kernel does not take these buffers. k, the layer's budget (fixed for
         the shard: `parts`), sets how many lists ivf probes, so the table is one per layer."""
         key_map = key_at = lists = None
+        drop = 0  # pages the kernel may drop as it reads them: mapped buffers only
         if self.keys is not None:
             keys = [(0, self.keys[layer])]
         elif self.mapped_keys is not None:
             keys = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_keys]
+            drop |= native.DROP_KEYS
         else:
             lay = self.ivf[layer]
             keys = [(0, lay.keys)]
@@ -355,11 +357,12 @@ class TopKShard:
             values = [(0, self.values[layer])]
         else:
             values = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_values]
+            drop |= native.DROP_VALUES
         if not native.supports_topk([x for _, x in keys], [x for _, x in values]):
             if not native.supports_topk([x for _, x in keys], []):
                 return None
             values = None  # on a GPU: a table that only selects (`select`)
-        return native.TopKTable(keys, values, key_map, lists, key_at)
+        return native.TopKTable(keys, values, key_map, lists, key_at, drop)
 
     def _table_of(self, layer: int, k: int) -> native.TopKTable | None:
         """`_table`, made on the layer's first call and kept."""
