@@ -74,8 +74,7 @@
    buffers and evicted the chunk being scored; into L2 the replayed decode kernel took 16.5
    → 13.5 ms a token (32K, ivf, Zen 4; benchmarks/topk_kernel_ab.py), the same picks. */
 #define TO_L2 2
-#define DROP_KEYS 1   /* starqa_topk_attend's drop: see there */
-#define DROP_VALUES 2
+#define DROP_KEYS 1 /* starqa_topk_attend's drop: see there */
 
 static const float zeros[MAX_DIM]; /* a key row past a chunk's end (zero bits: bf16 too) */
 
@@ -779,14 +778,14 @@ static int64_t row_best(const cand *sel, const int64_t *count, int64_t row, int6
    query heads, each at `tokens` positions of the forward, the position fastest). centroids
    bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
    list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
-   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R]. drop (--kv-on-disk:
-   buffers that are clean private file mappings): DROP_KEYS, the key buffers' pages are
-   dropped as the scan passes them (flat only: each row's score of every position is kept
-   for the union's attention, which then reads no key; with lists the keys, in memory,
-   are never dropped); DROP_VALUES, the value rows' pages as each piece of a union has
-   read them (`drop_pages`; a task that reads a dropped page again maps it again, so the
-   results are the same bits either way). A shard on disk then holds a few pages of a
-   layer at a time, not the layer.
+   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R]. drop: DROP_KEYS where the
+   key buffers are clean private file mappings (flat's --kv-on-disk): their pages are
+   dropped as the scan passes them (`drop_pages`), each row's score of every position kept
+   for the union's attention, which then reads no key: the same bits, and a layer's keys
+   are never resident at once (32K, SmolLM2: 12.6 MB a layer). With lists (ivf) the keys
+   are in memory and never dropped. (The values' pages, dropped piece by piece of the
+   union, measured no lower peak and up to a third slower decodes: each piece's drop took
+   pages the next one read again; they are released after the call, by the caller.)
    Returns 0, 1 for impossible arguments, 2 when out of memory. */
 int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, int64_t rows,
                        int64_t tokens, int64_t d, int64_t n, int64_t kbuffers,
@@ -843,8 +842,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     int64_t *ucount = scratch_get(S_UCOUNT, (size_t)(3 * ht + 2) * sizeof(int64_t));
     int64_t *piece_of = scratch_get(S_PIECES, (size_t)(ht * pieces_most + 1) * sizeof(int64_t));
     float *parts = scratch_get(S_PARTS, (size_t)(ht * pieces_most + 1) * part * sizeof(float));
-    int64_t *urows = drop ? scratch_get(S_UROWS, (size_t)(ht * room + 1) * sizeof(int64_t)) : NULL;
-    if (!ukeys || !uvals || !ucount || !piece_of || !parts || (drop && !urows)) {
+    int64_t *urows = keep ? scratch_get(S_UROWS, (size_t)(ht * room + 1) * sizeof(int64_t)) : NULL;
+    if (!ukeys || !uvals || !ucount || !piece_of || !parts || (keep && !urows)) {
         failed = 1;
         goto done;
     }
@@ -936,13 +935,6 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 outs[g][d + 1] = weigh(w + g * wroom, b - a, scale, &outs[g][d]);
             weighted_sum(vp + a, cut - a, v_bf16, w, wroom, per, d, outs, value);
             weighted_sum(vp + cut, b - cut, o_bf16, w + (cut - a), wroom, per, d, outs, value);
-            if (drop & DROP_VALUES) /* the pages of the piece's value rows, buffer by buffer */
-                for (int64_t u = a, v = a; u < cut; u = v) {
-                    const int64_t *mine = urows + t * room;
-                    const int64_t vb = buffer_of(vstart, vbuffers, mine[u]);
-                    for (v = u + 1; v < cut && mine[v] < vstart[vb + 1]; v++) {}
-                    drop_pages(vp[u], vp[v - 1] + d * ves); /* rows in order: one head's */
-                }
         }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < ht; t++) { /* (3) */

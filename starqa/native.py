@@ -111,7 +111,7 @@ def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
             and len({x.shape[-1] for x in buffers}) == 1)
 
 
-DROP_KEYS, DROP_VALUES = 1, 2  # TopKTable's drop (starqa/_topk.c's)
+DROP_KEYS = 1  # TopKTable's drop (starqa/_topk.c's)
 
 
 class TopKTable:
@@ -127,10 +127,9 @@ class TopKTable:
     holding the shard's value rows, or None: a table that only selects (`select`; the
     values are elsewhere, e.g. on a GPU). lists (ivf): (centroids [H, C, D], read in bf16,
     offsets [H, C + 1] int64, probes): position ranges, and how many of the nearest a row
-    scans; None scans every position. drop: DROP_KEYS and/or DROP_VALUES where those
-    buffers are clean private file mappings (--kv-on-disk): the kernel drops their pages as
-    it reads them (flat's keys as its scan passes them, the union's value rows piece by
-    piece; starqa/_topk.c), so a layer's shard is never resident at once; the same results.
+    scans; None scans every position. drop: DROP_KEYS where the key buffers are clean private
+    file mappings (flat's --kv-on-disk): the kernel drops their pages as its scan passes
+    them (starqa/_topk.c), so a layer's keys are never resident at once; the same results.
     The buffers must stay where they are while the table lives (it keeps them referenced)."""
 
     def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],

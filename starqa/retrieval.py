@@ -357,7 +357,6 @@ class TopKShard:
             values = [(0, self.values[layer])]
         else:
             values = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_values]
-            drop |= native.DROP_VALUES
         if not native.supports_topk([x for _, x in keys], [x for _, x in values]):
             if not native.supports_topk([x for _, x in keys], []):
                 return None
