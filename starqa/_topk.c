@@ -435,8 +435,7 @@ static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64
    still reads, are kept (the caller releases the layer's pages after its call). */
 static void drop_pages(const char *from, const char *to) {
 #ifdef MADV_DONTNEED
-    static long page;
-    if (!page) page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
+    const long size = sysconf(_SC_PAGESIZE), page = size > 0 ? size : 4096;
     const uintptr_t a = ((uintptr_t)from + (uintptr_t)page - 1) / (uintptr_t)page * (uintptr_t)page;
     const uintptr_t b = (uintptr_t)to / (uintptr_t)page * (uintptr_t)page;
     if (b > a) madvise((void *)a, b - a, MADV_DONTNEED);
