@@ -54,17 +54,6 @@ class Timers:
         setattr(owner, name, timed)
 
 
-def _load(path: str):
-    """A build of the kernels as starqa.native calls them (its signatures set)."""
-    import ctypes
-
-    library = ctypes.CDLL(str(Path(path).resolve()))
-    for name, (restype, argtypes) in kernels._SIGNATURES.items():
-        function = getattr(library, name)
-        function.restype, function.argtypes = restype, argtypes
-    return lambda: library
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("context", type=Path)
@@ -77,7 +66,8 @@ def main() -> None:
     args = parser.parse_args()
     libraries = {"": native._library}  # "": the package's own build
     if args.libs:
-        libraries = {f"@{Path(name).stem}": _load(name) for name in args.libs.split(",")}
+        libraries = {f"@{Path(name).stem}": (lambda lib=kernels.load(Path(name).resolve()): lib)
+                     for name in args.libs.split(",")}
     torch.set_num_threads(args.threads)
     timers = Timers()
     timers.wrap(native.Layout, "attend", "attention")

@@ -27,7 +27,6 @@ if "--huge-pages" in sys.argv:  # before torch: its tensors in 4 KB pages, as ag
     os.environ["THP_MEM_ALLOC_ENABLE"] = "0"
 
 import argparse  # noqa: E402
-import ctypes  # noqa: E402
 import gc  # noqa: E402
 import mmap  # noqa: E402
 import time  # noqa: E402
@@ -39,15 +38,6 @@ from starqa import bench, dist, indexes, kernels, models, native  # noqa: E402
 from starqa.answering import Answerer  # noqa: E402
 from starqa.ask import question_ids  # noqa: E402
 from starqa.manifest import read_manifest  # noqa: E402
-
-
-def load(path: str):
-    """A build of the kernels, its signatures set as starqa.kernels sets them."""
-    library = ctypes.CDLL(path)
-    for name, (restype, argtypes) in kernels._SIGNATURES.items():
-        function = getattr(library, name)
-        function.restype, function.argtypes = restype, argtypes
-    return library
 
 
 def in_huge_pages(tensor: torch.Tensor, keep: list) -> torch.Tensor:
@@ -104,7 +94,7 @@ def main() -> None:
     variants = {}  # name -> (library or None, layer -> table)
     if args.libs:
         for name in args.libs.split(","):
-            variants[name] = (load(name), {layer: table for layer, table, _ in token})
+            variants[name] = (kernels.load(name), {layer: table for layer, table, _ in token})
     else:
         keep, copies = [], {}
         for layer, table, _ in token:

@@ -52,6 +52,17 @@ _SIGNATURES = {
 SIMD_CAPS = ("", "avx512", "avx2", "none")
 
 
+def load(path: str | Path) -> ctypes.CDLL:
+    """A build of the kernels at `path` with every function's signature set (OSError: not
+    loadable here; AttributeError: a build without some function). `library` loads the
+    package's own; benchmarks load other builds to compare them."""
+    found = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(found, name)
+        function.restype, function.argtypes = restype, argtypes
+    return found
+
+
 @functools.cache
 def library():
     """The compiled library with every function's signature set, or None (not built, built
@@ -67,13 +78,9 @@ def library():
         path = folder / f"_attend{suffix}"
         if path.exists():
             try:
-                found = ctypes.CDLL(str(path))
-                for name, (restype, argtypes) in _SIGNATURES.items():
-                    function = getattr(found, name)
-                    function.restype, function.argtypes = restype, argtypes
+                return load(path)
             except (OSError, AttributeError):
                 return None
-            return found
     return None
 
 
