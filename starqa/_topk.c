@@ -714,6 +714,10 @@ static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t
             const int64_t r0 = g * group, rn = rows - r0 < group ? rows - r0 : group;
             const int64_t a = span * span_len, b = a + span_len < n ? a + span_len : n;
             int64_t got[GROUP] = {0}, nsegs[GROUP] = {0};
+            /* the group's scores: kept by position (row r's from mine + r * apart), else
+               this thread's scratch */
+            float *mine = keep ? keep + (h * rows + r0) * keep_stride + a : scores;
+            const int64_t apart = keep ? keep_stride : stride;
             int64_t todo = 0; /* the lists some row of the group scans, in order */
             for (int64_t c = 0; c < lists; c++) {
                 int64_t any = 0;
@@ -730,15 +734,12 @@ static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t
                 for (int64_t r = 0; r < rn; r++)
                     if (chosen[(h * rows + r0 + r) * lists + c]) who[many++] = r;
                 for_list(c, h, lists, offsets, n, a, b, kstart, kptr, kstride, kbuffers, d, kes,
-                         q + (h * rows + r0) * d, k_bf16, who, many,
-                         keep ? keep + (h * rows + r0) * keep_stride + a : scores,
-                         keep ? keep_stride : stride, got, block, segs, segroom, nsegs,
-                         keep != NULL);
+                         q + (h * rows + r0) * d, k_bf16, who, many, mine, apart, got, block,
+                         segs, segroom, nsegs, keep != NULL);
             }
             for (int64_t r = 0; r < rn; r++) {
                 const int64_t slot = (h * rows + r0 + r) * spans + span;
-                count[slot] = best_of(keep ? keep + (h * rows + r0 + r) * keep_stride + a
-                                           : scores + r * stride, segs + r * segroom, nsegs[r],
+                count[slot] = best_of(mine + r * apart, segs + r * segroom, nsegs[r],
                                       map ? map + h * n : NULL, got[r], skip, kcap, pool, tmp);
                 memcpy(sel + slot * kcap, pool, (size_t)count[slot] * sizeof(cand));
             }
@@ -882,7 +883,9 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             const char **kr = ukeys + t * room, **vp = uvals + t * room;
             for (int64_t u = 0; u < nu; u++) {
                 const int64_t r = union_rows[u];
-                kr[u] = row_at(kstart, kptr, kstride, kbuffers, h, inv ? inv[h * n + r] : r, d, kes);
+                if (!keep) /* kept scores: the union's keys are never read */
+                    kr[u] = row_at(kstart, kptr, kstride, kbuffers, h, inv ? inv[h * n + r] : r,
+                                   d, kes);
                 vp[u] = row_at(vstart, vptr, vstride, vbuffers, h, r, d, ves);
             }
             const int64_t no = own_k ? own_before + m + 1 : 0; /* own keys seen (causal) */

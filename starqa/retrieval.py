@@ -340,12 +340,12 @@ class TopKShard:
         None where the kernel does not take these buffers. k, the layer's budget (fixed for
         the shard: `parts`), sets how many lists ivf probes, so the table is one per layer."""
         key_map = key_at = lists = None
-        drop = 0  # pages the kernel may drop as it reads them: mapped buffers only
+        drop = 0  # the kernel may drop the keys' pages as it scans: mapped keys only
         if self.keys is not None:
             keys = [(0, self.keys[layer])]
         elif self.mapped_keys is not None:
             keys = [(start, mapped.tensor[layer]) for start, mapped in self.mapped_keys]
-            drop |= native.DROP_KEYS
+            drop = native.DROP_KEYS
         else:
             lay = self.ivf[layer]
             keys = [(0, lay.keys)]
