@@ -59,6 +59,8 @@ class Answerer:
             from starqa.retrieval import TopKShard
 
             retriever = TopKShard.from_cache(manifest, blocks, topk, dtype, info.device)
+            if retriever is not None:
+                retriever.make_tables()
         start = manifest.blocks[blocks[0]].start if blocks else 0
         gcpause.settle()  # started: what is alive now lives as long as the process
         return cls(info, decoder, shard, manifest.query_position, manifest.files, start, blocks,

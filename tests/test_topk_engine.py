@@ -187,6 +187,10 @@ def test_a_row_under_topk_is_the_same_alone_or_with_drafts(home, docs, tiny_mode
     answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), manifest.model.path,
                                    topk=TopK(count=4, index=kind))
     hook, config = answerer.hook, answerer.decoder.config
+    # every layer's kernel table made as the worker loaded, none on its first answer
+    tables = hook.retriever._tables
+    assert sorted(tables) == list(range(config.layers))
+    assert all(table is not None and not table.selects_only for table in tables.values())
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = config.heads, config.kv_heads, config.head_dim
     query = torch.randn(1, heads, 6, dim, generator=generator)
