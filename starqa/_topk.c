@@ -75,6 +75,7 @@
    → 13.5 ms a token (32K, ivf, Zen 4; benchmarks/topk_kernel_ab.py), the same picks. */
 #define TO_L2 2
 #define DROP_KEYS 1 /* starqa_topk_attend's drop: see there */
+#define KEEP_HELD ((size_t)64 << 20) /* kept scores larger than this are freed after a call */
 
 static const float zeros[MAX_DIM]; /* a key row past a chunk's end (zero bits: bf16 too) */
 
@@ -94,7 +95,7 @@ typedef struct {
 /* Scratch memory kept by each thread between calls (OpenMP's threads live on): a call
    per layer per token would otherwise allocate its buffers every time (above glibc's mmap
    threshold: fresh pages, cleared by the kernel). A slot grows to the largest size asked
-   of it and is never returned. */
+   of it and is kept, but for kept scores past KEEP_HELD (`scratch_drop`). */
 enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_BEST, S_BLOCK, S_SCORES, S_SEGS, S_POOL,
        S_ALL, S_TMP, S_ORDER, S_WEIGHTS, S_SEEN, S_UNION, S_VALUE, S_UKEYS, S_UVALS, S_UCOUNT,
        S_PIECES, S_PARTS, S_KEEP, S_UROWS, SLOTS };
@@ -108,6 +109,13 @@ static void *scratch_get(int slot, size_t bytes) {
         scratch[slot].size = scratch[slot].p ? bytes : 0;
     }
     return scratch[slot].p;
+}
+
+/* A slot's memory returned (the next scratch_get allocates afresh). */
+static void scratch_drop(int slot) {
+    free(scratch[slot].p);
+    scratch[slot].p = NULL;
+    scratch[slot].size = 0;
 }
 
 static inline float median3(float x, float y, float z) {
@@ -966,6 +974,9 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     }
 
 done:
+    /* kept scores past a decode's size (a question's forward over a long shard: rows x n
+       floats) are not held for the process's life */
+    if (keep && (size_t)(heads * rows) * (size_t)n * sizeof(float) > KEEP_HELD) scratch_drop(S_KEEP);
     return failed ? 2 : 0;
 }
 

@@ -378,6 +378,35 @@ def test_mapped_keys_dropped_as_scanned_give_the_same_bits(tmp_path):
     assert resident < 2 << 20
 
 
+def test_kept_scores_of_a_long_forward_are_not_held_after_it(tmp_path):
+    """Kept scores (flat with its mapped keys dropped) are rows x keys floats: a decode's
+    stay for the next call, a question's forward's (here 72 rows over 131,072 keys, 72 MiB)
+    are freed when the call ends, not held for the process's life."""
+    from starqa import tensorfile
+    from starqa.shards import save_block
+
+    def rss() -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines()
+                    if x.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+
+    torch.manual_seed(7)
+    heads, n, dim = 2, 1 << 17, 64
+    path = save_block(tmp_path, 0, torch.randn(1, heads, n, dim).bfloat16(),
+                      torch.randn(1, heads, n, dim).bfloat16(), range(n), {"index": "0"})
+    keys, values = (tensorfile.MappedTensor(path, x) for x in ("k", "v"))
+    table = native.TopKTable([(0, keys.tensor[0])], [(0, values.tensor[0])],
+                             drop=native.DROP_KEYS)
+    q = torch.randn(heads, 72, dim)  # 3 query heads per KV head at 24 positions
+    table.attend(q[:, :3], 400, 16, 0.125, 1)  # a decode's call: its scratch made
+    keys.release(0), values.release(0)
+    before = rss()
+    out, _ = table.attend(q, 400, 16, 0.125, 24)
+    keys.release(0), values.release(0)
+    assert torch.isfinite(out).all()
+    assert rss() - before < 24 << 20  # the 72 MiB of kept scores returned
+
+
 @pytest.mark.parametrize("cap", ["avx2", "none"])
 def test_every_simd_path_passes_the_kernel_tests(cap):
     """The kernels' hand-written AVX-512 and AVX2 paths and their portable C, each through
