@@ -6,6 +6,7 @@ Every option can also come from a `STARQA_*` environment variable.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -719,11 +720,8 @@ def eval_(
     plan = runner.plan(opts)
     report.plan_report(plan)
 
-    def terminated(signum, frame):  # `kill` ends the run like Ctrl-C: the JSON says so
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminated)
-    with report.RichProgress() as progress:
+    # `kill` ends the run like Ctrl-C: the JSON says so
+    with _sigterm_interrupts(), report.RichProgress() as progress:
         results = runner.run(plan, progress)
     report.results_table(results)
     report.closing_report(results, plan.json_path)
@@ -733,6 +731,17 @@ def eval_(
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """SIGTERM stops as Ctrl-C does while inside; the handler before it comes back after
+    (a caller in the same process, as tests are, and the processes it forks, keep theirs)."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _fetch_model(spec: str | None) -> None:
@@ -783,11 +792,11 @@ def run() -> None:
 def main() -> None:
     from starqa.errors import StarqaError, disk_full
 
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops as Ctrl-C does
     try:
         # Without standalone mode, typer hands back typer.Exit's code, and Ctrl-C as 130,
         # instead of raising them.
-        code = app(standalone_mode=False)
+        with _sigterm_interrupts():
+            code = app(standalone_mode=False)
     except StarqaError as err:
         from starqa.ui import print_error
 

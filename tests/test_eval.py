@@ -468,3 +468,27 @@ def test_main_exits_with_the_code_typer_hands_back(monkeypatch, capsys, code, st
             cli.main()
         assert exit_.value.code == status
     assert message in capsys.readouterr().err
+
+
+def test_main_stops_on_sigterm_inside_and_leaves_the_callers_handler(monkeypatch):
+    """While a command runs, SIGTERM stops it as Ctrl-C does (cleanup runs, exit 130);
+    after `main` returns, the handler the process had before is back: an in-process
+    caller (tests) and the processes it forks do not inherit starqa's."""
+    import os
+    import signal
+
+    from starqa import cli
+
+    def command(standalone_mode):
+        os.kill(os.getpid(), signal.SIGTERM)  # raises KeyboardInterrupt here
+        return 0
+
+    mine = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        monkeypatch.setattr(cli, "app", command)
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+        assert exit_.value.code == 130
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, mine)

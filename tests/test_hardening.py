@@ -674,10 +674,10 @@ def test_concurrent_commits_of_one_context(home, tmp_path, replace_existing):
     manifest = read_manifest(template)
     shutil.move(template, tmp_path / "template")
     root = home / "contexts"
-    # The workers take the default signal handlers (an in-process `cli.main` of an earlier
-    # test leaves its SIGTERM handler, which a forked worker inherits) and end by closing
-    # the pool, not by its terminate: a worker that caught terminate's SIGTERM once hung the
-    # suite in its exit, waiting on the pool's queue.
+    # The workers take the default signal handlers (a forked worker inherits the test
+    # process's, whatever an earlier test left) and end by closing the pool, not by its
+    # terminate: a worker that caught terminate's SIGTERM once hung the suite in its exit,
+    # waiting on the pool's queue (an in-process `cli.main` then left its handler behind).
     with multiprocessing.get_context("fork").Pool(8, initializer=_default_signals) as pool:
         results = pool.starmap(_commit_many, [(str(root), key, str(tmp_path / "template"),
                                                manifest, 20, replace_existing)] * 8, chunksize=1)
