@@ -976,7 +976,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
 done:
     /* kept scores past a decode's size (a question's forward over a long shard: rows x n
        floats) are not held for the process's life */
-    if (keep && (size_t)(heads * rows) * (size_t)n * sizeof(float) > KEEP_HELD) scratch_drop(S_KEEP);
+    if (keep && (size_t)(heads * rows) * (size_t)n * sizeof(float) > KEEP_HELD)
+        scratch_drop(S_KEEP);
     return failed ? 2 : 0;
 }
 
