@@ -8,7 +8,10 @@ lists a row and a KV head's union read in either layout, then that question's la
 30 kernel calls replayed through the shard's own tables and through tables of the same keys
 reordered, in turn, several rounds (the same picks: the results are compared).
 
-    python benchmarks/topk_list_order.py CONTEXT_DIR [--rounds 16]
+    python benchmarks/topk_list_order.py CONTEXT_DIR [--rounds 16] [--learn-from FILE ...]
+
+--learn-from: q_mean from forwards over the first 400 tokens of each FILE instead (text
+that is not a question, as Phase 1 encodes a context: what an ingest could store).
 
 CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa ingest`'s; its ivf
 indexes are built on first use where missing. An experiment: starqa lays lists out as built.
@@ -62,6 +65,7 @@ def main() -> None:
     parser.add_argument("context", type=Path)
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--learn-from", nargs="*", type=Path, default=[])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     manifest = indexes.ensure(read_manifest(args.context), "ivf")
@@ -87,6 +91,19 @@ def main() -> None:
     mean_q = {}
     for layer, call in learn:  # q [Hkv, G, D]: the mean over the G query heads and tokens
         mean_q.setdefault(layer, []).append(call[0].float().mean(1))
+    if args.learn_from:
+        mean_q = {}
+        forward = shard.parts
+
+        def parts(layer, q, *rest, **kw):  # a forward's folded queries [1, Hkv, G * M, D]
+            mean_q.setdefault(layer, []).append(q[0].float().mean(1))
+            return forward(layer, q, *rest, **kw)
+
+        shard.parts = parts
+        tokenizer = models.load_tokenizer(path)
+        for text in args.learn_from:
+            answerer.answer(tokenizer.encode(text.read_text())[:400], 1, set(), None)
+        del shard.parts
     tables, orders = {}, {}
     for layer in shard._tables:
         tables[layer], orders[layer] = reordered(shard, layer, torch.stack(mean_q[layer]).mean(0))
