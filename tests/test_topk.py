@@ -2,7 +2,6 @@
 each index kind's retrieval (starqa.retrieval, starqa.indexes), and the settings' parsing."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +11,8 @@ from starqa.attention import attend, merge
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
 from starqa.retrieval import TopKShard
+
+from memory import rss  # tests/memory.py (conftest puts tests/ on the path)
 
 
 def folded(query, kv_heads):
@@ -356,10 +357,6 @@ def test_a_mapped_layer_released_leaves_resident_memory(tmp_path):
     layer's pages from the process (RSS falls back), and the tensor still reads right."""
     from starqa.shards import save_block
 
-    def rss() -> int:
-        status = Path("/proc/self/status").read_text()
-        return int(status.split("VmRSS:")[1].split()[0]) * 1024
-
     k = torch.randn(2, 1, 1 << 17, 64)  # 32 MiB a layer in fp32
     path = save_block(tmp_path, 0, k, k.clone(), range(1 << 17), {"index": "0"})
     mapped = tensorfile.MappedTensor(path, "k")
@@ -376,10 +373,6 @@ def test_a_file_map_releases_only_the_pages_of_its_own_tensors(tmp_path):
     """`FileMap.release` drops the pages wholly inside a tensor it maps (RSS falls, the
     tensor still reads right from the file) and leaves a tensor of another memory alone."""
     from starqa.shards import save_block
-
-    def rss() -> int:
-        status = Path("/proc/self/status").read_text()
-        return int(status.split("VmRSS:")[1].split()[0]) * 1024
 
     k = torch.randn(2, 1, 1 << 17, 64)  # 32 MiB a layer in fp32
     path = save_block(tmp_path, 0, k, k[:, :, :8].clone(), range(1 << 17), {"index": "0"})

@@ -11,6 +11,8 @@ import torch
 from starqa import native
 from starqa.attention import attend
 
+from memory import rss  # tests/memory.py (conftest puts tests/ on the path)
+
 pytestmark = pytest.mark.skipif(not native.available(), reason="starqa's kernels not built")
 
 
@@ -384,11 +386,6 @@ def test_kept_scores_of_a_long_forward_are_not_held_after_it(tmp_path):
     are freed when the call ends, not held for the process's life."""
     from starqa import tensorfile
     from starqa.shards import save_block
-
-    def rss() -> int:
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines()
-                    if x.startswith("VmRSS:"))
-        return int(line.split()[1]) * 1024
 
     torch.manual_seed(7)
     heads, n, dim = 2, 1 << 17, 64
