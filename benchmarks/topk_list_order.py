@@ -1,20 +1,18 @@
-"""Does laying ivf's lists out by their centres' projection on a mean decode query speed
-the top-k kernel? A row reads its ~68 nearest lists (32K, k = 1%); as built, a list's place
-in memory is its block's and its k-means number, so a row's lists lie in ~54 separate runs.
-Ordered by c . q_mean (per layer and KV head, q_mean the mean of one question's decode
-queries over the KV head's query heads), the lists a row of *another* question chooses lie
-closer together. Prints, for the second question's decode tokens, the runs of adjacent
-lists a row and a KV head's union read in either layout, then that question's last token's
-30 kernel calls replayed through the shard's own tables and through tables of the same keys
-reordered, in turn, several rounds (the same picks: the results are compared).
+"""ivf's lists as built against laid out by a mean query (starqa.listlayout): a row reads its
+~68 nearest lists (32K, k = 1%); as built, a list's place in memory is its block's and its
+k-means number (~54 separate runs a row); starqa lays each layer and KV head's lists out by
+their centre's inner product with the mean query of a short forward of the worker's first
+tokens (`listlayout.mean_queries`). Loads the context twice (laid out, as `starqa ask` does, and
+as built), records a question's decode calls and prints the runs of adjacent lists a row and
+a KV head's union read in either layout, then that question's last token's 30 kernel calls
+replayed through either shard's tables in turn, several rounds (the same picks: the results
+are compared).
 
-    python benchmarks/topk_list_order.py CONTEXT_DIR [--rounds 16] [--learn-from FILE ...]
-
---learn-from: q_mean from forwards over the first 400 tokens of each FILE instead (text
-that is not a question, as Phase 1 encodes a context: what an ingest could store).
+    python benchmarks/topk_list_order.py CONTEXT_DIR [--rounds 16] [--sample 32]
 
 CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa ingest`'s; its ivf
-indexes are built on first use where missing. An experiment: starqa lays lists out as built.
+indexes are built on first use where missing. --sample: tokens the mean query is taken over
+(starqa's `listlayout.SAMPLE`).
 """
 
 import argparse
@@ -25,13 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from starqa import bench, dist, indexes, models, native
+from starqa import bench, dist, indexes, listlayout, models
 from starqa.answering import Answerer
 from starqa.ask import question_ids
 from starqa.manifest import read_manifest
+from starqa.retrieval import TopKShard
 
-QUESTIONS = ("How are shards written to disk?",
-             "Which function merges the partial attentions of the workers?")
+QUESTION = "Which function merges the partial attentions of the workers?"
 
 
 def runs(places: np.ndarray) -> int:
@@ -40,100 +38,61 @@ def runs(places: np.ndarray) -> int:
     return 1 + int(np.sum(np.diff(places) != 1)) if len(places) else 0
 
 
-def reordered(shard, layer: int, mean_q: torch.Tensor) -> tuple[native.TopKTable, list]:
-    """The layer's table with each head's lists in the order of c . mean_q[h], and each
-    head's list order."""
-    lay, table = shard.ivf[layer], shard._tables[layer]
-    keys, offsets, centroids, rows, orders = [], [], [], [], []
-    for h in range(lay.centroids.shape[0]):
-        order = torch.argsort(torch.from_numpy(lay.centroids[h]).float() @ mean_q[h]).numpy()
-        o = lay.offsets[h]
-        perm = np.concatenate([np.arange(o[c], o[c + 1]) for c in order])
-        keys.append(lay.keys[h][torch.from_numpy(perm)])
-        rows.append(lay.rows[h][perm])
-        offsets.append(np.concatenate([[0], np.cumsum(np.diff(o)[order])]))
-        centroids.append(lay.centroids[h][order])
-        orders.append(order)
-    lists = (torch.from_numpy(np.stack(centroids)),
-             torch.from_numpy(np.stack(offsets).astype(np.int64)), table.probes)
-    return native.TopKTable([(0, torch.stack(keys).contiguous())], [(0, shard.values[layer])],
-                            torch.from_numpy(np.stack(rows)), lists), orders
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("context", type=Path)
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--learn-from", nargs="*", type=Path, default=[])
+    parser.add_argument("--sample", type=int, default=listlayout.SAMPLE)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     manifest = indexes.ensure(read_manifest(args.context), "ivf")
     settings = indexes.topk_settings("topk", "1%", None, "ivf", False)
     path = models.resolve_model(manifest.model.spec)
+    listlayout.SAMPLE = args.sample  # read by listlayout.mean_queries
     answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), path, "int4", settings)
-    shard = answerer.hook.retriever
+    laid = answerer.hook.retriever
+    built = TopKShard.from_cache(manifest, list(range(len(manifest.blocks))), settings,
+                                 getattr(torch, manifest.dtype), torch.device("cpu"))
+    built.make_tables()
     answerer.hook.compiled = lambda *_: None  # layer by layer: each layer's call recorded
-    calls = []  # per question: (layer, the call's arguments) of its one-token steps
-    for layer, table in shard._tables.items():
+    calls = []  # (layer, the call's arguments) of the question's one-token steps
+    for layer, table in laid._tables.items():
         def recorder(*call, table=table, layer=layer):
             if call[4] == 1:  # tokens: a decode step
-                calls[-1].append((layer, [x.clone() if isinstance(x, torch.Tensor) else x
-                                          for x in call]))
+                calls.append((layer, [x.clone() if isinstance(x, torch.Tensor) else x
+                                      for x in call]))
             return type(table).attend(table, *call)
         table.attend = recorder  # this instance only, for the recording
-    for question in QUESTIONS:
-        calls.append([])
-        answerer.answer(question_ids(manifest, path, question)[1], 6, set(), None)
-    for table in shard._tables.values():
+    answerer.answer(question_ids(manifest, path, QUESTION)[1], 6, set(), None)
+    for table in laid._tables.values():
         del table.attend
-    learn, held = calls
-    mean_q = {}
-    for layer, call in learn:  # q [Hkv, G, D]: the mean over the G query heads and tokens
-        mean_q.setdefault(layer, []).append(call[0].float().mean(1))
-    if args.learn_from:
-        mean_q = {}
-        forward = shard.parts
+    print(f"{manifest.n_tokens:,} tokens, mean query over {args.sample} tokens; "
+          f"CPU: {bench.cpu_info()}")
 
-        def parts(layer, q, *rest, **kw):  # a forward's folded queries [1, Hkv, G * M, D]
-            mean_q.setdefault(layer, []).append(q[0].float().mean(1))
-            return forward(layer, q, *rest, **kw)
-
-        shard.parts = parts
-        tokenizer = models.load_tokenizer(path)
-        for text in args.learn_from:
-            answerer.answer(tokenizer.encode(text.read_text())[:400], 1, set(), None)
-        del shard.parts
-    tables, orders = {}, {}
-    for layer in shard._tables:
-        tables[layer], orders[layer] = reordered(shard, layer, torch.stack(mean_q[layer]).mean(0))
-    print(f"{manifest.n_tokens:,} tokens; CPU: {bench.cpu_info()}")
-
-    found = {"as built": [], "by mean query": []}
-    for layer, call in held:
-        lay, probes = shard.ivf[layer], shard._tables[layer].probes
-        for h in range(lay.centroids.shape[0]):
-            near = torch.from_numpy(lay.centroids[h]).float() @ call[0][h].float().T  # [C, G]
-            chosen = [torch.topk(near[:, g], probes).indices.numpy() for g in range(near.shape[1])]
-            place = np.empty_like(orders[layer][h])
-            place[orders[layer][h]] = np.arange(len(place))
-            for name, where in (("as built", np.arange(len(place))), ("by mean query", place)):
-                found[name].append((np.mean([runs(where[c]) for c in chosen]),
-                                    runs(np.unique(np.concatenate([where[c] for c in chosen])))))
-    for name, seen in found.items():
-        row, union = np.array(seen).mean(0)
+    shards = {"as built": built, "laid out": laid}
+    for name, shard in shards.items():
+        found = []
+        for layer, call in calls:
+            lay, probes = shard.ivf[layer], shard._tables[layer].probes
+            for h in range(lay.centroids.shape[0]):
+                near = torch.from_numpy(lay.centroids[h]).float() @ call[0][h].float().T
+                chosen = [torch.topk(near[:, g], probes).indices.numpy()
+                          for g in range(near.shape[1])]
+                found.append((np.mean([runs(c) for c in chosen]),
+                              runs(np.unique(np.concatenate(chosen)))))
+        row, union = np.array(found).mean(0)
         print(f"lists {name}: a row's {probes} lists in {row:.1f} runs, a KV head's union in "
               f"{union:.1f}")
 
-    token = held[-len(shard._tables):]  # the held-out question's last token, a call a layer
+    token = calls[-len(laid._tables):]  # the question's last token, a call a layer
     gc.freeze()
-    variants = {"as built": shard._tables, "by mean query": tables}
-    times, outs = {name: [] for name in variants}, {}
+    times, outs = {name: [] for name in shards}, {}
     for _ in range(args.rounds):
-        for name, chosen_tables in variants.items():
+        for name, shard in shards.items():
             started = time.perf_counter()
             for _ in range(5):
-                outs[name] = [type(chosen_tables[layer]).attend(chosen_tables[layer], *call)
+                outs[name] = [type(shard._tables[layer]).attend(shard._tables[layer], *call)
                               for layer, call in token]
             times[name].append((time.perf_counter() - started) / 5 * 1e3)
     for name, seen in times.items():

@@ -58,7 +58,11 @@ class Answerer:
         else:
             from starqa.retrieval import TopKShard
 
-            retriever = TopKShard.from_cache(manifest, blocks, topk, dtype, info.device)
+            from starqa.listlayout import mean_queries
+
+            retriever = TopKShard.from_cache(
+                manifest, blocks, topk, dtype, info.device,
+                lambda ids: mean_queries(decoder, ids, manifest.query_position))
             if retriever is not None:
                 retriever.make_tables()
         start = manifest.blocks[blocks[0]].start if blocks else 0

@@ -41,8 +41,9 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
            block's keys are memory-mapped, scanned a layer at a time and that layer's pages
            released (every key is still read, from the page cache)
     ivf    every KV head's IVF lists over all the worker's blocks (`IvfLayer`: the
-           blocks' lists side by side, their keys in list order in the cache's dtype,
-           their centres [Hkv, C, D]: each list's mean key, bf16 values). A row ranks its
+           blocks' lists, their keys in list order in the cache's dtype, their centres
+           [Hkv, C, D]: each list's mean key, bf16 values; the lists laid out by a mean
+           query, `starqa.listlayout`, so a row's lie near each other). A row ranks its
            KV head's C centres, picks its nearest lists (`indexes.row_probes`: about
            IVF_ROW_SCAN * k keys, at least IVF_MIN_PROBES lists) and keeps the k best of
            their keys (`native.topk_attend`, one call per layer; on a GPU the same
@@ -54,7 +55,7 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -63,6 +64,7 @@ from starqa import indexes, native, tensorfile, topk
 from starqa.attention import attend, partial_rows
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
+from starqa.listlayout import list_order
 from starqa.manifest import Manifest, block_file
 
 ROWS_X_KEYS = 1 << 21  # rows * keys scored at once (a prefill of many rows goes in pieces)
@@ -115,12 +117,13 @@ class TopKShard:
 
     @classmethod
     def from_parts(cls, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], settings: TopK,
-                   n_tokens: int, dtype: torch.dtype | None = None, first: bool = True
-                   ) -> TopKShard | None:
+                   n_tokens: int, dtype: torch.dtype | None = None, first: bool = True,
+                   toward: Sequence[torch.Tensor] | None = None) -> TopKShard | None:
         """From blocks' (k, v), each [L, Hkv, T, D], in memory, building any index here
         (`starqa eval`, tests); first: they begin with the context's first block (the
         sink's). Values, flat's keys and the sink stay on the blocks' device; ivf and hnsw
-        search on the CPU (faiss). None when there are no blocks."""
+        search on the CPU (faiss). toward: per layer [Hkv, D], what ivf lays its lists out
+        by (`listlayout.mean_queries`), else as built. None when there are no blocks."""
         if not parts:
             return None
         layers, heads = parts[0][0].shape[:2]
@@ -134,7 +137,8 @@ class TopKShard:
                                      parts[block][0][layer, head].float().cpu().numpy())
 
             if settings.index == "ivf":
-                ivf = [IvfLayer.of([k[layer].cpu() for k, _ in parts], index_of, layer, dtype)
+                ivf = [IvfLayer.of([k[layer].cpu() for k, _ in parts], index_of, layer, dtype,
+                                   None if toward is None else toward[layer])
                        for layer in range(layers)]
             else:
                 searchers = _per_block(_starts([k.shape[2] for k, _ in parts]), layers, heads,
@@ -148,9 +152,13 @@ class TopKShard:
 
     @classmethod
     def from_cache(cls, manifest: Manifest, blocks: Sequence[int], settings: TopK,
-                   dtype: torch.dtype, device: torch.device) -> TopKShard | None:
+                   dtype: torch.dtype, device: torch.device,
+                   mean_queries: Callable[[torch.Tensor], Sequence[torch.Tensor]] | None = None
+                   ) -> TopKShard | None:
         """This worker's blocks of a cached context, every file checksum-verified: the
-        shards (as `load_shard` does) and, for ivf and hnsw, the index files."""
+        shards (as `load_shard` does) and, for ivf and hnsw, the index files.
+        mean_queries: given token ids, per layer [Hkv, D] (`listlayout.mean_queries`): ivf
+        lays its lists out by those of the worker's first block's ids, else as built."""
         from starqa.shards import verify_checksums
 
         if not blocks:
@@ -181,10 +189,13 @@ class TopKShard:
                 return indexes.read_index(where / files[(blocks[block], layer, head)], mapped)
 
             if settings.index == "ivf":
+                toward = None if mean_queries is None else mean_queries(
+                    tensorfile.read_tensor(paths[0], "ids", mapped=True))
                 # The blocks' files are read mapped (only their lists are used: which list
                 # each key went to), the keys one layer at a time.
                 ivf = [IvfLayer.of([tensorfile.read_layer(p, "k", layer) for p in paths],
-                                   lambda b, lay, h: index_of(b, lay, h, True), layer, dtype)
+                                   lambda b, lay, h: index_of(b, lay, h, True), layer, dtype,
+                                   None if toward is None else toward[layer])
                        for layer in range(layers)]
             else:
                 searchers = _per_block(starts, layers, heads, index_of)
@@ -619,10 +630,12 @@ class IvfLayer:
     """One layer's ivf on a worker, every KV head's lists over all of the worker's blocks:
 
         centroids [Hkv, C, D] numpy fp32   each head's lists' centres (the blocks' IVF
-                                           lists side by side: C = the lists of every
-                                           block), each list's mean key (`_list_means`),
-                                           rounded to bf16 (the kernel reads them so: half
-                                           the bytes of a decode's list choice)
+                                           lists, C = the lists of every block, side by
+                                           side or laid out by a mean query:
+                                           `listlayout`), each list's mean key
+                                           (`_list_means`), rounded to bf16 (the kernel
+                                           reads them so: half the bytes of a decode's
+                                           list choice)
         offsets   [Hkv, C + 1] numpy int64 list c of head h is keys[h][offsets[h, c]:
                                            offsets[h, c + 1]]
         rows      [Hkv, N] numpy int64     each listed key's row in the shard
@@ -643,9 +656,10 @@ class IvfLayer:
 
     @classmethod
     def of(cls, keys: Sequence[torch.Tensor], index_of, layer: int,
-           dtype: torch.dtype | None = None) -> IvfLayer:
+           dtype: torch.dtype | None = None, toward: torch.Tensor | None = None) -> IvfLayer:
         """From the blocks' keys of this layer (each [Hkv, T, D]) and their IVF indexes
-        index_of(block, layer, head)."""
+        index_of(block, layer, head); toward [Hkv, D]: each head's lists laid out by it
+        (`listlayout.list_order`), else as built."""
         import faiss
         import numpy as np
 
@@ -661,23 +675,28 @@ class IvfLayer:
                 lists.append((faiss.vector_to_array(index.direct_map.array) >> 32) + first)
                 first += index.nlist
             assigned = np.concatenate(lists)
+            whole = torch.cat([k[head] for k in keys]) if len(keys) > 1 else keys[0][head]
+            whole = whole.to(dtype or whole.dtype)
+            cents = _list_means(whole, assigned, np.concatenate(cents))
+            laid = list_order(cents, None if toward is None else toward[head])
+            if laid is not None:  # list laid[i] becomes list i
+                place = np.empty_like(laid)
+                place[laid] = np.arange(len(laid))
+                assigned, cents = place[assigned], cents[laid]
             order = np.argsort(assigned, kind="stable")  # the head's keys, list by list
-            centroids.append(np.concatenate(cents))
+            centroids.append(cents)
             offsets.append(np.concatenate([[0], np.cumsum(np.bincount(assigned,
                                                                       minlength=first))]))
             rows.append(order)
-            whole = torch.cat([k[head] for k in keys]) if len(keys) > 1 else keys[0][head]
-            ordered.append(whole.index_select(0, torch.from_numpy(order)).to(
-                dtype or whole.dtype))
-            centroids[-1] = _list_means(ordered[-1], offsets[-1], centroids[-1])
+            ordered.append(whole.index_select(0, torch.from_numpy(order)))
         rounded = torch.from_numpy(np.stack(centroids).astype(np.float32)).bfloat16().float()
         return cls(np.ascontiguousarray(rounded.numpy()),
                    np.stack(offsets), np.stack(rows), torch.stack(ordered))
 
 
-def _list_means(keys: torch.Tensor, offsets, centroids):
-    """Each list's mean key [C, D] numpy fp32, from keys [N, D] in list order (list c:
-    offsets[c] .. offsets[c + 1]); an empty list keeps its index's centroid.
+def _list_means(keys: torch.Tensor, assigned, centroids):
+    """Each list's mean key [C, D] numpy fp32, from keys [N, D] and each key's list
+    `assigned` [N] (numpy int64); an empty list keeps its index's centroid (centroids [C, D]).
 
     Phase 2 ranks lists by their centre's inner product with a row, and a list's mean is
     nearer its keys than the centroid its index trained (10 k-means iterations, after which
@@ -686,9 +705,9 @@ def _list_means(keys: torch.Tensor, offsets, centroids):
     0.932 -> 0.955 at 8K (48 lists a row) and 0.922 -> 0.939 at 32K (68)."""
     import numpy as np
 
-    counts = torch.from_numpy(np.diff(offsets))
-    owner = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    sums = torch.zeros(len(counts), keys.shape[1]).index_add_(0, owner, keys.float())
+    owner = torch.from_numpy(assigned)
+    counts = torch.bincount(owner, minlength=len(centroids))
+    sums = torch.zeros(len(centroids), keys.shape[1]).index_add_(0, owner, keys.float())
     means = (sums / counts.clamp(min=1)[:, None]).numpy()
     return np.where((counts > 0).numpy()[:, None], means, centroids).astype(np.float32)
 

@@ -269,6 +269,7 @@ class Evaluator:
         import torch
 
         from starqa.answering import Answerer
+        from starqa.listlayout import mean_queries
         from starqa.retrieval import TopKShard
 
         encoded = encoded or self.encode(sample, method)
@@ -278,7 +279,11 @@ class Evaluator:
             answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start,
                                 sample.files, ids=torch.tensor(sample.context_ids))
         else:
-            retriever = TopKShard.from_parts(parts, topk, len(sample.context_ids), self.dtype)
+            toward = None
+            if topk.index == "ivf":  # its lists laid out as `Answerer.from_cache` lays them
+                toward = mean_queries(self.decoder, sample.context_ids, start)
+            retriever = TopKShard.from_parts(parts, topk, len(sample.context_ids), self.dtype,
+                                             toward=toward)
             answerer = Answerer(self.info, self.decoder, None, start, sample.files,
                                 retriever=retriever)
         started -= encoded.seconds  # phase1_s: the encoding, and top-k's index build
