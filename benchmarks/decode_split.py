@@ -11,7 +11,8 @@ attention in turn, alternating, in one process:
     python benchmarks/decode_split.py CONTEXT_DIR --attention exact,ivf --libs old.so,new.so
 
 An attention named NAME:loop runs its layers one by one (`ShardAttention.compiled`
-offers no words), as answers did before starqa/_step.c: the split of each share. With
+offers no words), as answers did before starqa/_step.c: the split of each share;
+ivf:built keeps ivf's lists as built (`starqa.listlayout` lays them out by a mean query). With
 --libs, each attention runs through each build of the kernels in turn (NAME@LIB; builds as
 benchmarks/topk_kernel_ab.py's docstring makes them): a kernel change measured on whole
 decode tokens, the model's steps and their traffic included, side by side. Prints
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from starqa import bench, decoder, dist, indexes, kernels, models, native
+from starqa import bench, decoder, dist, indexes, kernels, models, native, retrieval
 from starqa.answering import Answerer
 from starqa.ask import question_ids
 from starqa.manifest import read_manifest
@@ -79,7 +80,7 @@ def main() -> None:
 
     answerers = {}
     for name in args.attention.split(","):
-        attention, _, loop = name.partition(":")
+        attention, *modifiers = name.split(":")
         manifest = read_manifest(args.context)
         settings = None
         if attention != "exact":
@@ -87,12 +88,18 @@ def main() -> None:
             manifest = indexes.ensure(manifest, attention)
         path = models.resolve_model(manifest.model.spec)
         query = question_ids(manifest, path, QUESTION)[1]
-        answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), path, "int4",
-                                       settings)
+        laid = retrieval.list_order
+        if "built" in modifiers:
+            retrieval.list_order = lambda *_: None  # as built: no layout
+        try:
+            answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), path, "int4",
+                                           settings)
+        finally:
+            retrieval.list_order = laid
         if not answerer.decoder.layer_kernels:  # the model's steps would count as glue
             raise SystemExit("this decoder runs its layers' kernels one by one only "
                              "(no int4 tiles or no compiled kernels here)")
-        if loop:
+        if "loop" in modifiers:
             answerer.hook.compiled = lambda *_: None
         answerer.answer(query, 2, set(), None, draft_tokens=0)  # tables and buffers made
         answerers[name] = (answerer, query)

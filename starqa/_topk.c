@@ -175,9 +175,11 @@ static void keep_best(cand *a, int64_t n, int64_t k, float *tmp) {
    row); returns how many (at most k). scores[i] is that of position segs[s].pos + i -
    segs[s].at for the last of the nsegs segments with at <= i, and the position's row is
    rowmap[position] (NULL: the position). A
-   bar is set first from a sample of the scores (the 2k/m-th quantile of every step-th
-   one), so that the selection looks at about 2k candidates instead of all m; where fewer
-   than k clear it, every candidate is looked at.
+   bar is set first from a sample of the scores (the 1.5k/m-th quantile of every step-th
+   one), so that the selection looks at about 1.5k candidates instead of all m; where
+   fewer than k clear it, every candidate is looked at. On a 32K ivf decode's 1,080 rows
+   (k 328 of ~2,600 scanned) none fell short; a 2k bar took 12% longer a row, a 1.25k
+   one fell short on 28 rows (each then a second pass) and gained ~3% more.
    Either way the result is the k best: the bar only skips candidates that cannot be.
    out: room for m; tmp: scratch of 2m floats. */
 SIMD_CLONES static int64_t best_of(const float *scores, const seg *segs, int64_t nsegs,
@@ -186,7 +188,7 @@ SIMD_CLONES static int64_t best_of(const float *scores, const seg *segs, int64_t
     float bar = -INFINITY;
     if (m > 2 * k && m > 256) {
         const int64_t step = m / 256, samples = m / step;
-        int64_t rank = (2 * k * samples + m - 1) / m; /* about 2k of the m clear the bar */
+        int64_t rank = (3 * k * samples / 2 + m - 1) / m; /* ~1.5k of the m clear it */
         for (int64_t i = 0; i < samples; i++) out[i] = (cand){scores[i * step], 0};
         keep_best(out, samples, rank, tmp);
         bar = INFINITY;
