@@ -1,5 +1,5 @@
 """Where ivf's lists lie in memory. A decode row reads its nearest lists (at 32K and k = 1%,
-68 of a KV head's ~2,000); laid out as built, each block's lists side by side in k-means
+68 of a KV head's 840); laid out as built, each block's lists side by side in k-means
 order, a row's 68 lie in ~54 separate runs, each a scattered read. Laid out by their
 centre's inner product with a mean query of their layer and KV head, the lists a
 question's rows pick lie near each other (~28 runs a row): the scan reads fewer, longer
@@ -8,9 +8,10 @@ runs. The picks are the same in any layout (a row ranks every centre), so the an
 The mean query is one of plain text: a forward of SAMPLE of the worker's own first tokens
 by themselves, placed where a question's rows sit (RoPE is relative, so the hidden states
 are those of the text at position 0 and the queries are rotated to the question's
-positions). Measured on SmolLM2 at 32K (benchmarks/topk_list_order.py): a row's lists in
-28 runs against 54 as built (24 with the mean of a question's own decode queries), the
-kernel 5-11% faster, for ~40 ms of forward at load.
+positions). Measured on SmolLM2 at 32K on a 2-core Zen 4 (benchmarks/topk_list_order.py,
+decode_split.py ivf:built against ivf): a row's lists in 28 runs against 54 as built (24
+with the mean of a question's own decode queries), a token's kernel calls replayed 5-8%
+faster and whole decode tokens 11%, for ~40 ms of forward at load.
 """
 
 from __future__ import annotations
