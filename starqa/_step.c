@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "_kernels.h"
 #include "_simd.h"
@@ -37,13 +38,16 @@ enum { M_BF16, M_HIDDEN, M_HEADS, M_KV_HEADS, M_DIM, M_INNER, M_EPS, M_ATTN_NORM
    exact (A_EXACT): the key table (`kernels.KeyTable`: its laid-out buffers, and the
    addresses of its starts, key and value addresses, key and value head strides; the slot
    after the laid-out buffers is the own buffer's, written here); top-k (A_TOPK): the top-k
-   kernel's arguments that a `native.TopKTable` lays out, then k and the sink's rows. */
+   kernel's arguments that a `native.TopKTable` lays out, then k, the sink's rows, the
+   kernel's drop, and the address and count of (address, length) pairs: the memory-mapped
+   pages of the layer (--kv-on-disk) released after its attention, as
+   `tensorfile.MappedTensor.release` releases them (0, 0: none). */
 enum { A_KIND, A_SCALE, A_OWN_K, A_OWN_V, A_CAPACITY, A_ARGS };
 enum { A_EXACT = 0, A_TOPK = 1 };
 enum { E_PIECES = A_ARGS, E_STARTS, E_KEYS, E_VALUES, E_KEY_STRIDES, E_VALUE_STRIDES, E_WORDS };
 enum { T_KEYS_BF16 = A_ARGS, T_VALUES_BF16, T_N, T_KBUFFERS, T_KSTART, T_KPTR, T_KSTRIDE,
        T_MAP, T_INV, T_VBUFFERS, T_VSTART, T_VPTR, T_VSTRIDE, T_LISTS, T_CENTROIDS,
-       T_OFFSETS, T_PROBES, T_K, T_SKIP, T_WORDS };
+       T_OFFSETS, T_PROBES, T_K, T_SKIP, T_DROP, T_RELEASE, T_RELEASES, T_WORDS };
 #define A_WORDS ((int)E_WORDS > (int)T_WORDS ? (int)E_WORDS : (int)T_WORDS)
 
 static float word_float(int64_t word) {
@@ -54,6 +58,18 @@ static float word_float(int64_t word) {
 }
 
 #define ADDR(words, i) ((void *)(intptr_t)(words)[i])
+
+/* Pages of a memory-mapped file dropped from this process (they stay in the page cache, and
+   a later read maps them again): `count` (address, length) pairs, whole pages. */
+static void release(const int64_t *pairs, int64_t count) {
+#ifdef MADV_DONTNEED
+    for (int64_t i = 0; i < count; i++)
+        madvise((void *)(intptr_t)pairs[2 * i], (size_t)pairs[2 * i + 1], MADV_DONTNEED);
+#else
+    (void)pairs;
+    (void)count;
+#endif
+}
 
 /* One layer on hidden [M, H] in place. `before`: own keys already written (the question's
    and answer's so far); q_rows [Hkv, G * M, D] and lse [Hkv, G * M], fp32: where the
@@ -117,7 +133,8 @@ static int layer(const int64_t *mw, int64_t *aw, void *hidden, int64_t m, const 
             ADDR(aw, T_MAP), ADDR(aw, T_INV), aw[T_VBUFFERS], ADDR(aw, T_VSTART),
             ADDR(aw, T_VPTR), ADDR(aw, T_VSTRIDE), aw[T_LISTS], ADDR(aw, T_CENTROIDS),
             ADDR(aw, T_OFFSETS), aw[T_PROBES], aw[T_K], aw[T_SKIP], bf16, own_k, own_v,
-            capacity * d, before, scale, out, lse, 0, threads);
+            capacity * d, before, scale, out, lse, (int)aw[T_DROP], threads);
+        release(ADDR(aw, T_RELEASE), aw[T_RELEASES]);
     } else {
         code = 1;
     }

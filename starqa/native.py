@@ -175,12 +175,20 @@ class TopKTable:
         self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
                         int(bool(values) and values[0][1].dtype == torch.bfloat16))
 
-    def step_words(self, k: int, skip: int) -> tuple[int, ...]:
+    def step_words(self, k: int, skip: int, release: torch.Tensor | None = None
+                   ) -> tuple[int, ...]:
         """The top-k part of a layer's attention words for `decode_layers` (starqa/_step.c's
-        T_*): `attend`'s arguments that stay the same, then k and skip."""
+        T_*): `attend`'s arguments that stay the same, then k, skip and drop, then
+        `release` [P, 2] int64 (the caller keeps it alive): the (address, length) of the
+        memory-mapped pages that the step releases after the layer's attention."""
         if self.selects_only:
             raise ValueError("top-k kernel: this table holds no values (it only selects)")
-        return (*self._dtypes, *self._middle, k, skip)
+        if release is not None and (release.dtype != torch.int64 or release.dim() != 2
+                                    or release.shape[1] != 2 or not release.is_contiguous()):
+            raise ValueError(f"top-k kernel: release ranges {tuple(release.shape)} "
+                             f"{release.dtype} (int64 [P, 2], contiguous)")
+        pairs = (0, 0) if release is None else (release.data_ptr(), release.shape[0])
+        return (*self._dtypes, *self._middle, k, skip, self.drop, *pairs)
 
     def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
                tokens: int | None = None,

@@ -206,9 +206,10 @@ class ShardAttention:
         """This forward's attention as starqa/_step.c's words (`decoder.Decoder.forward`'s
         `compiled`: every layer in one call), or None where it goes layer by layer: a world
         of more than one (a collective between the layers), not on the CPU, the shard's
-        dtype not the model's, top-k's exact question or pages to release after each layer
-        (--kv-on-disk), or no compiled kernel for the attention. The own buffers are made
-        for every layer here, at once; their words are kept while the buffers stay."""
+        dtype not the model's, top-k's exact question, or no compiled kernel for the
+        attention (top-k with --kv-on-disk is compiled: the step releases each layer's
+        mapped pages). The own buffers are made for every layer here, at once; their words
+        are kept while the buffers stay."""
         if self.info.world_size > 1 or not self.query_host or self._words is False or not (
                 self.cpu and self.retriever is None or self.retriever is not None and
                 self.shard is None and self.retriever.compiles(m, heads // kv_heads,

@@ -102,6 +102,7 @@ class TopKShard:
         self.blocks = list(blocks)
         self.pool = None
         self._tables: dict[int, native.TopKTable | None] = {}  # `_table`, per layer
+        self._releases: list[torch.Tensor | None] = []  # `step_words`' ranges, per layer
         if searchers and torch.get_num_threads() > 1:
             import faiss
 
@@ -265,27 +266,33 @@ class TopKShard:
     def compiles(self, tokens: int, groups: int, question: bool = False) -> bool:
         """Whether `parts`, for a forward of `tokens` positions of `groups` query heads per
         KV head, is one call of the compiled kernel that starqa/_step.c can make instead
-        (`step_words`): not the question's exact forward, hnsw, pages to release after each
-        layer (--kv-on-disk) or a forward scored in pieces."""
+        (`step_words`): not the question's exact forward, hnsw or a forward scored in
+        pieces. (With --kv-on-disk the step releases each layer's mapped pages itself.)"""
         if (question and self.settings.prefill == "exact" or self.searchers is not None
-                or self.mapped_keys or self.mapped_values or not native.available()):
+                or not native.available()):
             return False
         heads = self.ivf[0].centroids.shape[0] if self.ivf is not None else \
-            self.keys[0].shape[0] if self.keys is not None else None
+            self.keys[0].shape[0] if self.keys is not None else \
+            self.mapped_keys[0][1].tensor.shape[1] if self.mapped_keys else None
         # `_parts_native`'s pieces: one, for all the forward's positions
         return heads is not None and _piece_positions(self.n_keys, heads, groups) >= tokens
 
     def step_words(self) -> list[tuple[int, ...]] | None:
         """Per layer the top-k kernel's words for starqa/_step.c (`native.TopKTable.step_words`:
         what `parts` passes the kernel where it `compiles`), or None where a layer has no
-        compiled table."""
-        words = []
+        compiled table. With --kv-on-disk each layer's words name its mapped pages, which
+        the step releases after the layer's attention (as `_parts_native` does)."""
+        words, self._releases = [], []  # the ranges the words point to, kept alive here
+        mapped = (self.mapped_keys or []) + (self.mapped_values or [])
         for layer in range(len(self.budgets)):
             k = self._budget(layer)
             table = self._table_of(layer, k)
             if table is None or table.selects_only:
                 return None
-            words.append(table.step_words(max(k, 1), self.n_sink))
+            pages = [found for _, file in mapped if (found := file.pages(layer)) is not None]
+            release = torch.tensor(pages, dtype=torch.int64) if pages else None
+            self._releases.append(release)
+            words.append(table.step_words(max(k, 1), self.n_sink, release))
         return words
 
     def _parts_exact(self, layer: int, q: torch.Tensor, scale: float, tokens: int,

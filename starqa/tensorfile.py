@@ -140,14 +140,22 @@ class FileMap:
         tensor that is not a view of this map is left alone."""
         import mmap
 
+        pages = self.pages(tensor)
+        if pages is not None:
+            self.map.madvise(mmap.MADV_DONTNEED, pages[0] - self._address, pages[1])
+
+    def pages(self, tensor) -> tuple[int, int] | None:
+        """(address, length) of the pages that lie wholly within `tensor`'s bytes, those
+        `release` drops; None where there are none or the tensor is not a view of this map."""
+        import mmap
+
         first = tensor.data_ptr() - self._address
         end = first + tensor.numel() * tensor.element_size()
         if first < 0 or end > len(self.map):
-            return
+            return None
         start = -(-first // mmap.PAGESIZE) * mmap.PAGESIZE
         stop = end - end % mmap.PAGESIZE
-        if stop > start:
-            self.map.madvise(mmap.MADV_DONTNEED, start, stop - start)
+        return (self._address + start, stop - start) if stop > start else None
 
 
 # numpy's dtype for each safetensors dtype; bf16 (which numpy lacks) as its 16 bits
@@ -219,3 +227,7 @@ class MappedTensor:
     def release(self, layer: int) -> None:
         """Drop the pages of `layer` from this process's resident memory."""
         self._file.release(self.tensor[layer])
+
+    def pages(self, layer: int) -> tuple[int, int] | None:
+        """The (address, length) that `release(layer)` drops (`FileMap.pages`)."""
+        return self._file.pages(self.tensor[layer])

@@ -342,9 +342,82 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
         assert fused_mass.sum() > 0 and torch.equal(fused_mass, loop_mass)
 
 
-def test_a_world_of_several_or_a_shard_on_disk_goes_layer_by_layer():
-    """The compiled step has no collective between layers and no pages to release after
-    one: a world of two, or top-k with --kv-on-disk's mapped values, offer no words."""
+def _mapped(address: int, length: int) -> int:
+    """Pages of [address, address + length) mapped in this process (/proc/self/pagemap)."""
+    import mmap
+    import struct
+
+    first, count = address // mmap.PAGESIZE, length // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(first * 8)
+        entries = struct.unpack(f"{count}Q", fh.read(count * 8))
+    return sum(entry >> 63 for entry in entries)
+
+
+@pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages(kind,
+                                                                                  tmp_path):
+    """Top-k with --kv-on-disk (values, and flat's keys, memory-mapped from the block files)
+    runs a forward's layers in one call too: the hidden states of the layer-by-layer loop,
+    bit for bit, and the step releases each layer's mapped pages after its attention, as
+    the loop does: after a forward no page of the values' last layer is mapped. (Earlier
+    layers' last pages may be mapped again by a later layer's read: a file's large folio.)"""
+    from starqa import dist, phase2, tensorfile
+    from starqa.indexes import TopK
+    from starqa.retrieval import TopKShard
+
+    torch.manual_seed(10)
+    dtype = torch.bfloat16
+    decoder = tiny_decoder(dtype, bias=False)
+    sizes = (2048, 2048)  # a layer's values: 384 KiB a block, whole pages
+    blocks = [(torch.randn(2, 3, t, 32).to(dtype), torch.randn(2, 3, t, 32).to(dtype))
+              for t in sizes]
+    paths = []
+    for i, (k, v) in enumerate(blocks):
+        paths.append(tmp_path / f"block_{i}.safetensors")
+        tensorfile.save_aligned({"k": k, "v": v, "ids": torch.zeros(k.shape[2])}, paths[-1], {})
+    settings = TopK(count=24, index=kind, sink=4, kv_on_disk=True)
+
+    def hook():
+        held = TopKShard.from_parts(blocks, settings, sum(sizes))  # its ivf, sink, blocks
+        starts = [0, sizes[0]]
+        mapped = {name: [(start, tensorfile.MappedTensor(path, name))
+                         for start, path in zip(starts, paths)] for name in ("k", "v")}
+        shard = TopKShard(settings, held.budgets, held.n_keys, ivf=held.ivf,
+                          mapped_values=mapped["v"], sinks=held.sinks,
+                          mapped_keys=mapped["k"] if kind == "flat" else None,
+                          blocks=held.blocks)
+        return phase2.ShardAttention(dist.local_world(), None, query_host=True,
+                                     retriever=shard)
+
+    forwards = [list(range(1, 6)), [7], [9], [11, 12, 13], [14]]  # question, tokens, drafts
+    results, planned = [], []
+    for compiled in (True, False):
+        attention = hook()
+        attention.begin(4)
+        hidden, position = [], 1000
+        for step, tokens in enumerate(forwards):
+            plan = attention.compiled(len(tokens), dtype, 9, 3, 32) if compiled else None
+            planned.append(plan is not None)
+            hidden.append(decoder.forward(
+                torch.tensor(tokens), torch.arange(position, position + len(tokens)),
+                attention.attention, rowwise=step > 0,
+                compiled=(lambda *_, plan=plan: plan) if compiled else None))
+            attention.advance(len(tokens))
+            position += len(tokens)
+        if compiled:  # the values' last layer: the union's rows were read from its pages
+            last = [mapped.pages(1) for _, mapped in attention.retriever.mapped_values]
+            assert all(pages is not None and _mapped(*pages) == 0 for pages in last)
+        results.append(hidden)
+    assert planned[:5] == [False, True, True, True, True]  # the question: layer by layer
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_a_world_of_several_goes_layer_by_layer():
+    """The compiled step has no collective between layers: a world of two offers no words
+    (nor does a shard whose dtype is not the model's)."""
     from starqa import dist, phase2
 
     pieces = [[(torch.randn(1, 3, 10, 32), torch.randn(1, 3, 10, 32))] for _ in range(2)]
