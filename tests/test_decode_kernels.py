@@ -284,6 +284,26 @@ def test_a_starqa_process_asks_before_torch_allocates():
     assert shown == [str(wanted), "False"]  # set, and torch not yet imported
 
 
+FORWARDS = [list(range(1, 6)), [7], [9], [11, 12, 13], [14]]  # question, tokens, drafts
+
+
+def _forwards(decoder, attention, forwards, dtype, compiled: bool, planned: list) -> list:
+    """The hidden states of `forwards` (lists of token ids) one after the other through
+    `attention` (a `phase2.ShardAttention` over 9 query heads and 3 KV heads of 32), every
+    layer in one call where it offers a plan and `compiled` (planned: whether each did)."""
+    hidden, position = [], 1000
+    for step, tokens in enumerate(forwards):
+        plan = attention.compiled(len(tokens), dtype, 9, 3, 32) if compiled else None
+        planned.append(plan is not None)
+        hidden.append(decoder.forward(
+            torch.tensor(tokens), torch.arange(position, position + len(tokens)),
+            attention.attention, rowwise=step > 0,
+            compiled=(lambda *_, plan=plan: plan) if compiled else None))
+        attention.advance(len(tokens))
+        position += len(tokens)
+    return hidden
+
+
 @pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["exact", "flat", "ivf"])
@@ -314,22 +334,12 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
         return phase2.ShardAttention(dist.local_world(), None, query_host=True,
                                      retriever=shard)
 
-    forwards = [list(range(1, 6)), [7], [9], [11, 12, 13], [14]]  # question, tokens, drafts
     results, planned = [], []
     for compiled in (True, False):
         attention = hook()
         attention.begin(4)  # grown by the question (the own buffers' copy is checked too)
         attention.track = True
-        hidden, position = [], 1000
-        for step, tokens in enumerate(forwards):
-            plan = attention.compiled(len(tokens), dtype, 9, 3, 32) if compiled else None
-            planned.append(plan is not None)
-            hidden.append(decoder.forward(
-                torch.tensor(tokens), torch.arange(position, position + len(tokens)),
-                attention.attention, rowwise=step > 0,
-                compiled=(lambda *_, plan=plan: plan) if compiled else None))
-            attention.advance(len(tokens))
-            position += len(tokens)
+        hidden = _forwards(decoder, attention, FORWARDS, dtype, compiled, planned)
         mass = attention.key_mass([3, 7, 9, 11, 12]) if kind == "exact" else None
         results.append((hidden, mass))
     # top-k's question attends every key exactly (`retrieval`): layer by layer, as before
@@ -391,21 +401,11 @@ def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages
         return phase2.ShardAttention(dist.local_world(), None, query_host=True,
                                      retriever=shard)
 
-    forwards = [list(range(1, 6)), [7], [9], [11, 12, 13], [14]]  # question, tokens, drafts
     results, planned = [], []
     for compiled in (True, False):
         attention = hook()
         attention.begin(4)
-        hidden, position = [], 1000
-        for step, tokens in enumerate(forwards):
-            plan = attention.compiled(len(tokens), dtype, 9, 3, 32) if compiled else None
-            planned.append(plan is not None)
-            hidden.append(decoder.forward(
-                torch.tensor(tokens), torch.arange(position, position + len(tokens)),
-                attention.attention, rowwise=step > 0,
-                compiled=(lambda *_, plan=plan: plan) if compiled else None))
-            attention.advance(len(tokens))
-            position += len(tokens)
+        hidden = _forwards(decoder, attention, FORWARDS, dtype, compiled, planned)
         if compiled:  # the values' last layer: the union's rows were read from its pages
             last = [mapped.pages(1) for _, mapped in attention.retriever.mapped_values]
             assert all(pages is not None and _mapped(*pages) == 0 for pages in last)
