@@ -23,10 +23,12 @@ import torch.nn.functional as F
 SAMPLE = 32  # tokens whose queries are averaged (16: 29 runs a row; 64: 28; 256: 29)
 
 
-def mean_queries(decoder, ids: torch.Tensor, position: int) -> list[torch.Tensor]:
+def mean_queries(decoder, ids: torch.Tensor, position: int) -> list[torch.Tensor] | None:
     """Per layer, [Hkv, D] fp32: the mean query of each KV head's query heads over a forward
     of the first SAMPLE of `ids` by themselves at positions position, position + 1, ...
-    (causal attention among them, no context)."""
+    (causal attention among them, no context); None for no ids."""
+    if len(ids) == 0:
+        return None
     means: list[torch.Tensor] = []
 
     def attention(layer: int, q, k, v):  # q [1, Hq, M, D], k and v [1, Hkv, M, D]

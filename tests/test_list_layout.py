@@ -86,3 +86,4 @@ def test_the_mean_query_is_rotated_to_where_it_is_asked(tiny_model):
         assert not torch.allclose(a, b, rtol=1e-2, atol=1e-3)  # P turned them
     shorter = listlayout.mean_queries(decoder, ids[:listlayout.SAMPLE], 0)
     assert all(torch.equal(a, b) for a, b in zip(at_zero, shorter))
+    assert listlayout.mean_queries(decoder, ids[:0], 0) is None  # no text: lists as built
