@@ -154,7 +154,8 @@ class TopKShard:
     @classmethod
     def from_cache(cls, manifest: Manifest, blocks: Sequence[int], settings: TopK,
                    dtype: torch.dtype, device: torch.device,
-                   mean_queries: Callable[[torch.Tensor], Sequence[torch.Tensor]] | None = None
+                   mean_queries: Callable[[torch.Tensor], Sequence[torch.Tensor] | None]
+                   | None = None
                    ) -> TopKShard | None:
         """This worker's blocks of a cached context, every file checksum-verified: the
         shards (as `load_shard` does) and, for ivf and hnsw, the index files.
