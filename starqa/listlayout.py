@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from starqa.attention import attend, fold_gqa
 
 SAMPLE = 32  # tokens whose queries are averaged (16: 29 runs a row; 64: 28; 256: 29)
 
@@ -32,11 +33,8 @@ def mean_queries(decoder, ids: torch.Tensor, position: int) -> list[torch.Tensor
     means: list[torch.Tensor] = []
 
     def attention(layer: int, q, k, v):  # q [1, Hq, M, D], k and v [1, Hkv, M, D]
-        heads, kv_heads = q.shape[1], k.shape[1]
-        means.append(q[0].float().reshape(kv_heads, heads // kv_heads * q.shape[2], -1)
-                     .mean(1).cpu())
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              enable_gqa=heads != kv_heads)
+        means.append(fold_gqa(q, k.shape[1], torch.float32)[0].mean(1).cpu())
+        return attend(q, k, v, causal=True)[0]
 
     ids = torch.as_tensor(ids[:SAMPLE], dtype=torch.long)
     positions = position + torch.arange(len(ids))

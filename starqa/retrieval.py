@@ -685,16 +685,16 @@ class IvfLayer:
             assigned = np.concatenate(lists)
             whole = torch.cat([k[head] for k in keys]) if len(keys) > 1 else keys[0][head]
             whole = whole.to(dtype or whole.dtype)
-            cents = _list_means(whole, assigned, np.concatenate(cents))
+            counts = np.bincount(assigned, minlength=first)  # keys a list
+            cents = _list_means(whole, assigned, counts, np.concatenate(cents))
             laid = list_order(cents, None if toward is None else toward[head])
             if laid is not None:  # list laid[i] becomes list i
                 place = np.empty_like(laid)
                 place[laid] = np.arange(len(laid))
-                assigned, cents = place[assigned], cents[laid]
+                assigned, cents, counts = place[assigned], cents[laid], counts[laid]
             order = np.argsort(assigned, kind="stable")  # the head's keys, list by list
             centroids.append(cents)
-            offsets.append(np.concatenate([[0], np.cumsum(np.bincount(assigned,
-                                                                      minlength=first))]))
+            offsets.append(np.concatenate([[0], np.cumsum(counts)]))
             rows.append(order)
             ordered.append(whole.index_select(0, torch.from_numpy(order)))
         rounded = torch.from_numpy(np.stack(centroids).astype(np.float32)).bfloat16().float()
@@ -702,9 +702,10 @@ class IvfLayer:
                    np.stack(offsets), np.stack(rows), torch.stack(ordered))
 
 
-def _list_means(keys: torch.Tensor, assigned, centroids):
-    """Each list's mean key [C, D] numpy fp32, from keys [N, D] and each key's list
-    `assigned` [N] (numpy int64); an empty list keeps its index's centroid (centroids [C, D]).
+def _list_means(keys: torch.Tensor, assigned, counts, centroids):
+    """Each list's mean key [C, D] numpy fp32, from keys [N, D], each key's list `assigned`
+    [N] and each list's keys `counts` [C] (numpy int64); an empty list keeps its index's
+    centroid (centroids [C, D]).
 
     Phase 2 ranks lists by their centre's inner product with a row, and a list's mean is
     nearer its keys than the centroid its index trained (10 k-means iterations, after which
@@ -713,8 +714,7 @@ def _list_means(keys: torch.Tensor, assigned, centroids):
     0.932 -> 0.955 at 8K (48 lists a row) and 0.922 -> 0.939 at 32K (68)."""
     import numpy as np
 
-    owner = torch.from_numpy(assigned)
-    counts = torch.bincount(owner, minlength=len(centroids))
+    owner, counts = torch.from_numpy(assigned), torch.from_numpy(counts)
     sums = torch.zeros(len(centroids), keys.shape[1]).index_add_(0, owner, keys.float())
     means = (sums / counts.clamp(min=1)[:, None]).numpy()
     return np.where((counts > 0).numpy()[:, None], means, centroids).astype(np.float32)
