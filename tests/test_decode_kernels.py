@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from starqa import native
 from starqa.decoder import INT4_GROUP, Linear, _int4_levels, _int4_pack, _int4_tiles
 
+from memory import mapped_pages  # tests/memory.py (conftest puts tests/ on the path)
+
 pytestmark = pytest.mark.skipif(not native.available(), reason="starqa's kernels not built")
 
 
@@ -352,18 +354,6 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
         assert fused_mass.sum() > 0 and torch.equal(fused_mass, loop_mass)
 
 
-def _mapped(address: int, length: int) -> int:
-    """Pages of [address, address + length) mapped in this process (/proc/self/pagemap)."""
-    import mmap
-    import struct
-
-    first, count = address // mmap.PAGESIZE, length // mmap.PAGESIZE
-    with open("/proc/self/pagemap", "rb") as fh:
-        fh.seek(first * 8)
-        entries = struct.unpack(f"{count}Q", fh.read(count * 8))
-    return sum(entry >> 63 for entry in entries)
-
-
 @pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
 def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages(kind,
@@ -408,7 +398,7 @@ def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages
         hidden = _forwards(decoder, attention, FORWARDS, dtype, compiled, planned)
         if compiled:  # the values' last layer: the union's rows were read from its pages
             last = [mapped.pages(1) for _, mapped in attention.retriever.mapped_values]
-            assert all(pages is not None and _mapped(*pages) == 0 for pages in last)
+            assert all(pages is not None and mapped_pages(*pages) == 0 for pages in last)
         results.append(hidden)
     assert planned[:5] == [False, True, True, True, True]  # the question: layer by layer
     for a, b in zip(*results):
