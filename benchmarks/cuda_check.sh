@@ -14,9 +14,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # starqa's CPU kernels, as `pip install` builds them (setup.py): on a GPU, ivf and flat on
-# disk rank on the host with them; without a compiler, numpy's path
-gcc -O3 -fopenmp -fno-math-errno -std=gnu11 -shared -fPIC -Istarqa starqa/_attend.c \
-    starqa/_topk.c starqa/_int4.c starqa/_rows.c starqa/_layer.c -lm -o "starqa/_attend$(
+# disk rank on the host with them (every starqa/_*.c: setup.py's sources); without a
+# compiler, numpy's path
+gcc -O3 -fopenmp -fno-math-errno -std=gnu11 -shared -fPIC -Istarqa starqa/_*.c -lm \
+    -o "starqa/_attend$(
     python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
     || echo "no C compiler: starqa's kernels not built"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
