@@ -287,41 +287,36 @@ static void score_any(const char *const *kp, int width, int bf16, const float *c
 #ifdef STARQA_X86
 /* D = 16 * NC (NC = 4: D 64, NC = 8: D 128): each row's CHUNK scores in one vector (16 dot
    products reduced together, as in _attend.c). For more than DIRECT_ROWS rows the chunk's
-   keys are widened once into `block`; for fewer (an ivf decode scans a row at a time) each
-   row widens them as it reads them where they lie: the same products in the same order (the
-   same bits) without the copy's stores and loads (7% of an ivf decode's kernel at 32K on a
-   Zen 4, 3% of its token). */
+   keys are widened once into `block` and the rows read that; for fewer (an ivf decode scans
+   a row at a time) each row widens them as it reads them where they lie: the same products
+   in the same order (the same bits) without the copy's stores and loads (7-9% of an ivf
+   decode's kernel at 32K on a Zen 4, 3-5% of its token). */
 #define SCORE_AVX512(NC)                                                                   \
     AVX512 static void score_avx512_##NC(const char *const *kp, int bf16,                 \
                                          const float *const *qs, int64_t nq,              \
                                          float *const *outs, float *block) {              \
-        const size_t esize = bf16 ? 2 : 4;                                                 \
-        if (nq <= DIRECT_ROWS) {                                                           \
-            for (int64_t i = 0; i < nq; i++) {                                             \
-                __m512 qr[NC], dots[CHUNK];                                                \
-                for (int c = 0; c < NC; c++) qr[c] = _mm512_loadu_ps(qs[i] + c * 16);      \
-                for (int x = 0; x < CHUNK; x++) {                                          \
-                    __m512 acc = _mm512_mul_ps(qr[0], load16(kp[x], bf16));                \
-                    for (int c = 1; c < NC; c++)                                           \
-                        acc = _mm512_fmadd_ps(qr[c], load16(kp[x] + c * 16 * esize, bf16), acc); \
-                    dots[x] = acc;                                                         \
-                }                                                                          \
-                _mm512_storeu_ps(outs[i], sum16(dots));                                    \
+        const char *widened[CHUNK];                                                        \
+        const char *const *keys = kp; /* where the rows read the keys: as they lie, */     \
+        int keys_bf16 = bf16;         /* or widened into block */                          \
+        if (nq > DIRECT_ROWS) {                                                            \
+            const size_t esize = bf16 ? 2 : 4;                                             \
+            for (int x = 0; x < CHUNK; x++) {                                              \
+                for (int c = 0; c < NC; c++)                                               \
+                    _mm512_store_ps(block + (x * NC + c) * 16,                             \
+                                    load16(kp[x] + c * 16 * esize, bf16));                 \
+                widened[x] = (const char *)(block + x * NC * 16);                          \
             }                                                                              \
-            return;                                                                        \
+            keys = widened;                                                                \
+            keys_bf16 = 0;                                                                 \
         }                                                                                  \
-        for (int x = 0; x < CHUNK; x++)                                                    \
-            for (int c = 0; c < NC; c++)                                                   \
-                _mm512_store_ps(block + (x * NC + c) * 16,                                 \
-                                load16(kp[x] + c * 16 * esize, bf16));                     \
+        const size_t step = keys_bf16 ? 32 : 64; /* bytes of 16 elements */               \
         for (int64_t i = 0; i < nq; i++) {                                                 \
             __m512 qr[NC], dots[CHUNK];                                                    \
             for (int c = 0; c < NC; c++) qr[c] = _mm512_loadu_ps(qs[i] + c * 16);          \
             for (int x = 0; x < CHUNK; x++) {                                              \
-                const float *key = block + x * NC * 16;                                    \
-                __m512 acc = _mm512_mul_ps(qr[0], _mm512_load_ps(key));                    \
+                __m512 acc = _mm512_mul_ps(qr[0], load16(keys[x], keys_bf16));             \
                 for (int c = 1; c < NC; c++)                                               \
-                    acc = _mm512_fmadd_ps(qr[c], _mm512_load_ps(key + c * 16), acc);       \
+                    acc = _mm512_fmadd_ps(qr[c], load16(keys[x] + c * step, keys_bf16), acc); \
                 dots[x] = acc;                                                             \
             }                                                                              \
             _mm512_storeu_ps(outs[i], sum16(dots));                                        \
