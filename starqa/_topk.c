@@ -289,7 +289,7 @@ static void score_any(const char *const *kp, int width, int bf16, const float *c
    products reduced together, as in _attend.c). For more than DIRECT_ROWS rows the chunk's
    keys are widened once into `block` and the rows read that; for fewer (an ivf decode scans
    a row at a time) each row widens them as it reads them where they lie: the same products
-   in the same order (the same bits) without the copy's stores and loads (7-9% of an ivf
+   in the same order (the same bits) without the copy's stores and loads (7-10% of an ivf
    decode's kernel at 32K on a Zen 4, 3-5% of its token). */
 #define SCORE_AVX512(NC)                                                                   \
     AVX512 static void score_avx512_##NC(const char *const *kp, int bf16,                 \
