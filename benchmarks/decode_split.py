@@ -12,7 +12,8 @@ attention in turn, alternating, in one process:
 
 An attention named NAME:loop runs its layers one by one (`ShardAttention.compiled`
 offers no words), as answers did before starqa/_step.c: the split of each share;
-ivf:built keeps ivf's lists as built (`starqa.listlayout` lays them out by a mean query). With
+ivf:built keeps ivf's lists as built (`starqa.listlayout` lays them out by a mean query);
+ivf:none drops the keys a row leaves out (`--top-k-tail none`; ivf counts them by default). With
 --libs, each attention runs through each build of the kernels in turn (NAME@LIB; builds as
 benchmarks/topk_kernel_ab.py's docstring makes them): a kernel change measured on whole
 decode tokens, the model's steps and their traffic included, side by side. Prints
@@ -84,7 +85,8 @@ def main() -> None:
         manifest = read_manifest(args.context)
         settings = None
         if attention != "exact":
-            settings = indexes.topk_settings("topk", args.top_k, None, attention, False)
+            settings = indexes.topk_settings("topk", args.top_k, None, attention, False,
+                                             tail="none" if "none" in modifiers else None)
             manifest = indexes.ensure(manifest, attention)
         path = models.resolve_model(manifest.model.spec)
         query = question_ids(manifest, path, QUESTION)[1]

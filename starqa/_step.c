@@ -47,7 +47,8 @@ enum { A_EXACT = 0, A_TOPK = 1 };
 enum { E_PIECES = A_ARGS, E_STARTS, E_KEYS, E_VALUES, E_KEY_STRIDES, E_VALUE_STRIDES, E_WORDS };
 enum { T_KEYS_BF16 = A_ARGS, T_VALUES_BF16, T_N, T_KBUFFERS, T_KSTART, T_KPTR, T_KSTRIDE,
        T_MAP, T_INV, T_VBUFFERS, T_VSTART, T_VPTR, T_VSTRIDE, T_LISTS, T_CENTROIDS,
-       T_OFFSETS, T_PROBES, T_K, T_SKIP, T_DROP, T_RELEASE, T_RELEASES, T_WORDS };
+       T_OFFSETS, T_PROBES, T_TAIL, T_TAIL_LISTS, T_K, T_SKIP, T_DROP, T_RELEASE, T_RELEASES,
+       T_WORDS };
 #define A_WORDS ((int)E_WORDS > (int)T_WORDS ? (int)E_WORDS : (int)T_WORDS)
 
 static float word_float(int64_t word) {
@@ -132,8 +133,9 @@ static int layer(const int64_t *mw, int64_t *aw, void *hidden, int64_t m, const 
             aw[T_KBUFFERS], ADDR(aw, T_KSTART), ADDR(aw, T_KPTR), ADDR(aw, T_KSTRIDE),
             ADDR(aw, T_MAP), ADDR(aw, T_INV), aw[T_VBUFFERS], ADDR(aw, T_VSTART),
             ADDR(aw, T_VPTR), ADDR(aw, T_VSTRIDE), aw[T_LISTS], ADDR(aw, T_CENTROIDS),
-            ADDR(aw, T_OFFSETS), aw[T_PROBES], aw[T_K], aw[T_SKIP], bf16, own_k, own_v,
-            capacity * d, before, scale, out, lse, (int)aw[T_DROP], threads);
+            ADDR(aw, T_OFFSETS), aw[T_PROBES], ADDR(aw, T_TAIL), ADDR(aw, T_TAIL_LISTS),
+            aw[T_K], aw[T_SKIP], bf16, own_k, own_v, capacity * d, before, scale, out, lse,
+            (int)aw[T_DROP], threads);
         release(ADDR(aw, T_RELEASE), aw[T_RELEASES]);
     } else {
         code = 1;

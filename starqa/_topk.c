@@ -30,6 +30,13 @@
    own inner product with key j; U also holds the sink's rows and the row's own keys. Only
    the union's value rows are read, once for the G rows.
 
+   The tail (ivf, `tail` given; starqa.topk's docstring says why): the keys of the shard
+   outside a position's union enter each of its rows' softmax list by list, as u_c copies
+   of the list's centre (its mean key, whose score the row has from choosing its lists)
+   holding the list's mean value: weights u_c * exp(q . centre_c * scale), one more part
+   of the row's merge (`tail_row`; the union's keys counted by the list each was scanned
+   in, `cand.list`). With every key in the union, nothing.
+
    Row independence: a position's lists, scores, picks, union and outputs depend on that
    position's queries only (never on the other positions of the call), so a decode step
    that also checks drafted tokens gives every token exactly what a one-token step gives.
@@ -43,8 +50,8 @@
    widened CHUNK at a time (with AVX-512 a row's CHUNK dot products are reduced together,
    as in _attend.c), each row's scores kept, and its best picked (`best_of`). Then a task per
    (head, position) merges its rows' spans' selections into the union (in shard row
-   order), a task per PIECE keys of a union attends its G rows to them, and each row's
-   pieces are merged by log-sum-exp, in order. */
+   order), a task per PIECE keys of a union attends its G rows to them (and with the tail,
+   a task per row its tail), and each row's pieces are merged by log-sum-exp, in order. */
 
 #include <math.h>
 #include <stdint.h>
@@ -80,8 +87,9 @@
 static const float zeros[MAX_DIM]; /* a key row past a chunk's end (zero bits: bf16 too) */
 
 typedef struct {
-    float s;     /* raw inner product q . key (unscaled) */
-    int64_t row; /* the key's row in the shard */
+    float s;      /* raw inner product q . key (unscaled) */
+    int32_t list; /* ivf: the list the key was scanned in (the tail counts by it) */
+    int64_t row;  /* the key's row in the shard */
 } cand;
 
 /* A row's scores are appended a scanned piece of positions at a time: the scores from
@@ -89,7 +97,7 @@ typedef struct {
    position is looked up only for the few candidates that clear `best_of`'s bar, not
    written for every key scored. */
 typedef struct {
-    int64_t at, pos;
+    int64_t at, pos, list; /* list: the one these positions belong to (flat: 0) */
 } seg;
 
 /* Scratch memory kept by each thread between calls (OpenMP's threads live on): a call
@@ -98,7 +106,7 @@ typedef struct {
    of it and is kept, but for kept scores past KEEP_HELD (`scratch_drop`). */
 enum { S_CHOSEN, S_SEL, S_COUNT, S_NEAR, S_BEST, S_BLOCK, S_SCORES, S_SEGS, S_POOL,
        S_ALL, S_TMP, S_ORDER, S_WEIGHTS, S_SEEN, S_UNION, S_VALUE, S_UKEYS, S_UVALS, S_UCOUNT,
-       S_PIECES, S_PARTS, S_KEEP, S_UROWS, SLOTS };
+       S_PIECES, S_PARTS, S_KEEP, S_UROWS, S_TAILP, S_LCOUNT, S_TAILW, S_TAILV, SLOTS };
 static __thread struct { void *p; size_t size; } scratch[SLOTS];
 
 static void *scratch_get(int slot, size_t bytes) {
@@ -189,7 +197,7 @@ SIMD_CLONES static int64_t best_of(const float *scores, const seg *segs, int64_t
     if (m > 2 * k && m > 256) {
         const int64_t step = m / 256, samples = m / step;
         int64_t rank = (3 * k * samples / 2 + m - 1) / m; /* ~1.5k of the m clear it */
-        for (int64_t i = 0; i < samples; i++) out[i] = (cand){scores[i * step], 0};
+        for (int64_t i = 0; i < samples; i++) out[i] = (cand){scores[i * step], 0, 0};
         keep_best(out, samples, rank, tmp);
         bar = INFINITY;
         for (int64_t i = 0; i < rank; i++) bar = out[i].s < bar ? out[i].s : bar;
@@ -211,7 +219,7 @@ SIMD_CLONES static int64_t best_of(const float *scores, const seg *segs, int64_t
                 const int64_t i = clear[c];
                 while (s + 1 < nsegs && segs[s + 1].at <= i) s++;
                 const int64_t p = segs[s].pos + (i - segs[s].at);
-                out[got++] = (cand){scores[i], p};
+                out[got++] = (cand){scores[i], (int32_t)segs[s].list, p};
                 if (rowmap) __builtin_prefetch(rowmap + p, 0, 3);
             }
         }
@@ -220,7 +228,7 @@ SIMD_CLONES static int64_t best_of(const float *scores, const seg *segs, int64_t
         int64_t kept = 0;
         for (int64_t j = 0; j < got; j++) {
             const int64_t row = rowmap ? rowmap[out[j].row] : out[j].row;
-            out[kept] = (cand){out[j].s, row};
+            out[kept] = (cand){out[j].s, out[j].list, row};
             kept += row >= skip;
         }
         got = kept;
@@ -415,9 +423,9 @@ static void score_rows(const char *const *kr, int64_t m, int bf16, const float *
    scored against the rows who[0 .. many) of a group (queries q + r * d): row r's scores are
    appended at scores + r * stride + got[r] (a row's room holds a chunk more than its
    candidates: a chunk is written whole), and, where segs is given, the piece is noted in
-   the row's segments segs + r * segroom (nsegs[r] of them; see `seg`). */
+   the row's segments segs + r * segroom (nsegs[r] of them; see `seg`), as of `list`. */
 static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64_t hi,
-                 const float *q, int64_t d, const int64_t *who, int64_t many, float *scores,
+                 int64_t list, const float *q, int64_t d, const int64_t *who, int64_t many, float *scores,
                  int64_t stride, int64_t *got, float *block, seg *segs, int64_t segroom,
                  int64_t *nsegs) {
     const float *qs[GROUP];
@@ -425,8 +433,8 @@ static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64
     for (int64_t w = 0; segs && w < many; w++) {
         const int64_t r = who[w];
         seg *last = segs + r * segroom + nsegs[r] - 1;
-        if (!nsegs[r] || last->pos + (got[r] - last->at) != lo) /* else it goes on the last */
-            segs[r * segroom + nsegs[r]++] = (seg){got[r], lo};
+        if (!nsegs[r] || last->pos + (got[r] - last->at) != lo || last->list != list)
+            segs[r * segroom + nsegs[r]++] = (seg){got[r], lo, list}; /* else on the last */
     }
     float tail[GROUP][CHUNK]; /* a last chunk's scores, `width` of them copied: a row's
                                  scores are written up to hi, never past (kept scores) */
@@ -601,7 +609,7 @@ static void for_list(int64_t c, int64_t h, int64_t lists, const int64_t *offsets
         const char *base = (const char *)(intptr_t)kptr[kb] +
                            ((size_t)(h * kstride[kb]) + (size_t)(lo - kstart[kb]) * d) * kes;
         if (q) {
-            scan(base, (size_t)d * kes, bf16, lo, end, q, d, who, many, scores, stride, got,
+            scan(base, (size_t)d * kes, bf16, lo, end, c, q, d, who, many, scores, stride, got,
                  block, segs, segroom, nsegs);
             if (drop) drop_pages(base, base + (size_t)(end - lo) * d * kes);
         } else if (end - lo <= PREFETCH_KEYS) {
@@ -630,13 +638,16 @@ static int64_t cut(int64_t n, int64_t tasks, int64_t threads, int64_t least, int
    slots of the calling thread. keep (flat only; NULL: none): every row's score of every
    position, row r's at keep + r * keep_stride (keep_stride >= n), written by the scan
    instead of its scratch, and each scanned piece of keys dropped (`drop_pages`): the
-   union's attention then reads no key. Returns 0, or 2 when out of memory. */
+   union's attention then reads no key. want_near (ivf): every row's scores of its head's
+   centroids kept, *near_out [H * R][lists + CHUNK] (else NULL: only where lists were
+   chosen by them), for the tail (`tail_piece`). Returns 0, or 2 when out of memory. */
 static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t d, int64_t n,
                 int64_t kbuffers, const int64_t *kstart, const int64_t *kptr,
                 const int64_t *kstride, const int64_t *map, int64_t lists,
                 const uint16_t *centroids, const int64_t *offsets, int64_t probes, int64_t k,
-                int64_t skip, int threads, float *keep, int64_t keep_stride, cand **sel_out,
-                int64_t **count_out, int64_t *spans_out, int64_t *kcap_out) {
+                int64_t skip, int threads, float *keep, int64_t keep_stride, int want_near,
+                float **near_out, cand **sel_out, int64_t **count_out, int64_t *spans_out,
+                int64_t *kcap_out) {
     const size_t kes = k_bf16 ? 2 : 4;
     /* Tasks: a group of up to GROUP rows of a head scored in one pass over the keys it
        reads (flat: all of them; ivf: the lists some row of the group chose, each scored
@@ -669,7 +680,8 @@ static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t
        reads each head's centroids once, not once per row); (2) a task per row picks its
        nearest lists from all its scores. */
     memset(chosen, chosen_lists == lists, (size_t)(heads * rows * lists));
-    if (chosen_lists < lists) {
+    *near_out = NULL;
+    if (chosen_lists < lists || want_near) { /* want_near: the scores kept (the tail's) */
         const int64_t room = lists + CHUNK; /* a row's scores of the centroids */
         int64_t piece;
         cut(lists, heads * row_groups, threads, MIN_LISTS, &piece);
@@ -700,19 +712,20 @@ static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t
                 }
                 /* the centroids are bf16 rows: scored like keys, positions = list numbers */
                 scan((const char *)(centroids + (h * lists + c0) * d), (size_t)d * 2, 1, c0, c1,
-                     q + (h * rows + r0) * d, d, who, rn, near + (h * rows + r0) * room, room,
+                     0, q + (h * rows + r0) * d, d, who, rn, near + (h * rows + r0) * room, room,
                      got, block, NULL, 0, NULL);
             }
             const seg whole = {0, 0};
 #pragma omp for schedule(dynamic)
             for (int64_t row = 0; row < heads * rows; row++) { /* (2) */
-                if (!ok) continue;
+                if (!ok || chosen_lists == lists) continue;
                 best_of(near + row * room, &whole, 1, NULL, lists, 0, chosen_lists, best, tmp);
                 unsigned char *mine = chosen + row * lists;
                 for (int64_t c = 0; c < chosen_lists; c++) mine[best[c].row] = 1;
             }
         }
         if (failed) return 2;
+        *near_out = near;
     }
 
     /* Each (head, group of rows, span): every row's best kcap keys of the span. The
@@ -797,11 +810,44 @@ static int64_t row_best(const cand *sel, const int64_t *count, int64_t row, int6
     return got < k ? got : k;
 }
 
+/* The tail (the file's comment) of one row, as a part: lcount [lists], its position's
+   union's keys counted by list (the sink's rows too: stage (1) of starqa_topk_attend);
+   list c's u_c = size_c - lcount[c] keys outside the union weigh u_c * exp((near[c] -
+   top) * scale) together, top the largest centroid score near [lists] among lists with
+   any, and stand for the list's mean value (values [lists, D] bf16, the head's). piece: [D] the weighted sum, then top and the weights' sum; a row
+   with no key left out gets -inf and 0 (no weight in the merge). Scratch: w [lists], vp
+   [lists], value [D]. */
+static void tail_row(const int32_t *lcount, const int64_t *offsets, int64_t lists,
+                     const float *near, const uint16_t *values, int64_t d, float scale,
+                     float *w, const char **vp, float *value, float *piece) {
+    float top = -INFINITY;
+    memset(piece, 0, (size_t)d * sizeof(float));
+    for (int64_t c = 0; c < lists; c++) {
+        w[c] = (float)(offsets[c + 1] - offsets[c] - lcount[c]); /* u_c */
+        if (w[c] > 0.0f && near[c] > top) top = near[c];
+    }
+    piece[d] = top;
+    piece[d + 1] = 0.0f;
+    if (top == -INFINITY) return; /* every key is in the union */
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t c = 0; c < lists; c++) {
+        w[c] = w[c] > 0.0f ? w[c] * exp_nonpositive((near[c] - top) * scale) : 0.0f;
+        total += w[c];
+    }
+    piece[d + 1] = total;
+    float *outs[1] = {piece};
+    for (int64_t c = 0; c < lists; c++) vp[c] = (const char *)(values + c * d);
+    weighted_sum(vp, lists, 1, w, lists, 1, d, outs, value);
+}
+
 /* Arguments: see the file's comment; pointers ptr[] are addresses. R = G * tokens rows (G
    query heads, each at `tokens` positions of the forward, the position fastest). centroids
    bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
    list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
-   position (NULL: the same). out fp32 [H, R, D], lse fp32 [H, R]. drop: DROP_KEYS where the
+   position (NULL: the same). tail bf16 [H, lists, D] each list's mean value and tail_lists
+   int32 [H, N] each shard row's list (ivf; either NULL: no tail). out fp32 [H, R, D], lse
+   fp32 [H, R]. drop: DROP_KEYS where the
    key buffers are clean private file mappings (flat's --kv-on-disk): their pages are
    dropped as the scan passes them (`drop_pages`), each row's score of every position kept
    for the union's attention, which then reads no key: the same bits, and a layer's keys
@@ -816,8 +862,9 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                        const int64_t *map, const int32_t *inv,
                        int64_t vbuffers, const int64_t *vstart, const int64_t *vptr,
                        const int64_t *vstride, int64_t lists, const uint16_t *centroids,
-                       const int64_t *offsets, int64_t probes, int64_t k, int64_t skip,
-                       int o_bf16, const char *own_k, const char *own_v, int64_t own_stride,
+                       const int64_t *offsets, int64_t probes, const uint16_t *tail,
+                       const int32_t *tail_lists, int64_t k, int64_t skip, int o_bf16,
+                       const char *own_k, const char *own_v, int64_t own_stride,
                        int64_t own_before, float scale, float *out, float *lse, int drop,
                        int threads) {
     if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || n < 0 || n > INT32_MAX || k < 1 ||
@@ -836,9 +883,12 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         keep = scratch_get(S_KEEP, (size_t)(heads * rows) * (size_t)n * sizeof(float));
         if (!keep) return 2;
     }
+    /* the keys the unions leave out, estimated (`tail_piece`) */
+    const int tails = tail && tail_lists && centroids && offsets;
+    float *near;
     int failed = pick(k_bf16, q, heads, rows, d, n, kbuffers, kstart, kptr, kstride, map, lists,
-                      centroids, offsets, probes, k, skip, threads, keep, n, &sel, &count,
-                      &spans, &kcap);
+                      centroids, offsets, probes, k, skip, threads, keep, n, tails, &near, &sel,
+                      &count, &spans, &kcap);
     if (failed) goto done;
 
     /* Each (head, token): the G query heads of the KV head at that token share
@@ -866,7 +916,12 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     int64_t *piece_of = scratch_get(S_PIECES, (size_t)(ht * pieces_most + 1) * sizeof(int64_t));
     float *parts = scratch_get(S_PARTS, (size_t)(ht * pieces_most + 1) * part * sizeof(float));
     int64_t *urows = keep ? scratch_get(S_UROWS, (size_t)(ht * room + 1) * sizeof(int64_t)) : NULL;
-    if (!ukeys || !uvals || !ucount || !piece_of || !parts || (keep && !urows)) {
+    /* the tail: each position's union counted by list, then each row's part */
+    int32_t *lcounts = tails ? scratch_get(S_LCOUNT, (size_t)(ht * lists) * sizeof(int32_t))
+                             : NULL;
+    float *tparts = tails ? scratch_get(S_TAILP, (size_t)ht * part * sizeof(float)) : NULL;
+    if (!ukeys || !uvals || !ucount || !piece_of || !parts || (keep && !urows) ||
+        (tails && (!tparts || !lcounts))) {
         failed = 1;
         goto done;
     }
@@ -880,7 +935,10 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         float *w = scratch_get(S_WEIGHTS, (size_t)(per * (PIECE + CHUNK)) * sizeof(float));
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
         float *value = scratch_get(S_VALUE, (size_t)MAX_DIM * sizeof(float));
-        const int ok = all && tmp && marks && union_rows && w && block && value;
+        float *tw = tails ? scratch_get(S_TAILW, (size_t)lists * sizeof(float)) : NULL;
+        const char **tvp = tails ? scratch_get(S_TAILV, (size_t)lists * sizeof(char *)) : NULL;
+        const int ok = all && tmp && marks && union_rows && w && block && value &&
+                       (!tails || (tw && tvp));
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -891,12 +949,21 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             if (!ok) continue;
             const int64_t h = t / tokens, m = t % tokens;
             memset(marks, 0, (size_t)((n + 63) / 64) * sizeof(uint64_t));
+            /* the tail's counts (tails): the union's keys by list, the sink's rows too */
+            int32_t *lcount = tails ? lcounts + t * lists : NULL;
+            if (lcount) {
+                memset(lcount, 0, (size_t)lists * sizeof(int32_t));
+                for (int64_t r = 0; r < skip; r++) lcount[tail_lists[h * n + r]]++;
+            }
             for (int64_t g = 0; g < per; g++) {
                 const int64_t row = h * rows + g * tokens + m;
                 const cand *mine;
                 const int64_t got = row_best(sel, count, row, spans, kcap, k, all, tmp, &mine);
-                for (int64_t j = 0; j < got; j++)
-                    marks[mine[j].row >> 6] |= (uint64_t)1 << (mine[j].row & 63);
+                for (int64_t j = 0; j < got; j++) {
+                    const uint64_t bit = (uint64_t)1 << (mine[j].row & 63);
+                    if (lcount && !(marks[mine[j].row >> 6] & bit)) lcount[mine[j].list]++;
+                    marks[mine[j].row >> 6] |= bit;
+                }
             }
             int64_t nu = 0; /* the union's rows, in order: the sink's, then the picks */
             for (int64_t r = 0; r < skip; r++) union_rows[nu++] = r;
@@ -931,8 +998,16 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             }
         }
 #pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < first[ht]; i++) { /* (2) */
+        for (int64_t i = 0; i < first[ht] + (tails ? ht * per : 0); i++) { /* (2) */
             if (!ok) continue;
+            if (i >= first[ht]) { /* the tail's part of one row (tails): a task of its own */
+                const int64_t j = i - first[ht], t = j / per, g = j % per;
+                const int64_t h = t / tokens, row = h * rows + g * tokens + t % tokens;
+                tail_row(lcounts + t * lists, offsets + h * (lists + 1), lists,
+                         near + row * (lists + CHUNK), tail + h * lists * d, d, scale, tw, tvp,
+                         value, tparts + (size_t)t * part + (size_t)g * (d + 2));
+                continue;
+            }
             const int64_t t = piece_of[i], h = t / tokens, m = t % tokens;
             const int64_t nu = unions[t], a = (i - first[t]) * PIECE;
             const int64_t b = a + PIECE < nu + owns[t] ? a + PIECE : nu + owns[t];
@@ -968,6 +1043,10 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 const int64_t row = h * rows + g * tokens + m;
                 float *o = out + row * d, top = -INFINITY, total = 0.0f;
                 memset(o, 0, (size_t)d * sizeof(float));
+                /* the tail's part (tails), where it counts any key */
+                const float *rest = tails ? tparts + (size_t)t * part + (size_t)g * (d + 2) : NULL;
+                if (rest && !(rest[d + 1] > 0.0f)) rest = NULL;
+                if (rest) top = rest[d];
                 for (int64_t i = first[t]; i < first[t + 1]; i++) {
                     const float peak = parts[(size_t)i * part + (size_t)g * (d + 2) + d];
                     top = peak > top ? peak : top;
@@ -978,7 +1057,12 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                     total += f * piece[d + 1];
                     for (int64_t x = 0; x < d; x++) o[x] += f * piece[x];
                 }
-                if (first[t + 1] == first[t]) { /* no key: weighs nothing */
+                if (rest) {
+                    const float f = expf((rest[d] - top) * scale);
+                    total += f * rest[d + 1];
+                    for (int64_t x = 0; x < d; x++) o[x] += f * rest[x];
+                }
+                if (first[t + 1] == first[t] && !rest) { /* no key: weighs nothing */
                     lse[row] = -INFINITY;
                     continue;
                 }
@@ -1016,8 +1100,10 @@ int starqa_topk_select(int k_bf16, const float *q, int64_t heads, int64_t rows, 
     threads = threads > 0 ? threads : 1;
     cand *sel;
     int64_t *count, spans, kcap;
+    float *near;
     if (pick(k_bf16, q, heads, rows, d, n, kbuffers, kstart, kptr, kstride, map, lists,
-             centroids, offsets, probes, k, skip, threads, NULL, 0, &sel, &count, &spans, &kcap))
+             centroids, offsets, probes, k, skip, threads, NULL, 0, 0, &near, &sel, &count,
+             &spans, &kcap))
         return 2;
     int failed = 0;
 #pragma omp parallel num_threads(threads)

@@ -52,11 +52,12 @@ def options(methods: str | None = None, lengths: str = DEFAULT_LENGTHS,
             new_tokens: int = 16, device: str = "auto", top_k: str | None = None,
             index: str = "flat,ivf,hnsw", schedule: str | None = None,
             kv_on_disk: bool = False, prefill: str | None = None,
-            rounds: int = 1) -> BenchOptions:
+            rounds: int = 1, tail: str | None = None) -> BenchOptions:
     """BenchOptions from the command line's strings; every bad value is a clear error.
     top_k: Phase 2 also runs top-k attention with this budget for each index kind of
     `index` (comma-separated), in memory and, with `kv_on_disk`, memory-mapped too.
-    rounds: Phase 2's runs of exact and of each top-k, alternating (see `phase2`)."""
+    rounds: Phase 2's runs of exact and of each top-k, alternating (see `phase2`).
+    tail: ivf's runs, one per comma-separated value (lists,none: both, side by side)."""
     if new_tokens < 2:
         raise StarqaError(f"--new-tokens must be at least 2 (got {new_tokens}): per-token "
                           "latency is measured between generated tokens.")
@@ -64,17 +65,26 @@ def options(methods: str | None = None, lengths: str = DEFAULT_LENGTHS,
         raise StarqaError(f"--rounds must be at least 1 (got {rounds}).",
                           hint="--rounds 3   (exact and each top-k three times, alternating)")
     topk = []
+    kinds = list(dict.fromkeys(k.strip() for k in index.split(",") if k.strip()))
+    tails = [t.strip() for t in (tail or "").split(",") if t.strip()] or [None]
     if top_k is not None:
-        for kind in dict.fromkeys(k.strip() for k in index.split(",") if k.strip()):
-            topk.append(topk_settings("topk", top_k, schedule, kind, prefill=prefill))
-            if kv_on_disk:
-                topk.append(topk_settings("topk", top_k, schedule, kind, True, prefill))
+        if tail and "ivf" not in kinds:
+            raise StarqaError("--top-k-tail applies to ivf's runs only.",
+                              hint="add ivf to --index (e.g. --index flat,ivf), or drop "
+                                   "--top-k-tail")
+        for kind in kinds:
+            for each in tails if kind == "ivf" else [None]:
+                topk.append(topk_settings("topk", top_k, schedule, kind, prefill=prefill,
+                                          tail=each))
+                if kv_on_disk:
+                    topk.append(topk_settings("topk", top_k, schedule, kind, True, prefill,
+                                              each))
         if not topk:
             raise StarqaError(f"--index {index!r} names no index kind.",
                               hint="e.g. --index flat,ivf,hnsw")
-    elif kv_on_disk or schedule or prefill:
-        raise StarqaError("--kv-on-disk, --top-k-schedule and --top-k-prefill apply to top-k "
-                          "runs.",
+    elif kv_on_disk or schedule or prefill or tail:
+        raise StarqaError("--kv-on-disk, --top-k-schedule, --top-k-prefill and --top-k-tail "
+                          "apply to top-k runs.",
                           hint="add --top-k 1%")
     return BenchOptions(parse_methods(methods), parse_lengths(lengths), parse_workers(workers),
                         model, dtype, new_tokens, device, tuple(topk), rounds)

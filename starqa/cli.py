@@ -99,28 +99,34 @@ TopKPrefill = Annotated[Optional[str], typer.Option(
     help="topk: how the question's own forward attends: exact (every key, as the paper "
          "does; the default) or topk (its k keys per row, like the answer's tokens: a "
          "sooner first token on a huge context).")]
+TopKTail = Annotated[Optional[str], typer.Option(
+    "--top-k-tail", envvar="STARQA_TOP_K_TAIL",
+    help="topk with --index ivf: lists (the default) counts the keys a row did not retrieve "
+         "by their lists' centres and mean values, so the softmax misses no list's weight; "
+         "none drops them (the paper's top-k).")]
 KvOnDisk = Annotated[bool, typer.Option(
     "--kv-on-disk", envvar="STARQA_KV_ON_DISK",
     help="topk: keep values (and ivf/hnsw keys) memory-mapped from the cache and read only "
          "the rows selected.")]
 
 
-def _topk(attention: str, top_k, schedule, index, kv_on_disk, prefill):
+def _topk(attention: str, top_k, schedule, index, kv_on_disk, prefill, tail):
     from starqa.indexes import topk_settings
 
-    return topk_settings(attention, top_k, schedule, index, kv_on_disk, prefill)
+    return topk_settings(attention, top_k, schedule, index, kv_on_disk, prefill, tail)
 
 
-def _topk_list(attention: str, top_k, schedule, index, prefill) -> tuple:
-    """`starqa eval`'s top-k settings, one per comma-separated budget and prefill (none:
-    exact only)."""
+def _topk_list(attention: str, top_k, schedule, index, prefill, tail) -> tuple:
+    """`starqa eval`'s top-k settings, one per comma-separated budget, prefill and tail
+    (none: exact only)."""
     from starqa.indexes import topk_settings
 
     def listed(text):
         return [None] if text is None else [b for b in text.split(",") if b.strip()] or [""]
 
-    found = [topk_settings(attention, b, schedule, index, prefill=p.strip() if p else p)
-             for b in listed(top_k) for p in listed(prefill)]
+    found = [topk_settings(attention, b, schedule, index, prefill=p.strip() if p else p,
+                           tail=t.strip() if t else t)
+             for b in listed(top_k) for p in listed(prefill) for t in listed(tail)]
     return tuple(dict.fromkeys(t for t in found if t is not None))
 
 
@@ -283,6 +289,7 @@ def ask(
     index: IndexKind = None,
     kv_on_disk: KvOnDisk = False,
     top_k_prefill: TopKPrefill = None,
+    top_k_tail: TopKTail = None,
 ) -> None:
     """Answer a question from a cached context (Phase 2), streaming tokens.
 
@@ -298,7 +305,7 @@ def ask(
                              device=device, warm=not cold, weights=weights,
                              keepalive=keepalive,
                              topk=_topk(attention, top_k, top_k_schedule, index, kv_on_disk,
-                                       top_k_prefill))
+                                       top_k_prefill, top_k_tail))
     with RichUI(stream=not as_json) as ui:
         answer = engine.ask(opts, ui, headstart.take())
     if as_json:
@@ -452,6 +459,7 @@ def serve(
     index: IndexKind = None,
     kv_on_disk: KvOnDisk = False,
     top_k_prefill: TopKPrefill = None,
+    top_k_tail: TopKTail = None,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
     rdzv_endpoint: Rdzv = None,
@@ -479,7 +487,7 @@ def serve(
                                          keepalive=keepalive, device=device,
                                          weights=weights,
                                          topk=_topk(attention, top_k, top_k_schedule, index,
-                                                    kv_on_disk, top_k_prefill),
+                                                    kv_on_disk, top_k_prefill, top_k_tail),
                                          nnodes=nnodes, node_rank=node_rank,
                                          rdzv_endpoint=rdzv_endpoint), ui, ready)
 
@@ -551,12 +559,14 @@ def chat(
     index: IndexKind = None,
     kv_on_disk: KvOnDisk = False,
     top_k_prefill: TopKPrefill = None,
+    top_k_tail: TopKTail = None,
 ) -> None:
     """Interactive questions over a cached context, with warm workers."""
     from starqa.repl import Chat
 
     Chat(context, workers, keepalive, max_new_tokens,
-         _topk(attention, top_k, top_k_schedule, index, kv_on_disk, top_k_prefill)).run()
+         _topk(attention, top_k, top_k_schedule, index, kv_on_disk, top_k_prefill,
+               top_k_tail)).run()
 
 
 @app.command("index")
@@ -621,6 +631,7 @@ def bench(
         help="With --top-k: each kind also with values memory-mapped from the cache.")
     ] = False,
     top_k_prefill: TopKPrefill = None,
+    top_k_tail: TopKTail = None,
     rounds: Annotated[int, typer.Option(
         "--rounds", envvar="STARQA_BENCH_ROUNDS",
         help="Phase 2 runs of exact and of each top-k, alternating; each reported by its "
@@ -636,7 +647,8 @@ def bench(
     from starqa.ui import RichUI, bench_notes, bench_table, err
 
     opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device, top_k,
-                             index, top_k_schedule, kv_on_disk, top_k_prefill, rounds)
+                             index, top_k_schedule, kv_on_disk, top_k_prefill, rounds,
+                             top_k_tail)
     _fetch_model(model)
     plan = bench_mod.make_plan(opts)
     bench_notes(plan)
@@ -696,6 +708,10 @@ def eval_(
         "--top-k-prefill", envvar="STARQA_TOP_K_PREFILL",
         help="topk: how the question's forward attends, exact (the default) or topk; "
              "comma-separated, each runs (exact,topk).")] = None,
+    top_k_tail: Annotated[Optional[str], typer.Option(
+        "--top-k-tail", envvar="STARQA_TOP_K_TAIL",
+        help="topk with --index ivf: lists (the default) or none; comma-separated, each "
+             "runs (lists,none).")] = None,
     edit: Annotated[bool, typer.Option(
         "--edit", envvar="STARQA_EVAL_EDIT",
         help="Measure incremental re-ingest: a haystack of files is ingested, one file "
@@ -711,7 +727,7 @@ def eval_(
         model=model, methods=methods, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
         json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
         anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]),
-        topk=_topk_list(attention, top_k, top_k_schedule, index, top_k_prefill),
+        topk=_topk_list(attention, top_k, top_k_schedule, index, top_k_prefill, top_k_tail),
         edit=edit,
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                        "chunk": chunk_size, "positions": positions, "passing": passing_size,

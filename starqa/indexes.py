@@ -53,6 +53,11 @@ SCHEDULES = ("uniform", "linear")
 # as in the paper, where top-k serves the generated tokens over a prefilled cache), or to
 # its rows' k keys like the answer's tokens (topk: a sooner first token on a huge context).
 PREFILLS = ("exact", "topk")
+# What the keys a row does not retrieve count for: under ivf, "lists" gives each list's
+# keys outside the row's union their list's weight and mean value (`topk.tail_part`; the
+# softmax then misses no list's mass); "none" drops them, the paper's top-k. flat and hnsw
+# have no lists: their rows attend to their keys alone.
+TAILS = ("lists", "none")
 DEFAULT_TOP_K = "1%"  # the paper: k ~ 1% of the context keeps >= 95% of dense accuracy
 IVF_POINTS_PER_LIST = 39  # faiss's k-means wants at least 39 training points per centroid
 IVF_LISTS_PER_SQRT = 4  # nlist ~ 4 sqrt(T), faiss's rule of thumb
@@ -99,6 +104,12 @@ class TopK:
     # retrieved (`retrieval.TopKShard`): StreamingLLM's attention sinks. Without them
     # SmolLM2 at 4K with k = 1% (41 keys) lost the answer's format and the needle.
     sink: int = 16
+    tail: str = TAILS[0]  # TAILS; used by ivf only
+
+    @property
+    def tails(self) -> bool:
+        """Whether the keys a row leaves out enter its softmax (ivf with tail "lists")."""
+        return self.index == "ivf" and self.tail == "lists"
 
     @property
     def label(self) -> str:
@@ -117,13 +128,14 @@ class TopK:
     def cli_args(self) -> list[str]:
         """The command-line options that give these settings (a warm group's `serve`)."""
         return ["--attention", "topk", "--top-k", self.label, "--top-k-schedule",
-                self.schedule, "--index", self.index, "--top-k-prefill", self.prefill] \
-            + ["--kv-on-disk"] * self.kv_on_disk
+                self.schedule, "--index", self.index, "--top-k-prefill", self.prefill,
+                "--top-k-tail", self.tail] + ["--kv-on-disk"] * self.kv_on_disk
 
     def describe(self) -> str:
         return (f"top-k {self.label} ({self.index}, {self.schedule}"
                 + (", KV on disk" if self.kv_on_disk else "")
-                + (", question by top-k" if self.prefill == "topk" else "") + ")")
+                + (", question by top-k" if self.prefill == "topk" else "")
+                + (", no tail" if self.index == "ivf" and not self.tails else "") + ")")
 
 
 _COUNT = re.compile(r"\s*(\d+)\s*")
@@ -154,7 +166,8 @@ def parse_top_k(text: str) -> tuple[int | None, float | None]:
 
 def topk_settings(attention: str = "exact", top_k: str | None = None,
                   schedule: str | None = None, index: str | None = None,
-                  kv_on_disk: bool = False, prefill: str | None = None) -> TopK | None:
+                  kv_on_disk: bool = False, prefill: str | None = None,
+                  tail: str | None = None) -> TopK | None:
     """The top-k settings of the command line's options (None: exact attention). Options
     that only apply to top-k are an error with exact attention, never silently ignored."""
     if attention not in ATTENTIONS:
@@ -168,18 +181,25 @@ def topk_settings(attention: str = "exact", top_k: str | None = None,
     if prefill is not None and prefill not in PREFILLS:
         raise StarqaError(f"Unknown --top-k-prefill {prefill!r}.",
                           hint=f"choose {' or '.join(PREFILLS)}")
+    if tail is not None and tail not in TAILS:
+        raise StarqaError(f"Unknown --top-k-tail {tail!r}.", hint=f"choose {' or '.join(TAILS)}")
     if attention == "exact":
         given = [name for name, value in (("--top-k", top_k), ("--top-k-schedule", schedule),
                                           ("--index", index), ("--kv-on-disk", kv_on_disk),
-                                          ("--top-k-prefill", prefill))
+                                          ("--top-k-prefill", prefill), ("--top-k-tail", tail))
                  if value]
         if given:
             raise StarqaError(f"{', '.join(given)} only apply to --attention topk.",
                               hint="add --attention topk, or drop " + ", ".join(given))
         return None
     count, fraction = parse_top_k(top_k or DEFAULT_TOP_K)
-    return TopK(count, fraction, schedule or SCHEDULES[0], index or KINDS[0], kv_on_disk,
-                prefill or PREFILLS[0])
+    index = index or KINDS[0]
+    if tail == "lists" and index != "ivf":
+        raise StarqaError(f"--top-k-tail lists estimates the keys left out from ivf's lists; "
+                          f"--index {index} has none.",
+                          hint="add --index ivf, or drop --top-k-tail")
+    return TopK(count, fraction, schedule or SCHEDULES[0], index, kv_on_disk,
+                prefill or PREFILLS[0], tail=tail or TAILS[0])
 
 
 def topk_of(data: dict | None) -> TopK | None:

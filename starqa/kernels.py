@@ -26,7 +26,7 @@ _SIGNATURES = {
                              _I64, _I64, _I64, _F32, _INT]),
     "starqa_topk_attend": (_INT, [_INT, _INT, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _PTR,
                                   _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR,
-                                  _PTR, _I64, _I64, _I64, _INT, _PTR, _PTR, _I64, _I64, _F32,
+                                  _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _PTR, _PTR, _I64, _I64, _F32,
                                   _PTR, _PTR, _INT, _INT]),
     "starqa_topk_select": (_INT, [_INT, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR,
                                   _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT]),

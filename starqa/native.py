@@ -130,13 +130,18 @@ class TopKTable:
     scans; None scans every position. drop: DROP_KEYS where the key buffers are clean private
     file mappings (flat's --kv-on-disk): the kernel drops their pages as its scan passes
     them (starqa/_topk.c), so a layer's keys are never resident at once; the same results.
-    The buffers must stay where they are while the table lives (it keeps them referenced)."""
+    tail (ivf): (each list's mean value [H, C, D], read in bf16; each shard row's list [H,
+    N] int32): the keys a row's union leaves out enter its softmax as their lists'
+    estimate (`topk.tail_part`; starqa/_topk.c's `tail_piece`); None: they weigh nothing
+    (top-k alone). The buffers must stay where they are while the
+    table lives (it keeps them referenced)."""
 
     def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],
                  values: Sequence[tuple[int, torch.Tensor]] | None,
                  key_map: torch.Tensor | None = None,
                  lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                 key_at: torch.Tensor | None = None, drop: int = 0):
+                 key_at: torch.Tensor | None = None, drop: int = 0,
+                 tail: tuple[torch.Tensor, torch.Tensor] | None = None):
         n = keys[-1][0] + keys[-1][1].shape[1]
         self.drop = drop
 
@@ -157,20 +162,31 @@ class TopKTable:
             centroids = lists[0].to(torch.bfloat16).contiguous()
             offsets = lists[1].to(torch.int64).contiguous()
             self.lists, self.probes = centroids.shape[1], lists[2]
+        tail_values = tail_lists = None
+        if tail is not None:
+            tail_values, tail_lists = tail
+            if (centroids is None or tail_values.shape != centroids.shape
+                    or tail_lists.shape != (centroids.shape[0], n)):
+                raise ValueError(f"top-k kernel: a tail {tuple(tail_values.shape)} with row "
+                                 f"lists {tuple(tail_lists.shape)} for {n} keys needs ivf's "
+                                 f"lists of that shape")
+            tail_values = tail_values.to(torch.bfloat16).contiguous()
+            tail_lists = tail_lists.to(torch.int32).contiguous()
         kstart, kptr, kstride = table(keys)
         self.selects_only = not values
         none = torch.zeros(1, dtype=torch.int64)
         vstart, vptr, vstride = table(values) if values else (none, none, none)
         # what the kernel reads through the addresses below, kept alive with the table
-        self._keep = (keys, values, key_map, key_at, centroids, offsets, kstart, kptr, kstride,
-                      vstart, vptr, vstride)
+        self._keep = (keys, values, key_map, key_at, centroids, offsets, tail_values,
+                      tail_lists, kstart, kptr, kstride, vstart, vptr, vstride)
 
         key_args = (n, len(keys), kstart.data_ptr(), kptr.data_ptr(), kstride.data_ptr(),
                     _address(key_map))
         list_args = (self.lists, _address(centroids), _address(offsets), self.probes)
         # every argument after q, heads, rows, tokens and dim, up to k
         self._middle = (*key_args, _address(key_at), len(values or ()), vstart.data_ptr(),
-                        vptr.data_ptr(), vstride.data_ptr(), *list_args)
+                        vptr.data_ptr(), vstride.data_ptr(), *list_args, _address(tail_values),
+                        _address(tail_lists))
         self._select_args = (*key_args, *list_args)  # select's, after q, heads, rows and dim
         self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
                         int(bool(values) and values[0][1].dtype == torch.bfloat16))
@@ -254,13 +270,14 @@ def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
                 key_map: torch.Tensor | None = None,
                 lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                 tokens: int | None = None, key_at: torch.Tensor | None = None,
-                own: tuple[torch.Tensor, torch.Tensor] | None = None
+                own: tuple[torch.Tensor, torch.Tensor] | None = None,
+                tail: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k partial attention of every row of q [H, R, D] over one layer of a shard: a
     `TopKTable` of these buffers, attended once (`supports_topk` says which buffers the
     kernel takes)."""
-    return TopKTable(keys, values, key_map, lists, key_at).attend(q, k, skip, scale, tokens,
-                                                                  own)
+    return TopKTable(keys, values, key_map, lists, key_at, tail=tail).attend(
+        q, k, skip, scale, tokens, own)
 
 
 def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Tensor:

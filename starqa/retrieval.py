@@ -20,6 +20,11 @@ picks its k keys, each attends over the union of the G picks: `topk.share`), exc
 hnsw, which holds no keys to score another head's picks with (its rows attend to their
 own k).
 
+ivf's tail (`TopK.tail` "lists", the default; `topk`'s docstring): the keys outside a
+position's union count in its softmax by their lists, each list's as many copies of its
+centre holding its mean value (`IvfLayer.tail`), so no list's weight is missing. In the
+compiled kernel, or `topk.tail_part` beside `_part_selected`'s attention.
+
 On the CPU, flat and ivf attend through starqa's compiled top-k kernel (`native.topk_attend`,
 starqa/_topk.c): one call per layer scores each row's keys exactly in fp32, keeps its k
 best, shares them and attends; a position's result never depends on the forward's other
@@ -43,8 +48,9 @@ What each kind holds per layer (N: the worker's keys, Hkv KV heads):
     ivf    every KV head's IVF lists over all the worker's blocks (`IvfLayer`: the
            blocks' lists, their keys in list order in the cache's dtype, their centres
            [Hkv, C, D]: each list's mean key, bf16 values; the lists laid out by a mean
-           query, `starqa.listlayout`, so a row's lie near each other). A row ranks its
-           KV head's C centres, picks its nearest lists (`indexes.row_probes`: about
+           query, `starqa.listlayout`, so a row's lie near each other; with the tail, each
+           list's mean value [Hkv, C, D] bf16 and each row's list [Hkv, N] int32). A row
+           ranks its KV head's C centres, picks its nearest lists (`indexes.row_probes`: about
            IVF_ROW_SCAN * k keys, at least IVF_MIN_PROBES lists) and keeps the k best of
            their keys (`native.topk_attend`, one call per layer; on a GPU the same
            selection, `native.TopKTable.select`, on the host; numpy's `_select_ivf` where
@@ -57,11 +63,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 
 import torch
 
 from starqa import indexes, native, tensorfile, topk
-from starqa.attention import attend, partial_rows
+from starqa.attention import attend, merge, partial_rows
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
 from starqa.listlayout import list_order
@@ -139,7 +146,8 @@ class TopKShard:
 
             if settings.index == "ivf":
                 ivf = [IvfLayer.of([k[layer].cpu() for k, _ in parts], index_of, layer, dtype,
-                                   None if toward is None else toward[layer])
+                                   None if toward is None else toward[layer],
+                                   [v[layer].cpu() for _, v in parts] if settings.tails else None)
                        for layer in range(layers)]
             else:
                 searchers = _per_block(_starts([k.shape[2] for k, _ in parts]), layers, heads,
@@ -197,7 +205,9 @@ class TopKShard:
                 # each key went to), the keys one layer at a time.
                 ivf = [IvfLayer.of([tensorfile.read_layer(p, "k", layer) for p in paths],
                                    lambda b, lay, h: index_of(b, lay, h, True), layer, dtype,
-                                   None if toward is None else toward[layer])
+                                   None if toward is None else toward[layer],
+                                   [tensorfile.read_layer(p, "v", layer) for p in paths]
+                                   if settings.tails else None)
                        for layer in range(layers)]
             else:
                 searchers = _per_block(starts, layers, heads, index_of)
@@ -338,27 +348,39 @@ class TopKShard:
         """`parts`' work where the compiled kernel does not run (hnsw, CUDA, no C compiler):
         `select`, the GQA union (`topk.share`; hnsw keeps no keys to score another head's
         picks with, so its rows attend to their own), then attention over the selected
-        rows. q [Hkv, G * tokens, D] → (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32."""
+        rows, and under ivf with the tail, the tail's part merged in. q [Hkv, G * tokens, D]
+        → (out [1, Hkv, r, D], lse [1, Hkv, r]) fp32."""
         scores, idx = (t.to(q.device) for t in self.select(layer, q, k))
         if self.searchers is None:
             scores, idx = topk.share(q, scores, idx, tokens,
                                      lambda rows: self.key_rows(layer, rows).to(q.device))
         values = self.value_rows(layer, idx).to(q.device)
         if q.device.type != "cpu":
-            return topk.attend_selected(scores, idx, values, scale)
-        # numpy: cheaper per call (`topk.attend_rows`)
-        width = scores.shape[-1]
-        masked = scores.masked_fill(idx < 0, float("-inf")).reshape(-1, width)
-        out, lse = topk.attend_rows(masked.numpy(), values.float().numpy().reshape(
-            -1, width, values.shape[-1]), scale)
-        return (torch.from_numpy(out).view(1, *q.shape),
-                torch.from_numpy(lse).view(1, *q.shape[:2]))
+            out, lse = topk.attend_selected(scores, idx, values, scale)
+        else:  # numpy: cheaper per call (`topk.attend_rows`)
+            width = scores.shape[-1]
+            masked = scores.masked_fill(idx < 0, float("-inf")).reshape(-1, width)
+            out, lse = topk.attend_rows(masked.numpy(), values.float().numpy().reshape(
+                -1, width, values.shape[-1]), scale)
+            out, lse = (torch.from_numpy(out).view(1, *q.shape),
+                        torch.from_numpy(lse).view(1, *q.shape[:2]))
+        lay = self.ivf[layer] if self.ivf is not None else None
+        if lay is None or lay.tail is None:
+            return out, lse
+        # the tail (`topk.tail_part`), computed on the CPU where the lists are
+        import numpy as np
+
+        left = topk.lists_left(idx.cpu(), lay.list_of, torch.from_numpy(np.diff(lay.offsets)),
+                               self.n_sink)
+        centre = torch.matmul(q.float().cpu(), torch.from_numpy(lay.centroids).transpose(1, 2))
+        rest, rest_lse = topk.tail_part(centre, left, lay.tail, scale)
+        return merge([out.float(), rest.to(out.device)], [lse, rest_lse.to(lse.device)])
 
     def _table(self, layer: int, k: int) -> native.TopKTable | None:
         """The kernel's arguments for `layer` (laid out once: the buffers never move), or
         None where the kernel does not take these buffers. k, the layer's budget (fixed for
         the shard: `parts`), sets how many lists ivf probes, so the table is one per layer."""
-        key_map = key_at = lists = None
+        key_map = key_at = lists = tail = None
         drop = 0  # the kernel may drop the keys' pages as it scans: mapped keys only
         if self.keys is not None:
             keys = [(0, self.keys[layer])]
@@ -372,6 +394,7 @@ class TopKShard:
             n_lists = lay.centroids.shape[1]
             lists = (torch.from_numpy(lay.centroids), torch.from_numpy(lay.offsets),
                      indexes.row_probes(self.n_keys, n_lists, k))
+            tail = None if lay.tail is None else (lay.tail, lay.list_of)
         if self.values is not None:
             values = [(0, self.values[layer])]
         else:
@@ -380,7 +403,7 @@ class TopKShard:
             if not native.supports_topk([x for _, x in keys], []):
                 return None
             values = None  # on a GPU: a table that only selects (`select`)
-        return native.TopKTable(keys, values, key_map, lists, key_at, drop)
+        return native.TopKTable(keys, values, key_map, lists, key_at, drop, tail)
 
     def _budget(self, layer: int) -> int:
         """Keys a row retrieves in `layer`: its budget, at most the shard's beyond the sink
@@ -650,29 +673,47 @@ class IvfLayer:
         keys      [Hkv, N, D] torch        the keys in list order, in the cache's dtype
         at        [Hkv, N] numpy int32     each shard row's position in keys (the inverse
                                            of rows: GQA sharing scores a key by its row)
+        tail      [Hkv, C, D] torch bf16   each list's mean value, for the tail
+                                           (`topk.tail_part`; TopK.tail), or None
 
     The lists are the blocks' own (their IVF files: which list each key went to); the
     keys are the cache's, so scores are exact. In memory: the keys (2 bytes a dimension in
-    bf16), an int64 row and an int32 position each, and the centroids."""
+    bf16), an int64 row and an int32 position each, the centroids, and with the tail each
+    list's mean value (as much again as the centroids in bf16)."""
 
-    def __init__(self, centroids, offsets, rows, keys):
+    def __init__(self, centroids, offsets, rows, keys, tail=None):
         import numpy as np
 
         self.centroids, self.offsets, self.rows, self.keys = centroids, offsets, rows, keys
+        self.tail = tail
         self.at = np.empty(rows.shape, np.int32)
         np.put_along_axis(self.at, rows, np.arange(rows.shape[1], dtype=np.int32)[None], axis=1)
 
+    @cached_property
+    def list_of(self) -> torch.Tensor:
+        """[Hkv, N] int32: each shard row's list (the tail's counts, `topk.lists_left`)."""
+        import numpy as np
+
+        sizes = np.diff(self.offsets, axis=1)
+        out = np.empty(self.rows.shape, np.int32)
+        for head in range(len(sizes)):
+            out[head, self.rows[head]] = np.repeat(np.arange(sizes.shape[1], dtype=np.int32),
+                                                   sizes[head])
+        return torch.from_numpy(out)
+
     @classmethod
     def of(cls, keys: Sequence[torch.Tensor], index_of, layer: int,
-           dtype: torch.dtype | None = None, toward: torch.Tensor | None = None) -> IvfLayer:
+           dtype: torch.dtype | None = None, toward: torch.Tensor | None = None,
+           values: Sequence[torch.Tensor] | None = None) -> IvfLayer:
         """From the blocks' keys of this layer (each [Hkv, T, D]) and their IVF indexes
         index_of(block, layer, head); toward [Hkv, D]: each head's lists laid out by it
-        (`listlayout.list_order`), else as built."""
+        (`listlayout.list_order`), else as built; values (the blocks' values of the layer,
+        as keys): each list's mean value kept, for the tail."""
         import faiss
         import numpy as np
 
         heads = keys[0].shape[0]
-        centroids, offsets, rows, ordered = [], [], [], []
+        centroids, offsets, rows, ordered, means = [], [], [], [], []
         for head in range(heads):
             cents, lists, first = [], [], 0
             for block in range(len(keys)):
@@ -687,25 +728,33 @@ class IvfLayer:
             whole = whole.to(dtype or whole.dtype)
             counts = np.bincount(assigned, minlength=first)  # keys a list
             cents = _list_means(whole, assigned, counts, np.concatenate(cents))
+            if values is not None:  # an empty list's mean value: 0 (it has no key to stand for)
+                mean = _list_means(torch.cat([v[head] for v in values]), assigned, counts,
+                                   np.zeros_like(cents))
             laid = list_order(cents, None if toward is None else toward[head])
             if laid is not None:  # list laid[i] becomes list i
                 place = np.empty_like(laid)
                 place[laid] = np.arange(len(laid))
                 assigned, cents, counts = place[assigned], cents[laid], counts[laid]
+                if values is not None:
+                    mean = mean[laid]
+            if values is not None:
+                means.append(mean)
             order = np.argsort(assigned, kind="stable")  # the head's keys, list by list
             centroids.append(cents)
             offsets.append(np.concatenate([[0], np.cumsum(counts)]))
             rows.append(order)
             ordered.append(whole.index_select(0, torch.from_numpy(order)))
         rounded = torch.from_numpy(np.stack(centroids).astype(np.float32)).bfloat16().float()
+        tail = torch.from_numpy(np.stack(means)).bfloat16() if means else None
         return cls(np.ascontiguousarray(rounded.numpy()),
-                   np.stack(offsets), np.stack(rows), torch.stack(ordered))
+                   np.stack(offsets), np.stack(rows), torch.stack(ordered), tail)
 
 
 def _list_means(keys: torch.Tensor, assigned, counts, centroids):
     """Each list's mean key [C, D] numpy fp32, from keys [N, D], each key's list `assigned`
     [N] and each list's keys `counts` [C] (numpy int64); an empty list keeps its index's
-    centroid (centroids [C, D]).
+    centroid (centroids [C, D]). (Of values likewise: each list's mean value.)
 
     Phase 2 ranks lists by their centre's inner product with a row, and a list's mean is
     nearer its keys than the centroid its index trained (10 k-means iterations, after which

@@ -30,6 +30,21 @@ and `attend_selected` turns one, with the selected value rows, into
 
 the batch-of-one part layout of `attention.partial_chunks`. With k >= N the part equals
 exact partial attention over the shard (`attention.attend`) up to fp32 rounding.
+
+The tail (ivf, `TopK.tail` "lists"; beyond the paper). Top-k alone gives the keys a row
+leaves out no weight, so its softmax spreads their mass over the keys it kept: at k = 1%
+on SmolLM2 that bias, layer after layer, turned some of exact attention's answers into a
+distractor's (README, "The tail"). ivf already scores every list's centre (its mean key)
+for every row; the tail lets each list's keys outside the row's union count as that many
+copies of the centre, holding the list's mean value:
+
+    w_c = u_c * exp(q . centre_c * scale)       u_c: list c's keys outside the union
+    out = sum_c w_c * mean_value_c / sum_c w_c,  lse = log sum_c w_c
+
+one more part for `attention.merge` (`tail_part`). Every key is counted once: in the union
+exactly, or in its list's estimate. With every key in the union (k >= N) the tail is empty
+and the result exact. (exp(q . mean) underestimates a list's mean exp(q . key): the
+estimate leans toward the keys attended exactly.)
 """
 
 from __future__ import annotations
@@ -146,6 +161,36 @@ def attend_selected(scores: torch.Tensor, idx: torch.Tensor, values: torch.Tenso
     probs = torch.exp_(logits.sub_(lse.clamp(min=torch.finfo(lse.dtype).min).unsqueeze(-1)))
     out = torch.matmul(probs.unsqueeze(-2), values.to(probs.device).float())  # [Hkv, R, 1, D]
     return out.squeeze(-2).unsqueeze(0), lse.unsqueeze(0)
+
+
+def lists_left(idx: torch.Tensor, list_of: torch.Tensor, sizes: torch.Tensor,
+               always: int = 0) -> torch.Tensor:
+    """Each row's keys outside its selection, list by list: idx [Hkv, R, U] a selection's
+    shard rows (-1: none; no row twice), list_of [Hkv, N] each shard row's list (any
+    integer dtype), sizes
+    [Hkv, C] each list's keys; rows [0, always) (the sink) count as selected by every row.
+    Returns [Hkv, R, C] fp32."""
+    heads, rows, _ = idx.shape
+    lists = sizes.shape[1]
+    taken = list_of.gather(1, idx.clamp(min=0).reshape(heads, -1)).view_as(idx).long()
+    counts = torch.zeros(heads, rows, lists).scatter_add_(2, taken, (idx >= 0).float())
+    if always:
+        counts += torch.zeros(heads, lists).scatter_add_(
+            1, list_of[:, :always].long(), torch.ones(heads, always))[:, None]
+    return sizes[:, None].float() - counts
+
+
+def tail_part(centre_scores: torch.Tensor, left: torch.Tensor, mean_values: torch.Tensor,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tail (module docstring) as a part: centre_scores [Hkv, R, C] raw q . centre,
+    left [Hkv, R, C] each list's keys outside the row's selection (`lists_left`),
+    mean_values [Hkv, C, D] each list's mean value. Returns (out [1, Hkv, R, D], lse [1,
+    Hkv, R]) fp32; a row with no key left out: 0 and -inf (no weight in `merge`)."""
+    logits = centre_scores.float() * scale + left.float().log()  # log 0 = -inf: none left
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp_(logits.sub_(lse.clamp(min=torch.finfo(lse.dtype).min).unsqueeze(-1)))
+    out = torch.matmul(probs, mean_values.float())
+    return out.unsqueeze(0), lse.unsqueeze(0)
 
 
 def layer_budgets(k: int, layers: int, schedule: str) -> list[int]:

@@ -268,6 +268,16 @@ def test_over_window_refused_by_ingest_and_unless_allowed(home, docs, tmp_path):
 # --------------------------------------------------------------------------- input errors
 
 
+def test_ivf_runs_once_per_tail_and_the_other_kinds_once():
+    opts = bench.options("star", "1k", "1", top_k="1%", index="flat,ivf", tail="lists,none",
+                         kv_on_disk=True)
+    assert [(t.index, t.tail, t.tails, t.kv_on_disk) for t in opts.topk] == [
+        ("flat", "lists", False, False), ("flat", "lists", False, True),
+        ("ivf", "lists", True, False), ("ivf", "lists", True, True),
+        ("ivf", "none", False, False), ("ivf", "none", False, True)]
+    assert len({t.describe() for t in opts.topk}) == 6  # each its own row in the table
+
+
 def test_parsing():
     assert bench.parse_lengths("8k, 2K,8k,3000") == (2048, 3000, 8192)
     assert bench.parse_workers("4,1,2,1") == (1, 2, 4)
@@ -287,6 +297,9 @@ def test_parsing():
     ({"workers": "two"}, "'two' is not a whole number"),
     ({"new_tokens": 1}, "--new-tokens must be at least 2"),
     ({"rounds": 0}, "--rounds must be at least 1"),
+    ({"tail": "none"}, "apply to top-k runs"),
+    ({"top_k": "1%", "index": "flat", "tail": "none"}, "applies to ivf's runs only"),
+    ({"top_k": "1%", "index": "ivf", "tail": "lists,most"}, "Unknown --top-k-tail 'most'"),
 ])
 def test_bad_options(kwargs, message):
     with pytest.raises(StarqaError, match=message):

@@ -10,7 +10,7 @@ from starqa import indexes, native, tensorfile, topk
 from starqa.attention import attend, merge
 from starqa.errors import StarqaError
 from starqa.indexes import TopK
-from starqa.retrieval import TopKShard
+from starqa.retrieval import IvfLayer, TopKShard
 
 from memory import rss  # tests/memory.py (conftest puts tests/ on the path)
 
@@ -340,6 +340,85 @@ def test_top_k_settings_parse_and_every_bad_value_is_named():
         indexes.topk_settings("sparse")
 
 
+def test_the_tail_is_ivfs_by_default_and_every_bad_value_is_named():
+    assert indexes.topk_settings("topk", index="ivf").tails  # the default under ivf
+    assert not indexes.topk_settings("topk", index="ivf", tail="none").tails
+    assert not indexes.topk_settings("topk").tails  # flat: no lists, no tail
+    ivf = indexes.topk_settings("topk", index="ivf", tail="none")
+    assert ivf.cli_args()[-2:] == ["--top-k-tail", "none"] and "no tail" in ivf.describe()
+    with pytest.raises(StarqaError, match="Unknown --top-k-tail 'all'") as err:
+        indexes.topk_settings("topk", index="ivf", tail="all")
+    assert "lists or none" in err.value.hint
+    with pytest.raises(StarqaError, match="--index flat has none") as err:
+        indexes.topk_settings("topk", index="flat", tail="lists")
+    assert "--index ivf" in err.value.hint
+    with pytest.raises(StarqaError, match="--top-k-tail only apply to --attention topk"):
+        indexes.topk_settings("exact", tail="lists")
+
+
+def copies_shard(sink: int, k: int):
+    """An ivf shard by hand whose every list holds copies of one key and one value (so a
+    list's centre and mean value are its keys' and values' own, bf16-exact): 80 lists of
+    1-4 keys per KV head, the lists' positions a shuffle of the shard's rows. Returns the
+    shard (the tail on) and the keys and values [Hkv, N, D] by shard row."""
+    import numpy as np
+
+    torch.manual_seed(11)
+    hkv, dim, n_lists = 2, 16, 80
+    sizes = torch.randint(1, 5, (hkv, n_lists))
+    sizes[:, -1] += int(sizes.sum(1).max()) - sizes.sum(1)  # every head the same N keys
+    n = int(sizes[0].sum())
+    centres = torch.randn(hkv, n_lists, dim).bfloat16().float()
+    means = torch.randn(hkv, n_lists, dim).bfloat16().float()
+    rows = torch.stack([torch.randperm(n) for _ in range(hkv)])  # position -> shard row
+    keys = torch.empty(hkv, n, dim)
+    values = torch.empty(hkv, n, dim)
+    for h in range(hkv):
+        of = torch.repeat_interleave(torch.arange(n_lists), sizes[h])  # position -> list
+        keys[h, rows[h]] = centres[h, of]
+        values[h, rows[h]] = means[h, of]
+    offsets = torch.cat([torch.zeros(hkv, 1, dtype=torch.int64), sizes.cumsum(1)], 1)
+    lay = IvfLayer(centres.numpy(), offsets.numpy(), rows.numpy().astype(np.int64),
+                   torch.stack([keys[h, rows[h]] for h in range(hkv)]), means.bfloat16())
+    settings = TopK(count=k, index="ivf", sink=sink)
+    sinks = [(keys[None, :, :sink], values[None, :, :sink])] if sink else None
+    assert indexes.row_probes(n, n_lists, k) < n_lists  # some lists are not scanned
+    return TopKShard(settings, [k], n, ivf=[lay], values=[values], sinks=sinks), keys, values
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_the_tail_is_exact_where_each_list_holds_copies_of_one_key(compiled, tokens,
+                                                                   monkeypatch):
+    """Where every key of a list is its centre and every value its mean, the tail's
+    estimate of the keys a row left out is exact: k = 3 of ~200 keys (the sink's 4 rows,
+    each position's G = 3 rows' union, the lists no row scanned) gives exact attention over
+    every key, compiled and not, for one position or two at once; without the tail it
+    does not."""
+    if compiled and not native.available():
+        pytest.skip("the compiled kernel was not built")
+    if not compiled:
+        monkeypatch.setattr(native, "available", lambda: False)
+    shard, keys, values = copies_shard(sink=4, k=3)
+    q = torch.randn(1, 2, 3 * tokens, 16) * 0.5
+    scale = 16 ** -0.5
+    ref, ref_lse = attend(q, keys[None], values[None], scale)
+    out, lse = merge(*(torch.cat(x) for x in shard.parts(0, q, scale, tokens)))
+    assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
+    shard.ivf[0].tail = None  # top-k alone
+    shard._tables.clear()
+    out, _ = merge(*(torch.cat(x) for x in shard.parts(0, q, scale, tokens)))
+    assert not torch.allclose(out, ref, atol=1e-2)
+
+
+def test_lists_left_counts_each_list_once_less_its_selected_and_sink_rows():
+    list_of = torch.tensor([[0, 0, 1, 1, 1, 2]])  # shard row -> list
+    sizes = torch.tensor([[2, 3, 1]])
+    idx = torch.tensor([[[2, 5, -1], [3, 4, 2]]])  # two rows' selections (-1: none)
+    left = topk.lists_left(idx, list_of, sizes, always=1)  # row 0 (list 0) is the sink's
+    assert left.tolist() == [[[1, 2, 0], [1, 0, 1]]]
+
+
 def test_block_tensors_read_by_hand_and_memory_mapped(tmp_path):
     from starqa.shards import save_block
 
@@ -391,11 +470,13 @@ def test_eval_runs_each_method_exact_then_with_each_top_k(home, tiny_model, tmp_
     from starqa.evals import runner
 
     every, few = TopK(fraction=1.0), TopK(count=2, index="ivf")
+    bare = TopK(count=2, index="ivf", tail="none")
     opts = runner.EvalOptions(model=str(tiny_model), methods="dense", tasks="niah_single_1",
                               lengths="300", samples=1, dtype="fp32", block_size=64,
-                              json_path=str(tmp_path / "e.json"), topk=(every, few))
+                              json_path=str(tmp_path / "e.json"), topk=(every, few, bare))
     plan = runner.plan(opts)
-    assert plan.labels == ["dense", "dense topk 100%", "dense topk 2 ivf"] and plan.n_runs == 3
+    assert plan.labels == ["dense", "dense topk 100%", "dense topk 2 ivf",
+                           "dense topk 2 ivf no-tail"] and plan.n_runs == 4
     results = runner.run(plan)
     r = results["samples"][0]["results"]
     assert r["dense topk 100%"]["token_ids"] == r["dense"]["token_ids"]  # every key: exact

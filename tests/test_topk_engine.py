@@ -127,6 +127,9 @@ def test_kv_on_disk_answers_as_in_memory(home, docs, tiny_model):
     (["--attention", "topk", "--index", "lsh"], "Unknown --index"),
     (["--attention", "topk", "--top-k-prefill", "fast"], "Unknown --top-k-prefill"),
     (["--top-k-prefill", "topk"], "only apply to --attention topk"),
+    (["--attention", "topk", "--index", "ivf", "--top-k-tail", "most"], "Unknown --top-k-tail"),
+    (["--attention", "topk", "--top-k-tail", "lists"], "--index flat has none"),
+    (["--top-k-tail", "none"], "only apply to --attention topk"),
 ])
 def test_cli_bad_topk_options(home, args, says):
     proc = subprocess.run([sys.executable, "-m", "starqa", "ask", "q", *args],

@@ -114,7 +114,8 @@ class Plan:
 def topk_label(method: str, topk: TopK) -> str:
     """A top-k run's column: the method, then the settings that differ from the defaults."""
     extra = "".join(f" {v}" for v, d in ((topk.index, "flat"), (topk.schedule, "uniform"))
-                    if v != d) + (" question-topk" if topk.prefill == "topk" else "")
+                    if v != d) + (" question-topk" if topk.prefill == "topk" else "") \
+        + (" no-tail" if topk.index == "ivf" and not topk.tails else "")
     return f"{method} topk {topk.label}{extra}"
 
 
