@@ -40,7 +40,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                        int64_t vbuffers, const int64_t *vstart, const int64_t *vptr,
                        const int64_t *vstride, int64_t lists, const uint16_t *centroids,
                        const int64_t *offsets, int64_t probes, const uint16_t *tail,
-                       const int32_t *tail_lists, int64_t k, int64_t skip, int o_bf16, const char *own_k, const char *own_v, int64_t own_stride,
+                       const int32_t *tail_lists, int64_t k, int64_t skip, int o_bf16,
+                       const char *own_k, const char *own_v, int64_t own_stride,
                        int64_t own_before, float scale, float *out, float *lse, int drop,
                        int threads);
 

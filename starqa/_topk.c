@@ -34,7 +34,7 @@
    outside a position's union enter each of its rows' softmax list by list, as u_c copies
    of the list's centre (its mean key, whose score the row has from choosing its lists)
    holding the list's mean value: weights u_c * exp(q . centre_c * scale), one more part
-   of the row's merge (`tail_row`; the union's keys counted by the list each was scanned
+   of the row's merge (`tail_rows`; the union's keys counted by the list each was scanned
    in, `cand.list`). With every key in the union, nothing.
 
    Row independence: a position's lists, scores, picks, union and outputs depend on that
@@ -425,9 +425,9 @@ static void score_rows(const char *const *kr, int64_t m, int bf16, const float *
    candidates: a chunk is written whole), and, where segs is given, the piece is noted in
    the row's segments segs + r * segroom (nsegs[r] of them; see `seg`), as of `list`. */
 static void scan(const char *base, size_t row_bytes, int bf16, int64_t lo, int64_t hi,
-                 int64_t list, const float *q, int64_t d, const int64_t *who, int64_t many, float *scores,
-                 int64_t stride, int64_t *got, float *block, seg *segs, int64_t segroom,
-                 int64_t *nsegs) {
+                 int64_t list, const float *q, int64_t d, const int64_t *who, int64_t many,
+                 float *scores, int64_t stride, int64_t *got, float *block, seg *segs,
+                 int64_t segroom, int64_t *nsegs) {
     const float *qs[GROUP];
     float *outs[GROUP];
     for (int64_t w = 0; segs && w < many; w++) {
@@ -640,7 +640,7 @@ static int64_t cut(int64_t n, int64_t tasks, int64_t threads, int64_t least, int
    instead of its scratch, and each scanned piece of keys dropped (`drop_pages`): the
    union's attention then reads no key. want_near (ivf): every row's scores of its head's
    centroids kept, *near_out [H * R][lists + CHUNK] (else NULL: only where lists were
-   chosen by them), for the tail (`tail_piece`). Returns 0, or 2 when out of memory. */
+   chosen by them), for the tail (`tail_rows`). Returns 0, or 2 when out of memory. */
 static int pick(int k_bf16, const float *q, int64_t heads, int64_t rows, int64_t d, int64_t n,
                 int64_t kbuffers, const int64_t *kstart, const int64_t *kptr,
                 const int64_t *kstride, const int64_t *map, int64_t lists,
@@ -810,35 +810,48 @@ static int64_t row_best(const cand *sel, const int64_t *count, int64_t row, int6
     return got < k ? got : k;
 }
 
-/* The tail (the file's comment) of one row, as a part: lcount [lists], its position's
-   union's keys counted by list (the sink's rows too: stage (1) of starqa_topk_attend);
-   list c's u_c = size_c - lcount[c] keys outside the union weigh u_c * exp((near[c] -
-   top) * scale) together, top the largest centroid score near [lists] among lists with
-   any, and stand for the list's mean value (values [lists, D] bf16, the head's). piece: [D] the weighted sum, then top and the weights' sum; a row
-   with no key left out gets -inf and 0 (no weight in the merge). Scratch: w [lists], vp
-   [lists], value [D]. */
-static void tail_row(const int32_t *lcount, const int64_t *offsets, int64_t lists,
-                     const float *near, const uint16_t *values, int64_t d, float scale,
-                     float *w, const char **vp, float *value, float *piece) {
-    float top = -INFINITY;
-    memset(piece, 0, (size_t)d * sizeof(float));
+/* The tail (the file's comment) of one position's G rows, as a part each: lcount
+   [lists], the position's union's keys counted by list (the sink's rows too: stage (1) of
+   starqa_topk_attend); list c's u_c = size_c - lcount[c] keys outside the union weigh
+   u_c * exp((near_g[c] - top_g) * scale) together in row g (near_g = near + g *
+   near_step: its centroid scores; top_g the largest of them among lists with any) and
+   stand for the list's mean value (values [lists, D] bf16, the head's: read once for the
+   G rows). piece: G rows of [D] (the weighted sum), then top_g and the weights' sum; with
+   no key left out, -inf and 0 (no weight in the merge). Scratch: w [G][lists + CHUNK],
+   vp [lists], value [D]. */
+static void tail_rows(const int32_t *lcount, const int64_t *offsets, int64_t lists,
+                      const float *near, int64_t near_step, int64_t per,
+                      const uint16_t *values, int64_t d, float scale, float *w,
+                      const char **vp, float *value, float *piece) {
+    const int64_t room = lists + CHUNK;
+    float *outs[MAX_GROUP];
+    int64_t left = 0;
     for (int64_t c = 0; c < lists; c++) {
-        w[c] = (float)(offsets[c + 1] - offsets[c] - lcount[c]); /* u_c */
-        if (w[c] > 0.0f && near[c] > top) top = near[c];
+        w[c] = (float)(offsets[c + 1] - offsets[c] - lcount[c]); /* u_c, row 0's for now */
+        left += w[c] > 0.0f;
     }
-    piece[d] = top;
-    piece[d + 1] = 0.0f;
-    if (top == -INFINITY) return; /* every key is in the union */
-    float total = 0.0f;
+    for (int64_t g = 0; g < per; g++) {
+        outs[g] = piece + (size_t)g * (d + 2);
+        memset(outs[g], 0, (size_t)d * sizeof(float));
+        outs[g][d] = -INFINITY;
+        outs[g][d + 1] = 0.0f;
+    }
+    if (!left) return; /* every key is in the union */
+    for (int64_t g = per - 1; g >= 0; g--) { /* row 0 last: its w holds the u_c until then */
+        const float *mine = near + g * near_step;
+        float *wg = w + g * room, top = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < lists; c++)
+            if (w[c] > 0.0f && mine[c] > top) top = mine[c];
 #pragma omp simd reduction(+ : total)
-    for (int64_t c = 0; c < lists; c++) {
-        w[c] = w[c] > 0.0f ? w[c] * exp_nonpositive((near[c] - top) * scale) : 0.0f;
-        total += w[c];
+        for (int64_t c = 0; c < lists; c++) {
+            wg[c] = w[c] > 0.0f ? w[c] * exp_nonpositive((mine[c] - top) * scale) : 0.0f;
+            total += wg[c];
+        }
+        outs[g][d] = top;
+        outs[g][d + 1] = total;
     }
-    piece[d + 1] = total;
-    float *outs[1] = {piece};
     for (int64_t c = 0; c < lists; c++) vp[c] = (const char *)(values + c * d);
-    weighted_sum(vp, lists, 1, w, lists, 1, d, outs, value);
+    weighted_sum(vp, lists, 1, w, room, per, d, outs, value);
 }
 
 /* Arguments: see the file's comment; pointers ptr[] are addresses. R = G * tokens rows (G
@@ -846,9 +859,10 @@ static void tail_row(const int32_t *lcount, const int64_t *offsets, int64_t list
    bf16 [H, lists, D] and offsets int64 [H, lists + 1] for ivf, both NULL for flat (one
    list of every position); map NULL: position = row; inv [H, N] int32: each shard row's
    position (NULL: the same). tail bf16 [H, lists, D] each list's mean value and tail_lists
-   int32 [H, N] each shard row's list (ivf; either NULL: no tail). out fp32 [H, R, D], lse
-   fp32 [H, R]. drop: DROP_KEYS where the
-   key buffers are clean private file mappings (flat's --kv-on-disk): their pages are
+   int32 [H, N] each shard row's list (read for the sink's rows; a pick's list is the one
+   it was scanned in) (ivf; either NULL: no tail). out fp32 [H, R, D], lse fp32 [H, R].
+   drop: DROP_KEYS where the key buffers are clean private file mappings (flat's
+   --kv-on-disk): their pages are
    dropped as the scan passes them (`drop_pages`), each row's score of every position kept
    for the union's attention, which then reads no key: the same bits, and a layer's keys
    are never resident at once (32K, SmolLM2: 12.6 MB a layer). With lists (ivf) the keys
@@ -883,7 +897,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         keep = scratch_get(S_KEEP, (size_t)(heads * rows) * (size_t)n * sizeof(float));
         if (!keep) return 2;
     }
-    /* the keys the unions leave out, estimated (`tail_piece`) */
+    /* the keys the unions leave out, estimated (`tail_rows`) */
     const int tails = tail && tail_lists && centroids && offsets;
     float *near;
     int failed = pick(k_bf16, q, heads, rows, d, n, kbuffers, kstart, kptr, kstride, map, lists,
@@ -916,7 +930,7 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
     int64_t *piece_of = scratch_get(S_PIECES, (size_t)(ht * pieces_most + 1) * sizeof(int64_t));
     float *parts = scratch_get(S_PARTS, (size_t)(ht * pieces_most + 1) * part * sizeof(float));
     int64_t *urows = keep ? scratch_get(S_UROWS, (size_t)(ht * room + 1) * sizeof(int64_t)) : NULL;
-    /* the tail: each position's union counted by list, then each row's part */
+    /* the tail: each position's union counted by list, then its rows' parts */
     int32_t *lcounts = tails ? scratch_get(S_LCOUNT, (size_t)(ht * lists) * sizeof(int32_t))
                              : NULL;
     float *tparts = tails ? scratch_get(S_TAILP, (size_t)ht * part * sizeof(float)) : NULL;
@@ -935,7 +949,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
         float *w = scratch_get(S_WEIGHTS, (size_t)(per * (PIECE + CHUNK)) * sizeof(float));
         float *block = scratch_get(S_BLOCK, (size_t)MAX_DIM * CHUNK * sizeof(float));
         float *value = scratch_get(S_VALUE, (size_t)MAX_DIM * sizeof(float));
-        float *tw = tails ? scratch_get(S_TAILW, (size_t)lists * sizeof(float)) : NULL;
+        float *tw = tails ? scratch_get(S_TAILW, (size_t)(per * (lists + CHUNK)) * sizeof(float))
+                          : NULL;
         const char **tvp = tails ? scratch_get(S_TAILV, (size_t)lists * sizeof(char *)) : NULL;
         const int ok = all && tmp && marks && union_rows && w && block && value &&
                        (!tails || (tw && tvp));
@@ -998,14 +1013,17 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
             }
         }
 #pragma omp for schedule(dynamic)
-        for (int64_t i = 0; i < first[ht] + (tails ? ht * per : 0); i++) { /* (2) */
+        for (int64_t j = 0; j < first[ht] + (tails ? ht : 0); j++) { /* (2) */
             if (!ok) continue;
-            if (i >= first[ht]) { /* the tail's part of one row (tails): a task of its own */
-                const int64_t j = i - first[ht], t = j / per, g = j % per;
-                const int64_t h = t / tokens, row = h * rows + g * tokens + t % tokens;
-                tail_row(lcounts + t * lists, offsets + h * (lists + 1), lists,
-                         near + row * (lists + CHUNK), tail + h * lists * d, d, scale, tw, tvp,
-                         value, tparts + (size_t)t * part + (size_t)g * (d + 2));
+            /* with the tail, a task per position first (each reads its head's mean values:
+               the longest tasks, begun before the pieces that fill in around them) */
+            const int64_t i = tails ? j - ht : j;
+            if (i < 0) {
+                const int64_t t = j, h = t / tokens;
+                tail_rows(lcounts + t * lists, offsets + h * (lists + 1), lists,
+                          near + (h * rows + t % tokens) * (lists + CHUNK),
+                          tokens * (lists + CHUNK), per, tail + h * lists * d, d, scale, tw,
+                          tvp, value, tparts + (size_t)t * part);
                 continue;
             }
             const int64_t t = piece_of[i], h = t / tokens, m = t % tokens;
@@ -1044,7 +1062,8 @@ int starqa_topk_attend(int k_bf16, int v_bf16, const float *q, int64_t heads, in
                 float *o = out + row * d, top = -INFINITY, total = 0.0f;
                 memset(o, 0, (size_t)d * sizeof(float));
                 /* the tail's part (tails), where it counts any key */
-                const float *rest = tails ? tparts + (size_t)t * part + (size_t)g * (d + 2) : NULL;
+                const float *rest =
+                    tails ? tparts + (size_t)t * part + (size_t)g * (d + 2) : NULL;
                 if (rest && !(rest[d + 1] > 0.0f)) rest = NULL;
                 if (rest) top = rest[d];
                 for (int64_t i = first[t]; i < first[t + 1]; i++) {
