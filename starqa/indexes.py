@@ -66,19 +66,20 @@ IVF_SCAN = 4  # a search scans about this many times k keys per block (nprobe li
 # many times k of the worker's keys and keeps the k best of their keys (its own lists only:
 # since the compiled kernel, a row's keys never depend on the forward's other rows).
 # Measured on SmolLM2's keys and queries at 32K (7 blocks, k = 328): 4k per row found 0.83
-# of the exact top k (0.92 of its attention mass), 8k 0.95 (0.98), scanning 13% of the
-# keys for the head's 3 rows; the earlier 4k per block scanned 28% per row.
-IVF_ROW_SCAN = 8
+# of the exact top k (0.92 of its attention mass), 8k 0.95 (0.98). 8 until the tail
+# (TAILS): with the keys it leaves out counted by their lists, a key the scan misses still
+# weighs in, and 4k with a floor of 48 lists kept at 8K what 8k with 64 did (README, "ivf's
+# tail"), for a third less of a 32K token's time.
+IVF_ROW_SCAN = 4
 # ...and never fewer than this many lists (or all of them): what a row finds depends on
 # how many lists it probes more than on the share of keys they hold. Measured on SmolLM2 at
 # 8K (4 blocks, 208 lists, k = 82): 8k keys per row is 17 lists, which found 0.75 of the
 # exact top k; 32 lists 0.88, 48 lists 0.93 (32K's 68 lists of 840: 0.92). At 4K (9 lists
 # of 101) `eval --index ivf` kept 0.74 of exact's accuracy; with a floor of 48, 1.04 (README).
 # With each list's centre its mean key, 8K's rows find 0.955 of the exact top k with 48
-# lists, 0.974 with 64 (topk_recall.py); the 8K eval kept 0.92 either way (its two lost
-# answers are lost by the exact top k too). 32K probes 68 anyway: the floor costs keys read
-# at short contexts only.
-IVF_MIN_PROBES = 64
+# lists, 0.974 with 64 (topk_recall.py). 64 until the tail; with it 48 (and 4k keys: 48 at
+# 32K too) kept every answer of 8K's seed 3 but one that 10% loses too (README).
+IVF_MIN_PROBES = 48
 IVF_TRAIN_ITERATIONS = 10
 HNSW_M = 16
 HNSW_EF_CONSTRUCTION = 40

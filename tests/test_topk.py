@@ -275,12 +275,13 @@ def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
 
 
 def test_a_row_probes_enough_lists_however_small_the_context():
-    """IVF_ROW_SCAN * k keys is few lists on a short context (8K, k = 82, 208 lists: 17,
-    which found 0.75 of the exact top k); a row probes at least IVF_MIN_PROBES, never more
-    than every list, and on a long context the scan rule is unchanged (32K: 68 of 840)."""
-    assert indexes.ivf_probes(8192, 208, 82, indexes.IVF_ROW_SCAN) == 17
-    assert indexes.row_probes(8192, 208, 82) == indexes.IVF_MIN_PROBES == 64
-    assert indexes.row_probes(32768, 840, 328) == 68
+    """IVF_ROW_SCAN * k keys is few lists on a short context (8K, k = 82, 208 lists: 9);
+    a row probes at least IVF_MIN_PROBES (32K too: 34 of 840 by the scan rule), never more
+    than every list, and on a longer context the scan rule rules (128K: 135 of 3,360)."""
+    assert indexes.ivf_probes(8192, 208, 82, indexes.IVF_ROW_SCAN) == 9
+    assert indexes.row_probes(8192, 208, 82) == indexes.IVF_MIN_PROBES == 48
+    assert indexes.row_probes(32768, 840, 328) == 48
+    assert indexes.row_probes(131072, 3360, 1311) == 135
     assert indexes.row_probes(4096, 30, 41) == 30
 
 
