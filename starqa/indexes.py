@@ -78,7 +78,7 @@ IVF_ROW_SCAN = 4
 # of 101) `eval --index ivf` kept 0.74 of exact's accuracy; with a floor of 48, 1.04 (README).
 # With each list's centre its mean key, 8K's rows find 0.955 of the exact top k with 48
 # lists, 0.974 with 64 (topk_recall.py). 64 until the tail; with it 48 (and 4k keys: 48 at
-# 32K too) kept every answer of 8K's seed 3 but one that 10% loses too (README).
+# 32K too) kept every answer of 8K's seed 3 but one that 4% loses too (README).
 IVF_MIN_PROBES = 48
 IVF_TRAIN_ITERATIONS = 10
 HNSW_M = 16
@@ -129,8 +129,9 @@ class TopK:
     def cli_args(self) -> list[str]:
         """The command-line options that give these settings (a warm group's `serve`)."""
         return ["--attention", "topk", "--top-k", self.label, "--top-k-schedule",
-                self.schedule, "--index", self.index, "--top-k-prefill", self.prefill,
-                "--top-k-tail", self.tail] + ["--kv-on-disk"] * self.kv_on_disk
+                self.schedule, "--index", self.index, "--top-k-prefill", self.prefill] \
+            + ["--top-k-tail", self.tail] * (self.index == "ivf") \
+            + ["--kv-on-disk"] * self.kv_on_disk
 
     def describe(self) -> str:
         return (f"top-k {self.label} ({self.index}, {self.schedule}"

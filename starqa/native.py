@@ -132,9 +132,9 @@ class TopKTable:
     them (starqa/_topk.c), so a layer's keys are never resident at once; the same results.
     tail (ivf): (each list's mean value [H, C, D], read in bf16; each shard row's list [H,
     N] int32): the keys a row's union leaves out enter its softmax as their lists'
-    estimate (`topk.tail_part`; starqa/_topk.c's `tail_piece`); None: they weigh nothing
-    (top-k alone). The buffers must stay where they are while the
-    table lives (it keeps them referenced)."""
+    estimate (`topk.tail_part`; starqa/_topk.c's `tail_rows`); None: they weigh nothing
+    (top-k alone). The buffers must stay where they are while the table lives (it keeps
+    them referenced)."""
 
     def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],
                  values: Sequence[tuple[int, torch.Tensor]] | None,

@@ -347,6 +347,12 @@ def test_the_tail_is_ivfs_by_default_and_every_bad_value_is_named():
     assert not indexes.topk_settings("topk").tails  # flat: no lists, no tail
     ivf = indexes.topk_settings("topk", index="ivf", tail="none")
     assert ivf.cli_args()[-2:] == ["--top-k-tail", "none"] and "no tail" in ivf.describe()
+    for settings in (indexes.topk_settings("topk"), ivf):  # a warm group's options: valid
+        given = dict(zip(settings.cli_args()[::2], settings.cli_args()[1::2]))
+        assert indexes.topk_settings(
+            given["--attention"], given["--top-k"], given["--top-k-schedule"],
+            given["--index"], prefill=given["--top-k-prefill"],
+            tail=given.get("--top-k-tail")) == settings
     with pytest.raises(StarqaError, match="Unknown --top-k-tail 'all'") as err:
         indexes.topk_settings("topk", index="ivf", tail="all")
     assert "lists or none" in err.value.hint
