@@ -181,6 +181,10 @@ class TopKShard:
         # every block's keys and values, mapped (nothing is read until used): the
         # question's exact forward, the sink, and with --kv-on-disk what Phase 2 reads
         maps = [tuple(tensorfile.MappedTensor(p, name) for name in ("k", "v")) for p in paths]
+        if settings.kv_on_disk:
+            mapped = [(start, value) for (_, value), start in zip(maps, starts)]
+        else:  # read first: ivf's tail takes its lists' mean values from these
+            values = _read_per_layer(paths, "v", layers, dtype, device)
         if settings.index == "flat" and settings.kv_on_disk:
             mapped_keys = [(start, key) for (key, _), start in zip(maps, starts)]
         elif settings.index == "flat":
@@ -201,20 +205,21 @@ class TopKShard:
             if settings.index == "ivf":
                 toward = None if mean_queries is None else mean_queries(
                     tensorfile.read_tensor(paths[0], "ids", mapped=True))
+                def values_of(layer: int):  # the tail's: the values read above, once
+                    if not settings.tails:
+                        return None
+                    if values is not None:
+                        return [values[layer].cpu()]
+                    return [tensorfile.read_layer(p, "v", layer) for p in paths]
+
                 # The blocks' files are read mapped (only their lists are used: which list
                 # each key went to), the keys one layer at a time.
                 ivf = [IvfLayer.of([tensorfile.read_layer(p, "k", layer) for p in paths],
                                    lambda b, lay, h: index_of(b, lay, h, True), layer, dtype,
-                                   None if toward is None else toward[layer],
-                                   [tensorfile.read_layer(p, "v", layer) for p in paths]
-                                   if settings.tails else None)
+                                   None if toward is None else toward[layer], values_of(layer))
                        for layer in range(layers)]
             else:
                 searchers = _per_block(starts, layers, heads, index_of)
-        if settings.kv_on_disk:
-            mapped = [(start, value) for (_, value), start in zip(maps, starts)]
-        else:
-            values = _read_per_layer(paths, "v", layers, dtype, device)
         budgets = topk.layer_budgets(settings.keys(manifest.n_tokens), layers,
                                      settings.schedule)
         releases = [lambda layer, k=k, v=v: (k.release(layer), v.release(layer)) for k, v in maps]
