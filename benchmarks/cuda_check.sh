@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks as one script, for a lent GPU machine that has torch and no network
-# (README, "On a GPU"): the CUDA tests, then `starqa bench` exact against top-k at 8K, 32K
+# (docs/results.md, "On a GPU"): the CUDA tests, then `starqa bench` exact against top-k at 8K, 32K
 # and 128K on a model of SmolLM2's shape with random weights. Run from the repository root
 # with, beside it (git-ignored, taken along):
 #   .whl/             wheels of what that machine lacks (faiss-cpu, gguf, pathspec, ...)

@@ -14,9 +14,15 @@ An attention named NAME:loop runs its layers one by one (`ShardAttention.compile
 offers no words), as answers did before starqa/_step.c: the split of each share;
 ivf:built keeps ivf's lists as built (`starqa.listlayout` lays them out by a mean query);
 ivf:none drops the keys a row leaves out (`--top-k-tail none`; ivf counts them by default). With
---libs, each attention runs through each build of the kernels in turn (NAME@LIB; builds as
-benchmarks/topk_kernel_ab.py's docstring makes them): a kernel change measured on whole
-decode tokens, the model's steps and their traffic included, side by side. Prints
+--libs, each attention runs through each build of the kernels in turn (NAME@LIB): a kernel
+change measured on whole decode tokens, the model's steps and their traffic included, side
+by side. A build of any commit (the package's own build is not touched):
+
+    mkdir old && for f in $(git ls-tree --name-only REV starqa/ | grep '/_[a-z]*[.][ch]$'); do
+        git show REV:$f > old/${f#starqa/}; done
+    gcc -O3 -fopenmp -fno-math-errno -std=gnu11 -shared -fPIC -Iold old/_*.c -lm -o old.so
+
+Prints
 per attention the median ms per token of each share (one-token steps: no drafts, so a step
 is a token). CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa ingest`'s; ivf
 needs its indexes (built on first use where missing).

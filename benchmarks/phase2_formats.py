@@ -1,5 +1,5 @@
 """Phase 2 decode speed of every compute dtype and weight format, on this machine's CPU:
-the numbers behind `--weights` and `--dtype` defaults (README, "Weights and dtype").
+the numbers behind `--weights` and `--dtype` defaults (docs/models.md, docs/results.md).
 
     python benchmarks/phase2_formats.py [--model smollm2-135m] [--tokens 7480] [--new 32]
 

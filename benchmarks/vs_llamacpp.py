@@ -20,7 +20,7 @@ Prints, for this machine's CPU:
 Every engine decodes greedily the same number of tokens (starqa's answer length).
 starqa's modules are byte-compiled first, as an installed package's are (pip compiles a
 wheel's at install, Python an editable install's at first import): where
-PYTHONDONTWRITEBYTECODE is set, as on this project's machines, every cold ask would
+PYTHONDONTWRITEBYTECODE is set (some CI images set it), every cold ask would
 otherwise compile them again (~50 ms of its first token). The
 engines run interleaved, `--rounds` times (warm question, llama.cpp restore, cold ask in
 each round), and the medians are compared: on a shared VM the speed of every engine drifts
@@ -28,7 +28,7 @@ by ±15% within an hour, so numbers taken minutes apart are no ratio.
 
 llama-cpp-python is a benchmark-only extra, never a dependency of starqa nor of its CI.
 Build it from source in a virtualenv of its own (about 8 minutes on 2 cores); a native
-build crashed on one of this project's CPUs, hence the explicit flags:
+build crashed on a CPU without the instructions it assumed, hence the explicit flags:
 
     python3 -m venv /tmp/llamacpp && CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON \\
       -DGGML_AVX512_BF16=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \\

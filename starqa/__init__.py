@@ -16,7 +16,7 @@ def _huge_pages(setting: str = THP_SETTING, environ=os.environ) -> None:
     lists would otherwise sit in 4 KB pages, and top-k's reads of scattered lists and rows
     miss the TLB at nearly every one: SmolLM2 at 32K on a Zen 3, the top-k (ivf) kernel
     ~5% faster over the same keys in huge pages than in 4 KB ones (one process, alternating),
-    and the top-k workers' peak memory 12-19% lower (README, Top-k attention). A value the
+    and the top-k workers' peak memory 12-19% lower (docs/topk.md). A value the
     user set is kept (THP_MEM_ALLOC_ENABLE=0 turns it off)."""
     try:
         with open(setting) as fh:

@@ -5,7 +5,7 @@
    _int4.c's int4 product) called in the order, and with the buffers, that the callers
    used to call them one by one from Python: about ten calls a layer, whose overhead
    (argument checks, tensors made, ctypes) was ~3 of SmolLM2's 10-13 ms a decode step on a
-   2-core Zen 3 (benchmarks/decode_step.py). Same kernels, same order: the same bits.
+   2-core Zen 3 (benchmarks/dev/decode_step.py). Same kernels, same order: the same bits.
 
    before: x = RMSNorm(hidden); qkv = x Wqkvᵀ (+ bias); RoPE on qkv's first `rotated` heads.
    after:  hidden = round(hidden + (attn Woᵀ (+ bias)));  x = RMSNorm(hidden);

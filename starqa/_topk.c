@@ -79,7 +79,7 @@
 /* Prefetches of keys and values ahead of their use go to L2, not L1 (locality 2, x86's
    prefetcht1): a row's next lists (~5 KB each at 32K) asked for into L1 held its few miss
    buffers and evicted the chunk being scored; into L2 the replayed decode kernel took 16.5
-   → 13.5 ms a token (32K, ivf, Zen 4; benchmarks/topk_kernel_ab.py), the same picks. */
+   → 13.5 ms a token (32K, ivf, Zen 4; an A/B of two builds), the same picks. */
 #define TO_L2 2
 #define DROP_KEYS 1 /* starqa_topk_attend's drop: see there */
 #define KEEP_HELD ((size_t)64 << 20) /* kept scores larger than this are freed after a call */

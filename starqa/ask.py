@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,11 @@ def _ask(opts: AskOptions, ui: UI, head) -> Answer:
     if opts.max_new_tokens < 1:
         raise StarqaError(f"--max-new-tokens must be at least 1 (got {opts.max_new_tokens}).")
     manifest = store.find_context(paths.contexts_dir(), opts.context)
+    if opts.beyond_window and opts.max_new_tokens > manifest.model.window:
+        # without --beyond-window the room check says it; the answer's buffers are this long
+        raise StarqaError(f"--max-new-tokens {opts.max_new_tokens:,} is longer than the model's "
+                          f"whole window ({manifest.model.window:,} tokens).",
+                          hint=f"ask with --max-new-tokens {manifest.model.window} or lower")
     if opts.warm and opts.nnodes == 1 and opts.model is None:
         from starqa import client
 
@@ -94,7 +100,11 @@ def _ask(opts: AskOptions, ui: UI, head) -> Answer:
                 and group.get("topk") == (opts.topk.as_dict() if opts.topk else None):
             if head is not None:  # the group answers: no torch in this command
                 head.close()
-            return _ask_warm(opts, manifest, group, ui, started)
+                head = None
+            try:
+                return _ask_warm(opts, manifest, group, ui, started)
+            except client.Unreachable:  # it died without cleaning up: answer cold
+                client.forget(group)
     with ui.status("Checking model and shards"):
         model_path = _checked_model(manifest, opts.model, ui)
         tokenizer, query_ids = question_ids(manifest, model_path, opts.question)
@@ -347,7 +357,7 @@ def serve(opts: ServeOptions, ui: UI = UI(), on_ready=None, answerer=None,
         run_file = client.run_dir() / f"{key}.json"
         job = {"phase": "serve", "model_path": str(model_path), "dtype": manifest.dtype,
                "context_dir": str(manifest.folder), "keepalive": opts.keepalive,
-               "socket": str(client.run_dir() / f"{key}.sock"),
+               "socket": str(client.socket_path(key)),
                "weights": models.phase2_weights(opts.weights, manifest.model.spec,
                                                 opts.device),
                "topk": opts.topk.as_dict() if opts.topk else None,
@@ -425,7 +435,7 @@ def manifest_model(manifest: Manifest, spec: str | None, ui: UI | None = None) -
             f"Context {manifest.name!r} was ingested with {made.name}; --model asks for "
             f"{asked.name}. A context is answered by the model that encoded it.",
             hint=f"ask with --model {made.name}, or re-ingest with the other model: "
-                 f"{manifest.command} --model {asked.name}")
+                 f"{manifest.rerun} --model {asked.name}")
     if spec is not None:
         path = models.resolve_model(spec, ui)
     elif not (path / "config.json").exists():
@@ -434,13 +444,25 @@ def manifest_model(manifest: Manifest, spec: str | None, ui: UI | None = None) -
                 f"Context {manifest.name!r} was ingested with the model at {recorded.path}, "
                 "which is no longer there.",
                 hint=f"put the model back there, ask with --model PATH (the same model "
-                     f"elsewhere), or re-ingest with another model: {manifest.command} "
+                     f"elsewhere), or re-ingest with another model: {manifest.rerun} "
                      "--model MODEL")
         path = models.resolve_model(recorded.spec, ui)  # e.g. the embedded model was deleted
     actual = models.fingerprint(path)
+    replaced = Path(path).resolve() == Path(recorded.path).resolve()
+    if actual["digest"] != recorded.digest and replaced:
+        # the folder it was made with holds another model now: --model that folder is no way out
+        changed = [part for part in ("config", "weights", "tokenizer")
+                   if actual.get(f"{part}_sha256") != getattr(recorded, f"{part}_sha256")]
+        raise StarqaError(
+            f"The model now at {recorded.path} ({actual['digest'][:12]}) does not match the model "
+            f"context {manifest.name!r} was ingested with there ({recorded.digest[:12]}): its "
+            f"{' and '.join(changed) or 'fingerprint'} changed since.",
+            hint=f"put the model the context was made with back at {recorded.path}, or "
+                 f"re-ingest with the model there now: {manifest.rerun}")
     if actual["digest"] != recorded.digest:
         raise StarqaError(
             f"Model {actual['name']} ({actual['digest'][:12]}) does not match the model context "
             f"{manifest.name!r} was ingested with: {recorded.name} ({recorded.digest[:12]}).",
-            hint=f"ask with --model {recorded.spec}, or re-ingest: {manifest.command}")
+            hint=f"ask with --model {shlex.quote(recorded.spec)}, or re-ingest: "
+                 f"{manifest.rerun}")
     return path

@@ -214,9 +214,9 @@ def synthetic_context(tokenizer, n_tokens: int) -> list[int]:
     """Exactly `n_tokens` context tokens: the prompt's opening (chat template and system
     turn, as `ingest` makes it), then starqa's own source files, repeated as needed. Real
     text that is always at hand; its content does not change any size or FLOP count."""
-    head = tokenizer(prompt.context_text(tokenizer, "")[0], add_special_tokens=False)["input_ids"]
+    head = prompt.encoder(tokenizer).encode([(prompt.context_text(tokenizer, "")[0], True)])[0]
     text = "\n\n".join(p.read_text() for p in sorted(Path(__file__).parent.glob("*.py")))
-    body = tokenizer(text, add_special_tokens=False)["input_ids"]
+    body = prompt.encoder(tokenizer).text(text)
     if n_tokens <= len(head):
         raise StarqaError(f"{n_tokens:,} tokens is shorter than the prompt's opening "
                           f"({len(head):,} tokens) for this model.")
@@ -295,7 +295,7 @@ def phase2(manifest: Manifest, query_ids: list[int], workers: int, opts: BenchOp
     measured across the same stretch of time, and each is reported by its run of median
     decode time (its other numbers from that same run). Returns (exact's Answer, the top-k
     rows, the manifest with any indexes built). `run` calls it for every run;
-    benchmarks/topk_phase2.py for a context ingested once."""
+    benchmarks/dev/topk_phase2.py for a context ingested once."""
     def answer(topk: TopK | None):
         with new_ui() as ui:
             return engine.ask_tokens(manifest, query_ids, workers=workers,

@@ -26,9 +26,11 @@ import contextlib
 import errno
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
+from starqa.errors import StarqaError
 from starqa.manifest import block_file, write_json_atomic
 
 STORE = ".blocks"  # under the contexts root; a dot folder, so never listed as a context
@@ -99,13 +101,25 @@ def link_in(store: Path, block_stem: str, folder: Path, index: int) -> None:
 def adopt(store: Path, folder: Path, index: int, block_stem: str) -> None:
     """Put block `index`'s files in `folder` (just encoded) into the store under
     `block_stem`, so later ingests of any context find them."""
-    store.mkdir(parents=True, exist_ok=True)
+    ensure_dir(store)
     prefix = _prefix(index)
     kv = folder / block_file(index)
     for path in sorted(folder.glob(prefix + ".*")):
         if path != kv and not path.name.endswith((".tmp", SHA)):
             _link(path, store / (block_stem + path.name[len(prefix):]))
     _link(kv, kv_file(store, block_stem))
+
+
+def ensure_dir(store: Path) -> None:
+    """The store's folder, made if need be; something else in its place (a file named
+    `.blocks`) is an error naming it, not a traceback."""
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StarqaError(
+            f"{store} is not a folder: starqa keeps the blocks that contexts share there.",
+            hint=f"move it away or remove it (rm {shlex.quote(str(store))}), then run the "
+                 "command again") from None
 
 
 def _stamp(path: Path) -> list[int]:

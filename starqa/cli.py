@@ -130,6 +130,17 @@ def _topk_list(attention: str, top_k, schedule, index, prefill, tail) -> tuple:
     return tuple(dict.fromkeys(t for t in found if t is not None))
 
 
+def _name(name: str | None) -> str | None:
+    """--name's check: a name is typed back (`--context NAME`, `rm NAME`), so it is text
+    that can be typed: no control characters and no bytes that are not UTF-8."""
+    from starqa.ui import printable
+
+    if name is not None and printable(name) != name:
+        raise typer.BadParameter(f"'{printable(name)}' holds control characters or bytes "
+                                 "that are not UTF-8; a name is typed back as --context NAME")
+    return name
+
+
 def _rerunnable(command: str) -> str:
     """`command` as hints quote it: run from the folder it was typed in, so that relative
     paths (to sources, a model folder) still work when the hint is pasted anywhere."""
@@ -157,8 +168,13 @@ def ingest(
         help="apb: the question, when known before encoding: it joins every block's anchor "
              "and chooses what is passed on (the cache then favours that question).")] = None,
     workers: Workers = None,
+    oversubscribe: Annotated[bool, typer.Option(
+        "--oversubscribe", envvar="STARQA_OVERSUBSCRIBE",
+        help="Start the --workers asked for even when they outnumber this machine's CPU "
+             "cores or their copies of the model outgrow its memory.")] = False,
     name: Annotated[Optional[str], typer.Option(
-        envvar="STARQA_NAME", help="Context name (default: the first path's name).")] = None,
+        envvar="STARQA_NAME", callback=_name,
+        help="Context name (default: the first path's name).")] = None,
     dtype: Dtype = None,
     max_file_size: Annotated[int, typer.Option(
         envvar="STARQA_MAX_FILE_SIZE", help="Skip files larger than this many bytes.")] = 1_000_000,
@@ -200,7 +216,7 @@ def ingest(
     """Pack files into one context and encode it into cached KV shards (Phase 1)."""
     from starqa import engine
     from starqa.errors import StarqaError
-    from starqa.ui import RichUI, ingest_report
+    from starqa.ui import RichUI, as_text, ingest_report
 
     if watch and nnodes > 1:
         raise StarqaError("--watch re-ingests on this machine; it cannot run across machines.",
@@ -212,10 +228,11 @@ def ingest(
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
         beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes, index=index,
         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device, encode_in=encode_in,
+        oversubscribe=oversubscribe,
         command=_rerunnable("starqa " + shlex.join(a for a in sys.argv[1:] if a != "--watch")),
         method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
                 "chunk": chunk_size, "positions": positions, "passing": passing_size,
-                "window": probe_window, "question": question})
+                "window": probe_window, "question": as_text(question)})
     with RichUI() as ui:
         result = engine.ingest(opts, ui)
     ingest_report(result)
@@ -229,20 +246,20 @@ def ingest(
 def _hand_over(result) -> None:
     """A warm group serving an earlier ingest of this context now serves the new one."""
     from starqa import client
-    from starqa.ui import err
+    from starqa.ui import err, safe
 
     m = result.manifest
     if m is not None and not result.cache_hit:
         for group in client.follow(m.name, m.key):
-            err.print(f"Warm group of {m.name} ({group['key'][:8]}) restarted for the new "
-                      f"version ({m.key[:8]}).")
+            err.print(f"Warm group of {safe(m.name)} ({safe(group['key'][:8])}) restarted for "
+                      f"the new version ({m.key[:8]}).")
 
 
 def _watch(opts, first) -> None:
     """`ingest --watch`'s loop (starqa.watch): each re-ingest's report line, each error
     with its hint (watching goes on); Ctrl-C (or SIGTERM) stops cleanly."""
     from starqa import engine, watch
-    from starqa.ui import RichUI, err, print_error, watch_line
+    from starqa.ui import RichUI, err, print_error, safe, watch_line
 
     latest = [first.manifest]
 
@@ -253,13 +270,14 @@ def _watch(opts, first) -> None:
         _hand_over(result)
         latest[0] = result.manifest
 
-    err.print(f"Watching {', '.join(opts.paths)} for changes (Ctrl-C stops).")
+    err.print(f"Watching {safe(', '.join(opts.paths))} for changes (Ctrl-C stops).")
     try:
         watch.watch(watch.Selection(opts.paths, opts.include, opts.exclude), reingest,
                     print_error)
     except KeyboardInterrupt:
         m = latest[0]
-        err.print(f"Stopped watching; {m.name} is {m.key[:8]}, its last committed ingest.")
+        err.print(f"Stopped watching; {safe(m.name)} is {m.key[:8]}, its last committed "
+                  "ingest.")
 
 
 @app.command()
@@ -297,9 +315,10 @@ def ask(
     as the command started), which then stays for --keep-alive seconds as the context's
     warm group, so the next question needs no load."""
     from starqa import engine, headstart
-    from starqa.ui import RichUI, answer_json, answer_stats
+    from starqa.ui import RichUI, answer_json, answer_stats, as_text
 
-    opts = engine.AskOptions(question=question, context=context, model=model, workers=workers,
+    opts = engine.AskOptions(question=as_text(question), context=context, model=model,
+                             workers=workers,
                              max_new_tokens=max_new_tokens, beyond_window=beyond_window,
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              device=device, warm=not cold, weights=weights,
@@ -432,8 +451,16 @@ def cache(
     cache_report(paths.home(), usage, cleaned)
 
 
+def _seconds(value: float) -> float:
+    """--keep-alive's check: NaN compares as neither positive nor negative, and left a
+    warm group that never exits, listed as "never"."""
+    if value != value:
+        raise typer.BadParameter("nan is not a number of seconds (a negative value: never)")
+    return value
+
+
 KeepAlive = Annotated[float, typer.Option(
-    "--keep-alive", envvar="STARQA_KEEP_ALIVE",
+    "--keep-alive", envvar="STARQA_KEEP_ALIVE", callback=_seconds,
     help="Seconds without a question before warm workers exit; a negative value: never "
          "(until `starqa stop`). ask: 0 leaves no warm group; chat: 0 stops it when the chat "
          "ends; serve: 0, never.")]
@@ -466,30 +493,62 @@ def serve(
 ) -> None:
     """Keep a worker group warm for a context; `ask` and `chat` use it while it runs (across
     machines: on the query host, the machine of the last node rank)."""
-    from starqa import engine
-    from starqa.ui import RichUI, err
 
     def ready(info: dict) -> None:
+        from starqa.ui import err, safe
+
         ui._stop_status()
+        name = safe(info["name"])
+        stop_it = safe(f"starqa stop {shlex.quote(info['name'])}")
         if info.get("nodes") and not info["socket"]:
-            err.print(f"Serving node {info['node']} of {info['nodes']} for {info['name']} "
-                      f"({info['key']}); ask and chat on the query host, {info['query']}. "
-                      f"`starqa stop {info['name']}` there ends the group.")
+            err.print(f"Serving node {info['node']} of {info['nodes']} for {name} "
+                      f"({info['key']}); ask and chat on the query host, "
+                      f"{safe(info['query'])}. `{stop_it}` there ends the group.")
             return
         across = f" across {info['nodes']} machines" if info.get("nodes") else ""
-        err.print(f"Serving {info['name']} ({info['key']}) on {info['workers']} warm worker"
+        err.print(f"Serving {name} ({info['key']}) on {info['workers']} warm worker"
                   f"{'s' * (info['workers'] > 1)}{across} ({info['weights']} weights); "
                   + (f"idle exit after {keepalive:.0f} s" if keepalive > 0 else "no idle exit")
-                  + f". Ctrl-C or `starqa stop {info['name']}` ends it.")
+                  + f". Ctrl-C or `{stop_it}` ends it.")
 
-    with RichUI() as ui:
-        engine.serve(engine.ServeOptions(context=context, model=model, workers=workers,
-                                         keepalive=keepalive, device=device,
-                                         weights=weights,
-                                         topk=_topk(attention, top_k, top_k_schedule, index,
-                                                    kv_on_disk, top_k_prefill, top_k_tail),
-                                         nnodes=nnodes, node_rank=node_rank,
-                                         rdzv_endpoint=rdzv_endpoint), ui, ready)
+    # SIGTERM (`kill`, a service manager) ends the group as Ctrl-C does, cleanup included,
+    # and exits 143, the code of a process ended by SIGTERM (Ctrl-C's is 130); from the
+    # first import on, so a SIGTERM while loading exits 143 as well.
+    with _sigterm_exits(143):
+        from starqa import engine
+        from starqa.ui import RichUI
+
+        with RichUI() as ui:
+            engine.serve(engine.ServeOptions(context=context, model=model, workers=workers,
+                                             keepalive=keepalive, device=device,
+                                             weights=weights,
+                                             topk=_topk(attention, top_k, top_k_schedule,
+                                                        index, kv_on_disk, top_k_prefill,
+                                                        top_k_tail),
+                                             nnodes=nnodes, node_rank=node_rank,
+                                             rdzv_endpoint=rdzv_endpoint), ui, ready)
+
+
+@contextlib.contextmanager
+def _sigterm_exits(code: int):
+    """Inside, SIGTERM unwinds as Ctrl-C does (every `finally` runs), then the command exits
+    with `code` and says so; the handler before it comes back after."""
+    terminated: list[bool] = []
+
+    def on_sigterm(signum, frame) -> None:
+        terminated.append(True)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not terminated:
+            raise
+        print("stopped by SIGTERM", file=sys.stderr)
+        sys.exit(code)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @app.command()
@@ -522,7 +581,7 @@ def stop(
     """Stop warm worker groups."""
     from starqa import client, paths, store
     from starqa.errors import StarqaError
-    from starqa.ui import err
+    from starqa.ui import err, safe
 
     groups = client.running()
     if not all_:
@@ -531,6 +590,11 @@ def stop(
                               hint="starqa ps shows them")
         keys = {store.find_context(paths.contexts_dir(), name).key for name in contexts}
         groups = [g for g in groups if g["key"] in keys]
+    # groups still loading (an ask or ingest just started one): stopped once they listen
+    if starting := [k for k in client.starting() if all_ or k in keys]:
+        err.print(f"Waiting for {len(starting)} group{'s' * (len(starting) > 1)} still "
+                  "starting, to stop {}.".format("them" if len(starting) > 1 else "it"))
+        groups += client.wait_started(starting)
     if not groups:
         err.print("No matching worker group is running.")
     parts = [g for g in groups if not g["socket"]]  # stopped from their query hosts
@@ -538,12 +602,18 @@ def stop(
         raise client.elsewhere(parts[0])
     for group in groups:
         if group in parts:
-            err.print(f"Not stopped here: {client.elsewhere(group)}")
+            err.print(f"Not stopped here: {safe(client.elsewhere(group))}")
             continue
-        conn = client.Client(group, timeout=30)
+        try:
+            conn = client.Client(group, timeout=30)
+        except client.Unreachable:  # it died without cleaning up (kill -9): forget it
+            client.forget(group)
+            err.print(f"{safe(group['name'])} ({safe(group['key'])}) had already died; "
+                      "removed the run file and socket it left.")
+            continue
         conn.stop()
         conn.close()
-        err.print(f"Stopped {group['name']} ({group['key']})"
+        err.print(f"Stopped {safe(group['name'])} ({safe(group['key'])})"
                   + (f" on its {group['nodes']} machines." if group.get("nodes") else "."))
 
 
@@ -564,9 +634,11 @@ def chat(
     """Interactive questions over a cached context, with warm workers."""
     from starqa.repl import Chat
 
-    Chat(context, workers, keepalive, max_new_tokens,
-         _topk(attention, top_k, top_k_schedule, index, kv_on_disk, top_k_prefill,
-               top_k_tail)).run()
+    code = Chat(context, workers, keepalive, max_new_tokens,
+                _topk(attention, top_k, top_k_schedule, index, kv_on_disk, top_k_prefill,
+                      top_k_tail)).run()
+    if code:  # a question or command of a script failed (each said why as it did)
+        raise typer.Exit(code)
 
 
 @app.command("index")
@@ -582,7 +654,7 @@ def index_(
     manifest; a damaged set is replaced whole."""
     from starqa import indexes, paths, store
     from starqa.errors import StarqaError
-    from starqa.ui import RichUI, err
+    from starqa.ui import RichUI, err, safe
 
     if kind not in indexes.KINDS or kind == "flat":
         raise StarqaError(f"--index {kind!r} has no index files to build.",
@@ -591,9 +663,9 @@ def index_(
     with RichUI(stream=False) as ui:
         manifest = indexes.ensure(manifest, kind, rebuild=True, on_build=ui.waiting)
     built = indexes.find_set(manifest, kind)
-    err.print(f"Built {len(built.files):,} {kind} indexes for {manifest.name} "
+    err.print(f"Built {len(built.files):,} {kind} indexes for {safe(manifest.name)} "
               f"({sum(f.bytes for f in built.files) / 2**20:,.1f} MiB, "
-              f"{built.build_seconds:.1f} s) in {manifest.folder / built.folder}")
+              f"{built.build_seconds:.1f} s) in {safe(manifest.folder / built.folder)}")
 
 
 @app.command()
@@ -644,7 +716,7 @@ def bench(
     from pathlib import Path
 
     from starqa import bench as bench_mod
-    from starqa.ui import RichUI, bench_notes, bench_table, err
+    from starqa.ui import RichUI, bench_notes, bench_table, err, safe
 
     opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device, top_k,
                              index, top_k_schedule, kv_on_disk, top_k_prefill, rounds,
@@ -656,7 +728,7 @@ def bench(
                            new_ui=lambda: RichUI(stream=False), report=err.print)
     bench_table(result)
     if json_path:
-        err.print(f"Wrote {json_path}")
+        err.print(f"Wrote {safe(json_path)}")
 
 
 @app.command("eval")
@@ -808,34 +880,94 @@ def run() -> None:
 def main() -> None:
     from starqa.errors import StarqaError, disk_full
 
+    as_json = wants_json(sys.argv[1:])
     try:
         # Without standalone mode, typer hands back typer.Exit's code, and Ctrl-C as 130,
         # instead of raising them.
         with _sigterm_interrupts():
             code = app(standalone_mode=False)
     except StarqaError as err:
-        from starqa.ui import print_error
-
-        print_error(err)
-        sys.exit(1)
+        _fail(err, 1, as_json)
     except KeyboardInterrupt:
-        print("\ninterrupted; nothing was changed on disk", file=sys.stderr)
-        sys.exit(130)
+        code = 130
     except OSError as err:
-        if (known := disk_full(err, "starqa")) is None:
-            raise
-        from starqa.ui import print_error
+        from starqa.paths import read_only
 
-        print_error(known)
-        sys.exit(1)
+        if (known := disk_full(err, "starqa") or read_only(err)) is None:
+            _unexpected(err, as_json)
+        _fail(known, 1, as_json)
     except typer.Exit as exit_:
         sys.exit(exit_.exit_code)
     except typer.Abort:
         sys.exit(130)
     except typer.TyperException as err:  # usage errors: bad option, missing argument
         err.show()
+        if as_json:
+            _json_error(err.format_message() if hasattr(err, "format_message") else str(err),
+                        _help_command(sys.argv[1:]))
         sys.exit(err.exit_code)
+    except Exception as err:
+        _unexpected(err, as_json)
     if code == 130:
         print("\ninterrupted; nothing was changed on disk", file=sys.stderr)
+        if as_json:
+            _json_error("interrupted; nothing was changed on disk", None)
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+# Commands whose --json makes their result one JSON object on stdout (bench's and eval's
+# --json name a file to write instead).
+JSON_COMMANDS = frozenset({"ask", "list", "info", "cache", "ps"})
+
+
+def _options(args: list[str]) -> tuple[str | None, list[str]]:
+    """(the command, the words before `--`) of a command line, before it is parsed."""
+    words = args[:args.index("--")] if "--" in args else args
+    return next((w for w in words if not w.startswith("-")), None), words
+
+
+def wants_json(args: list[str]) -> bool:
+    """Whether the command line asks for JSON on stdout (`--json`, or STARQA_JSON for
+    `ask`), read from the words before they are parsed, so that an option the parser
+    refuses is still answered in JSON."""
+    command, words = _options(args)
+    if command not in JSON_COMMANDS:
+        return False
+    return "--json" in words or (command == "ask" and os.environ.get(
+        "STARQA_JSON", "").strip().lower() in ("1", "true", "t", "yes", "y", "on"))
+
+
+def _help_command(args: list[str]) -> str:
+    """`starqa ask --help`: the help of the command a usage error is about."""
+    command, _ = _options(args)
+    return f"starqa {command} --help" if command in JSON_COMMANDS else "starqa --help"
+
+
+def _json_error(message: str, hint: str | None) -> None:
+    """`{"error": ..., "hint": ...}` on stdout: what a script reading --json output gets
+    instead of a result (the human message stays on stderr)."""
+    with contextlib.suppress(OSError, ValueError):  # stdout closed: stderr said it
+        print(json.dumps({"error": message, "hint": hint}, indent=1), flush=True)
+
+
+def _fail(error, code: int, as_json: bool):
+    """A StarqaError reported (stderr; and stdout in JSON with --json), then exit `code`."""
+    from starqa.ui import print_error
+
+    print_error(error)
+    if as_json:
+        _json_error(str(error), error.hint)
+    sys.exit(code)
+
+
+def _unexpected(error: BaseException, as_json: bool):
+    """A fault of starqa's own: its traceback, as ever; with --json also a JSON error on
+    stdout, so that a script never reads an empty result."""
+    if not as_json:
+        raise error
+    import traceback
+
+    traceback.print_exception(error, file=sys.stderr)
+    _json_error(f"internal error: {type(error).__name__}: {error}", None)
+    sys.exit(1)

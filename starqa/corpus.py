@@ -13,11 +13,14 @@ import errno
 import fnmatch
 import hashlib
 import os
+import re
+import shlex
 import subprocess
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 import pathspec
 
@@ -86,67 +89,141 @@ class _Globs:
 
 
 # A folder's own git config is not the user's: a tarball or shared folder can carry a
-# `.git/config` that names programs. Of the keys that run programs, `ls-files`,
-# `check-ignore` and `rev-parse` reach only core.fsmonitor (verified on git 2.39: filters,
-# textconv, diff.external, credential and ssh helpers are not used by them), `log` also
-# gpg's programs (log.showSignature), `diff` diff.external; the others are pinned too, so
-# that a later git, or a later command here, stays safe. Command-line `-c` outranks every
-# config file (includes and worktree config too).
+# `.git/config` (or a `gitdir:` file pointing at one elsewhere) that names programs in
+# filter, diff and merge drivers, hooks, fsmonitor, pagers, editors, credential, ssh, gpg
+# and protocol helpers. Git runs a filter driver whenever it hashes work-tree content
+# (any command that refreshes the index: `diff`, `status`, `add`...), and the drivers'
+# names are the repository's own, so no `-c` can pin them all. starqa therefore never asks
+# git about the work tree's content: it reads only the index, the objects and the refs
+# (`_GIT_READS`: which files are tracked, their blob ids at HEAD, the log), and tells an
+# edited file from a committed one by hashing the bytes itself (`_blob_id`). The `-c` pins
+# below cover every fixed key that names a program, should a later git reach one from these
+# reads; command-line `-c` outranks every config file (includes and worktree config too).
+# (uploadpack.packObjectsHook, core.alternateRefsCommand and core.gitProxy are only used
+# by upload-pack, push and git:// fetches, which starqa never runs and `_git_env` forbids;
+# git ignores the first in a repository's config.)
 _GIT_SAFE = ("--no-pager", "--no-optional-locks", "-c", "core.fsmonitor=false",
              "-c", "core.hooksPath=/dev/null", "-c", "core.pager=cat",
              "-c", "core.untrackedCache=false", "-c", "diff.external=",
              "-c", "credential.helper=", "-c", "core.sshCommand=false",
-             "-c", "protocol.allow=never", "-c", "log.showSignature=false",
-             "-c", "gpg.program=false", "-c", "gpg.ssh.program=false",
-             "-c", "gpg.x509.program=false")
+             "-c", "core.askPass=false", "-c", "core.editor=false",
+             "-c", "sequence.editor=false",
+             "-c", "protocol.allow=never", "-c", "protocol.ext.allow=never",
+             "-c", "log.showSignature=false", "-c", "gpg.program=false",
+             "-c", "gpg.openpgp.program=false", "-c", "gpg.ssh.program=false",
+             "-c", "gpg.x509.program=false", "-c", "fetch.recurseSubmodules=false")
+# The only git commands starqa runs, and why none converts work-tree content: `rev-parse`
+# and `check-ignore` read paths and config, `ls-files` (never -m/-d, which compare the work
+# tree) the index and directory names, `ls-tree` and `log --name-only` objects only.
+_GIT_READS = frozenset({"rev-parse", "check-ignore", "ls-files", "ls-tree", "log"})
+_GIT_REFUSED = frozenset({"-m", "--modified", "-d", "--deleted", "-k", "--killed", "-p",
+                          "--patch", "--stat", "--textconv", "--ext-diff", "--recurse-submodules"})
 # The user's environment may point git at another repository or index; starqa means the
 # folder's own. GIT_PAGER etc. are neutralised; system and global config stay (they are the
-# user's own, and carry the core.excludesFile that --exclude-standard honours).
+# user's own, and carry the core.excludesFile that --exclude-standard honours). A partial
+# clone would fetch a missing object from its promisor remote, whose URL the repository
+# names (an `ext::` URL is a program): no protocol is allowed, no lazy fetch made.
 _GIT_ENV_DROP = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR",
                  "GIT_OBJECT_DIRECTORY", "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_CONFIG",
-                 "GIT_CONFIG_PARAMETERS", "GIT_CONFIG_COUNT", "GIT_EXTERNAL_DIFF")
+                 "GIT_CONFIG_PARAMETERS", "GIT_CONFIG_COUNT", "GIT_EXTERNAL_DIFF",
+                 "GIT_NAMESPACE", "GIT_SSH", "GIT_SSH_COMMAND", "GIT_PROXY_COMMAND")
 
 
 def _git_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in _GIT_ENV_DROP and not k.startswith(("GIT_CONFIG_KEY_", "GIT_CONFIG_VALUE_"))}
     env.update(GIT_PAGER="cat", PAGER="cat", GIT_OPTIONAL_LOCKS="0", GIT_TERMINAL_PROMPT="0",
-               GIT_ASKPASS="false", SSH_ASKPASS="false")
+               GIT_ASKPASS="false", SSH_ASKPASS="false", GIT_EDITOR="false",
+               GIT_ALLOW_PROTOCOL="none", GIT_PROTOCOL_FROM_USER="0", GIT_NO_LAZY_FETCH="1",
+               GIT_NO_REPLACE_OBJECTS="1")
     return env
 
 
-def _run_git(folder: Path, *args: str) -> subprocess.CompletedProcess[bytes] | None:
-    """Run a read-only git query in `folder` without running anything its config names."""
+@dataclass(frozen=True)
+class _Repo:
+    """A work tree found as git finds it: `dot_git` is the `.git` folder or `gitdir:` file
+    in `top` (git resolves the file). Every command gets both explicitly, so a
+    `core.worktree` in the config cannot move the work tree away from the user's folder."""
+
+    dot_git: Path
+    top: Path
+
+
+def _find_repo(folder: Path) -> _Repo | None:
+    """The nearest `.git` folder (with a HEAD) or `gitdir:` file at or above `folder`, as git
+    looks (not above GIT_CEILING_DIRECTORIES, nor across file systems unless
+    GIT_DISCOVERY_ACROSS_FILESYSTEM); None outside git and inside a `.git` folder itself."""
+    here = Path(os.path.realpath(folder))
+    ceilings = {os.path.realpath(c) for c in os.environ.get("GIT_CEILING_DIRECTORIES",
+                                                           "").split(os.pathsep) if c}
+    across = os.environ.get("GIT_DISCOVERY_ACROSS_FILESYSTEM", "").lower() in (
+        "1", "true", "yes", "on")
+    device = here.stat().st_dev
+    for d in (here, *here.parents):
+        dot_git = d / ".git"
+        try:
+            if d != here and (str(d) in ceilings or not across and d.stat().st_dev != device):
+                return None
+            if dot_git.is_dir():
+                found = (dot_git / "HEAD").is_file()
+            elif dot_git.is_file():  # a `gitdir:` file (a FIFO would wait: never opened)
+                with open(dot_git, "rb") as fh:
+                    found = fh.read(8) == b"gitdir: "
+            else:
+                found = False
+        except OSError:  # a folder above we may not look into: git stops there too
+            return None
+        if found:
+            inside = here.relative_to(d).parts
+            return None if inside[:1] == (".git",) else _Repo(dot_git, d)
+    return None
+
+
+def _run_git(repo: _Repo, folder: Path, *args: str) -> subprocess.CompletedProcess[bytes] | None:
+    """Run a read-only git query in `folder` of `repo` without running anything its config
+    names."""
+    if args[0] not in _GIT_READS or _GIT_REFUSED & set(args):  # a bug here, never input
+        raise ValueError(f"git {' '.join(args)} may read the work tree through its filters")
+    cmd = ["git", f"--git-dir={repo.dot_git}", f"--work-tree={repo.top}", *_GIT_SAFE, *args]
     try:
-        return subprocess.run(["git", *_GIT_SAFE, *args], cwd=folder, env=_git_env(),
+        return subprocess.run(cmd, cwd=os.path.realpath(folder), env=_git_env(),
                               stdin=subprocess.DEVNULL, capture_output=True, check=False)
     except OSError:  # git is not installed
         return None
 
 
-def _use_git(folder: Path) -> bool:
-    """Inside a git work tree, and not in a folder that the repository itself ignores."""
-    top = _run_git(folder, "rev-parse", "--show-toplevel")
-    if top is None or top.returncode != 0:
-        return False
-    ignored = _run_git(folder, "check-ignore", "-q", ".")
-    return ignored is None or ignored.returncode != 0
+def _use_git(folder: Path) -> _Repo | None:
+    """The repository whose work tree `folder` is in, unless the repository itself ignores
+    `folder` (or git cannot read it: then the folder is walked like any other)."""
+    repo = _find_repo(folder)
+    if repo is None:
+        return None
+    ok = _run_git(repo, folder, "rev-parse", "--git-dir")
+    if ok is None or ok.returncode != 0:
+        return None
+    ignored = _run_git(repo, folder, "check-ignore", "-q", ".")
+    return repo if ignored is None or ignored.returncode != 0 else None
 
 
 GIT_HISTORY = 2000  # commits read for the files' last change times
 
 
-def _git_times(folder: Path) -> dict[str, int]:
-    """{path under `folder`: when the last commit that touched it was made} for the files
-    tracked and left as committed (0 for one older than the last GIT_HISTORY commits);
-    files changed since, or untracked, are left out (their mtime says when). {} when git
-    cannot tell (no commit yet)."""
-    tracked = _run_git(folder, "ls-files", "-z")
-    dirty = _run_git(folder, "diff", "--name-only", "-z", "--no-ext-diff", "--no-textconv",
-                     "--no-renames", "--relative", "HEAD", "--", ".")
-    log = _run_git(folder, "log", f"-n{GIT_HISTORY}", "--format=%x01%ct", "--name-only", "-z",
-                   "--no-renames", "--no-show-signature", "--relative", "--", ".")
-    if any(out is None or out.returncode != 0 for out in (tracked, dirty, log)):
+def _blob_id(data: bytes, algorithm: str) -> str:
+    """The object id git gives a file of these bytes stored as they are (no filters)."""
+    h = hashlib.new(algorithm, b"blob %d\0" % len(data))
+    h.update(data)
+    return h.hexdigest()
+
+
+def _git_times(repo: _Repo, folder: Path) -> dict[str, tuple[str, int]]:
+    """{path under `folder`: (its blob id at HEAD, when the last commit that touched it was
+    made)} (the time 0 for a file older than the last GIT_HISTORY commits); a file whose
+    bytes hash to that id is as committed. {} when git cannot tell (no commit yet)."""
+    tree = _run_git(repo, folder, "ls-tree", "-r", "-z", "HEAD")
+    log = _run_git(repo, folder, "log", f"-n{GIT_HISTORY}", "--format=%x01%ct", "--name-only",
+                   "-z", "--no-renames", "--no-show-signature", "--no-ext-diff", "--no-textconv",
+                   "--relative", "--", ".")
+    if any(out is None or out.returncode != 0 for out in (tree, log)):
         return {}
     times: dict[str, int] = {}
     when = 0
@@ -156,17 +233,32 @@ def _git_times(folder: Path) -> dict[str, int]:
             when = int(item[1:])
         elif item:
             times.setdefault(os.fsdecode(item), when)  # newest first: the first is the last
-    changed = {os.fsdecode(p) for p in dirty.stdout.split(b"\0") if p}
-    return {rel: times.get(rel, 0) for rel in (os.fsdecode(p) for p in tracked.stdout.split(b"\0")
-                                               if p) if rel not in changed}
+    blobs: dict[str, tuple[str, int]] = {}
+    for entry in tree.stdout.split(b"\0"):  # "<mode> blob <id>\t<path>"
+        meta, _, path = entry.partition(b"\t")
+        parts = meta.split(b" ")
+        if len(parts) == 3 and parts[1] == b"blob":
+            rel = os.fsdecode(path)
+            blobs[rel] = (parts[2].decode(), times.get(rel, 0))
+    return blobs
 
 
-def _git_ls(folder: Path, *args: str) -> list[str]:
-    out = _run_git(folder, "ls-files", "-z", "--others", "--exclude-standard", *args)
+def _git_ls(repo: _Repo, folder: Path, *args: str) -> list[bytes]:
+    out = _run_git(repo, folder, "ls-files", "-z", *args)
     if out is None or out.returncode != 0:
-        hint = out.stderr.decode(errors="replace").strip() if out else None
-        raise StarqaError(f"git ls-files failed in {folder}", hint=hint)
-    return sorted({os.fsdecode(p).rstrip("/") for p in out.stdout.split(b"\0") if p})
+        why = out.stderr.decode(errors="replace").strip() if out else "git is gone"
+        raise StarqaError(f"git cannot list the files of {repo.top} ({why}), so starqa "
+                          "cannot tell which of them git tracks.",
+                          hint="if the index is damaged, rebuild it from the last commit "
+                               f"(running none of the repository's programs): git -C "
+                               f"{shlex.quote(str(repo.top))} -c core.hooksPath=/dev/null -c "
+                               "core.fsmonitor=false -c protocol.ext.allow=never read-tree "
+                               "HEAD")
+    return [p for p in out.stdout.split(b"\0") if p]
+
+
+SUBMODULE = "git submodule (ingest it as a path of its own)"
+NESTED = "nested git repository (ingest it as a path of its own)"
 
 
 def _hidden_prefix(rel: str) -> str | None:
@@ -177,12 +269,22 @@ def _hidden_prefix(rel: str) -> str | None:
     return None
 
 
-def _walk_git(folder: Path) -> Iterator[tuple[str, Path] | Skipped]:
-    """What git tracks or would track under `folder`; ignored entries reported once each."""
+def _walk_git(repo: _Repo, folder: Path) -> Iterator[tuple[str, Path] | Skipped]:
+    """What git tracks or would track under `folder`, as far as it is on disk; ignored
+    entries, submodules and nested repositories reported once each."""
     reported: set[str] = set()
-    listed = [(r, "ignored by .gitignore") for r in _git_ls(folder, "--ignored", "--directory")]
-    listed += [(r, "") for r in _git_ls(folder, "--cached")]
-    for rel, reason in listed:
+    listed = [(os.fsdecode(p).rstrip("/"), "ignored by .gitignore")
+              for p in _git_ls(repo, folder, "--others", "--exclude-standard", "--ignored",
+                               "--directory")]
+    for entry in _git_ls(repo, folder, "--stage"):  # "<mode> <id> <stage>\t<path>"
+        meta, _, path = entry.partition(b"\t")
+        listed.append((os.fsdecode(path), SUBMODULE if meta.startswith(b"160000 ") else ""))
+    for p in _git_ls(repo, folder, "--others", "--exclude-standard"):
+        rel = os.fsdecode(p)  # a folder ("sub/") here is a repository of its own
+        listed.append((rel.rstrip("/"), NESTED if rel.endswith("/") else ""))
+    for rel, reason in sorted(set(listed)):
+        if not os.path.lexists(folder / rel):  # in the index only (deleted, another work tree)
+            continue
         hidden = _hidden_prefix(rel)
         if hidden is not None:
             if hidden not in reported and hidden.rsplit("/", 1)[-1] != ".git":
@@ -212,12 +314,27 @@ def _leaves(root: Path, path: Path) -> bool:
 
 
 def _git_entry_kind(path: Path) -> str:
-    """'file', '' for what git lists that is not a file (deleted files, submodules), or why
-    it cannot be looked at (a tracked file in a folder we may not enter)."""
+    """'file', '' for what git lists that is not a file (a folder), or why it cannot be
+    read (a symlink loop, a broken symlink, a tracked file in a folder we may not enter)."""
     try:
-        return "file" if path.is_file() else ""
+        if path.is_file():
+            return "file"
     except OSError as e:
         return f"unreadable ({e.strerror})"
+    if os.path.islink(path):  # is_file says False for these too
+        try:
+            os.stat(path)
+        except OSError as e:
+            return "symlink loop" if e.errno == errno.ELOOP else "broken symlink"
+    return ""
+
+
+BARE = "bare git repository (no work tree: clone it, and ingest the clone)"
+
+
+def _bare(folder: Path) -> bool:
+    """Whether `folder` looks like a bare repository (HEAD, objects/, refs/, no work tree)."""
+    return all(os.path.exists(folder / name) for name in ("HEAD", "objects", "refs", "config"))
 
 
 def _ignored(specs: list[tuple[str, pathspec.GitIgnoreSpec]], rel: str, is_dir: bool) -> bool:
@@ -253,43 +370,92 @@ def _with_gitignore(specs: list[tuple[str, pathspec.GitIgnoreSpec]], d: Path,
     return [*specs, (rel, pathspec.GitIgnoreSpec.from_lines(lines))]
 
 
-def _walk_plain(folder: Path, exclude: _Globs) -> Iterator[tuple[str, Path] | Skipped]:
-    """Walk a folder outside git, honouring `.gitignore`s and following symlinks without looping."""
-    seen: set[str] = set()
+# starqa's own cache (models, manifests, shards) is never part of a context, wherever
+# STARQA_HOME points: ingesting it would grow it, and each run would read its previous one.
+CACHE = "starqa's own cache folder (never ingested)"
 
-    def visit(d: Path, rel: str, specs: list[tuple[str, pathspec.GitIgnoreSpec]],
-              chain: frozenset[str]) -> Iterator[tuple[str, Path] | Skipped]:
+
+def _cache_folder() -> str | None:
+    """The real path of starqa's cache folder (`paths.home`), None if it cannot be one."""
+    from starqa import paths
+
+    try:
+        return os.path.realpath(paths.home())
+    except StarqaError:
+        return None
+
+
+def _within(real: str, folder: str | None) -> bool:
+    """Whether the real path `real` is `folder` or below it."""
+    return folder is not None and (real == folder or
+                                   real.startswith(folder.rstrip(os.sep) + os.sep))
+
+
+@dataclass
+class _Dir:
+    """A folder `_walk_plain` is in: its entries still to visit and the rules over them."""
+
+    rel: str
+    real: str
+    specs: list[tuple[str, pathspec.GitIgnoreSpec]]
+    entries: Iterator[os.DirEntry[str]]
+
+
+def _walk_plain(folder: Path, exclude: _Globs,
+                cache: str | None = None) -> Iterator[tuple[str, Path] | Skipped]:
+    """Walk a folder outside git, honouring `.gitignore`s and following symlinks without
+    looping; depth-first with a stack of its own, so any depth of folders walks."""
+    top = os.path.realpath(folder)
+    seen: set[str] = {top}
+
+    def enter(d: str, rel: str, real: str, specs) -> _Dir | Skipped:
         try:  # a folder we may not enter is skipped like an unreadable file, not a crash
-            specs = _with_gitignore(specs, d, rel)
+            specs = _with_gitignore(specs, Path(d), rel)
             entries = sorted(os.scandir(d), key=lambda e: e.name)
         except OSError as e:
-            yield Skipped(rel or ".", f"unreadable ({e.strerror})")
-            return
-        for entry in entries:
-            child = f"{rel}/{entry.name}" if rel else entry.name
-            kind = _kind(entry)
-            if entry.name == ".git":
-                continue
-            if entry.name.startswith("."):
-                yield Skipped(child, "hidden")
-            elif kind not in ("dir", "file"):
-                yield Skipped(child, kind)
-            elif entry.is_symlink() and _leaves(folder, Path(entry.path)):
-                yield Skipped(child, OUTSIDE)
-            elif _ignored(specs, child, kind == "dir"):
-                yield Skipped(child, "ignored by .gitignore")
-            elif kind == "file":
-                yield child, Path(entry.path)
-            elif exclude.match(child, is_dir=True):
-                yield Skipped(child, "excluded by --exclude")
-            elif (real := os.path.realpath(entry.path)) in chain:
-                yield Skipped(child, "symlink loop")
-            elif real not in seen:  # a second link to a folder already walked adds nothing
-                seen.add(real)
-                yield from visit(Path(entry.path), child, specs, chain | {real})
+            return Skipped(rel or ".", f"unreadable ({e.strerror})")
+        return _Dir(rel, real, specs, iter(entries))
 
-    seen.add(os.path.realpath(folder))
-    yield from visit(folder, "", [], frozenset(seen))
+    first = enter(str(folder), "", top, [])
+    if isinstance(first, Skipped):
+        yield first
+        return
+    stack = [first]
+    while stack:
+        here = stack[-1]
+        entry = next(here.entries, None)
+        if entry is None:
+            stack.pop()
+            continue
+        child = f"{here.rel}/{entry.name}" if here.rel else entry.name
+        kind = _kind(entry)
+        link = entry.is_symlink()
+        if entry.name == ".git":
+            continue
+        if entry.name.startswith("."):
+            yield Skipped(child, "hidden")
+        elif kind not in ("dir", "file"):
+            yield Skipped(child, kind)
+        elif link and _leaves(folder, Path(entry.path)):
+            yield Skipped(child, OUTSIDE)
+        elif _ignored(here.specs, child, kind == "dir"):
+            yield Skipped(child, "ignored by .gitignore")
+        elif kind == "file":
+            yield child, Path(entry.path)
+        elif exclude.match(child, is_dir=True):
+            yield Skipped(child, "excluded by --exclude")
+        elif _within(real := os.path.realpath(entry.path) if link else
+                     os.path.join(here.real, entry.name), cache):
+            yield Skipped(child, CACHE)
+        elif real in seen and any(d.real == real for d in stack):  # a link back up
+            yield Skipped(child, "symlink loop")
+        elif real not in seen:  # a second link to a folder already walked adds nothing
+            seen.add(real)
+            got = enter(entry.path, child, real, here.specs)
+            if isinstance(got, Skipped):
+                yield got
+            else:
+                stack.append(got)
 
 
 def _human(n: int) -> str:
@@ -299,16 +465,28 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def _read(path: Path, display: str, max_bytes: int) -> SourceFile | str:
-    """The file's text, or the reason it cannot be used. Oversized files are never read."""
+def _read(path: Path, display: str, max_bytes: int,
+          committed: tuple[str, int] | None = None) -> SourceFile | str:
+    """The file's text, or the reason it cannot be used. Oversized files are never read, and
+    a file that grows while it is read is read only to the cap. `committed`: the file's blob
+    id at HEAD and that commit's time, taken as its change time if its bytes are those."""
     try:
         stat = path.stat()
-        size = stat.st_size
-        if size > max_bytes:
-            return f"too large ({_human(size)} > {_human(max_bytes)} cap)"
-        data = path.read_bytes()
+        if stat.st_size > max_bytes:
+            return f"too large ({_human(stat.st_size)} > {_human(max_bytes)} cap)"
+        # non-blocking: a FIFO put in the file's place would otherwise wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as fh:
+            stat = os.fstat(fd)
+            if not S_ISREG(stat.st_mode):
+                return "not a regular file"
+            if stat.st_size > max_bytes:
+                return f"too large ({_human(stat.st_size)} > {_human(max_bytes)} cap)"
+            data = fh.read(max_bytes + 1)
     except OSError as e:
         return f"unreadable ({e.strerror})"
+    if len(data) > max_bytes:
+        return f"too large (over {_human(max_bytes)} cap while read)"
     if b"\0" in data[:SNIFF_BYTES]:
         return "binary (NUL byte)"
     try:
@@ -316,7 +494,14 @@ def _read(path: Path, display: str, max_bytes: int) -> SourceFile | str:
     except UnicodeDecodeError:
         return "not UTF-8"
     text = text.removeprefix("\ufeff").replace("\r\n", "\n")
-    return SourceFile(display, text, len(data), int(stat.st_mtime)) if text.strip() else "empty"
+    if not text.strip():
+        return "empty"
+    changed = int(stat.st_mtime)
+    if committed is not None:
+        blob, when = committed  # sha1 ids are 40 hex digits, sha256 ones 64
+        if _blob_id(data, "sha1" if len(blob) == 40 else "sha256") == blob:
+            changed = when
+    return SourceFile(display, text, len(data), changed)
 
 
 def _labels(paths: list[Path]) -> list[str]:
@@ -337,28 +522,57 @@ def _starqaignore(root: Path) -> pathspec.GitIgnoreSpec | None:
     return pathspec.GitIgnoreSpec.from_lines(path.read_text(errors="replace").splitlines())
 
 
-def _candidates(root: Path, label: str, include: _Globs, exclude: _Globs,
-                git: bool | None = None) -> Iterator[tuple[str, Path] | Skipped]:
-    """(display path, path on disk) of files to read under one root, or Skipped entries.
-    git: whether `root` is read through git (`_use_git`, asked here when not given)."""
+# A name that is not UTF-8 cannot be a document's path (nor go into the manifest); it is
+# shown with its odd bytes as \xNN.
+NOT_UTF8_NAME = "name not UTF-8 (rename it to ingest it)"
+
+
+def _printable(name: str) -> str:
+    """`name` (from the file system: odd bytes as surrogates) with odd bytes as \\xNN."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+NOT_INCLUDED = "not matched by --include"  # left out of the report, counted when nothing is left
+
+_ASK = object()  # `_candidates`' repo: not known yet, ask `_use_git`
+
+
+def _candidates(root: Path, label: str, include: _Globs, exclude: _Globs, repo=_ASK,
+                cache: str | None = None) -> Iterator[tuple[str, Path] | Skipped]:
+    """(display path, path on disk) of files to read under one root, or Skipped entries
+    (NOT_INCLUDED ones are for counting, not reporting). repo: the `_Repo` `root` is read
+    through, or None (`_use_git`, asked here when not given); cache: starqa's cache folder,
+    never taken."""
     if root.is_file():  # named explicitly: no hidden, ignore, lock or glob rules
-        yield root.name if not label else label, root
+        display = label or root.name
+        ok = _printable(display) == display
+        yield (display, root) if ok else Skipped(_printable(display), NOT_UTF8_NAME)
         return
-    walk = _walk_git(root) if (_use_git(root) if git is None else git) else \
-        _walk_plain(root, exclude)
+    repo = _use_git(root) if repo is _ASK else repo
+    if repo is None and _bare(root):
+        yield Skipped(_printable(label or "."), BARE)
+        return
+    walk = _walk_git(repo, root) if repo is not None else _walk_plain(root, exclude, cache)
     prefix = f"{label}/" if label else ""
     own_ignore = _starqaignore(root)
+    real_root = os.path.realpath(root)
+    cache_rel = os.path.relpath(cache, real_root) if cache and _within(cache, real_root) else None
     for item in walk:
         if isinstance(item, Skipped):
-            yield Skipped(prefix + item.path, item.reason)
+            yield Skipped(_printable(prefix + item.path), item.reason)
             continue
         rel, path = item
-        if own_ignore is not None and own_ignore.match_file(rel):
+        if _printable(prefix + rel) != prefix + rel:
+            yield Skipped(_printable(prefix + rel), NOT_UTF8_NAME)
+        elif cache is not None and _within(os.path.realpath(path), cache):
+            under = cache_rel if cache_rel and (rel + "/").startswith(cache_rel + "/") else rel
+            yield Skipped(prefix + under, CACHE)  # git's files there: one line for them all
+        elif own_ignore is not None and own_ignore.match_file(rel):
             yield Skipped(prefix + rel, f"ignored by {STARQAIGNORE}")
         elif exclude.match(rel, prefix + rel):
             yield Skipped(prefix + rel, "excluded by --exclude")
         elif include.patterns and not include.match(rel, prefix + rel):
-            continue  # not asked for: not worth a line in the report
+            yield Skipped(prefix + rel, NOT_INCLUDED)
         elif path.name in LOCK_FILES:
             yield Skipped(prefix + rel, "lock file")
         else:
@@ -371,6 +585,23 @@ def _skip_summary(skipped: Iterable[Skipped]) -> str:
     return "skipped: " + ", ".join(f"{n} {why}" for why, n in counts.most_common())
 
 
+def _include_matched_nothing(include: Sequence[str], left_out: list[str],
+                             where: str) -> StarqaError:
+    """Files were found, and --include took none of them: say so, and what would."""
+    suffixes = Counter(Path(p).suffix.lower() or Path(p).name for p in left_out)
+    found = ", ".join(f"{n} {s}" for s, n in suffixes.most_common(4))
+    lower = [g.lower() for g in include]  # '*.MD' for '*.md': globs match case-sensitively
+    if lower != list(include) and any(_Globs(lower).match(p) for p in left_out):
+        fix = " ".join(f"--include {shlex.quote(g)}" for g in lower)
+    else:
+        common = suffixes.most_common(1)[0][0]
+        fix = f"--include {shlex.quote('*' + common if common.startswith('.') else common)}"
+    asked = " ".join(f"--include {shlex.quote(g)}" for g in include)
+    return StarqaError(f"Nothing to ingest: {len(left_out)} file(s) found under {where} "
+                       f"({found}), but {asked} matched none of them.",
+                       hint=f"{fix} (or leave out --include to take them all)")
+
+
 def candidates(paths: Sequence[str | Path], *, include: Sequence[str] = (),
                exclude: Sequence[str] = ()) -> set[str]:
     """The real paths of the files `collect` would read under `paths` (the same selection:
@@ -379,8 +610,10 @@ def candidates(paths: Sequence[str | Path], *, include: Sequence[str] = (),
     roots = [Path(os.path.abspath(p)) for p in paths if os.path.exists(p)]
     labels = _labels(roots) if len(roots) > 1 else [""] * len(roots)
     inc, exc = _Globs(include), _Globs(exclude)
+    cache = _cache_folder()
     return {os.path.realpath(item[1]) for root, label in zip(roots, labels)
-            for item in _candidates(root, label, inc, exc) if not isinstance(item, Skipped)}
+            for item in _candidates(root, label, inc, exc, cache=cache)
+            if not isinstance(item, Skipped)}
 
 
 def collect(paths: Sequence[str | Path], *, max_file_bytes: int = 1_000_000,
@@ -394,29 +627,42 @@ def collect(paths: Sequence[str | Path], *, max_file_bytes: int = 1_000_000,
     roots = list(given.values())
     labels = _labels(roots) if len(roots) > 1 else [""]
     inc, exc = _Globs(include), _Globs(exclude)
+    cache = _cache_folder()
     files: dict[str, SourceFile] = {}  # real path -> file
     skipped: list[Skipped] = []
+    left_out: list[str] = []  # found, but not matched by --include
     for root, label in zip(roots, labels):
-        git = root.is_dir() and _use_git(root)
-        committed = _git_times(root) if git else {}
+        repo = _use_git(root) if root.is_dir() else None
+        committed = _git_times(repo, root) if repo is not None else {}
         prefix = f"{label}/" if label else ""
-        for item in _candidates(root, label, inc, exc, git):
+        for item in _candidates(root, label, inc, exc, repo, cache):
             if isinstance(item, Skipped):
-                skipped.append(item)
+                if item.reason == NOT_INCLUDED:
+                    left_out.append(item.path)
+                else:
+                    skipped.append(item)
                 continue
             display, path = item
             real = os.path.realpath(path)
             if real in files:
                 continue
-            got = _read(path, display, max_file_bytes)
+            got = _read(path, display, max_file_bytes, committed.get(display.removeprefix(prefix)))
             if isinstance(got, str):
                 skipped.append(Skipped(display, got))
             else:
-                when = committed.get(display.removeprefix(prefix))
-                files[real] = got if when is None else replace(got, changed=when)
+                files[real] = got
     if not files:
-        hint = _skip_summary(skipped) if skipped else "no files found"
         where = ", ".join(str(p) for p in paths)
+        if left_out:
+            raise _include_matched_nothing(include, left_out, where)
+        bare = [s.path for s in skipped if s.reason == BARE]
+        if bare and len(bare) == len(skipped):
+            clone = f"{Path(paths[0]).resolve().name.removesuffix('.git')}-files"
+            raise StarqaError(f"Nothing to ingest: {where} is a bare git repository (its "
+                              "history, no files to read).",
+                              hint=f"git clone {shlex.quote(str(paths[0]))} {clone} && "
+                                   f"starqa ingest {clone}")
+        hint = _skip_summary(skipped) if skipped else "no files found"
         raise StarqaError(f"Nothing to ingest: no readable text files under {where}", hint=hint)
     return Corpus(
         roots=tuple(given),
@@ -428,18 +674,43 @@ def collect(paths: Sequence[str | Path], *, max_file_bytes: int = 1_000_000,
 # ---------------------------------------------------------------- packing
 
 
+# What the model reads has exactly the files `info` lists: a path is an escaped attribute
+# value (a file named `q" trusted="yes.md` adds no attribute), and a body's own
+# `<document`/`</document` tags (any case, spaced) are escaped as `&lt;`, so a file cannot
+# close its block and forge another. Neither adds a line: sources keep their line numbers.
+_TAG = re.compile(r"<(?=\s*/?\s*document)", re.IGNORECASE)
+_ATTRIBUTE = str.maketrans({"&": "&amp;", '"': "&quot;", "<": "&lt;", ">": "&gt;",
+                            **{chr(c): f"&#{c};" for c in (*range(32), 127)}})
+
+
+def header(path: str) -> str:
+    """The line that opens a file's block in the packed text."""
+    return f'<document path="{_valid(path).translate(_ATTRIBUTE)}">\n'
+
+
+def _valid(text: str) -> str:
+    """A file name's undecodable bytes (lone surrogates) as U+FFFD, as the model reads it."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def escape_body(text: str) -> str:
+    """A file's text as packed: its own document tags escaped (same lines, same length but
+    for three characters a tag)."""
+    return _TAG.sub("&lt;", text)
+
+
 def pack(files: Sequence[SourceFile]) -> tuple[str, list[FileSpan]]:
     """Join files as `<document path="...">` blocks separated by a blank line, with their spans."""
     blocks: list[str] = []
     spans: list[FileSpan] = []
     pos = 0
     for f in files:
-        header, body = f'<document path="{f.path}">\n', f.text.rstrip()
-        block = f"{header}{body}{_CLOSE}"
+        header_line, body = header(f.path), escape_body(f.text.rstrip())
+        block = f"{header_line}{body}{_CLOSE}"
         if blocks:
             pos += 2  # the "\n\n" between blocks
         lines = body.count("\n") + 1 if body else 0
-        spans.append(FileSpan(f.path, pos, pos + len(block), pos + len(header), lines))
+        spans.append(FileSpan(f.path, pos, pos + len(block), pos + len(header_line), lines))
         blocks.append(block)
         pos += len(block)
     return "\n\n".join(blocks), spans

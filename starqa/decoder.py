@@ -28,7 +28,7 @@ where every linear is in starqa's int4 tiles a layer's steps before and after it
 are one call each (starqa/_layer.c: the same kernels, the same bits, without ~10 calls'
 overhead a layer: SmolLM2's step at one row 10-13 -> 7.4-9.5 ms on a 2-core Zen 3).
 The model's part of a forward with starqa's kernels against torch's: 1.4-1.6x faster for
-SmolLM2 and Qwen2.5-Coder-1.5B at one row and at four (benchmarks/decode_step.py).
+SmolLM2 and Qwen2.5-Coder-1.5B at one row and at four (benchmarks/dev/decode_step.py).
 """
 
 from __future__ import annotations

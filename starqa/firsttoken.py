@@ -143,7 +143,7 @@ def _shard_tables(manifest: Manifest, config: DecoderConfig) -> list[kernels.Key
     """Per layer the kernel's table of every block's keys and values (all the context's
     blocks: a world of one), mapped in place, checksums verified first."""
     indices = list(range(len(manifest.blocks)))
-    verify_checksums(manifest, indices)
+    verify_checksums(manifest, indices, contents=True)
     blocks = [tensorfile.map_arrays(manifest.folder / block_file(i))[0] for i in indices]
     tables = []
     for layer in range(config.layers):

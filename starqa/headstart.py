@@ -179,7 +179,7 @@ def _groups_running() -> bool:
     from starqa.errors import StarqaError
 
     try:
-        files = list((paths.home() / "run").glob("*.json"))
+        files = [f for folder in paths.run_dirs() for f in folder.glob("*.json")]
     except (StarqaError, OSError):  # a bad cache root: the command will say so
         return True
     for file in files:
@@ -206,17 +206,21 @@ def _serve_on(settings: dict, job: dict) -> Callable:
     def serve_on(answerer) -> None:
         from starqa import client, worker
         from starqa.ask import ServeOptions, serve
+        from starqa.errors import StarqaError
         from starqa.indexes import topk_of
         from starqa.manifest import read_manifest
 
         key = read_manifest(Path(job["context_dir"])).key
-        held = client.claim(key)
-        if held is None or client.find(key) is not None:  # one runs or starts already
-            if held is not None:
-                held.close()
+        try:
+            held = client.claim(key)
+            if held is None or client.find(key) is not None:  # one runs or starts already
+                if held is not None:
+                    held.close()
+                return
+            log = os.open(client.run_dir() / f"{key}.log",
+                          os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        except (StarqaError, OSError):  # nowhere to run a group from: the answer stands
             return
-        log = os.open(client.run_dir() / f"{key}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                      0o600)
 
         detached = []
 
@@ -241,9 +245,13 @@ def _serve_on(settings: dict, job: dict) -> Callable:
         except Exception as err:
             if detached:
                 raise  # the group's own failure: its log says it
-            # the answer stands: the command ends without a group; the log says why
-            os.write(log, f"The cold ask's process could not go on as the group: {err}\n"
-                     .encode())
+            # the answer stands: the command ends without a group; the log says why (where
+            # it can: a full disk that stopped the group's run file stops this line too)
+            try:
+                os.write(log, f"The cold ask's process could not go on as the group: {err}\n"
+                         .encode())
+            except OSError:
+                pass
             os.close(log)
 
     return serve_on

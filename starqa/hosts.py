@@ -139,7 +139,7 @@ def _nowhere_hint(manifest: Manifest) -> str:
     nodes = manifest.placement.nodes if manifest.placement else 2
     return (f"ask on the machines of the ingest (each: starqa ask QUESTION --nnodes {nodes} "
             f"--node-rank N --rdzv-endpoint HOST:PORT), or re-ingest across these machines: "
-            f"{manifest.command}")
+            f"{manifest.rerun}")
 
 
 def check_here(manifest: Manifest) -> None:

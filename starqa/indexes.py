@@ -43,7 +43,7 @@ from pathlib import Path
 from starqa.errors import ShardError, StarqaError
 from starqa.manifest import (IndexFile, IndexSet, Manifest, block_file, index_file,
                              write_json_atomic, write_manifest)
-from starqa.shards import read_verified
+from starqa.shards import read_verified, write_error
 from starqa.tensorfile import block_shape, read_tensor
 
 ATTENTIONS = ("exact", "topk")
@@ -68,17 +68,17 @@ IVF_SCAN = 4  # a search scans about this many times k keys per block (nprobe li
 # Measured on SmolLM2's keys and queries at 32K (7 blocks, k = 328): 4k per row found 0.83
 # of the exact top k (0.92 of its attention mass), 8k 0.95 (0.98). 8 until the tail
 # (TAILS): with the keys it leaves out counted by their lists, a key the scan misses still
-# weighs in, and 4k with a floor of 48 lists kept at 8K what 8k with 64 did (README, "ivf's
+# weighs in, and 4k with a floor of 48 lists kept at 8K what 8k with 64 did (docs/topk.md, "ivf's
 # tail"), for a third less of a 32K token's time.
 IVF_ROW_SCAN = 4
 # ...and never fewer than this many lists (or all of them): what a row finds depends on
 # how many lists it probes more than on the share of keys they hold. Measured on SmolLM2 at
 # 8K (4 blocks, 208 lists, k = 82): 8k keys per row is 17 lists, which found 0.75 of the
 # exact top k; 32 lists 0.88, 48 lists 0.93 (32K's 68 lists of 840: 0.92). At 4K (9 lists
-# of 101) `eval --index ivf` kept 0.74 of exact's accuracy; with a floor of 48, 1.04 (README).
+# of 101) `eval --index ivf` kept 0.74 of exact's accuracy; with a floor of 48, 1.04 (docs/results.md).
 # With each list's centre its mean key, 8K's rows find 0.955 of the exact top k with 48
-# lists, 0.974 with 64 (topk_recall.py). 64 until the tail; with it 48 (and 4k keys: 48 at
-# 32K too) kept every answer of 8K's seed 3 but one that 4% loses too (README).
+# lists, 0.974 with 64 (benchmarks/dev/topk_recall.py). 64 until the tail; with it 48 (and 4k keys: 48 at
+# 32K too) kept every answer of 8K's seed 3 but one that 4% loses too (docs/results.md).
 IVF_MIN_PROBES = 48
 IVF_TRAIN_ITERATIONS = 10
 HNSW_M = 16
@@ -284,7 +284,10 @@ def write_block(folder: Path, kind: str, block: int, keys) -> float:
             rows = keys[layer, head].float().contiguous().cpu().numpy()
             path = folder / index_file(block, layer, head)
             tmp = path.with_name(path.name + ".tmp")
-            faiss.write_index(build(kind, rows), str(tmp))
+            try:
+                faiss.write_index(build(kind, rows), str(tmp))
+            except RuntimeError as err:  # faiss says a failed write in words: its errno lost
+                raise write_error(err, tmp) from err
             os.replace(tmp, path)
     return time.perf_counter() - started
 
@@ -354,7 +357,7 @@ def ensure(manifest: Manifest, kind: str, *, rebuild: bool = False,
             return manifest
         from starqa.shards import verify_checksums
 
-        verify_checksums(manifest)
+        verify_checksums(manifest, contents=True)
         name = new_folder(kind)
         staging = folder / f".{name}.tmp"
         try:

@@ -43,6 +43,9 @@ from starqa.reuse import Reuse
 
 ENCODE_IN = ("auto", "process", "group")
 PLAN = "files-1"  # the block plan of `ingest` (methods.plan_file_blocks), in its cache key
+# How documents become ids, in every cache key: "data-1" tokenises them as data (no control
+# tokens, prompt.Encoder) and escapes their boundaries (corpus.pack).
+TEXT = "data-1"
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ class IngestOptions:
     # process when blocks are reused and a group would not pay for its start: on the CPU,
     # or one block, or a sequential method), "process" or "group".
     encode_in: str = "auto"
+    # Start the --workers asked for even past this machine's CPU cores or memory
+    # (`check_workers`).
+    oversubscribe: bool = False
 
 
 @dataclass
@@ -91,6 +97,10 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     from starqa import dist, models
 
     started = time.perf_counter()
+    if opts.max_file_bytes < 1:
+        raise StarqaError(f"--max-file-size {opts.max_file_bytes} skips every file as too large.",
+                          hint=f"leave it out for the default, or pass --max-file-size "
+                               f"{IngestOptions.max_file_bytes} (bytes; any number above 0)")
     with ui.status("Reading files"):
         corpus = corpus_mod.collect(opts.paths, max_file_bytes=opts.max_file_bytes,
                                     include=opts.include, exclude=opts.exclude)
@@ -127,12 +137,20 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     opts = replace(opts, reserve=default_reserve(window) if opts.reserve is None else opts.reserve)
     if opts.reserve < 0:
         raise StarqaError(f"--reserve must be 0 or more tokens (got {opts.reserve}).")
+    if opts.reserve >= window:  # no context could ever leave it: not even --beyond-window
+        raise StarqaError(
+            f"--reserve {opts.reserve:,} is not less than the {window:,} tokens of the model's "
+            "window: it keeps room for a question and an answer beside the context.",
+            hint=f"pass --reserve {default_reserve(window):,} (the default here) or another "
+                 f"number below {window:,}")
     if n + opts.reserve > window and not opts.beyond_window:
         raise _no_room(n, opts.reserve, window)
+    methods.check_block_size(opts.block_size, n)
     method = method_config(opts.method, n, _block_size(opts, root, model, dtype, n),
                            opts.anchor_size, opts.method_params)
+    methods.get(method.name).check_usable(method)
     if method.params.get("question"):  # apb: the question joins every block's anchor
-        question_ids = tokenizer.encode(method.params["question"], add_special_tokens=False)
+        question_ids = prompt.encoder(tokenizer).text(method.params["question"])
         method = replace(method, params={**method.params, "question_ids": question_ids})
     if opts.encode_in not in ENCODE_IN:
         raise StarqaError(f"Unknown --encode-in {opts.encode_in!r}.",
@@ -269,6 +287,8 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
     # a group never has more workers than blocks to spread (apb runs every block)
     spread = max(len(encoder.share(todo, len(blocks), 1, 0)), 1)
     workers = 1 if local or not todo else _ingest_workers(opts, method.name, spread)
+    if not local and todo:
+        workers = check_workers(opts, workers, model.path, dtype)
     # Each machine's workers write into its own staging folder, and each machine commits
     # the blocks it keeps (on a shared cache, node 0 all of them: starqa.hosts).
     multinode = opts.nnodes > 1
@@ -491,6 +511,56 @@ def _ingest_workers(opts: IngestOptions, method: str, n_blocks: int) -> int:
     return workers
 
 
+def check_workers(opts: IngestOptions, workers: int, model_path, dtype: str) -> int:
+    """The Phase 1 workers to start on this machine's CPU, each loading its own copy of the
+    model: `workers` when the cores and the memory hold them. Asked for (--workers), more
+    than the cores, or more copies than the memory available holds, is an error naming the
+    numbers and the fix (unless `opts.oversubscribe`); by default (one per core), as many
+    as the memory holds. GPUs: `launch.check_gpus`."""
+    from starqa import dist, models
+    from starqa.launch import cpu_count
+
+    device = str(dist.resolve_device(opts.device)).split(":")[0]
+    if device != "cpu" or opts.oversubscribe:
+        return workers
+    cores = cpu_count()
+    asked = f"--workers {opts.workers}" + (f" ({workers} for {workers} blocks)"
+                                           if workers != opts.workers else "")
+    if opts.workers is not None and workers > cores:
+        raise StarqaError(
+            f"{asked} > {cores} CPU cores here: each worker loads its own copy of the model, "
+            "and more workers than cores only fight over them.",
+            hint=f"pass --workers {cores} or fewer (or leave it out: one per core), or add "
+                 f"--oversubscribe to start {workers} anyway")
+    each = _model_copy_bytes(Path(model_path), models.phase1_dtype(dtype, device, model_path,
+                                                                   workers))
+    available = models.available_memory()
+    if available is None or workers * each <= available:
+        return workers
+    fits = max(1, available // max(each, 1))
+    if opts.workers is None:
+        return min(workers, fits)
+    gib = 1 << 30
+    raise StarqaError(
+        f"{asked} need about {workers * each / gib:.1f} GiB for their copies of the "
+        f"model ({each / gib:.2f} GiB each) but {available / gib:.1f} GiB of memory is "
+        "available.",
+        hint=f"pass --workers {fits} or fewer, or add --oversubscribe to start {workers} anyway")
+
+
+def _model_copy_bytes(model_path: Path, compute: str) -> int:
+    """The bytes one worker's copy of the model takes: its weight files, twice that when
+    16-bit weights are computed in fp32 (`models.phase1_dtype`)."""
+    weights = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
+    try:
+        stored = json.loads((model_path / "config.json").read_text())
+        stored = stored.get("torch_dtype") or stored.get("dtype")
+    except (OSError, ValueError, AttributeError):
+        stored = None
+    widen = compute == "float32" and stored in ("bfloat16", "float16")
+    return weights * (2 if widen else 1)
+
+
 def ingest_worker_count(method: str, n_blocks: int, workers: int) -> int:
     """The workers Phase 1 of `method` runs on, on one machine, when `workers` are asked for."""
     return _ingest_workers(IngestOptions(paths=(), workers=workers), method, n_blocks)
@@ -500,7 +570,7 @@ def _cache_key(content: str, model_digest: str, method: dict, dtype: str,
                plan: str | None = None) -> str:
     material = {"format": FORMAT, "content": content, "model": model_digest,
                 "method": method, "dtype": dtype,
-                "prompt": [prompt.SYSTEM, prompt.INTRO, prompt.QUESTION]}
+                "prompt": [prompt.SYSTEM, prompt.INTRO, prompt.QUESTION], "text": TEXT}
     if plan is not None:  # token contexts (bench) keep their fixed-size blocks and keys
         material["plan"] = plan
     material = json.dumps(material, sort_keys=True)
@@ -514,7 +584,7 @@ def _reusable(folder: Path, plan: str | None = None) -> bool:
     remembered by stat, see shards.verify_checksums). Anything else is encoded again."""
     try:
         manifest = read_manifest(folder)
-        shards.verify_checksums(manifest)
+        shards.verify_checksums(manifest, contents=True)
     except StarqaError:
         return False
     return _cache_key(manifest.content_sha256, manifest.model.digest,

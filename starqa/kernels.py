@@ -108,7 +108,7 @@ def int8_gemm_fast() -> bool:
 
 def cpu_threads() -> int:
     """The threads a world of one runs its kernels on: STARQA_THREADS, else every CPU this
-    process may run on (what torch uses by default on this project's machines)."""
+    process may run on (what torch uses by default on Linux)."""
     if (threads := os.environ.get("STARQA_THREADS", "").strip()).isdigit() and int(threads):
         return int(threads)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \

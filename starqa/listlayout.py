@@ -8,7 +8,7 @@ runs. The picks are the same in any layout (a row ranks every centre), so the an
 The mean query is one of plain text: a forward of SAMPLE of the worker's own first tokens
 by themselves, placed where a question's rows sit (RoPE is relative, so the hidden states
 are those of the text at position 0 and the queries are rotated to the question's
-positions). Measured on SmolLM2 at 32K on a 2-core Zen 4 (benchmarks/topk_list_order.py,
+positions). Measured on SmolLM2 at 32K on a 2-core Zen 4 (an experiment kept in git history,
 decode_split.py ivf:built against ivf): a row's lists in 28 runs against 54 as built (24
 with the mean of a question's own decode queries), a token's kernel calls replayed 5-8%
 faster and whole decode tokens 11%, for ~40 ms of forward at load.

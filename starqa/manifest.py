@@ -35,7 +35,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from starqa.errors import ShardError
+from starqa.errors import ShardError, StarqaError
 from starqa.methods import MethodConfig
 
 MANIFEST = "manifest.json"
@@ -216,6 +216,11 @@ class Manifest:
             return tuple(range(len(self.blocks)))
         return self.placement.held
 
+    @property
+    def rerun(self) -> str:
+        """The pasteable command that rebuilds this context (`rerun_command`)."""
+        return rerun_command(self.command, self.sources) or "starqa ingest PATH"
+
     def to_json(self) -> dict[str, Any]:
         """The manifest as `manifest.json` holds it (without its folder)."""
         data = {"format": FORMAT, **_to_json(self)}
@@ -234,11 +239,15 @@ def write_json_atomic(path: Path, data: Any) -> None:
     reader, or the next start after a crash, sees the old file or the new one, never half of
     one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(data, indent=1, sort_keys=False))
-        fh.flush()
-        os.fsync(fh.fileno())  # on disk before the rename, so a crash never leaves it empty
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps(data, indent=1, sort_keys=False))
+            fh.flush()
+            os.fsync(fh.fileno())  # on disk before the rename, so a crash never leaves it empty
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half-written temporary left beside `path`
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Manifest:
@@ -299,6 +308,7 @@ def _check(data: dict) -> Manifest:
     for i, block in enumerate(manifest.blocks):
         if block.index != i or block.file != block_file(i):  # never a path elsewhere
             raise _Damage(f"blocks[{i}] names {block.file!r}, not {block_file(i)!r}")
+    _check_numbers(manifest)
     for i, found in enumerate(manifest.indexes):
         if not INDEX_FOLDER.fullmatch(found.folder) or not found.folder.startswith(
                 f"index-{found.kind}-"):
@@ -315,18 +325,97 @@ def _check(data: dict) -> Manifest:
     return manifest
 
 
+def _check_numbers(manifest: Manifest) -> None:
+    """The manifest's numbers agree with each other (_Damage naming the first that does
+    not): the blocks cut tokens 0..n_tokens in order, each at least one token; the query
+    position is where the method puts it (`Method.query_bounds`); every file's tokens and
+    line starts lie inside the context; sizes are not negative. Phase 2 trusts them all:
+    a wrong one answers garbage, never an error."""
+    from starqa import methods
+
+    n, method = manifest.n_tokens, manifest.method
+    if n < 1 or not manifest.blocks:
+        raise _Damage(f"it holds {n} tokens in {len(manifest.blocks)} blocks")
+    at = 0
+    for block in manifest.blocks:
+        if block.start != at or block.end <= block.start or block.bytes < 0:
+            raise _Damage(f"blocks[{block.index}] holds tokens {block.start}-{block.end}, "
+                          f"not from {at} on (the blocks cut the context in order)")
+        at = block.end
+    if at != n:
+        raise _Damage(f"its blocks end at token {at}, its n_tokens is {n}")
+    if method.block_size < 1 or method.anchor_size < 0:
+        raise _Damage(f"its method's block size {method.block_size} or anchor "
+                      f"{method.anchor_size} is impossible")
+    try:
+        low, high = methods.get(method.name).query_bounds(
+            method, n, [(b.start, b.end) for b in manifest.blocks])
+    except StarqaError as err:  # an unknown method
+        raise _Damage(str(err)) from None
+    if not low <= manifest.query_position <= high:
+        where = f"{low}" if low == high else f"between {low} and {high}"
+        raise _Damage(f"its query_position {manifest.query_position} is not {where} "
+                      f"({method.name} over {n} tokens)")
+    for i, file in enumerate(manifest.files):
+        if not 0 <= file.token_start <= file.token_end <= n or any(
+                not file.token_start <= t <= file.token_end for t in file.line_tokens):
+            raise _Damage(f"files[{i}] ({file.path!r}) lies outside tokens 0-{n}")
+    if (manifest.reserve or 0) < 0 or manifest.model.window < 1:
+        raise _Damage(f"its reserve {manifest.reserve} or window {manifest.model.window} "
+                      "is impossible")
+
+
 def _rebuild_hint(folder: Path, data: dict | None) -> str:
     """Commands that remove the context and rebuild it, pasteable: its recorded command
     (which starts with a `cd` to where it ran), else an ingest of its recorded sources."""
-    remove = f"starqa rm {folder.name}"
+    remove = f"starqa rm {shlex.quote(folder.name)}"
     data = data or {}
-    command, sources = data.get("command"), data.get("sources")
-    if not (isinstance(command, str) and command) and isinstance(sources, list) and sources \
-            and all(isinstance(s, str) for s in sources):
-        command = "starqa ingest " + shlex.join(sources)
-    if isinstance(command, str) and command:
+    command = rerun_command(data.get("command"), data.get("sources"))
+    if command is not None:
         return f"remove it and re-ingest: {remove} && {command}"
     return f"remove it ({remove}) and ingest the sources it was made from again: starqa ingest PATH"
+
+
+_OPERATOR = frozenset("();<>|&")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def rerun_command(command: Any, sources: Any) -> str | None:
+    """The command that rebuilds a context, rebuilt word by word from what its manifest
+    records, never its stored text echoed (a manifest is data, and hints are pasted into a
+    shell): a recorded `cd DIR && starqa ingest ARGS` (what `starqa ingest` writes) or
+    `starqa ingest ARGS`, each word quoted again; else `starqa ingest SOURCES`; None when
+    neither is usable. A recorded command of any other shape (a pipe, a `;`, a second
+    command, a control character: an edited manifest) is never repeated."""
+    words = _ingest_words(command)
+    if words is not None:
+        cd, args = words
+        line = "starqa ingest " + shlex.join(args)
+        return line if cd is None else f"cd {shlex.quote(cd)} && {line}"
+    if isinstance(sources, (list, tuple)) and sources and \
+            all(isinstance(s, str) and s for s in sources):
+        return "starqa ingest " + shlex.join(sources)
+    return None
+
+
+def _ingest_words(command: Any) -> tuple[str | None, list[str]] | None:
+    """(the folder of its `cd`, or None; the words after `starqa ingest`) of a recorded
+    command; None unless it is exactly one ingest, after at most one `cd DIR &&`."""
+    if not isinstance(command, str) or _CONTROL.search(command):
+        return None
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        words = list(lexer)
+    except ValueError:  # an unclosed quote
+        return None
+    cd = None
+    if words[:1] == ["cd"] and words[2:3] == ["&&"]:
+        cd, words = words[1], words[3:]
+    if words[:2] != ["starqa", "ingest"] or \
+            any(word and set(word) <= _OPERATOR for word in [cd or "", *words]):
+        return None
+    return cd, words[2:]
 
 
 # ---------------------------------------------------------------------------------------

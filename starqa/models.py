@@ -351,7 +351,7 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 # Phase 2's weight format on CPU when --weights is not given, per embedded model, chosen by
-# measurement (README, "Weights and dtype"): the fastest format whose accuracy against the
+# measurement (docs/models.md, docs/results.md): the fastest format whose accuracy against the
 # dense bf16 reference keeps retention >= 0.97 in benchmarks/weights_accuracy.py. int4 for
 # both: Qwen answered 15 of 15 like dense (every token the same); SmolLM2 answered 34 of
 # dense's 34 on 120 paired samples (two seeds of 60, 10 per cell). The GGUFs are 4-bit at
@@ -440,7 +440,7 @@ def phase1_dtype(dtype: str, device: Any, model_path: Path | str, local_workers:
     bf16 cache on an x86 CPU without bf16 matrix instructions (`BF16_FLAGS`: AVX2-only CPUs,
     most laptops), where torch's bf16 products are emulated: SmolLM2 over 1,024 tokens took
     33.8 s in bf16 and 7.5 in fp32 on a Zen 3, and `ingest samples/` encoded ~5x faster
-    (README, Phase 1 in fp32 on CPUs without bf16 products); the cache is the same size, its
+    (docs/models.md); the cache is the same size, its
     keys and values rounded once instead of computed in bf16 throughout. Blocks that dense
     and ring continue from on a re-ingest are read back as stored, so there a bf16 cache
     matches a full encoding within bf16's rounding of the kept blocks, not bit for bit (fp32

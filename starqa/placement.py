@@ -4,6 +4,7 @@ asked."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from starqa import store
@@ -21,6 +22,8 @@ def phase2_workers(manifest: Manifest, model_path: Path, requested: int | None, 
     model for every token). Never more workers in all than the context has blocks.
     `topk` (indexes.TopK): what top-k attention holds counts instead of the shards."""
     n_blocks = len(manifest.blocks)
+    if requested:
+        _check_cores(requested if nnodes > 1 else min(requested, n_blocks), requested, device)
     if nnodes > 1:
         workers = requested or default_workers(device)
         if workers * nnodes > n_blocks:
@@ -40,6 +43,24 @@ def phase2_workers(manifest: Manifest, model_path: Path, requested: int | None, 
     workers = min(default_workers(device), n_blocks)
     return workers, f"{workers} workers: model and shards need {need / 2**30:.1f} GiB, " \
                     f"{free / 2**30:.1f} GiB free"
+
+
+def _check_cores(workers: int, requested: int, device: str) -> None:
+    """Phase 2's CPU workers each load the model and run it for every token: more than the
+    cores only fight over them (`ingest.check_workers` does the same for Phase 1).
+    STARQA_OVERSUBSCRIBE=1 starts them anyway."""
+    from starqa import launch
+
+    if _is_cuda(device) or os.environ.get("STARQA_OVERSUBSCRIBE", "") not in ("", "0"):
+        return
+    if workers > (cores := launch.cpu_count()):
+        raise StarqaError(
+            f"--workers {requested}" + (f" ({workers} for the context's blocks)"
+                                        if workers != requested else "")
+            + f" > {cores} CPU cores here: each worker loads its own copy of the model, and "
+              "more workers than cores only fight over them.",
+            hint=f"pass --workers {cores} or fewer (or leave it out: starqa chooses), or set "
+                 f"STARQA_OVERSUBSCRIBE=1 to start {workers} anyway")
 
 
 def _weights_bytes(model_path: Path) -> int:

@@ -5,10 +5,18 @@ encoded once in Phase 1, and a query part, encoded per question in Phase 2.
     query   = "\\n\\nQuestion: ..." + end of the user turn (+ earlier turns) + assistant header
 
 Both are tokenised with `add_special_tokens=False`: the template carries BOS itself.
+
+Documents, file names, questions and earlier answers are data: they never become a control
+token of the model's tokenizer, whatever they contain (`<|im_end|>` in a question is five
+plain tokens, not the end of a turn). Only the chat template's own markers are control
+tokens (`Encoder`).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +27,8 @@ SYSTEM = "You are a helpful assistant. Answer the question using only the docume
 INTRO = "Here are the documents.\n\n"
 QUESTION = "\n\nQuestion: "
 _DOCS = "\u2063STARQA-DOCUMENTS\u2063"  # never in a document; stands for them in the query
+_SLOT = "\u2063STARQA-SLOT-{}\u2063"  # stands for a question or an answer while rendering
+_SLOTS = re.compile("\u2063STARQA-SLOT-(\\d+)\u2063")
 
 
 @dataclass(frozen=True)
@@ -81,8 +91,21 @@ def query_template(tokenizer) -> dict | None:
 
 
 def tokenize_query(tokenizer, question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
-    return tokenizer(query_text(tokenizer, question, history),
-                     add_special_tokens=False)["input_ids"]
+    """The query part's ids: the template's markers are control tokens, the question and the
+    earlier turns are text (rendered with slots in their place, filled in as data)."""
+    turns = [*history, (question, None)]
+    values = [text.strip() for q, a in turns for text in (q, a) if text is not None]
+    slotted, n = [], iter(range(len(values)))
+    for q, a in turns:
+        slotted.append((_SLOT.format(next(n)), None if a is None else _SLOT.format(next(n))))
+    rendered = query_text(tokenizer, slotted[-1][0], slotted[:-1])
+    pieces: list[tuple[str, bool]] = []
+    at = 0
+    for slot in _SLOTS.finditer(rendered):
+        pieces += [(rendered[at:slot.start()], True), (values[int(slot.group(1))], False)]
+        at = slot.end()
+    pieces.append((rendered[at:], True))
+    return encoder(tokenizer).encode(pieces)[0]
 
 
 class QueryTokens:
@@ -117,8 +140,9 @@ class QueryTokens:
 
     def ids(self, question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
         if self.fast is not None and not history:
-            return self.fast.encode(self.template["prefix"] + question.strip() +
-                                    self.template["suffix"])
+            return encoder(self.fast).encode([(self.template["prefix"], True),
+                                              (question.strip(), False),
+                                              (self.template["suffix"], True)])[0]
         return tokenize_query(self.full(), question, history)
 
 
@@ -150,8 +174,7 @@ def tokenize_context(tokenizer, packed: str, spans: list[FileSpan]) -> ContextTo
     """Tokenise the context part, mapping each file's span and line starts to tokens through
     the tokenizer's character offsets (spans in the order of `spans`)."""
     text, base = context_text(tokenizer, packed)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, ends = enc["input_ids"], [end for _, end in enc["offset_mapping"]]
+    ids, ends = encoder(tokenizer).encode([(text[:base], True), (packed, False)])
     file_tokens, line_tokens = [], []
     for span in spans:
         start = _first_token_ending_after(ends, base + span.char_start)
@@ -161,6 +184,91 @@ def tokenize_context(tokenizer, packed: str, spans: list[FileSpan]) -> ContextTo
         lines = [span.text_start, *(i + 1 for i in _newlines(packed, span.text_start, text_end))]
         line_tokens.append([_first_token_ending_after(ends, base + c) for c in lines])
     return ContextTokens(ids, file_tokens, line_tokens)
+
+
+# ---------------------------------------------------------------- text is data
+
+
+class Encoder:
+    """Tokenises a prompt made of pieces that are either the template's (its markers, e.g.
+    `<|im_start|>`, become control tokens) or data (never: every added or special token of
+    the tokenizer is matched only in the template's pieces).
+
+    A tokenizer cuts its input at every added token and tokenises the text between them on
+    its own; `encode` cuts at the template's markers alone and tokenises the text between
+    them with the same tokenizer stripped of its added tokens. For pieces of data that hold
+    no marker this gives the very ids of tokenising the joined text; for data that does, the
+    marker's characters are plain text.
+    """
+
+    def __init__(self, backend):
+        from tokenizers import Tokenizer
+
+        spec = json.loads(backend.to_str())
+        self.markers = {t["content"]: t["id"] for t in spec.get("added_tokens") or ()}
+        spec["added_tokens"] = []
+        self.plain = Tokenizer.from_str(json.dumps(spec))
+        self._find = re.compile("|".join(
+            re.escape(m) for m in sorted(self.markers, key=len, reverse=True))) \
+            if self.markers else None
+
+    def text(self, text: str) -> list[int]:
+        """Ids of `text` as data (a document, a question): no control token."""
+        return self.plain.encode(valid(text), add_special_tokens=False).ids if text else []
+
+    def encode(self, pieces: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+        """(ids, each token's end offset in the joined text) of `pieces`, (text, is the
+        template's) in order."""
+        cuts: list[tuple[int, int, int]] = []  # (start, end, id) of the template's markers
+        joined, at = [], 0
+        for text, template in pieces:
+            text = valid(text)
+            if template and self._find is not None:
+                cuts += [(at + m.start(), at + m.end(), self.markers[m.group()])
+                         for m in self._find.finditer(text)]
+            joined.append(text)
+            at += len(text)
+        whole = "".join(joined)
+        ids: list[int] = []
+        ends: list[int] = []
+        at = 0
+        for start, end, marker in [*cuts, (len(whole), len(whole), None)]:
+            if start > at:
+                enc = self.plain.encode(whole[at:start], add_special_tokens=False)
+                ids += enc.ids
+                ends += [at + e for _, e in enc.offsets]
+            if marker is not None:
+                ids.append(marker)
+                ends.append(end)
+            at = end
+        return ids, ends
+
+
+def valid(text: str) -> str:
+    """`text` with each lone surrogate (a file name's undecodable byte, a client's broken
+    string) replaced by U+FFFD: tokenizers take only valid Unicode. Same length."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def encoder(tokenizer) -> Encoder:
+    """The `Encoder` of a transformers fast tokenizer or a `models.FastTokenizer` (built
+    once per tokenizer object)."""
+    if (found := _ENCODERS.get(tokenizer)) is not None:
+        return found
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "tokenizer", None)
+    if backend is None or not hasattr(backend, "to_str"):
+        raise StarqaError("The model's tokenizer has no tokenizer.json (a slow tokenizer).",
+                          hint="use a model folder with a fast tokenizer (tokenizer.json), "
+                               "e.g. one saved by transformers' AutoTokenizer")
+    _ENCODERS[tokenizer] = found = Encoder(backend)
+    return found
 
 
 def _newlines(text: str, start: int, end: int):

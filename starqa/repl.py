@@ -36,6 +36,7 @@ class Chat:
         self.max_new_tokens = max_new_tokens
         self.history: list[tuple[str, str]] = []
         self.last: dict | None = None
+        self.failed = False  # a question or command failed: a script's chat exits 1
         self.conn: client.Client | None = None
         self.connect(context)
 
@@ -53,13 +54,15 @@ class Chat:
                 group is None or group.get("key") != self.group.get("key")):
             self.conn.stop()  # the group this chat started for its own length only: left
         self.owns_group = group is None and self.keepalive == 0
+        from starqa.ui import safe
+
         if group is None:
             if self.topk is not None:
                 from starqa import indexes
 
                 with self.console.status(f"Checking {self.topk.index} indexes"):
                     manifest = indexes.ensure(manifest, self.topk.index)
-            with self.console.status(f"Starting workers for {manifest.name} "
+            with self.console.status(f"Starting workers for {safe(manifest.name)} "
                                      "(loading model and shards)"):
                 # keep-alive 0: no group outlives the chat; it is stopped when the chat ends
                 group = client.start(manifest.key, self.workers,
@@ -71,15 +74,19 @@ class Chat:
         self.group, self.manifest = group, manifest
         self.history.clear()
         self.console.print(
-            f"[bold]{manifest.name}[/] · {manifest.n_tokens:,} tokens · "
-            f"{manifest.method.name} · {group['workers']} warm worker"
+            f"[bold]{safe(manifest.name)}[/] · {manifest.n_tokens:,} tokens · "
+            f"{safe(manifest.method.name)} · {group['workers']} warm worker"
             f"{'s' * (group['workers'] > 1)} · /help for commands")
 
-    def run(self) -> None:
+    def run(self) -> int:
         """Answer what is typed until /exit or Ctrl-D; from a pipe or a file (`echo q |
-        starqa chat`), every non-empty line is one question or command."""
-        typed = self._prompts() if sys.stdin.isatty() else (line.strip() for line in sys.stdin)
-        for text in typed:
+        starqa chat`), every non-empty line is one question or command. Returns the exit
+        code: 1 when not at a terminal and any question or command failed, else 0."""
+        interactive = sys.stdin.isatty()
+        typed = self._prompts() if interactive else (line.strip() for line in sys.stdin)
+        from starqa.ui import as_text  # a piped line's bytes that are not UTF-8: U+FFFD
+
+        for text in map(as_text, typed):
             if not text:
                 continue
             try:
@@ -91,11 +98,13 @@ class Chat:
             except StarqaError as error:
                 from starqa.ui import print_error
 
+                self.failed = True
                 print_error(error)
         if self.conn is not None:
             if self.owns_group:
                 self.conn.stop()
             self.conn.close()
+        return 1 if self.failed and not interactive else 0
 
     def _prompts(self):
         """What is typed at the prompt (Enter sends, Alt-Enter adds a line), until Ctrl-D."""
@@ -113,7 +122,12 @@ class Chat:
         def _submit(event):
             event.current_buffer.validate_and_handle()
 
-        session = PromptSession(history=FileHistory(str(paths.home() / "chat_history")),
+        class History(FileHistory):
+            def store_string(self, string: str) -> None:
+                with contextlib.suppress(OSError):  # a read-only cache: this session's only
+                    super().store_string(string)
+
+        session = PromptSession(history=History(str(paths.home() / "chat_history")),
                                 key_bindings=keys, multiline=True)
         while True:
             try:
@@ -125,7 +139,7 @@ class Chat:
 
     def command(self, text: str) -> bool:
         """Run a slash command; False ends the session."""
-        from starqa.ui import print_sources
+        from starqa.ui import print_sources, safe
 
         name, _, arg = text.partition(" ")
         if name in ("/exit", "/quit"):
@@ -144,11 +158,13 @@ class Chat:
             self.console.print("Conversation cleared.")
         elif name == "/context":
             if not arg.strip():
+                self.failed = True
                 self.console.print("usage: /context NAME (starqa list shows them)")
             else:
                 self.connect(arg.strip())
         else:
-            self.console.print(f"Unknown command {name}; /help lists them.")
+            self.failed = True
+            self.console.print(f"Unknown command {safe(name)}; /help lists them.")
         return True
 
     def follow_reingest(self) -> None:
@@ -160,16 +176,33 @@ class Chat:
         except StarqaError:
             return  # renamed, removed or now ambiguous: stay with what is connected
         if latest.key != self.manifest.key and latest.name == self.manifest.name:
+            from starqa.ui import safe
+
             history = list(self.history)
-            self.console.print(f"[dim]{latest.name} was re-ingested; answering from the new "
-                               f"version ({latest.key[:8]})[/]")
+            self.console.print(f"[dim]{safe(latest.name)} was re-ingested; answering from "
+                               f"the new version ({latest.key[:8]})[/]")
             self.connect(latest.key)
             self.history[:] = history
+
+    def rejoin(self) -> None:
+        """The group went away since the last question (its keep-alive ran out while the
+        chat sat idle, `starqa stop` elsewhere, or it died): start it again (or join the
+        one now running), keeping the conversation. A few file reads per question."""
+        group = client.find(self.manifest.key)
+        if group is not None and group.get("pid") == self.group.get("pid"):
+            return
+        history = list(self.history)
+        self.console.print("[dim](the warm group had stopped; starting it again)[/]")
+        self.conn.close()
+        self.conn = None  # gone: nothing to stop in `connect`
+        self.connect(self.manifest.key)
+        self.history[:] = history
 
     def ask(self, question: str) -> None:
         from starqa.ui import print_sources, stream_writer
 
         self.follow_reingest()
+        self.rejoin()
         write = stream_writer()
         conn = self.conn
         # Ctrl-C while the answer streams asks the group to stop and the answer ends as

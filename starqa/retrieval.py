@@ -5,7 +5,7 @@ and `parts`, which `phase2.ShardAttention` calls in place of exact attention ove
 The question's own forward attends to every key of the worker's blocks, exactly (TopK.prefill
 "exact", the default): the paper retrieves top-k keys for the generated tokens, over a
 cache the whole prompt was prefilled into; with SmolLM2 at 1% the question's rows, left to
-their k keys, lost needles that exact attention found (README, Top-k attention). Its KV
+their k keys, lost needles that exact attention found (docs/topk.md). Its KV
 and its answer's are the query host's own, attended exactly as ever. "topk" gives the
 question's rows their k keys too (a sooner first token on a huge context).
 
@@ -173,7 +173,7 @@ class TopKShard:
 
         if not blocks:
             return None
-        verify_checksums(manifest, blocks)
+        verify_checksums(manifest, blocks, contents=True)
         paths = [manifest.folder / block_file(b) for b in blocks]
         layers, heads = tensorfile.block_shape(paths[0])[:2]
         starts = _starts([tensorfile.block_shape(path)[2] for path in paths])
@@ -764,7 +764,7 @@ def _list_means(keys: torch.Tensor, assigned, counts, centroids):
     Phase 2 ranks lists by their centre's inner product with a row, and a list's mean is
     nearer its keys than the centroid its index trained (10 k-means iterations, after which
     every key went to its nearest centroid): on SmolLM2's decode queries
-    (`benchmarks/topk_recall.py`) the same lists probed found more of the exact top k,
+    (`benchmarks/dev/topk_recall.py`) the same lists probed found more of the exact top k,
     0.932 -> 0.955 at 8K (48 lists a row) and 0.922 -> 0.939 at 32K (68)."""
     import numpy as np
 

@@ -6,7 +6,7 @@ rotations compose, so a key stored at position p becomes the key at p + δ by on
 rotation by δ · inv_freq. That part is exact. What is not: in every layer above the first,
 a block token's hidden state was computed attending to the anchor at a distance that has
 now changed by δ; the values and the keys' unrotated parts keep that old distance. This
-approximation is measured in `benchmarks/rerotate_error.py` and the README.
+approximation is measured in `benchmarks/rerotate_error.py` (docs/results.md).
 
     k: [L, Hkv, T, D] with RoPE applied (the shard layout); transformers' rotate_half
     convention (first half, second half), plain ("default") RoPE only.
@@ -56,5 +56,11 @@ def rerotate_file(source: Path, target: Path, delta: int, freqs: torch.Tensor,
     tensors = load_file(str(source))
     tensors["k"] = rerotate(tensors["k"], delta, freqs).contiguous()
     tmp = target.with_name(target.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+    except Exception as err:  # a full disk, said in words (shards.write_error)
+        from starqa.shards import write_error
+
+        tmp.unlink(missing_ok=True)
+        raise write_error(err, tmp) from err
     os.replace(tmp, target)

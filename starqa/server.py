@@ -8,9 +8,18 @@ Runs inside the query-host worker of a `serve` group. Requests and events are JS
     → {"op": "cancel"}   (while an answer streams: stop it, keep the session)
     → {"op": "ping"}     ← {"event": "pong", ...}        → {"op": "stop"}: end the group
 
-The socket lives in `$STARQA_HOME/run/` (mode 0700), itself mode 0600: only the user who
-started the group can connect, and only from this machine. The query host tokenises the
-question and picks each token; the other workers receive the request by broadcast.
+The socket lives in a short private folder (`paths.socket_dir`, mode 0700), itself mode
+0600: only the user who started the group can connect, and only from this machine. The
+query host tokenises the question and picks each token; the other workers receive the
+request by broadcast.
+
+Files changed under a warm group: before each question the query host compares a stat
+(size, mtime, ctime, inode) of the manifest and of each shard with what it had when the
+group loaded them (a few stats; nothing is read). A shard rewritten in place with the same
+bytes (its checksum is checked then) or a manifest rewritten with the same blocks (a rename)
+is taken as it is; any other change is refused: the asker gets an error naming the file and
+the group stops, so the next question starts afresh from the files as they are now (and a
+damaged shard is named then, as a cold ask names it).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import socket
 import time
 from pathlib import Path
 
-from starqa.manifest import Manifest
+from starqa.manifest import MANIFEST, Manifest
 
 HEARTBEAT_S = 20.0  # the other workers wait in a collective; never longer than this
 
@@ -82,6 +91,8 @@ class Server:
         self.last_activity = time.monotonic()
         self.answered = 0
         self.cancel_seen = False
+        self.stop_seen = False  # another client asked the group to stop mid-answer
+        self.loaded = _stamps(manifest)  # what the group answers from, as it was on disk
 
     # -- requests ---------------------------------------------------------------------
 
@@ -102,6 +113,9 @@ class Server:
                 self._send({"event": "stopping"})
                 return {"op": "stop"}
             elif op == "ask":
+                if (changed := self._changed()) is not None:
+                    self._send({"event": "error", "message": str(changed), "hint": changed.hint})
+                    return {"op": "stop"}
                 request = self._prepare(message)
                 if request is not None:
                     return request
@@ -165,6 +179,11 @@ class Server:
                                       draft_tokens=request["draft_tokens"])
         if piece := stream.finish():
             self._send({"event": "token", "text": piece})
+        if self.stop_seen:  # cut short by `starqa stop`: not an answer to pass on as one
+            self._send({"event": "error", "hint": "ask again: a new group starts",
+                        "message": "The warm group was stopped (starqa stop) while it "
+                                   "answered; the answer was cut short."})
+            return
         text = stream.text
         end = time.perf_counter()
         self.answered += 1
@@ -183,9 +202,19 @@ class Server:
         asker = self.conn
         if asker is None:
             return True
-        ready, _, _ = select.select([asker], [], [], 0)
-        if ready:
-            self._receive(asker)
+        others = [sock for sock in self.buffers if sock is not asker]
+        ready, _, _ = select.select([asker, self.listener, *others], [], [], 0)
+        for sock in ready:
+            if sock is self.listener:  # `starqa stop` (or ps) connecting meanwhile
+                conn, _ = self.listener.accept()
+                self.buffers[conn] = b""
+            else:
+                self._receive(sock)
+        if any(_op(line) == "stop" for sock, buffer in self.buffers.items()
+               if sock is not self.conn for line in buffer.split(b"\n")[:-1]):
+            self.stop_seen = True  # stop ends the answer; its line is served next
+        if self.stop_seen:
+            return True
         if self.conn is None:  # disconnected
             self.cancel_seen = True
         else:  # take cancels out of its unread lines; anything else waits its turn
@@ -194,6 +223,42 @@ class Server:
             self.cancel_seen = self.cancel_seen or len(kept) < len(lines)
             self.buffers[asker] = b"".join(line + b"\n" for line in kept) + partial
         return self.cancel_seen
+
+    def _changed(self):
+        """None while the context's files on disk are those the group loaded; else the
+        StarqaError to answer with (the group then stops). See the module docstring."""
+        from starqa import shards
+        from starqa.errors import StarqaError
+        from starqa.manifest import read_manifest
+
+        m = self.manifest
+        for path, before in self.loaded.items():
+            now = _stamp(path)
+            if now == before:
+                continue
+            what = "manifest" if path.name == MANIFEST else "shard"
+            if now is not None and what == "manifest":
+                try:
+                    same = _block_sums(read_manifest(m.folder)) == _block_sums(m)
+                except (StarqaError, OSError):
+                    same = False
+            elif now is not None:  # the same file (inode), the bytes the group verified
+                block = next(b for b in m.blocks if m.folder / b.file == path)
+                same = now[3] == before[3] and now[0] == before[0] \
+                    and shards.sha256_file(path) == block.sha256
+            else:
+                same = False
+            if same:
+                self.loaded[path] = now
+                continue
+            how = "was removed" if now is None else "was changed"
+            return StarqaError(
+                f"The {what} {path} {how} on disk after this warm group of {m.name} loaded "
+                "it; the group has stopped rather than answer from files that are no longer "
+                "those on disk.",
+                hint="ask again: a fresh start loads the files as they are now and checks "
+                     f"them (naming a damaged shard); or {shards._fix(m)}")
+        return None
 
     def status(self) -> dict:
         m = self.manifest
@@ -270,6 +335,27 @@ def _op(line: bytes) -> str | None:
         return json.loads(line).get("op")
     except (ValueError, AttributeError):
         return None
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    """(size, mtime_ns, ctime_ns, inode) of `path`, None when it is gone: a write or a
+    replacement changes it (ctime cannot be set back)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _stamps(manifest: Manifest) -> dict[Path, tuple | None]:
+    """The stamps of the context's manifest and of the shards this machine holds."""
+    files = [manifest.folder / MANIFEST] + \
+        [manifest.folder / manifest.blocks[i].file for i in manifest.local_blocks]
+    return {path: _stamp(path) for path in files}
+
+
+def _block_sums(manifest: Manifest) -> list[tuple]:
+    return [(b.file, b.bytes, b.sha256) for b in manifest.blocks]
 
 
 def _rss() -> int:

@@ -50,7 +50,7 @@ def add(parts: list[dict[str, dict[int | str, float]]]) -> dict[str, dict[int, f
 
 # An answer that copied less than this share of its attention from the documents did not
 # come from them (SmolLM2 and Qwen2.5-Coder: answers copied from a file copy 1.2-2% of
-# their attention, answers from the model's own knowledge 0.2-0.4%; README, Sources).
+# their attention, answers from the model's own knowledge 0.2-0.4%; docs/results.md).
 MIN_COPIED = 0.006  # STARQA_MIN_COPIED overrides it (tests on tiny random models: 0)
 # Below this share for the top file, attribution is spread over many files: noise.
 MIN_TOP_SHARE = 0.25

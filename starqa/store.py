@@ -204,8 +204,10 @@ def _label(context: Manifest | Damaged) -> str:
 
 
 def touch(manifest: Manifest) -> None:
-    """Mark a context as used now, so `ask` without --context picks it next time."""
-    (manifest.folder / ".last_used").write_text(str(time.time()))
+    """Mark a context as used now, so `ask` without --context picks it next time (not on a
+    read-only cache, which answers all the same)."""
+    with contextlib.suppress(OSError):
+        (manifest.folder / ".last_used").write_text(str(time.time()))
 
 
 def last_used(manifest: Manifest) -> float:

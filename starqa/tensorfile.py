@@ -184,6 +184,51 @@ def map_arrays(path: Path) -> tuple[dict, dict]:
     return arrays, metadata
 
 
+# A float is an Inf or a NaN when every bit of its exponent is set: per safetensors dtype,
+# the unsigned integer of its width and its exponent bits (what `finite` tests).
+_EXPONENT = {"BF16": ("uint16", 0x7F80), "F16": ("uint16", 0x7C00),
+             "F32": ("uint32", 0x7F800000), "F64": ("uint64", 0x7FF0000000000000)}
+_CHUNK = 1 << 22  # values tested at a time: a bounded temporary
+
+
+def finite(array, code: str) -> bool:
+    """Whether every value of `array` (numpy, of safetensors dtype `code`; bf16 as its 16
+    bits) is finite, from its exponent bits: ~8 ms for a 5K-token SmolLM2 context (118 MB
+    of bf16 keys and values) where `torch.isfinite` takes ~300 ms. Non-float dtypes: True."""
+    import numpy as np
+
+    if code not in _EXPONENT:
+        return True
+    kind, exponent = _EXPONENT[code]
+    bits = np.ascontiguousarray(array).reshape(-1).view(kind)
+    magnitude = np.array(exponent | (exponent - 1) if code != "F64" else (1 << 63) - 1,
+                         dtype=kind)  # every bit but the sign
+    for at in range(0, bits.size, _CHUNK):
+        if int(np.bitwise_and(bits[at:at + _CHUNK], magnitude).max()) >= exponent:
+            return False
+    return True
+
+
+def tensor_finite(tensor) -> bool:
+    """`finite` for a torch tensor (on another device: torch's own test, there)."""
+    import torch
+
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return True
+    code = _CODES.get(str(tensor.dtype).removeprefix("torch."))
+    if tensor.device.type != "cpu" or code not in _EXPONENT:
+        return bool(torch.isfinite(tensor).all())
+    same_width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return finite(tensor.detach().contiguous().view(same_width).numpy(), code)
+
+
+def nonfinite(path: Path) -> list[str]:
+    """The float tensors of a file holding an Inf or a NaN (none: [])."""
+    _, found = header(path)
+    arrays, _ = map_arrays(path)
+    return [name for name, array in arrays.items() if not finite(array, found[name]["dtype"])]
+
+
 def _map(path: Path):
     """The whole file, memory-mapped privately (copy on write: nothing reaches the file)."""
     import mmap

@@ -34,7 +34,7 @@ exact partial attention over the shard (`attention.attend`) up to fp32 rounding.
 The tail (ivf, `TopK.tail` "lists"; beyond the paper). Top-k alone gives the keys a row
 leaves out no weight, so its softmax spreads their mass over the keys it kept: at k = 1%
 on SmolLM2 that bias, layer after layer, turned some of exact attention's answers into a
-distractor's (README, "The tail"). ivf already scores every list's centre (its mean key)
+distractor's (docs/topk.md, "ivf's tail"). ivf already scores every list's centre (its mean key)
 for every row; the tail lets each list's keys outside the row's union count as that many
 copies of the centre, holding the list's mean value:
 

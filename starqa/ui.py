@@ -7,12 +7,13 @@ to stdout.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.progress import (
     BarColumn,
@@ -23,6 +24,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from starqa import methods, shards, store
 from starqa.ask import Answer
@@ -32,14 +34,72 @@ from starqa.manifest import Manifest
 from starqa.methods import MethodConfig
 from starqa.progress import UI
 
-err = Console(stderr=True, highlight=False)
-out = Console(highlight=False)  # a command's own result (answers, tables): stdout
+MIN_WIDTH = 20  # columns: words stay whole on the narrowest terminal (the terminal wraps)
+
+
+class _Console(Console):
+    """rich's Console, never narrower than MIN_WIDTH: with COLUMNS=0 rich drew nothing at
+    all, errors included, and on a 1-column terminal one character a line."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        width, height = Console.size.fget(self)
+        return ConsoleDimensions(max(width, MIN_WIDTH), height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
+
+err = _Console(stderr=True, highlight=False)
+out = _Console(highlight=False)  # a command's own result (answers, tables): stdout
+
+
+# ---------------------------------------------------------------------------------------
+# untrusted text: every path, name, command and answer starqa prints comes from data
+
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+# C0 and C1 controls and DEL (escape sequences, bells, carriage returns), bidi embeddings,
+# overrides and isolates (text that reads in another order than it runs), the Unicode line
+# and paragraph separators, and the lone surrogates a file name's undecodable bytes become
+# (os.fsdecode; printing one raises UnicodeEncodeError): each shown as its escape.
+_UNPRINTABLE = {c: _NAMED.get(chr(c), f"\\x{c:02x}")
+                for c in (*range(0x20), *range(0x7F, 0xA0))}
+_UNPRINTABLE |= {c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A),
+                                               0x2028, 0x2029, *range(0xD800, 0xE000))}
+# Answers keep their lines and tabs (and Markdown); a carriage return only overwrites.
+_ANSWER = {c: e for c, e in _UNPRINTABLE.items() if chr(c) not in "\n\t"} | {ord("\r"): ""}
+
+
+def printable(text: str, keep_newlines: bool = False) -> str:
+    r"""`text` with each character that would act on the terminal, instead of showing,
+    written as its escape: a file named `esc` ESC `[2J.md` prints as `esc\x1b[2J.md`, a
+    newline in a name as `\n`, a right-to-left override as `\u202e`. With `keep_newlines`
+    (answers) newlines and tabs stay and carriage returns go. Rich markup is not escaped
+    here: `safe` does both, for text given to rich."""
+    return str(text).translate(_ANSWER if keep_newlines else _UNPRINTABLE)
+
+
+_UNDECODED = re.compile("[\ud800-\udfff]")
+
+
+def as_text(typed: str | None) -> str | None:
+    """What was typed (a question, from the command line or a pipe) as a model reads it:
+    bytes that were not UTF-8, which Python keeps as lone surrogates and tokenizers refuse
+    (TypeError), become U+FFFD."""
+    return None if typed is None else _UNDECODED.sub("\ufffd", typed)
+
+
+def safe(text) -> str:
+    """`text` as data inside rich markup: printable, and `[red]` prints as `[red]`."""
+    return escape(printable(str(text)))
 
 
 def stream_writer():
     """A function that shows an answer as its text arrives; call it with None at the end.
 
-    On a terminal the text is rendered as Markdown, live; piped, it is written as is.
+    On a terminal the text is rendered as Markdown, live; piped, it is written as plain
+    text. Either way its control characters are shown escaped (`printable`).
     """
     if not sys.stdout.isatty():
         state = {"any": False}
@@ -52,29 +112,47 @@ def stream_writer():
                 state["any"] = False
                 return
             state["any"] = True
-            sys.stdout.write(text)
+            sys.stdout.write(printable(text, keep_newlines=True))
             sys.stdout.flush()
 
         return plain
 
     from rich.live import Live
     from rich.markdown import Markdown
+    from rich.segment import Segment, Segments
 
-    state = {"text": "", "live": None}
+    # The answer is rendered whole, at most 12 times a second (as rich's own refresh: the
+    # decode never waits on a render of a long answer); the lines that would scroll above
+    # the screen, where a live display cannot reach to redraw them (it drew them again
+    # below, once per redraw), are printed once above it instead: only the rest is live.
+    state = {"text": "", "live": None, "done": 0, "drawn_at": 0.0}
+
+    def lines_of(lines) -> Segments:
+        return Segments([segment for line in lines for segment in (*line, Segment.line())])
+
+    def draw() -> None:
+        live, done = state["live"], state["done"]
+        lines = out.render_lines(Markdown(state["text"]), out.options, pad=False)
+        cut = len(lines) - max(out.size.height - 2, 1)  # the live part fits the screen
+        if cut > done:
+            live.console.print(lines_of(lines[done:cut]), end="")
+            state["done"] = done = cut
+        live.update(lines_of(lines[done:]), refresh=True)
+        state["drawn_at"] = time.monotonic()
 
     def rendered(text: str | None) -> None:
         if text is None:
             if state["live"] is not None:
+                draw()
                 state["live"].stop()
-            state.update(text="", live=None)
+            state.update(text="", live=None, done=0, drawn_at=0.0)
             return
-        state["text"] += text
+        state["text"] += printable(text, keep_newlines=True)
         if state["live"] is None:
-            state["live"] = Live(Markdown(state["text"]), console=out, refresh_per_second=12,
-                                 vertical_overflow="visible")
+            state["live"] = Live(console=out, auto_refresh=False, vertical_overflow="visible")
             state["live"].start()
-        else:
-            state["live"].update(Markdown(state["text"]))
+        if time.monotonic() - state["drawn_at"] >= 1 / 12:
+            draw()
 
     return rendered
 
@@ -101,6 +179,7 @@ class RichUI(UI):
 
     @contextmanager
     def status(self, message: str):
+        message = safe(message)
         if self._step is not None:  # a step inside a step: show it, then the outer again
             outer = self._step_text
             self._step.update(message)
@@ -119,11 +198,11 @@ class RichUI(UI):
                 self._step = None
 
     def note(self, message: str) -> None:
-        err.print(message, highlight=False)
+        err.print(safe(message), highlight=False)
 
     def waiting(self, message: str) -> None:
         self._stop_status()
-        self._status = err.status(message)
+        self._status = err.status(safe(message))
         self._status.start()
 
     def _stop_status(self) -> None:
@@ -167,7 +246,7 @@ def print_sources(sources: list[dict] | None, limit: int = 3) -> None:
     parts = [f"{s['path']}:{s['lines'][0]}" + (f"-{s['lines'][1]}" if s["lines"][1] != s["lines"][0]
                                                  else "") + f" ({s['share']:.0%})"
              for s in sources[:limit]]
-    err.print("[dim]sources: " + escape(", ".join(parts)) + "[/]")
+    err.print("[dim]sources: " + safe(", ".join(parts)) + "[/]")
 
 
 def ingest_report(result: IngestResult) -> None:
@@ -178,16 +257,16 @@ def ingest_report(result: IngestResult) -> None:
         return
     files = sorted(m.files, key=lambda f: f.token_end - f.token_start, reverse=True)
     if result.cache_hit:
-        err.print(f"[green]Cache hit[/]: {m.name} ({m.key}) is already encoded with "
-                  f"{_method(m.method)} on {m.model.name}; nothing to do "
+        err.print(f"[green]Cache hit[/]: {safe(m.name)} ({m.key}) is already encoded with "
+                  f"{safe(_method(m.method))} on {safe(m.model.name)}; nothing to do "
                   f"({result.seconds:.1f} s). Use --force to re-encode.")
         return
     if result.reuse is not None:
         err.print(reuse_line(m.name, result.reuse, result.seconds))
-    err.print(f"[bold]Ingested[/] {m.name} ({m.key}): {len(m.files)} files, "
+    err.print(f"[bold]Ingested[/] {safe(m.name)} ({m.key}): {len(m.files)} files, "
               f"{m.n_tokens:,} tokens, {len(m.blocks)} blocks on {result.workers} "
-              f"worker{'s' * (result.workers > 1)}, method {_method(m.method)}, "
-              f"model {m.model.name}, {m.dtype}")
+              f"worker{'s' * (result.workers > 1)}, method {safe(_method(m.method))}, "
+              f"model {safe(m.model.name)}, {m.dtype}")
     per_worker = _blocks_per_worker(m.method, len(m.blocks), result.workers)
     err.print(f"Blocks per worker: {per_worker}")
     room, window = m.model.window - m.n_tokens, m.model.window
@@ -198,18 +277,18 @@ def ingest_report(result: IngestResult) -> None:
     err.print(f"Encoded in {result.encode_seconds:.1f} s "
               f"({m.n_tokens / max(result.encode_seconds, 1e-9):,.0f} tokens/s); "
               f"total {result.seconds:.1f} s; shards {_size(sum(b.bytes for b in m.blocks))} "
-              f"in {m.folder}")
+              f"in {safe(m.folder)}")
     table = Table(title="Largest files", box=None, title_justify="left")
     table.add_column("file")
     table.add_column("tokens", justify="right")
     table.add_column("lines", justify="right")
     for f in files[:5]:
-        table.add_row(f.path, f"{f.token_end - f.token_start:,}", f"{f.lines:,}")
+        table.add_row(safe(f.path), f"{f.token_end - f.token_start:,}", f"{f.lines:,}")
     err.print(table)
     if m.skipped:
         err.print(f"Skipped {len(m.skipped)}:")
         for s in m.skipped[:20]:
-            err.print(f"  {s.path}: {s.reason}")
+            err.print(f"  {safe(s.path)}: {safe(s.reason)}")
         if len(m.skipped) > 20:
             err.print(f"  … and {len(m.skipped) - 20} more")
 
@@ -218,11 +297,11 @@ def watch_line(result: IngestResult) -> str:
     """`ingest --watch`'s line after each re-ingest: what was reused and encoded."""
     m = result.manifest
     if result.cache_hit:
-        return (f"[green]Unchanged[/]: {escape(m.name)} ({m.key[:8]}): the files it reads are "
+        return (f"[green]Unchanged[/]: {safe(m.name)} ({m.key[:8]}): the files it reads are "
                 f"as ingested ({result.seconds:.1f} s)")
     if result.reuse is not None:
         return reuse_line(m.name, result.reuse, result.seconds) + f" → {m.key[:8]}"
-    return (f"[bold]Ingested[/] {escape(m.name)} ({m.key[:8]}): {len(m.blocks)} blocks, "
+    return (f"[bold]Ingested[/] {safe(m.name)} ({m.key[:8]}): {len(m.blocks)} blocks, "
             f"{m.n_tokens:,} tokens in {result.seconds:.1f} s")
 
 
@@ -232,21 +311,21 @@ def reuse_line(name: str, r, seconds: float) -> str:
     done = [f"{r.reused} reused"] + [f"{r.rotated} moved (keys re-rotated)"] * bool(r.rotated)
     parts = [f"{r.blocks} blocks", *done, f"{r.encoded} encoded"
              + (" in this process" if r.in_process and r.encoded else "")]
-    line = f"[bold]Re-ingested[/] {escape(name)}: {', '.join(parts)}"
+    line = f"[bold]Re-ingested[/] {safe(name)}: {', '.join(parts)}"
     c = r.changes
     if c is not None:
         what = []
         if c.changed:
             shown = ", ".join(c.changed[:3]) + (f" and {len(c.changed) - 3} more"
                                                 if len(c.changed) > 3 else "")
-            what.append(f"{escape(shown)} changed")
+            what.append(f"{safe(shown)} changed")
         elif not (c.added or c.removed):
             what.append("no file changed")
         what.append(f"{len(c.added)} file{'s' * (len(c.added) != 1)} added, "
                     f"{len(c.removed)} removed")
         line += f" ({'; '.join(what)})"
     line += f" in {seconds:.1f} s"
-    return line + (f"\n  {escape(r.why)}" if r.why else "")
+    return line + (f"\n  {safe(r.why)}" if r.why else "")
 
 
 def _blocks_per_worker(method: MethodConfig, n_blocks: int, workers: int) -> str:
@@ -270,9 +349,9 @@ def answer_stats(answer: Answer) -> None:
     rate = (n_new - 1) / answer.decode_seconds if answer.decode_seconds and n_new > 1 else 0.0
     prefill = answer.query_tokens / answer.prefill_seconds if answer.prefill_seconds else 0.0
     workers = f"{answer.workers} {'warm ' * answer.warm}worker{'s' * (answer.workers > 1)}" + \
-        (f" ({answer.weights})" if answer.weights else "") + \
+        (f" ({safe(answer.weights)})" if answer.weights else "") + \
         (f" · {answer.attention}" if answer.attention != "exact" else "")
-    err.print(f"[dim]{answer.context.name} · {answer.context.method.name} · "
+    err.print(f"[dim]{safe(answer.context.name)} · {safe(answer.context.method.name)} · "
               f"{answer.context.n_tokens:,} cached + {answer.query_tokens} question tokens · "
               f"{workers} · first token {ttft:.2f} s · prefill {prefill:,.0f} tok/s · "
               f"decode {rate:.1f} tok/s ({n_new} tokens) · total {answer.seconds:.1f} s[/]"
@@ -303,6 +382,9 @@ def answer_json(answer: Answer) -> dict:
 # cache management: list, info, rm, cache (their output is the command's result: stdout)
 
 
+LIST_COLUMNS = ("", "name", "key", "sources", "tokens", "method", "model", "size", "last used")
+
+
 def context_list(summaries: list[dict], now: float, damaged: list[dict] = (),
                  latest: dict | None = None) -> None:
     """The contexts as a table, most recently used first, then the damaged ones (named, so
@@ -317,25 +399,34 @@ def context_list(summaries: list[dict], now: float, damaged: list[dict] = (),
                     "`ask --beyond-window` answers from it")
     table = Table(box=None, header_style="bold", pad_edge=False, padding=(0, 1, 0, 0),
                   caption=caption, caption_justify="left")
-    for column, justify in (("", "left"), ("name", "left"), ("key", "left"),
-                            ("sources", "left"), ("tokens", "right"), ("method", "left"),
-                            ("model", "left"), ("size", "right"), ("last used", "right")):
+    for column, justify in zip(LIST_COLUMNS, ("left", "left", "left", "left", "right", "left",
+                                              "left", "right", "right")):
         # Only the sources may wrap; every other column keeps its width.
         table.add_column(column, justify=justify, overflow="fold", no_wrap=column != "sources",
                          min_width=len(column) if column != "sources" else 12)
-    for s in summaries:
-        table.add_row("*" if s is latest else "", escape(s["name"]), s["key"][:8],
-                      escape(_sources(s["sources"])),
-                      f"[yellow]{s['n_tokens']:,} ![/]" if s["past_window"]
-                      else f"{s['n_tokens']:,}",
-                      _method_short(s["method"]), escape(s["model"]), _size(s["bytes"]),
-                      _ago(now - s["last_used"]))
+    rows = [("*" if s is latest else "", safe(s["name"]), safe(s["key"][:8]),
+             _sources(s["sources"]),
+             f"[yellow]{s['n_tokens']:,} ![/]" if s["past_window"] else f"{s['n_tokens']:,}",
+             safe(_method_short(s["method"])), safe(s["model"]), _size(s["bytes"]),
+             _ago(now - s["last_used"])) for s in summaries]
+    rows += [("*" if d is latest else "", "[red]damaged[/]", safe(d["key"][:8]),
+              safe(d["dir"]), "", "", "", _size(d["bytes"]), _ago(now - d["last_used"]))
+             for d in damaged]
+    for row in rows:
+        table.add_row(*row)
+    need = sum(12 if header == "sources" else  # the only column that wraps
+               max(len(header), *(Text.from_markup(row[i]).cell_len for row in rows))
+               for i, header in enumerate(LIST_COLUMNS)) + len(LIST_COLUMNS) - 1
+    if need <= out.width:
+        out.print(table)
+    else:  # too narrow: rich would drop whole columns (the `*` first), so a line each
+        for mark, *cells in rows:
+            cells[3] = f"{cells[3]} tokens" if cells[3] else ""
+            out.print(" ".join([mark or " ", *(c.replace("\n", ", ") for c in cells if c)]),
+                      soft_wrap=True)  # the terminal wraps it; rich would break it anywhere
+        out.print(caption, soft_wrap=True)
     for d in damaged:
-        table.add_row("*" if d is latest else "", "[red]damaged[/]", d["key"][:8],
-                      escape(d["dir"]), "", "", "", _size(d["bytes"]), _ago(now - d["last_used"]))
-    out.print(table)
-    for d in damaged:
-        err.print(f"[red]damaged[/] {escape(d['key'])}: {escape(d['damaged'])}")
+        err.print(f"[red]damaged[/] {safe(d['key'])}: {safe(d['damaged'])}")
     if damaged:
         err.print("Remove damaged contexts with `starqa rm KEY` or `starqa cache --clean`.")
 
@@ -353,7 +444,7 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
     facts.add_column(overflow="fold")
     for label, value in (
             ("name", m.name), ("key", m.key), ("folder", m.folder),
-            ("sources", "\n".join(m.sources)), ("command", m.command),
+            ("sources", m.sources), ("command", m.rerun),
             ("model", model_text), ("model path", model.path),
             ("method", _method(m.method)), ("dtype", m.dtype),
             ("tokens", f"{m.n_tokens:,} in {len(m.blocks)} blocks, {len(m.files)} files"
@@ -362,7 +453,8 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
             ("size", _size(summary["bytes"])),
             ("created", f"{created} ({_ago(now - m.created)})"),
             ("last used", _ago(now - summary["last_used"])), ("ingest", ingest_text)):
-        facts.add_row(label, escape(str(value)))
+        lines = value if isinstance(value, tuple) else (value,)
+        facts.add_row(label, "\n".join(safe(line) for line in lines))
     out.print(facts)
     out.print()
     blocks = _table("Blocks", ("block", "right"), ("tokens", "right"), ("range", "right"),
@@ -376,14 +468,14 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
         held = [f.path for f in m.files if f.token_start < b.end and b.start < f.token_end]
         blocks.add_row(str(b.index), f"{b.end - b.start:,}",
                        f"{b.start:,}–{b.end:,}", _size(b.bytes), state,
-                       escape(", ".join(held[:4]) + (f" +{len(held) - 4}" if len(held) > 4
+                       safe(", ".join(held[:4]) + (f" +{len(held) - 4}" if len(held) > 4
                                                      else "")))
     out.print(blocks)
     out.print()
     files = _table("Files", ("file", "left"), ("tokens", "right"), ("range", "right"),
                    ("lines", "right"), ("bytes", "right"))
     for f in m.files:
-        files.add_row(escape(f.path), f"{f.token_end - f.token_start:,}",
+        files.add_row(safe(f.path), f"{f.token_end - f.token_start:,}",
                       f"{f.token_start:,}–{f.token_end:,}", f"{f.lines:,}",
                       _size(f.bytes))
     out.print(files)
@@ -391,7 +483,7 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
         out.print()
         skipped = _table(f"Skipped ({len(m.skipped)})", ("file", "left"), ("reason", "left"))
         for s in m.skipped:
-            skipped.add_row(escape(s.path), escape(s.reason))
+            skipped.add_row(safe(s.path), safe(s.reason))
         out.print(skipped)
 
 
@@ -400,14 +492,14 @@ def removed_report(removed: list[tuple[Manifest | store.Damaged, int]]) -> None:
     total."""
     for context, freed in removed:
         name = "damaged context" if isinstance(context, store.Damaged) else context.name
-        out.print(f"Removed {escape(name)} ({context.key}), freed {_size(freed)}")
+        out.print(f"Removed {safe(name)} ({safe(context.key)}), freed {_size(freed)}")
     if len(removed) > 1:
         out.print(f"Removed {len(removed)} contexts, freed {_size(sum(f for _, f in removed))}")
 
 
 def cache_report(home: Path, usage: store.CacheUsage, cleaned: int | None) -> None:
     """Where the cache lives, what takes its space, and leftovers of interrupted work."""
-    out.print(f"Cache at {escape(str(home))}")
+    out.print(f"Cache at {safe(str(home))}")
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
     facts.add_column(justify="right")
@@ -423,7 +515,7 @@ def cache_report(home: Path, usage: store.CacheUsage, cleaned: int | None) -> No
     facts.add_row("total", _size(usage.total_bytes), "")
     out.print(facts)
     for x in usage.leftovers:
-        out.print(f"  {escape(x.path.name)}  {_size(x.bytes)}  {escape(x.state)}")
+        out.print(f"  {safe(x.path.name)}  {_size(x.bytes)}  {safe(x.state)}")
     if cleaned is not None:
         out.print(f"Cleaned leftovers, freed {_size(cleaned)}")
 
@@ -456,8 +548,10 @@ def _method_short(method: dict) -> str:
 
 
 def _sources(sources: list[str]) -> str:
+    """The first two sources (the home folder as ~), one a line, as rich markup."""
     home = str(Path.home())
-    short = ["~" + s[len(home):] if s == home or s.startswith(home + "/") else s for s in sources]
+    short = [safe("~" + s[len(home):] if s == home or s.startswith(home + "/") else s)
+             for s in sources]
     return "\n".join(short[:2]) + (f"\n+{len(short) - 2} more" if len(short) > 2 else "")
 
 
@@ -471,9 +565,12 @@ def _ago(seconds: float) -> str:
 
 
 def print_error(error) -> None:
-    err.print(f"[bold red]error:[/] {escape(str(error))}", soft_wrap=True)
+    """`error: ...` and `hint: ...` on stderr; the message keeps its lines (a worker's last
+    lines), every other control is shown escaped."""
+    message = escape(printable(str(error), keep_newlines=True))
+    err.print(f"[bold red]error:[/] {message}", soft_wrap=True)
     if getattr(error, "hint", None):
-        err.print(f"[yellow]hint:[/] {escape(error.hint)}")
+        err.print(f"[yellow]hint:[/] {safe(error.hint)}")
 
 
 def _size(n: int) -> str:
@@ -502,7 +599,8 @@ def groups_table(groups: list[dict]) -> None:
         here = ("all" if not g.get("nodes") else
                 f"node {g['node']} of {g['nodes']}"
                 + (" (query host)" if g["socket"] else f"; asks go to {g['query']}"))
-        table.add_row(g["name"], g["key"], str(g["workers"]), here, g.get("weights", "?"),
+        table.add_row(safe(g["name"]), safe(g["key"]), str(g["workers"]), safe(here),
+                      safe(g.get("weights", "?")),
                       str(g["pid"]), _ago(now - g["started"]).removesuffix(" ago"),
                       str(g.get("answered", "?")), rss,
                       f"{g['keepalive']:.0f} s" if g["keepalive"] > 0 else "never")
@@ -551,10 +649,10 @@ def bench_notes(plan) -> None:
     opts = plan.opts
     err.print(f"[bold]starqa bench[/]: {', '.join(opts.methods)} · "
               f"{', '.join(f'{n:,}' for n in opts.lengths)} tokens · workers "
-              f"{', '.join(map(str, opts.workers))} · {escape(plan.model_name)} · {plan.cores} "
+              f"{', '.join(map(str, opts.workers))} · {safe(plan.model_name)} · {plan.cores} "
               f"core{'s' * (plan.cores > 1)}")
     for note in plan.notes:
-        err.print(f"[dim]note:[/] {escape(note)}")
+        err.print(f"[dim]note:[/] {safe(note)}")
 
 
 def bench_table(result: dict) -> None:
@@ -577,7 +675,7 @@ def bench_table(result: dict) -> None:
     out.print(table)
     cpu = result["environment"].get("cpu")
     if cpu:
-        out.print(f"[dim]CPU: {escape(cpu['model'])} ({', '.join(cpu['flags']) or 'no avx2'})[/]")
+        out.print(f"[dim]CPU: {safe(cpu['model'])} ({', '.join(cpu['flags']) or 'no avx2'})[/]")
     out.print("[dim]P1: Phase 1. s, tok/s, crit: the slowest worker (the critical path); "
               "total: all workers;\npeak: the largest worker's max RSS (GPU memory on CUDA); "
               "comm: payload all workers sent;\nTTFT: question prefill to first token on "

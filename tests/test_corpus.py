@@ -149,9 +149,9 @@ def test_binary_too_large_bad_utf8_empty_lock(tmp_path):
 def test_too_large_is_not_read(tmp_path, monkeypatch):
     write(tmp_path, {"small.txt": "s", "huge.txt": "h" * 5_000})
     opened = []
-    real_read = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes",
-                        lambda self: opened.append(self.name) or real_read(self))
+    real_open = os.open
+    monkeypatch.setattr(os, "open",
+                        lambda p, *a, **k: opened.append(Path(p).name) or real_open(p, *a, **k))
     collect([tmp_path], max_file_bytes=100)
     assert opened == ["small.txt"]
 

@@ -249,7 +249,7 @@ def test_ask_alone_names_the_machines_that_keep_the_other_blocks():
     manifest.local_blocks = (2, 3)
     manifest.blocks = (0, 1, 2, 3)
     manifest.name = "docs"
-    manifest.command = "cd /x && starqa ingest docs"
+    manifest.rerun = "cd /x && starqa ingest docs"  # the command rebuilt from the manifest
     with pytest.raises(StarqaError, match=r"keeps 2 of the 4 blocks.*blocks 0-1 on node 0 "
                                           r"\(a, 10\.0\.0\.1\)") as err:
         hosts.check_here(manifest)

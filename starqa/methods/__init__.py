@@ -11,15 +11,16 @@ from starqa.errors import StarqaError
 from starqa.methods.apb import Apb
 from starqa.methods.base import Method
 from starqa.methods.blocks import plan_blocks, plan_file_blocks, round_robin, split_contiguous
-from starqa.methods.config import (MAX_DEFAULT_BLOCK, OPTIONS, MethodConfig, check_sizes,
-                                   default_block, given_settings)
+from starqa.methods.config import (MAX_DEFAULT_BLOCK, MIN_BLOCK, OPTIONS, MethodConfig,
+                                   check_block_size, check_sizes, default_block, given_settings)
 from starqa.methods.exact import Dense, Ring
 from starqa.methods.pulsar import Pulsar
 from starqa.methods.star import Star
 
-__all__ = ["MAX_DEFAULT_BLOCK", "METHODS", "OPTIONS", "DEFAULT", "REFERENCE", "Method",
-           "MethodConfig", "get", "given_settings", "help_line", "method_config", "owners",
-           "plan_blocks", "plan_file_blocks", "round_robin", "split_contiguous"]
+__all__ = ["MAX_DEFAULT_BLOCK", "MIN_BLOCK", "METHODS", "OPTIONS", "DEFAULT", "REFERENCE",
+           "Method", "MethodConfig", "check_block_size", "get", "given_settings", "help_line",
+           "method_config", "owners", "plan_blocks", "plan_file_blocks", "round_robin",
+           "split_contiguous"]
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (Star(), Dense(), Ring(), Pulsar(), Apb())}
 METHODS = tuple(REGISTRY)  # --method's choices

@@ -33,6 +33,18 @@ class Apb(Method):
         anchor = default_anchor(block_size) if anchor_size is None else anchor_size
         return MethodConfig(self.name, block_size, anchor, p)
 
+    def check_usable(self, config: MethodConfig) -> None:
+        """An anchor (Method's rule), and 1 to b keys passed on per block and KV head: with
+        none APB is Star with a small anchor, and a block has no more than b keys to pass."""
+        super().check_usable(config)
+        passing, block = config.params["passing"], config.block_size
+        if not 1 <= passing <= block:
+            raise StarqaError(
+                f"--passing-size {passing} is not between 1 and the block's {block:,} tokens: "
+                "each block passes on that many of its keys to the blocks after it.",
+                hint=f"leave it out for the default, an eighth of the block (--passing-size "
+                     f"{max(1, block // 8)}), or pass another number from 1 to {block}")
+
     def assignment(self, n_blocks: int, world: int, rank: int) -> list[int]:
         """Round-robin: block i on worker i % world in round i // world, so each round's
         blocks find every earlier block already compressed."""

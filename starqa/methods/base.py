@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from starqa.errors import StarqaError
 from starqa.methods.blocks import digest, split_contiguous
 from starqa.methods.config import MethodConfig
 
@@ -49,6 +50,21 @@ class Method:
         not given (None). `params` holds only settings this method owns."""
         return MethodConfig(self.name, block_size, 0)
 
+    def check_usable(self, config: MethodConfig) -> None:
+        """Refuse settings a user gave that this method's math cannot use (StarqaError with
+        the numbers and the fix); `ingest` asks before anything runs. An anchor, where the
+        method has one, must hold the context's first token: the attention sink every block
+        needs (without it, blocks after the first answer garbage). Tests build any config
+        through `method_config`."""
+        if "anchor" in self.settings and config.anchor_size < 1:
+            raise StarqaError(
+                f"--anchor-size {config.anchor_size} leaves {self.name}'s blocks without an "
+                "anchor: every block after the first needs at least the context's first "
+                "token (the attention sink) before it.",
+                hint=f"leave it out for the default (--anchor-size "
+                     f"{self.config(config.block_size, None, {}).anchor_size} for blocks of "
+                     f"{config.block_size:,}), or pass another number of 1 or more")
+
     # ------------------------------------------------------------------- launcher side
 
     def assignment(self, n_blocks: int, world: int, rank: int) -> list[int]:
@@ -69,6 +85,13 @@ class Method:
                        prepared: dict | None = None) -> int:
         """Where Phase 2's positions start: right after the context by default."""
         return len(ids)
+
+    def query_bounds(self, config: MethodConfig, n_tokens: int, blocks: Blocks
+                     ) -> tuple[int, int]:
+        """The least and the most `query_position` can be for a context of `n_tokens` in
+        `blocks` (what a manifest's reader checks its recorded one against): exactly
+        `n_tokens` by default."""
+        return n_tokens, n_tokens
 
     def invalidated(self, config: MethodConfig, blocks: Blocks, edited: int) -> list[int]:
         """The blocks whose stored KV is stale once the tokens of block `edited` change,

@@ -13,6 +13,10 @@ OPTIONS = {"sink": "--sink-size", "heuristic": "--heuristic", "budget_frac": "--
            "chunk": "--chunk-size", "positions": "--positions", "passing": "--passing-size",
            "window": "--probe-window", "question": "--question", "anchor": "--anchor-size"}
 MAX_DEFAULT_BLOCK = 32_768  # the paper's fixed block size for very long contexts
+# The smallest --block-size a user may ask for: APB passes on b/8 of each block's keys
+# through a max-pool of width 5 (4 keys at 32), Pulsar summarises blocks in chunks of 32,
+# and each block costs a forward and a file of its own (--block-size 1: one per token).
+MIN_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,19 @@ def check_sizes(block_size: int | None, anchor_size: int | None) -> None:
         raise StarqaError(f"--block-size must be at least 1 (got {block_size}).")
     if anchor_size is not None and anchor_size < 0:
         raise StarqaError(f"--anchor-size must be 0 or more (got {anchor_size}).")
+
+
+def check_block_size(block_size: int | None, n_tokens: int) -> None:
+    """A --block-size the methods can use (`MIN_BLOCK` tokens or more; None: the default);
+    StarqaError with the numbers and the fix otherwise. Only what users give is checked:
+    tests and eval's oracles build smaller blocks through `method_config`."""
+    if block_size is not None and block_size < MIN_BLOCK:
+        raise StarqaError(
+            f"--block-size {block_size} is too small: a block must hold at least {MIN_BLOCK} "
+            f"tokens (APB passes on an eighth of each block, Pulsar summarises blocks in "
+            f"chunks of 32, and every block is a forward and a file of its own).",
+            hint=f"pass --block-size {MIN_BLOCK} or more, or leave it out for the default, a "
+                 f"quarter of the context (--block-size {default_block(n_tokens)} here)")
 
 
 def default_block(n_tokens: int) -> int:

@@ -58,6 +58,13 @@ class Pulsar(Method):
         return query_start(len(ids), blocks, _tensors(prepared, ids, config, blocks),
                            sink=config.params["sink"], positions="contiguous")
 
+    def query_bounds(self, config, n_tokens, blocks) -> tuple[int, int]:
+        """Contiguous positions: the longest assembled block, which holds at least its own
+        tokens and at most the context's (sink and summaries are other blocks' tokens)."""
+        if config.params.get("positions") != "contiguous":
+            return n_tokens, n_tokens
+        return max((end - start for start, end in blocks), default=0), n_tokens
+
     def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
         from starqa.pulsar import encode_pulsar
 

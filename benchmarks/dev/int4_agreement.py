@@ -3,7 +3,7 @@ torch's int4 kernel against starqa's (starqa/_int4.c), on a cached context: a me
 accuracy far more sensitive than scoring a few greedy answers, whose flips near a small
 model's window edge are chance.
 
-    python benchmarks/int4_agreement.py CONTEXT_FOLDER [--questions 3] [--tokens 40]
+    python benchmarks/dev/int4_agreement.py CONTEXT_FOLDER [--questions 3] [--tokens 40]
 
 CONTEXT_FOLDER is a cached context (`starqa info` names its folder). For each question the
 dense model's greedy answer is generated, then all three models read question and answer
@@ -24,7 +24,7 @@ from starqa.ask import question_ids
 from starqa.decoder import load_decoder
 from starqa.manifest import read_manifest
 
-from decode_step import torch_layout  # benchmarks/, beside this script
+from decode_step import torch_layout  # benchmarks/dev/, beside this script
 
 QUESTIONS = ["Which function merges the partial attentions of the workers?",
              "What does the travel policy say about approvals?",

@@ -5,7 +5,7 @@ the k best of the keys the selection scans. Prints, per variant, the share of th
 k found and the share of its softmax mass (scale 1/sqrt(d)) the picks hold, and how many
 keys a KV head reads per position (own: its rows' reads summed; shared: each key once):
 
-    python benchmarks/topk_recall.py CONTEXT_DIR [--probes 52,68] [--shared] [--int8]
+    python benchmarks/dev/topk_recall.py CONTEXT_DIR [--probes 52,68] [--shared] [--int8]
 
 Variants: `own` is what starqa's kernel does (each query row scans its own nearest lists,
 as many as the table's probes); `--probes` lists other counts; `--shared` adds, for each,

@@ -4,7 +4,7 @@ memory), without encoding the context again. Where Phase 1 of a long context tak
 of an hour (32K on a 2-core AVX2 machine), encode it once and measure Phase 2 as often
 as needed:
 
-    python benchmarks/topk_phase2.py CONTEXT_DIR --top-k 1% --index flat,ivf --kv-on-disk \\
+    python benchmarks/dev/topk_phase2.py CONTEXT_DIR --top-k 1% --index flat,ivf --kv-on-disk \\
         [--rounds 3]
 
 CONTEXT_DIR: a context folder (its manifest.json), e.g. `starqa ingest`'s. The question

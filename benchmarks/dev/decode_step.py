@@ -1,7 +1,7 @@
 """The model's own part of a Phase 2 decode step (every layer's weights, norms and RoPE; the
 attention left out), torch's kernels against starqa's, side by side in one run:
 
-    python benchmarks/decode_step.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--rows 1,4]
+    python benchmarks/dev/decode_step.py [--models smollm2-135m,qwen2.5-coder-1.5b] [--rows 1,4]
 
 For each model (bf16, int4 weights) and each forward size (1 row: a token; 4 rows: a token
 and 3 drafted ones), min-of-trials ms of one forward plus the LM head on its last row:
