@@ -66,3 +66,30 @@ def embedded_model() -> Path:
     from starqa import models
 
     return models.resolve_model(models.DEFAULT_MODEL)
+
+
+@pytest.fixture
+def fake_workers(monkeypatch) -> list[dict]:
+    """torchrun replaced by a stand-in that writes each block's shard as a worker would;
+    returns the jobs it ran (one per encoding), each with the token ids it was given
+    (`job["ids"]`)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from starqa import ingest as ingest_mod, shards
+
+    jobs = []
+
+    def run_workers(job, launch, on_event):
+        ids = load_file(job["tokens_file"])["ids"].tolist() if job.get("tokens_file") else None
+        jobs.append({**job, "ids": ids})
+        on_event({"event": "ready", "rank": 0})
+        for i, (start, end) in enumerate(job["blocks"]):
+            if i not in job.get("todo", range(len(job["blocks"]))):
+                continue  # an incremental ingest's reused block, linked in already
+            kv = torch.arange(start, end, dtype=torch.float32).reshape(1, 1, -1, 1)
+            shards.save_block(Path(job["staging"]), i, kv, kv + 1, range(start, end), {})
+            on_event({"event": "block", "tokens": end - start})
+
+    monkeypatch.setattr(ingest_mod, "run_workers", run_workers)
+    return jobs

@@ -141,6 +141,7 @@ def test_worker_peak_memory_is_its_own_not_its_starters():
     del held
 
 
+@pytest.mark.slow
 def test_bench_on_the_tiny_model(tiny_model, tmp_path):
     """star and dense, 600 tokens (past the tiny model's 512-token window), workers 1 and 2,
     through torchrun: every number is there and sane."""
@@ -193,6 +194,7 @@ def test_bench_on_the_tiny_model(tiny_model, tmp_path):
     assert by_workers[2]["dense/star"] > 1
 
 
+@pytest.mark.slow
 def test_bench_top_k_against_exact_on_the_same_context(tiny_model, tmp_path):
     """--top-k 100%: each index kind (and flat with values on disk) runs Phase 2 after exact
     on the same context, with every key: the same tokens; ivf's files are sized and timed."""
@@ -239,6 +241,7 @@ def test_phase2_rounds_alternate_and_report_each_kinds_median_run(monkeypatch):
     assert rows[0]["decode_vs_exact"] == 5 / 6
 
 
+@pytest.mark.slow
 def test_ring_phase1_bytes_are_the_kv_going_round(tiny_model, tmp_path):
     """Ring on 2 workers: each layer, each worker sends its chunk's K and V (fp32, padded to
     the longest chunk) once to the other, under the FLOP counter."""

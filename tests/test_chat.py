@@ -28,6 +28,7 @@ def warm_home(home, docs, tmp_path):
     starqa("stop", "--all")
 
 
+@pytest.mark.slow
 def test_chat_session_in_a_terminal(warm_home):
     # pexpect's terminal answers no cursor-position requests; say so instead of timing out.
     # The group outlives the chat for its keep-alive (0 would stop it with the chat).
@@ -89,6 +90,7 @@ def test_chat_session_in_a_terminal(warm_home):
     assert json.loads(starqa("ps", "--json").stdout) == []
 
 
+@pytest.mark.slow
 def test_chat_with_keep_alive_zero_leaves_no_group(warm_home):
     """--keep-alive 0: the group the chat started ends with the chat."""
     env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1")
@@ -103,6 +105,7 @@ def test_chat_with_keep_alive_zero_leaves_no_group(warm_home):
     assert json.loads(starqa("ps", "--json").stdout) == []
 
 
+@pytest.mark.slow
 def test_chat_from_a_pipe_answers_every_line(home, docs, tiny_model):
     """`starqa chat < questions.txt`: every non-empty line is a question (or a command),
     answered in turn; the end of the input ends the chat and, with --keep-alive 0, its group."""
@@ -119,6 +122,7 @@ def test_chat_from_a_pipe_answers_every_line(home, docs, tiny_model):
     assert json.loads(starqa("ps", "--json").stdout) == []
 
 
+@pytest.mark.slow
 def test_chat_switches_to_a_reingested_version_between_questions(home, docs, tiny_model):
     """A context re-ingested while a chat is open: before its next question the chat says
     so and answers from the new version (its group), the conversation kept."""

@@ -9,7 +9,8 @@ from starqa.attention import attend, attend_fused, fold_gqa, partial_chunks
 
 from test_attention import FUSED_SHAPES, check_chunk_parts, reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.model
 QUESTION = "Who approved the 2026 travel budget?"
 
 
+@pytest.mark.slow
 def test_dense_two_workers_equal_one_transformers_generate(embedded_model, home, request):
     """dense ingest (fp32) + 2-worker Phase 2 = greedy generate over the whole prompt."""
     samples = request.config.rootpath / "samples"
@@ -45,6 +46,7 @@ def test_samples_ingest_excludes_the_answer_key(embedded_model, home, request):
     assert not contexts_dir().exists()
 
 
+@pytest.mark.slow
 def test_needle_file_is_the_top_source(embedded_model, home, request):
     """The answer's attention mass, traced through the manifest, points at the file that
     holds the needle."""
@@ -77,6 +79,7 @@ def _meeting_notes(week: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+@pytest.mark.slow
 def test_needles_file_is_the_top_source_among_near_identical_files(embedded_model, home,
                                                                     tmp_path):
     """Six near-identical files of meeting notes, one fact in the third: attention that
@@ -100,6 +103,7 @@ def test_needles_file_is_the_top_source_among_near_identical_files(embedded_mode
     assert first - 2 <= 10 <= last + 2, (first, last)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not native.int4_fast(), reason="no AVX-512 VNNI here: no first token "
                     "before torch (int4 weights keep torch's layout)")
 def test_cold_ask_answers_its_first_token_before_torch(embedded_model, home, request):

@@ -50,6 +50,7 @@ def _context_ids(model_path, manifest):
     return ids
 
 
+@pytest.mark.slow
 def test_dense_ingest_two_worker_ask_equals_transformers_generate(home, docs, tiny_model):
     result = ingest(docs, tiny_model, method="dense", block_size=50)
     manifest = result.manifest
@@ -60,6 +61,8 @@ def test_dense_ingest_two_worker_ask_equals_transformers_generate(home, docs, ti
     assert len(answer.token_ids) > 0
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_star_two_workers_through_torchrun(home, docs, tiny_model):
     result = ingest(docs, tiny_model, method="star", workers=2, block_size=40)
     m = result.manifest
@@ -83,6 +86,7 @@ def test_star_two_workers_through_torchrun(home, docs, tiny_model):
     assert again.cache_hit and again.manifest.key == m.key
 
 
+@pytest.mark.slow
 def test_star_single_block_answers_like_dense(home, docs, tiny_model):
     star = ingest(docs, tiny_model, method="star", block_size=10_000, name="star1")
     dense = ingest(docs, tiny_model, method="dense", block_size=10_000, name="dense1")
@@ -119,12 +123,14 @@ def test_ask_without_context(home):
         ask()
 
 
+@pytest.mark.slow
 def test_ask_unknown_context_name(home, docs, tiny_model):
     ingest(docs, tiny_model, method="dense")
     with pytest.raises(StarqaError, match="No context named 'nope'"):
         ask(context="nope")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["delete", "corrupt"])
 def test_missing_or_corrupt_shard_is_named(home, docs, tiny_model, damage):
     m = ingest(docs, tiny_model, method="dense", block_size=60).manifest
@@ -140,6 +146,7 @@ def test_missing_or_corrupt_shard_is_named(home, docs, tiny_model, damage):
     assert "starqa ingest" in err.value.hint
 
 
+@pytest.mark.slow
 def test_model_that_does_not_match_the_manifest(home, docs, tiny_model, tmp_path):
     ingest(docs, tiny_model, method="dense")
     other = make_tiny_model(tmp_path / "other", seed=1)
@@ -147,6 +154,7 @@ def test_model_that_does_not_match_the_manifest(home, docs, tiny_model, tmp_path
         ask(model=other)
 
 
+@pytest.mark.slow
 def test_worker_death_shows_stderr_and_keeps_previous_cache(home, docs, tiny_model, monkeypatch):
     first = ingest(docs, tiny_model, method="star", workers=2, block_size=40).manifest
     before = sorted(p.name for p in first.folder.iterdir())
@@ -168,6 +176,7 @@ def test_cli_error_exit_code_and_message(home, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_ingest_and_ask_json(home, docs, tiny_model):
     run = lambda *a: subprocess.run([sys.executable, "-m", "starqa", *a], capture_output=True,
                                     text=True)
@@ -186,6 +195,7 @@ def test_cli_ingest_and_ask_json(home, docs, tiny_model):
     assert data["method"]["name"] == "star" and data["workers"] == 1
 
 
+@pytest.mark.slow
 def test_two_machines_on_loopback(home, docs, tiny_model):
     """torchrun's multi-node options pass through: two launchers, one worker each, meeting at
     a rendezvous endpoint on 127.0.0.1, sharing one cache; node 0 commits, node 1 streams."""
@@ -224,6 +234,7 @@ def test_cli_usage_error_is_not_a_traceback(home):
     assert "Missing argument" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_ring_two_workers_equals_dense(home, docs, tiny_model):
     """Ring Attention is exact: its shards match dense's and so do the greedy tokens."""
     from starqa.shards import load_block
@@ -239,6 +250,8 @@ def test_ring_two_workers_equals_dense(home, docs, tiny_model):
     assert ask(context="ring", workers=2).token_ids == ask(context="dense", workers=2).token_ids
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_pulsar_two_workers_through_torchrun(home, docs, tiny_model):
     result = ingest(docs, tiny_model, method="pulsar", workers=2, block_size=50,
                     method_params={"sink": 8, "chunk": 4, "budget_frac": 0.25,
@@ -265,6 +278,7 @@ def test_ask_with_only_an_old_format_context(home):
     assert "cache --clean" in err.value.hint
 
 
+@pytest.mark.slow
 def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     """Two workers pass compressed KV round by round (one all-gather per layer, an idle
     worker in a short last round); the shards equal encoding the blocks in order in one
@@ -299,9 +313,13 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
 # --------------------------------------------------------------------------- answer speed
 
 
-def test_one_worker_in_process_equals_torchrun_and_transformers(home, docs, tiny_model):
+@pytest.mark.slow
+@pytest.mark.torchrun
+def test_one_worker_in_process_equals_torchrun_and_transformers(home, docs, tiny_model,
+                                                               monkeypatch):
     """A cold ask whose model and shards fit answers in this process (a world of one, no
     torchrun), with the tokens of 2 and 3 torchrun workers and of transformers' generate."""
+    monkeypatch.setenv("STARQA_OVERSUBSCRIBE", "1")  # 3 workers on 2 cores: the merge is the test
     manifest = ingest(docs, tiny_model, method="dense", block_size=50).manifest
     here = ask()
     assert here.workers == 1 and here.weights == "dense"  # a local folder: dense weights
@@ -317,6 +335,7 @@ def test_one_worker_in_process_equals_torchrun_and_transformers(home, docs, tiny
             assert abs(a["share"] - b["share"]) < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keepalive", [60, -1])  # -1: a group that never exits on its own
 def test_a_cold_ask_leaves_a_warm_group(home, docs, tiny_model, keepalive):
     """Warm by default: the first ask starts a group in the background (keep-alive), the

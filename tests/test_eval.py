@@ -81,6 +81,7 @@ def test_lengths_fill_the_budget_and_are_measured_as_laid_out(tok, task, length)
     assert s.question not in prompt.context_text(tok, s.context_text)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.model
 @pytest.mark.parametrize("length", [1024, 8192])
 def test_lengths_with_the_embedded_models_tokenizer(embedded_model, length):

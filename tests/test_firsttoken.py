@@ -46,6 +46,7 @@ def bits(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array).view(torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_first_token_and_kv_are_the_torch_paths_own(context, model):
     """The forward without torch gives, bit for bit, the question's keys and values, the
     first token and the rows source attribution keeps that Phase 2's own forward gives;
@@ -77,6 +78,7 @@ def test_first_token_and_kv_are_the_torch_paths_own(context, model):
                                rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_a_stop_token_first_is_not_streamed(context, model):
     """A first token that ends the answer is not streamed (the torch path would not stream
     it either), and the answer is empty."""
@@ -93,6 +95,7 @@ def test_a_stop_token_first_is_not_streamed(context, model):
     assert tokens == [] and heard == []
 
 
+@pytest.mark.slow
 def test_where_it_does_not_apply_nothing_is_emitted(context, model, monkeypatch, tmp_path):
     """Other weights, dtypes, top-k, a long question, the switch off, or no prepared file
     of this layout: None, nothing streamed, and the torch path answers as before."""
@@ -129,6 +132,7 @@ def test_where_it_does_not_apply_nothing_is_emitted(context, model, monkeypatch,
     assert firsttoken.prefill(job_for(context, model), emit) is not None  # and here it does
 
 
+@pytest.mark.slow
 def test_a_corrupt_shard_is_the_same_error_as_on_the_torch_path(context, model):
     first = context.folder / context.blocks[0].file
     data = bytearray(first.read_bytes())

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from starqa import corpus, paths, shards, store
-from starqa import ingest as ingest_mod
+from starqa import corpus, paths, store
 from starqa import watch as watch_mod
 from starqa.cli import app
 from starqa.errors import StarqaError
@@ -31,20 +30,15 @@ def git(repo: Path, *args: str) -> str:
                           cwd=repo, check=True, capture_output=True, text=True).stdout
 
 
-@pytest.fixture
-def fake_workers(monkeypatch):
-    """torchrun replaced by a stand-in that writes each block's shard as a worker would."""
-    import torch
-
-    def run_workers(job, launch, on_event):
-        on_event({"event": "ready", "rank": 0})
-        for i, (start, end) in enumerate(job["blocks"]):
-            if i in job.get("todo", range(len(job["blocks"]))):
-                kv = torch.arange(start, end, dtype=torch.float32).reshape(1, 1, -1, 1)
-                shards.save_block(Path(job["staging"]), i, kv, kv + 1, range(start, end), {})
-                on_event({"event": "block", "tokens": end - start})
-
-    monkeypatch.setattr(ingest_mod, "run_workers", run_workers)
+def committed(folder: Path, files: dict[str, str]) -> Path:
+    """A repository at `folder` whose one commit holds `files` ({path: text})."""
+    folder.mkdir(parents=True, exist_ok=True)
+    git(folder, "init", "-q")
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    git(folder, "add", ".")
+    git(folder, "commit", "-qm", "m")
+    return folder
 
 
 def ingest(folder: Path, model: Path, *extra: str):
@@ -259,12 +253,7 @@ def test_commit_times_are_kept_without_asking_git_about_the_work_tree(tmp_path):
 
 def test_core_worktree_elsewhere_keeps_the_folders_files(home, tiny_model, fake_workers,
                                                          tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    git(repo, "init", "-q")
-    (repo / "real.md").write_text("the star answer")
-    git(repo, "add", ".")
-    git(repo, "commit", "-qm", "m")
+    repo = committed(tmp_path / "repo", {"real.md": "the star answer"})
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / ".gitattributes").write_text("*.md text\n")
@@ -278,13 +267,8 @@ def test_core_worktree_elsewhere_keeps_the_folders_files(home, tiny_model, fake_
 
 def test_a_git_file_reports_only_what_is_in_the_folder(home, tiny_model, fake_workers,
                                                        tmp_path):
-    store_ = tmp_path / "store"
-    store_.mkdir()
-    git(store_, "init", "-q")
-    (store_ / ".gitattributes").write_text("*.md text\n")
-    (store_ / "a.md").write_text("the star answer")
-    git(store_, "add", ".")
-    git(store_, "commit", "-qm", "m")
+    store_ = committed(tmp_path / "store", {".gitattributes": "*.md text\n",
+                                            "a.md": "the star answer"})
     work = tmp_path / "work"
     work.mkdir()
     (work / ".git").write_text(f"gitdir: {store_ / '.git'}\n")
@@ -381,12 +365,7 @@ def test_include_matching_nothing_says_what_was_found(home, tiny_model, fake_wor
 
 def test_submodules_and_nested_repositories_get_a_line(home, tiny_model, fake_workers,
                                                        tmp_path):
-    inner = tmp_path / "inner"
-    inner.mkdir()
-    git(inner, "init", "-q")
-    (inner / "x.md").write_text("the inner")
-    git(inner, "add", ".")
-    git(inner, "commit", "-qm", "m")
+    inner = committed(tmp_path / "inner", {"x.md": "the inner"})
     outer = tmp_path / "outer"
     outer.mkdir()
     git(outer, "init", "-q")

@@ -367,28 +367,6 @@ def test_ask_over_window_suggests_max_new_tokens_only_when_it_helps(home, tiny_m
 # 6. a cache hit verifies what it reuses; the re-ingest hint works from any folder
 
 
-@pytest.fixture
-def fake_workers(monkeypatch) -> list[dict]:
-    """torchrun replaced by a stand-in that writes each block's shard as a worker would;
-    returns the jobs it ran (one per encoding)."""
-    import torch
-
-    jobs = []
-
-    def run_workers(job, launch, on_event):
-        jobs.append(job)
-        on_event({"event": "ready", "rank": 0})
-        for i, (start, end) in enumerate(job["blocks"]):
-            if i not in job.get("todo", range(len(job["blocks"]))):
-                continue  # an incremental ingest's reused block, linked in already
-            kv = torch.arange(start, end, dtype=torch.float32).reshape(1, 1, -1, 1)
-            shards.save_block(Path(job["staging"]), i, kv, kv + 1, range(start, end), {})
-            on_event({"event": "block", "tokens": end - start})
-
-    monkeypatch.setattr(ingest_mod, "run_workers", run_workers)
-    return jobs
-
-
 def _ingest(docs, model, **kw):
     return engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model),
                                               block_size=60, **kw))
@@ -487,6 +465,7 @@ def warm_group(home, docs, tiny_model):
     client.stop_group(manifest.key)
 
 
+@pytest.mark.slow
 def test_malformed_requests_get_an_error_and_the_group_keeps_serving(warm_group):
     from starqa import client
 
@@ -511,6 +490,7 @@ def test_malformed_requests_get_an_error_and_the_group_keeps_serving(warm_group)
         conn.close()
 
 
+@pytest.mark.slow
 def test_rm_of_a_served_context_stops_its_group(warm_group):
     from starqa import client
 
@@ -757,9 +737,11 @@ def _descendants(root: int) -> dict[int, str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists() or os.uname().sysname != "Linux",
                     reason="parent-death signals are Linux's")
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+@pytest.mark.torchrun
 def test_killing_the_launcher_takes_torchrun_and_the_workers_down(home, docs, tiny_model, how):
     """`kill -9` of `starqa ingest` (no chance to clean up) and SIGTERM (handled as Ctrl-C):
     within a few seconds no torchrun or worker of that run is left."""
@@ -800,6 +782,7 @@ def test_killing_the_launcher_takes_torchrun_and_the_workers_down(home, docs, ti
         assert proc.returncode == 130  # as after Ctrl-C
 
 
+@pytest.mark.slow
 def test_a_run_leaves_nothing_in_the_temp_folder(home, docs, tiny_model, tmp_path, monkeypatch):
     """torchrun's `torchelastic_*` folders and the job file live in one folder per run,
     removed when the run ends (issue #11, item 4)."""
@@ -868,6 +851,7 @@ def test_asking_with_another_embedded_model_fails_before_fetching_it(home, monke
     assert "--model smollm2-135m" in err.value.hint
 
 
+@pytest.mark.slow
 def test_a_full_disk_says_what_happened_and_keeps_the_cache(home, docs, tiny_model, monkeypatch):
     """A worker whose writes fail for want of space: a message that says so, what was kept
     (nothing of this run; the previous cache answers) and what to do; no traceback."""
@@ -891,6 +875,7 @@ def test_a_killed_worker_is_named_as_such():
     assert _death([], 3) == "exit code 3"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists() or os.uname().sysname != "Linux",
                     reason="parent-death signals are Linux's")
 def test_killing_serve_leaves_no_group_and_ps_shows_none(home, docs, tiny_model):
@@ -931,6 +916,7 @@ def test_killing_serve_leaves_no_group_and_ps_shows_none(home, docs, tiny_model)
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_deleted_local_model_is_named_as_such(home, docs, tmp_path):
     """The local model folder a context was made with, deleted: the error says that folder
     is gone and how to go on, instead of 'Model not found'."""

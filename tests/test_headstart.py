@@ -59,6 +59,7 @@ def test_wanted_only_for_an_ask_no_warm_group_answers(home, monkeypatch):
     assert headstart._wanted(["ask", QUESTION])
 
 
+@pytest.mark.slow
 def test_head_start_answers_as_the_ask_in_process(context):
     """The same answer either way; and the head start really answered: a fault injected
     into a worker's ask (which the in-process path never passes) fails it."""
@@ -78,6 +79,7 @@ def test_head_start_answers_as_the_ask_in_process(context):
     assert starqa(*args, env={"STARQA_FAULT": "ask:0", "STARQA_HEADSTART": "0"}).returncode == 0
 
 
+@pytest.mark.slow
 def test_head_start_error_is_the_workers_message(context):
     block = context.folder / context.blocks[0].file
     data = bytearray(block.read_bytes())
@@ -114,6 +116,7 @@ def _gone(pid: int, within: float = 20.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the head start is Linux's")
 @pytest.mark.parametrize("how", ["SIGKILL", "Ctrl-C"])
 def test_head_start_never_outlives_the_command(home, docs, tmp_path, how):
@@ -144,6 +147,7 @@ def test_head_start_never_outlives_the_command(home, docs, tmp_path, how):
             proc.kill()
 
 
+@pytest.mark.slow
 def test_a_cold_answer_reads_the_shard_where_it_lies(context):
     """On the CPU the shard is never copied: each layer's pieces are the block files'
     pages, memory-mapped (a cold ask copied 4.7K tokens' KV, 0.03 s, before its first
@@ -171,6 +175,7 @@ def test_a_cold_answer_reads_the_shard_where_it_lies(context):
     assert all(torch.equal(k, old) for (k, _), old in zip(pieces, before))  # never written
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the head start is Linux's")
 def test_a_cold_ask_goes_on_as_the_warm_group(context):
     """Warm by default without a second start: the head start that answered a cold ask
@@ -208,6 +213,7 @@ def test_a_cold_ask_goes_on_as_the_warm_group(context):
     assert client.find(context.key) is None
 
 
+@pytest.mark.slow
 def test_an_ask_that_cannot_fork_answers_in_its_own_process(context):
     """No process to spare (fork fails): the ask answers in its own process, as it would
     with STARQA_HEADSTART=0 (the fault injected into a worker's ask is never reached)."""

@@ -19,6 +19,8 @@ from starqa import engine, shards, store
 from starqa.errors import StarqaError
 from starqa.manifest import block_file
 
+pytestmark = pytest.mark.multihost
+
 QUESTION = "who approved the travel budget"
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # seconds any one command may take here before the test fails
@@ -136,6 +138,7 @@ def _single_machine(docs, model, home: Path, monkeypatch, method: str, workers: 
     return engine.ask(engine.AskOptions(QUESTION, max_new_tokens=6, workers=workers))
 
 
+@pytest.mark.slow
 def test_ingest_and_ask_across_two_machines_without_a_shared_cache(
         machines, docs, tiny_model, tmp_path, monkeypatch):
     a, b = machines
@@ -181,6 +184,7 @@ def test_ingest_and_ask_across_two_machines_without_a_shared_cache(
         shards.verify_checksums(manifest)
 
 
+@pytest.mark.slow
 def test_a_machine_lost_mid_ingest_or_mid_answer(machines, docs, tiny_model):
     a, b = machines
     runs = _together(machines, *_ingest_args(docs, tiny_model, "star"))
@@ -300,6 +304,7 @@ def _freeze_and_expect_lost(pids: list[int], survivor: subprocess.Popen, lost: s
     assert took < 10, (took, err)
 
 
+@pytest.mark.slow
 def test_a_frozen_machine_is_named_within_seconds(machines, docs, tiny_model, tmp_path):
     """SIGSTOP freezes b's worker mid-ingest and closes no connection: gloo alone would wait
     for its timeout (30 min). The heartbeat watchdog makes a exit within seconds, naming b."""
@@ -365,6 +370,7 @@ def _finish(procs: list[subprocess.Popen], seconds: float = TIMEOUT) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_a_warm_group_across_two_machines(machines, docs, tiny_model):
     """`serve` on both machines; the query host (b, the last node) serves the socket: `ask`
     and `chat` there answer as a cold ask across the machines does; `stop` there ends both;

@@ -133,6 +133,7 @@ def test_dense_prefix_reuse_is_bit_identical_to_a_full_encoding(home, repo, tiny
         assert torch.equal(a["k"], b["k"]) and torch.equal(a["v"], b["v"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("encode_in", ["process", "group"])
 def test_ring_prefix_reuse_equals_a_full_encoding(home, repo, tiny_model, encode_in):
     old = _ingest(repo, tiny_model, "ring").manifest
@@ -236,6 +237,7 @@ def test_unchanged_sources_are_a_cache_hit_and_force_encodes_all(home, repo, tin
     assert r.encoded == r.blocks and "--force" in r.why
 
 
+@pytest.mark.slow
 def test_report_line_names_the_changes(home, repo, tiny_model):
     runner = CliRunner()
     args = ["ingest", str(repo), "--model", str(tiny_model), "--dtype", "fp32",
@@ -299,6 +301,7 @@ def test_a_damaged_shared_block_is_encoded_again_not_reused(home, repo, tiny_mod
     assert result.reuse.reused + result.reuse.rotated < len(result.manifest.blocks) - 1
 
 
+@pytest.mark.slow
 def test_kill_9_during_an_incremental_reingest_keeps_the_previous_context(
         home, repo, tiny_model):
     """The launcher killed while it encodes (the reused blocks already linked into its
@@ -396,6 +399,7 @@ def test_a_bf16_cache_computed_in_fp32_holds_the_fp32_encoding_rounded(home, rep
                 assert worst <= 2 ** -5 * b[name].float().abs().max(), (i, name, worst)
 
 
+@pytest.mark.slow
 def test_workers_compute_in_the_dtype_their_launcher_chose(home, repo, tiny_model, monkeypatch):
     """The launcher chooses Phase 1's compute dtype once for its workers (the job's
     `compute_dtype`): a group's bf16 blocks are the fp32 encoding rounded, as in process."""

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from test_cache_cmds import contexts, make_context, starqa  # noqa: F401 (a fixture)
-from test_hardening import fake_workers  # noqa: F401 (a fixture)
 from typer.testing import CliRunner
 
 from starqa import engine, paths, store
@@ -217,6 +216,7 @@ main()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
 def test_an_answer_longer_than_the_terminal_is_shown_once(contexts, home, tmp_path):
     """On a terminal shorter than the answer, the live Markdown drew the lines that had

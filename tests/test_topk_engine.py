@@ -23,9 +23,11 @@ def ask(**kw):
     return engine.ask(engine.AskOptions(question=QUESTION, max_new_tokens=8, **kw))
 
 
-def test_every_key_gives_exact_greedy_tokens_on_1_2_3_workers(home, docs, tiny_model):
+@pytest.mark.slow
+def test_every_key_gives_exact_greedy_tokens_on_1_2_3_workers(home, docs, tiny_model, monkeypatch):
     """k = 100% of the context >= every shard: top-k attention is exact attention, whatever
     the index and however the blocks are spread over workers; a small k is not."""
+    monkeypatch.setenv("STARQA_OVERSUBSCRIBE", "1")  # 3 workers on 2 cores: the merge is the test
     manifest = ingest(docs, tiny_model, method="dense", block_size=50).manifest
     assert len(manifest.blocks) >= 3
     exact = ask()
@@ -44,6 +46,7 @@ def test_every_key_gives_exact_greedy_tokens_on_1_2_3_workers(home, docs, tiny_m
     assert ask(topk=TopK(count=1)).token_ids[0] == exact.token_ids[0]
 
 
+@pytest.mark.slow
 def test_indexes_built_at_ingest_are_named_and_checksummed(home, docs, tiny_model):
     manifest = ingest(docs, tiny_model, method="star", block_size=60, workers=2,
                       index="ivf").manifest
@@ -65,6 +68,7 @@ def test_indexes_built_at_ingest_are_named_and_checksummed(home, docs, tiny_mode
     assert again.cache_hit and [s.kind for s in again.manifest.indexes] == ["ivf", "hnsw"]
 
 
+@pytest.mark.slow
 def test_lazy_build_on_the_first_topk_question(home, docs, tiny_model):
     manifest = ingest(docs, tiny_model, method="dense", block_size=60).manifest
     assert manifest.indexes == ()
@@ -75,6 +79,7 @@ def test_lazy_build_on_the_first_topk_question(home, docs, tiny_model):
     assert ask(topk=TopK(fraction=0.5, index="hnsw")).token_ids == first.token_ids
 
 
+@pytest.mark.slow
 def test_read_only_cache_without_indexes_is_a_clear_error(home, docs, tiny_model, monkeypatch):
     """(Tests run as root here, which writes through permission bits: the folder is made
     read-only for `os.access`, as it is for any other user.)"""
@@ -88,6 +93,7 @@ def test_read_only_cache_without_indexes_is_a_clear_error(home, docs, tiny_model
     assert ask(topk=TopK(fraction=0.5, index="flat")).token_ids  # flat needs no index
 
 
+@pytest.mark.slow
 def test_corrupt_index_is_caught_by_its_checksum_and_rebuilt(home, docs, tiny_model):
     manifest = ingest(docs, tiny_model, method="dense", block_size=60, index="ivf").manifest
     (found,) = manifest.indexes
@@ -107,6 +113,7 @@ def test_corrupt_index_is_caught_by_its_checksum_and_rebuilt(home, docs, tiny_mo
     assert ask(topk=TopK(fraction=0.5, index="ivf")).token_ids == good.token_ids
 
 
+@pytest.mark.slow
 def test_kv_on_disk_answers_as_in_memory(home, docs, tiny_model):
     """Values (and flat's keys, ivf's lists) memory-mapped from the cache: the same
     keys, the same tokens. (Each worker keeps its own k: 2 workers attend to up to 2k keys.)"""
@@ -137,6 +144,7 @@ def test_cli_bad_topk_options(home, args, says):
     assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_ask_json_with_topk(home, docs, tiny_model):
     ingest(docs, tiny_model, method="dense", block_size=60)
     proc = subprocess.run([sys.executable, "-m", "starqa", "ask", QUESTION, "--json",
@@ -148,6 +156,7 @@ def test_cli_ask_json_with_topk(home, docs, tiny_model):
     assert data["attention"] == "top-k 10 (ivf, linear)" and data["sources"] is None
 
 
+@pytest.mark.slow
 def test_a_warm_group_answers_only_with_its_own_attention(home, docs, tiny_model):
     """A cold top-k ask leaves a top-k warm group; the same settings are answered warm,
     exact attention is not (it answers cold, with its own tokens)."""
@@ -174,6 +183,7 @@ def test_a_warm_group_answers_only_with_its_own_attention(home, docs, tiny_model
         conn.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
 def test_a_row_under_topk_is_the_same_alone_or_with_drafts(home, docs, tiny_model, kind):
     """A forward's rows (a token and the tokens drafted after it, phase2.generate) each get
@@ -210,6 +220,7 @@ def test_a_row_under_topk_is_the_same_alone_or_with_drafts(home, docs, tiny_mode
         assert torch.equal(alone[:, :, 0], together[:, :, row]), row
 
 
+@pytest.mark.slow
 def test_topk_answers_without_drafts_unless_asked(home, docs, tiny_model, monkeypatch):
     """Under top-k each drafted row selects its own keys, so drafts cost more than they
     save: none by default; STARQA_DRAFT_TOKENS still sets them."""

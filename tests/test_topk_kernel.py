@@ -404,6 +404,8 @@ def test_kept_scores_of_a_long_forward_are_not_held_after_it(tmp_path):
     assert rss() - before < 24 << 20  # the 72 MiB of kept scores returned
 
 
+@pytest.mark.slow
+@pytest.mark.simd
 @pytest.mark.parametrize("cap", ["avx2", "none"])
 def test_every_simd_path_passes_the_kernel_tests(cap):
     """The kernels' hand-written AVX-512 and AVX2 paths and their portable C, each through

@@ -57,6 +57,7 @@ def served(home, docs, tiny_model):
 # item 5: a cache root longer than a socket path may be
 
 
+@pytest.mark.slow
 def test_a_200_character_home_keeps_warm_groups(home, docs, tiny_model, monkeypatch):
     """AF_UNIX paths hold 107 bytes: a socket under a long $STARQA_HOME could not be bound,
     so every `ask` was cold, `serve` said "already running" then printed a traceback and
@@ -87,6 +88,7 @@ def test_a_200_character_home_keeps_warm_groups(home, docs, tiny_model, monkeypa
     assert not Path(running[0]["socket"]).exists()
 
 
+@pytest.mark.slow
 def test_two_homes_with_one_context_get_a_socket_each(home, docs, tiny_model, monkeypatch):
     """The same context key under two cache roots: two groups, two sockets (a socket is
     named by a hash of the root and the key), each root's `ps` sees its own."""
@@ -156,6 +158,7 @@ def _read_only_runs(home: Path, docs: Path) -> list[dict]:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_a_read_only_home_answers_and_says_what_it_cannot_do(home, docs, tiny_model):
     """`client.run_dir` made and chmod-ed the run folder on every call: on a read-only root
     `ask`, `ps`, `stop --all` and `ingest` were tracebacks. Now read-only commands work (a
@@ -199,6 +202,7 @@ def _wait_for_group(proc: subprocess.Popen, timeout: float = 120) -> dict:
     raise AssertionError("no group started")
 
 
+@pytest.mark.slow
 def test_sigterm_ends_serve_with_143_and_cleans_up(home, docs, tiny_model):
     """`kill` of `starqa serve` exited 130 (Ctrl-C's code); now 143, the code of a process
     ended by SIGTERM, with its run file and socket removed."""
@@ -218,6 +222,7 @@ def test_sigterm_ends_serve_with_143_and_cleans_up(home, docs, tiny_model):
     assert groups() == []
 
 
+@pytest.mark.slow
 def test_chat_from_a_file_exits_1_when_a_line_failed(served):
     """`starqa chat < script` exited 0 when a question or command in it failed; now 1
     (each failure printed as it happened, the lines after it still answered), and 0 when
@@ -247,6 +252,7 @@ def _flip_a_byte(path: Path) -> None:
         fh.write(bytes([byte[0] ^ 0xFF]))
 
 
+@pytest.mark.slow
 def test_a_shard_changed_under_a_warm_group_is_refused(served):
     """A warm group went on answering from a shard rewritten after it loaded it (on the
     CPU the shard is memory-mapped: it answered from the damaged bytes), while a cold ask
@@ -272,6 +278,7 @@ def test_a_shard_changed_under_a_warm_group_is_refused(served):
     assert cold.returncode == 1 and f"Shard {shard} fails its checksum" in cold.stderr
 
 
+@pytest.mark.slow
 def test_a_manifest_rewritten_with_the_same_blocks_is_taken(served):
     """A rename rewrites the manifest but not the shards: the group goes on answering."""
     manifest, group = served
@@ -308,6 +315,7 @@ def _plant_dead_group(key: str, pid: int) -> tuple[Path, Path]:
     return run_file, sock_path
 
 
+@pytest.mark.slow
 def test_a_dead_groups_leftovers_never_block_ask_or_stop(home, docs, tiny_model):
     """A group gone without cleaning up, its pid still alive (a zombie its init had not
     reaped yet, or the number reused): `ask` failed with "Cannot reach the worker group"
@@ -332,6 +340,7 @@ def test_a_dead_groups_leftovers_never_block_ask_or_stop(home, docs, tiny_model)
         stand_in.wait()
 
 
+@pytest.mark.slow
 def test_garbage_in_the_run_folder_is_ignored(home, docs, tiny_model):
     """Files in the run folder that are not run files of this starqa (a run file missing
     fields, as another version's would, one of the wrong kinds, a list, a folder named
@@ -354,6 +363,7 @@ def test_garbage_in_the_run_folder_is_ignored(home, docs, tiny_model):
     assert asked.returncode == 0 and clean(asked), asked.stderr
 
 
+@pytest.mark.slow
 def test_a_socket_folder_someone_else_made_is_refused(home, docs, tiny_model, tmp_path):
     """The sockets' folder is the first thing another local user could plant (a symlink to
     a folder of theirs, in /tmp or $XDG_RUNTIME_DIR): `serve` refuses it with the way out;
@@ -375,6 +385,7 @@ def test_a_socket_folder_someone_else_made_is_refused(home, docs, tiny_model, tm
     assert groups() == []
 
 
+@pytest.mark.slow
 def test_huge_max_new_tokens_on_a_warm_group_is_a_one_line_error(served):
     """Already fine: the room check names a value that fits; the group keeps serving."""
     out = starqa("ask", QUESTION, "--max-new-tokens", str(10**12))
@@ -397,6 +408,7 @@ def long_answers(home, docs, tmp_path):
     starqa("stop", "--all")
 
 
+@pytest.mark.slow
 def test_stop_while_an_answer_streams_stops_at_once(long_answers):
     """`starqa stop` while the group answered waited for the whole answer, then failed
     with a TimeoutError traceback after 30 s (the answer running on). Now the stop ends
@@ -418,6 +430,7 @@ def test_stop_while_an_answer_streams_stops_at_once(long_answers):
     assert groups() == []
 
 
+@pytest.mark.slow
 def test_chat_goes_on_when_its_group_went_away(home, docs, tiny_model):
     """A chat whose group went away between questions (its keep-alive ran out while the
     chat sat idle, or `starqa stop` elsewhere): the next question killed the chat with no
@@ -451,6 +464,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+@pytest.mark.slow
 def test_sigterm_while_a_group_of_two_loads(home, docs, tiny_model):
     """SIGTERM while torchrun's workers load: exit 143 (was 130), no traceback, no worker
     left, no run file."""
@@ -486,6 +500,7 @@ print(json.dumps([run("ask", "who approved the travel budget", "--max-new-tokens
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="mounts a full tmpfs in a mount namespace: needs root and unshare")
 def test_a_full_run_folder_costs_the_warm_group_not_the_answer(home, docs, tiny_model):
@@ -511,6 +526,7 @@ def test_a_full_run_folder_costs_the_warm_group_not_the_answer(home, docs, tiny_
     assert stop["rc"] == 0
 
 
+@pytest.mark.slow
 def test_stop_right_after_a_group_was_started_stops_it(home, docs, tiny_model):
     """`stop --all` just after an `ask` (or an `ingest`) started a group in the background
     said "No matching worker group is running." and the group came up a second later,
@@ -527,6 +543,7 @@ def test_stop_right_after_a_group_was_started_stops_it(home, docs, tiny_model):
     assert groups() == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file owned by another user: needs root")
 def test_another_users_group_in_a_shared_cache_is_not_ours(home, docs, tiny_model):
     """A cache shared by a team holds the run file of another user's group (their socket,
@@ -577,6 +594,7 @@ print("EXIT", child.exitstatus, any(bad in seen.getvalue() for bad in ("Tracebac
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="makes a read-only mount in a mount namespace: needs root")
 def test_chat_at_a_terminal_on_a_read_only_home(home, docs, tiny_model):

@@ -103,6 +103,7 @@ class Watcher:
         return got
 
 
+@pytest.mark.slow
 def test_watch_reingests_after_an_edit_and_stops_cleanly(home, repo, tiny_model):
     watcher = Watcher(repo, tiny_model, home)
     try:
@@ -134,6 +135,7 @@ def test_watch_reingests_after_an_edit_and_stops_cleanly(home, repo, tiny_model)
         assert answer.context.key == manifest.key and answer.token_ids
 
 
+@pytest.mark.slow
 def test_a_warm_group_serves_the_new_version_after_a_reingest(home, repo, tiny_model):
     args = ["ingest", str(repo), "--model", str(tiny_model), "--dtype", "fp32",
             "--block-size", "40", "--encode-in", "process", "--exclude", "*.log",
