@@ -1,12 +1,14 @@
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py
 
+from fakes import make_context  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
 
@@ -93,3 +95,13 @@ def fake_workers(monkeypatch) -> list[dict]:
 
     monkeypatch.setattr(ingest_mod, "run_workers", run_workers)
     return jobs
+
+
+@pytest.fixture
+def contexts(home) -> dict[str, Path]:
+    """Three fake contexts (`fakes.make_context`): `docs` used a minute ago, `repo` an
+    hour ago, `old` two days ago."""
+    now = time.time()
+    return {"docs": make_context(home, "docs", "d0c5" + "0" * 12, now - 60),
+            "repo": make_context(home, "repo", "4e90" + "0" * 12, now - 3600, (500,), "dense"),
+            "old": make_context(home, "old", "01d0" + "0" * 12, now - 2 * 86400)}

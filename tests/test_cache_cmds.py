@@ -11,68 +11,21 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from fakes import make_context, starqa
 from typer.testing import CliRunner
 
-from starqa import shards, store
+from starqa import store
 from starqa.cli import app
 from starqa.errors import StarqaError
-from starqa.manifest import (MANIFEST, IngestRun, Manifest, ModelIdentity, Skipped, SourceFile,
-                             block_file, read_manifest, write_manifest)
-from starqa.methods import MethodConfig
+from starqa.manifest import MANIFEST, block_file, read_manifest, write_manifest
 
 runner = CliRunner()
-
-
-def make_context(home: Path, name: str, key: str, used: float, block_bytes=(1000, 600),
-                 method: str = "star") -> Path:
-    """A committed context with len(block_bytes) blocks of 100 tokens, last used at `used`."""
-    folder = home / "contexts" / key
-    folder.mkdir(parents=True)
-    for i, size in enumerate(block_bytes):
-        (folder / block_file(i)).write_bytes(b"\0" * size)
-    n = 100 * len(block_bytes)
-    write_manifest(folder, Manifest(
-        key=key, name=name, created=used - 3600, sources=(f"/data/{name}",),
-        command=f"starqa ingest /data/{name}",
-        model=ModelIdentity(path="/models/tiny-llama", spec="tiny-llama", window=8192,
-                            name="tiny-llama", config_sha256="c" * 64, weights_sha256="e" * 64,
-                            tokenizer_sha256="f" * 64, digest="ab" * 32),
-        dtype="bfloat16", method=MethodConfig(method, 100, 100 if method == "star" else 0),
-        content_sha256="cd" * 32, n_tokens=n, query_position=n,
-        blocks=shards.hash_blocks(folder, [(100 * i, 100 * (i + 1))
-                                           for i in range(len(block_bytes))]),
-        files=(SourceFile(path="a.md", token_start=0, token_end=n - 30, lines=12, bytes=400,
-                          line_tokens=tuple(range(0, n - 30, 20))),
-               SourceFile(path="b.py", token_start=n - 30, token_end=n, lines=3, bytes=90,
-                          line_tokens=(n - 30, n - 20, n - 10))),
-        skipped=(Skipped(path="logo.png", reason="binary"),),
-        ingest=IngestRun(workers=2, encode_seconds=1.5, tokens_per_second=n / 1.5)))
-    (folder / ".last_used").write_text(str(used))
-    os.utime(folder / ".last_used", (used, used))
-    return folder
-
-
-@pytest.fixture
-def contexts(home) -> dict[str, Path]:
-    """Three contexts: `docs` used a minute ago, `repo` an hour ago, `old` two days ago."""
-    now = time.time()
-    return {"docs": make_context(home, "docs", "d0c5" + "0" * 12, now - 60),
-            "repo": make_context(home, "repo", "4e90" + "0" * 12, now - 3600, (500,), "dense"),
-            "old": make_context(home, "old", "01d0" + "0" * 12, now - 2 * 86400)}
 
 
 def invoke(*args: str):
     result = runner.invoke(app, list(args))
     assert result.exit_code == 0, (result.output, result.exception)
     return result
-
-
-def starqa(*args: str, home: Path) -> subprocess.CompletedProcess:
-    """The real entry point (StarqaError → `error: ...`, exit 1) in a subprocess."""
-    env = {**os.environ, "STARQA_HOME": str(home), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "starqa", *args], env=env, capture_output=True,
-                          text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cache_cmds import contexts, make_context, starqa  # noqa: F401 (a fixture)
+from fakes import make_context, starqa
 from typer.testing import CliRunner
 
 from starqa import corpus, engine, paths, shards, store

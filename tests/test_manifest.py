@@ -12,7 +12,7 @@ from starqa.errors import ShardError
 from starqa.manifest import (MANIFEST, Block, Manifest, block_file, read_manifest,
                              write_manifest)
 from starqa.methods import MethodConfig
-from test_cache_cmds import make_context
+from fakes import make_context
 
 KEY = "d0c5" + "0" * 12
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_cache_cmds import contexts, make_context, starqa  # noqa: F401 (a fixture)
+from fakes import make_context, starqa
 from typer.testing import CliRunner
 
 from starqa import engine, paths, store
