@@ -685,12 +685,22 @@ _ATTRIBUTE = str.maketrans({"&": "&amp;", '"': "&quot;", "<": "&lt;", ">": "&gt;
 
 def header(path: str) -> str:
     """The line that opens a file's block in the packed text."""
-    return f'<document path="{_valid(path).translate(_ATTRIBUTE)}">\n'
+    return f'<document path="{valid_text(path).translate(_ATTRIBUTE)}">\n'
 
 
-def _valid(text: str) -> str:
-    """A file name's undecodable bytes (lone surrogates) as U+FFFD, as the model reads it."""
-    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD, one for one (offsets into it stay
+    right): Python keeps bytes that are not UTF-8 (a file name's, a typed or piped
+    question's, a socket client's) as lone surrogates, which tokenizers refuse and terminals
+    cannot print."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
 
 
 def escape_body(text: str) -> str:

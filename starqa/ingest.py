@@ -517,21 +517,15 @@ def check_workers(opts: IngestOptions, workers: int, model_path, dtype: str) -> 
     than the cores, or more copies than the memory available holds, is an error naming the
     numbers and the fix (unless `opts.oversubscribe`); by default (one per core), as many
     as the memory holds. GPUs: `launch.check_gpus`."""
-    from starqa import dist, models
-    from starqa.launch import cpu_count
+    from starqa import dist, launch, models
 
     device = str(dist.resolve_device(opts.device)).split(":")[0]
     if device != "cpu" or opts.oversubscribe:
         return workers
-    cores = cpu_count()
     asked = f"--workers {opts.workers}" + (f" ({workers} for {workers} blocks)"
                                            if workers != opts.workers else "")
-    if opts.workers is not None and workers > cores:
-        raise StarqaError(
-            f"{asked} > {cores} CPU cores here: each worker loads its own copy of the model, "
-            "and more workers than cores only fight over them.",
-            hint=f"pass --workers {cores} or fewer (or leave it out: one per core), or add "
-                 f"--oversubscribe to start {workers} anyway")
+    if opts.workers is not None:
+        launch.check_cores(workers, asked, "add --oversubscribe")
     each = _model_copy_bytes(Path(model_path), models.phase1_dtype(dtype, device, model_path,
                                                                    workers))
     available = models.available_memory()
@@ -551,7 +545,9 @@ def check_workers(opts: IngestOptions, workers: int, model_path, dtype: str) -> 
 def _model_copy_bytes(model_path: Path, compute: str) -> int:
     """The bytes one worker's copy of the model takes: its weight files, twice that when
     16-bit weights are computed in fp32 (`models.phase1_dtype`)."""
-    weights = sum(f.stat().st_size for f in model_path.glob("*.safetensors"))
+    from starqa.models import weight_files
+
+    weights = sum(f.stat().st_size for f in weight_files(model_path))
     try:
         stored = json.loads((model_path / "config.json").read_text())
         stored = stored.get("torch_dtype") or stored.get("dtype")

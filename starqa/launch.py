@@ -41,6 +41,18 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def check_cores(workers: int, asked: str, override: str) -> None:
+    """CPU workers each load their own copy of the model and run it: more than the cores
+    only fight over them. `asked` says what was asked for (`--workers 64 (5 for 5
+    blocks)`), `override` how to start them anyway (`add --oversubscribe`)."""
+    if workers > (cores := cpu_count()):
+        raise StarqaError(
+            f"{asked} > {cores} CPU cores here: each worker loads its own copy of the model, "
+            "and more workers than cores only fight over them.",
+            hint=f"pass --workers {cores} or fewer (or leave it out: starqa chooses), or "
+                 f"{override} to start {workers} anyway")
+
+
 def default_workers(device: str = "auto") -> int:
     """All GPUs when there are any (and the device allows), else all cores."""
     if device in ("auto", "cuda"):

@@ -452,7 +452,7 @@ def phase1_dtype(dtype: str, device: Any, model_path: Path | str, local_workers:
     _, flags = cpu_description()
     if "avx2" not in flags or any(flag in flags for flag in BF16_FLAGS):
         return dtype  # not x86 as known here, or bf16 products in hardware
-    weights = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    weights = sum(f.stat().st_size for f in weight_files(model_path))
     available = available_memory()
     if available is None or 2 * weights * local_workers > available / 2:  # bf16 files → fp32
         return dtype

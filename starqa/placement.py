@@ -46,21 +46,15 @@ def phase2_workers(manifest: Manifest, model_path: Path, requested: int | None, 
 
 
 def _check_cores(workers: int, requested: int, device: str) -> None:
-    """Phase 2's CPU workers each load the model and run it for every token: more than the
-    cores only fight over them (`ingest.check_workers` does the same for Phase 1).
+    """Phase 2's CPU workers against the cores (`launch.check_cores`, as Phase 1's);
     STARQA_OVERSUBSCRIBE=1 starts them anyway."""
     from starqa import launch
 
     if _is_cuda(device) or os.environ.get("STARQA_OVERSUBSCRIBE", "") not in ("", "0"):
         return
-    if workers > (cores := launch.cpu_count()):
-        raise StarqaError(
-            f"--workers {requested}" + (f" ({workers} for the context's blocks)"
-                                        if workers != requested else "")
-            + f" > {cores} CPU cores here: each worker loads its own copy of the model, and "
-              "more workers than cores only fight over them.",
-            hint=f"pass --workers {cores} or fewer (or leave it out: starqa chooses), or set "
-                 f"STARQA_OVERSUBSCRIBE=1 to start {workers} anyway")
+    launch.check_cores(workers, f"--workers {requested}" + (
+        f" ({workers} for the context's blocks)" if workers != requested else ""),
+        "set STARQA_OVERSUBSCRIBE=1")
 
 
 def _weights_bytes(model_path: Path) -> int:

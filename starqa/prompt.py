@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from starqa.corpus import FileSpan
+from starqa.corpus import FileSpan, valid_text
 from starqa.errors import StarqaError
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents provided. Be brief."
@@ -93,11 +93,13 @@ def query_template(tokenizer) -> dict | None:
 def tokenize_query(tokenizer, question: str, history: Sequence[tuple[str, str]] = ()) -> list[int]:
     """The query part's ids: the template's markers are control tokens, the question and the
     earlier turns are text (rendered with slots in their place, filled in as data)."""
-    turns = [*history, (question, None)]
-    values = [text.strip() for q, a in turns for text in (q, a) if text is not None]
-    slotted, n = [], iter(range(len(values)))
-    for q, a in turns:
-        slotted.append((_SLOT.format(next(n)), None if a is None else _SLOT.format(next(n))))
+    values: list[str] = []
+
+    def slot(text: str) -> str:
+        values.append(text.strip())
+        return _SLOT.format(len(values) - 1)
+
+    slotted = [(slot(q), None if a is None else slot(a)) for q, a in [*history, (question, None)]]
     rendered = query_text(tokenizer, slotted[-1][0], slotted[:-1])
     pieces: list[tuple[str, bool]] = []
     at = 0
@@ -214,7 +216,7 @@ class Encoder:
 
     def text(self, text: str) -> list[int]:
         """Ids of `text` as data (a document, a question): no control token."""
-        return self.plain.encode(valid(text), add_special_tokens=False).ids if text else []
+        return self.plain.encode(valid_text(text), add_special_tokens=False).ids if text else []
 
     def encode(self, pieces: Sequence[tuple[str, bool]]) -> tuple[list[int], list[int]]:
         """(ids, each token's end offset in the joined text) of `pieces`, (text, is the
@@ -222,7 +224,7 @@ class Encoder:
         cuts: list[tuple[int, int, int]] = []  # (start, end, id) of the template's markers
         joined, at = [], 0
         for text, template in pieces:
-            text = valid(text)
+            text = valid_text(text)
             if template and self._find is not None:
                 cuts += [(at + m.start(), at + m.end(), self.markers[m.group()])
                          for m in self._find.finditer(text)]
@@ -242,16 +244,6 @@ class Encoder:
                 ends.append(end)
             at = end
         return ids, ends
-
-
-def valid(text: str) -> str:
-    """`text` with each lone surrogate (a file name's undecodable byte, a client's broken
-    string) replaced by U+FFFD: tokenizers take only valid Unicode. Same length."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 _ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

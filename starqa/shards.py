@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -246,10 +247,7 @@ def _header_problem(path: Path, block: Block) -> tuple[str | None, tuple]:
                 and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             return f"{name!r} has no valid shape, dtype and offsets", ()
         itemsize = int("".join(filter(str.isdigit, dtype)) or 8) // 8  # BF16: 2, BOOL: 1
-        count = 1
-        for d in shape:
-            count *= d
-        if offsets[1] - offsets[0] != count * itemsize or offsets[0] < 0 or \
+        if offsets[1] - offsets[0] != math.prod(shape) * itemsize or offsets[0] < 0 or \
                 start + offsets[1] > size:
             return (f"{name!r} {shape} {dtype} does not fit its bytes {offsets} in a file of "
                     f"{size:,} bytes"), ()

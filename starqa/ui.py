@@ -7,7 +7,6 @@ to stdout.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from rich.text import Text
 
 from starqa import methods, shards, store
 from starqa.ask import Answer
+from starqa.corpus import valid_text
 from starqa.errors import ShardError
 from starqa.ingest import IngestResult
 from starqa.manifest import Manifest
@@ -80,14 +80,10 @@ def printable(text: str, keep_newlines: bool = False) -> str:
     return str(text).translate(_ANSWER if keep_newlines else _UNPRINTABLE)
 
 
-_UNDECODED = re.compile("[\ud800-\udfff]")
-
-
 def as_text(typed: str | None) -> str | None:
     """What was typed (a question, from the command line or a pipe) as a model reads it:
-    bytes that were not UTF-8, which Python keeps as lone surrogates and tokenizers refuse
-    (TypeError), become U+FFFD."""
-    return None if typed is None else _UNDECODED.sub("\ufffd", typed)
+    bytes that were not UTF-8 become U+FFFD (`corpus.valid_text`)."""
+    return None if typed is None else valid_text(typed)
 
 
 def safe(text) -> str:
