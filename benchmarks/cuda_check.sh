@@ -21,7 +21,7 @@ gcc -O3 -fopenmp -fno-math-errno -std=gnu11 -shared -fPIC -Istarqa starqa/_*.c -
     python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
     || echo "no C compiler: starqa's kernels not built"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, faiss; from starqa import native; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'faiss', faiss.__version__, 'kernels', native.available())"
+  python3 -c "import torch, transformers, faiss; from starqa.native import ops as native; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, 'faiss', faiss.__version__, 'kernels', native.available())"
   lscpu | grep -E 'Model name|^CPU\(s\)'; } 2>&1 | tee "$OUT/machine.txt"
 timeout "${TEST_SECONDS:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
     | tee "$OUT/tests.log"

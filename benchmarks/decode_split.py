@@ -3,7 +3,7 @@ around every compiled call of a real answer (`Answerer`, as `ask` and the warm g
 it), split into the attention kernel (exact's `native.Layout.attend`, top-k's
 `native.TopKTable.attend`), the model's steps (a layer's two calls either side of its
 attention, `native.layer_before`/`layer_after`, and the logits), every layer in one call
-(`native.decode_layers`, starqa/_step.c: attention and model steps together, as answers
+(`native.decode_layers`, starqa/native/_step.c: attention and model steps together, as answers
 run where it applies) and the rest: Python and torch between them ("glue"). Each
 attention in turn, alternating, in one process:
 
@@ -11,8 +11,8 @@ attention in turn, alternating, in one process:
     python benchmarks/decode_split.py CONTEXT_DIR --attention exact,ivf --libs old.so,new.so
 
 An attention named NAME:loop runs its layers one by one (`ShardAttention.compiled`
-offers no words), as answers did before starqa/_step.c: the split of each share;
-ivf:built keeps ivf's lists as built (`starqa.listlayout` lays them out by a mean query);
+offers no words), as answers did before starqa/native/_step.c: the split of each share;
+ivf:built keeps ivf's lists as built (`starqa.topk.listlayout` lays them out by a mean query);
 ivf:none drops the keys a row leaves out (`--top-k-tail none`; ivf counts them by default). With
 --libs, each attention runs through each build of the kernels in turn (NAME@LIB): a kernel
 change measured on whole decode tokens, the model's steps and their traffic included, side
@@ -35,10 +35,15 @@ from pathlib import Path
 
 import torch
 
-from starqa import bench, decoder, dist, indexes, kernels, models, native, retrieval
-from starqa.answering import Answerer
-from starqa.ask import question_ids
-from starqa.manifest import read_manifest
+from starqa.measure import bench
+from starqa.models import decoder
+from starqa.runtime import dist
+from starqa.topk import indexes, retrieval
+from starqa.native import kernels, ops as native
+from starqa import models
+from starqa.phase2.answering import Answerer
+from starqa.launchers.ask import question_ids
+from starqa.cache.manifest import read_manifest
 
 QUESTION = "Which function merges the partial attentions of the workers?"
 

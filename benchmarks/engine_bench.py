@@ -65,8 +65,9 @@ def main() -> None:
 
     import torch
 
-    from starqa import engine, models, prompt
-    from starqa.session import LocalSession
+    from starqa import engine, models
+    from starqa.corpus import prompt
+    from starqa.measure.session import LocalSession
 
     model_path = models.resolve_model(args.model)  # from the user's cache
     home = Path(tempfile.mkdtemp(prefix="starqa-bench-"))
@@ -113,7 +114,8 @@ def main() -> None:
 
 def context_ids(tokenizer, corpus: Path, manifest):
     from starqa import corpus as corpus_mod
-    from starqa import packorder, prompt
+    from starqa.reingest import packorder
+    from starqa.corpus import prompt
 
     files = packorder.as_packed(corpus_mod.collect([corpus]).files, manifest)
     packed, spans = corpus_mod.pack(files)

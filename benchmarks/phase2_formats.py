@@ -17,8 +17,10 @@ import time
 
 import torch
 
-from starqa import dist, models, phase2
-from starqa.decoder import load_decoder
+from starqa.runtime import dist
+from starqa import models
+from starqa.phase2 import decode
+from starqa.models.decoder import load_decoder
 
 
 def main() -> None:
@@ -54,13 +56,13 @@ def main() -> None:
             shard = [[(torch.randn(shape, dtype=dtype, device=info.device),
                        torch.randn(shape, dtype=dtype, device=info.device))]
                      for _ in range(c.layers)]
-            hook = phase2.ShardAttention(info, shard, query_host=True,
+            hook = decode.ShardAttention(info, shard, query_host=True,
                                          ids=torch.randint(0, 200, (args.tokens,)))
             question = list(range(100, 121))
-            phase2.generate(decoder, info, hook, question, args.tokens, 3, set())  # warm-up
+            decode.generate(decoder, info, hook, question, args.tokens, 3, set())  # warm-up
             first: list[float] = []
             started = time.perf_counter()
-            tokens = phase2.generate(decoder, info, hook, question, args.tokens, args.new,
+            tokens = decode.generate(decoder, info, hook, question, args.tokens, args.new,
                                      set(), lambda _: first or first.append(time.perf_counter()))
             end = time.perf_counter()
             hook.key_mass([t % 200 for t in tokens])

@@ -1,7 +1,7 @@
 """How good is re-rotating a star block's stored keys to a new position (issue #14)?
 
 A star block that moved by δ positions (an edit before it) can keep its KV with its keys
-rotated by δ (starqa.rotate). Exact in layer 0; above it, every hidden state was computed
+rotated by δ (starqa.reingest.rotate). Exact in layer 0; above it, every hidden state was computed
 with the anchor δ positions nearer. This script measures, on a real model and a real
 context (samples/), the relative error of the re-rotated KV against the KV encoded fresh at
 the new position, for several δ, beside two yardsticks: not rotating at all, and star's
@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
-from starqa import corpus, hooks, models, prompt
+from starqa import corpus, models
+from starqa.phase1 import hooks
+from starqa.corpus import prompt
 from starqa.phase1 import encode_dense, encode_star
-from starqa.rotate import inv_freq, rerotate
+from starqa.reingest.rotate import inv_freq, rerotate
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

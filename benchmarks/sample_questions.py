@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from starqa import engine
-from starqa.session import LocalSession
+from starqa.measure.session import LocalSession
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -54,7 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_bench import build_corpus  # noqa: E402
 
-from starqa.phase2 import DRAFT_TOKENS  # noqa: E402
+from starqa.phase2.decode import DRAFT_TOKENS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "Who approved the 2026 travel budget, and what does the travel policy say about it?"
@@ -93,7 +93,7 @@ class StarqaWarm:
     own timings (question received → first token; first → last token)."""
 
     def __init__(self, key: str):
-        from starqa import client
+        from starqa.workers import client
 
         self.group = client.start(key, None, keepalive=600)
         self.conn = client.Client(self.group)
@@ -182,7 +182,11 @@ def main() -> None:
 
     import torch
 
-    from starqa import corpus, engine, models, packorder, paths, prompt, store
+    from starqa import corpus, engine, models
+    from starqa.reingest import packorder
+    from starqa.core import paths
+    from starqa.corpus import prompt
+    from starqa.cache import store
 
     embedded = models.embedded_model(args.model)
     if embedded is None:

@@ -30,7 +30,9 @@ def main() -> None:
 
     import torch
 
-    from starqa import client, engine, models, prompt
+    from starqa.workers import client
+    from starqa import engine, models
+    from starqa.corpus import prompt
 
     model_path = models.resolve_model(args.model)
     home = Path(tempfile.mkdtemp(prefix="starqa-warm-"))

@@ -30,10 +30,13 @@ def main() -> None:
 
     import torch
 
-    from starqa import dist, hooks, methods, models, shards
-    from starqa.answering import Answerer
-    from starqa.decoder import load_decoder
-    from starqa.evals import generators, runner, scoring
+    from starqa.runtime import dist
+    from starqa.phase1 import hooks
+    from starqa import methods, models
+    from starqa.cache import shards
+    from starqa.phase2.answering import Answerer
+    from starqa.models.decoder import load_decoder
+    from starqa.measure.evals import generators, runner, scoring
 
     formats = [w.strip() for w in args.weights.split(",")]
     if formats[0] != "dense":

@@ -26,7 +26,7 @@ def docs(tmp_path) -> Path:
         "the travel budget was approved by the office . " * 6)
     (folder / "policy" / "leave.md").write_text("leave policy is a long document . " * 5)
     (folder / "code.py").write_text("retry limit default is seven \n" * 6)
-    for path in folder.rglob("*.*"):  # one mtime: packed in path order (starqa.packorder)
+    for path in folder.rglob("*.*"):  # one mtime: packed in path order (starqa.reingest.packorder)
         os.utime(path, (1_700_000_000, 1_700_000_000))
     return folder
 
@@ -53,7 +53,7 @@ def home(tmp_path, monkeypatch):
     monkeypatch.setenv("STARQA_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("STARQA_MODEL", raising=False)
     yield tmp_path / "home"
-    from starqa import client
+    from starqa.workers import client
 
     for group in client.running():
         if group.get("socket"):
@@ -78,7 +78,8 @@ def fake_workers(monkeypatch) -> list[dict]:
     import torch
     from safetensors.torch import load_file
 
-    from starqa import ingest as ingest_mod, shards
+    from starqa.launchers import ingest as ingest_mod
+    from starqa.cache import shards
 
     jobs = []
 

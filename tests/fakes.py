@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from starqa import shards
-from starqa.manifest import (IngestRun, Manifest, ModelIdentity, Skipped, SourceFile,
-                             block_file, write_manifest)
+from starqa.cache import shards
+from starqa.cache.manifest import (IngestRun, Manifest, ModelIdentity, Skipped, SourceFile,
+    block_file, write_manifest)
 from starqa.methods import MethodConfig
 
 

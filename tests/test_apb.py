@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from starqa import apb, hooks, methods, phase1
-from starqa.errors import StarqaError
+from starqa.phase1 import apb, hooks
+from starqa import methods, phase1
+from starqa.core.errors import StarqaError
 from starqa.methods import MethodConfig, method_config, plan_blocks
 from starqa.models import load_model
 

@@ -8,8 +8,13 @@ import threading
 import pytest
 import torch
 
-from starqa import corpus, dist, hooks, methods, models, phase2, prompt, pulsar
-from starqa.decoder import load_decoder
+from starqa import corpus, methods, models
+
+from starqa.phase2 import decode
+from starqa.runtime import dist
+from starqa.phase1 import hooks, pulsar
+from starqa.corpus import prompt
+from starqa.models.decoder import load_decoder
 from starqa.methods import method_config, plan_blocks
 from starqa.models import context_window, load_model, load_tokenizer
 from tiny import make_tiny_model
@@ -32,7 +37,7 @@ def model(qwen_path):
 
 @pytest.fixture(scope="module")
 def decoder(qwen_path):
-    """The same weights as Phase 2 runs them (starqa.decoder), fp32."""
+    """The same weights as Phase 2 runs them (starqa.models.decoder), fp32."""
     return load_decoder(qwen_path, torch.float32)
 
 
@@ -189,7 +194,7 @@ def test_apb_limits_are_star_and_dense(model, reference, context_ids):
 def test_apb_on_workers_equals_blocks_in_order(workers, model, context_ids, monkeypatch):
     """Round-robin ranks (threads) exchanging compressed KV per layer store what encoding the
     blocks in order in one process does, including an idle rank in a short last round."""
-    from starqa import apb
+    from starqa.phase1 import apb
 
     ids = context_ids
     cfg = method_config("apb", len(ids), block_size=BLOCK, params={"passing": 5, "window": 8})
@@ -217,7 +222,7 @@ def test_apb_on_workers_equals_blocks_in_order(workers, model, context_ids, monk
 
 class ThreadWorld:
     """Collectives for ranks that are threads of this process: all_gather and broadcast as
-    starqa.dist has them, exchanged through shared slots and a barrier."""
+    starqa.runtime.dist has them, exchanged through shared slots and a barrier."""
 
     def __init__(self, world: int):
         self.world = world
@@ -277,7 +282,7 @@ def on_workers(blocks_kv, workers, monkeypatch, run):
         if mine:  # a piece per block, read where it lies (as load_shard keeps them on CPU)
             shard = [[(blocks_kv[i][0][layer][None], blocks_kv[i][1][layer][None])
                       for i in mine] for layer in range(blocks_kv[0][0].shape[0])]
-        return run(info, phase2.ShardAttention(info, shard, info.is_last))
+        return run(info, decode.ShardAttention(info, shard, info.is_last))
 
     return run_ranks(world, rank)
 
@@ -285,7 +290,7 @@ def on_workers(blocks_kv, workers, monkeypatch, run):
 def answer_on_workers(decoder, blocks_kv, query_ids, start, workers, stops, monkeypatch,
                       max_new_tokens=8):
     """Phase 2 greedy generation on `workers` ranks; every rank must agree."""
-    results = on_workers(blocks_kv, workers, monkeypatch, lambda info, hook: phase2.generate(
+    results = on_workers(blocks_kv, workers, monkeypatch, lambda info, hook: decode.generate(
         decoder, info, hook, query_ids, start, max_new_tokens, stops))
     assert all(r == results[-1] for r in results)  # every rank generated the same tokens
     return results[-1]
@@ -356,7 +361,7 @@ def test_phase2_on_workers_equals_one_worker(name, model, decoder, reference, to
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_drafts_give_the_same_tokens_and_sources(workers, model, qwen_path, tok, context_ids,
                                                  monkeypatch):
-    """Prompt-lookup drafts (phase2.generate) on int4 weights: right drafts are kept (24
+    """Prompt-lookup drafts (decode.generate) on int4 weights: right drafts are kept (24
     tokens in 7 forwards of 1 + 3 rows), wrong ones are dropped, and either way every rank
     gets the tokens and the per-key source mass of one token per forward, bit for bit."""
     decoder = load_decoder(qwen_path, torch.bfloat16, "int4")
@@ -370,7 +375,7 @@ def test_drafts_give_the_same_tokens_and_sources(workers, model, qwen_path, tok,
             forwards = []
             advance = hook.advance  # once per forward, whether its layers ran one by one or not
             hook.advance = lambda *a: (forwards.append(1), advance(*a))[1]
-            tokens = phase2.generate(decoder, info, hook, query, len(ids), 24, set(),
+            tokens = decode.generate(decoder, info, hook, query, len(ids), 24, set(),
                                      context_ids=lookup, draft_tokens=drafts)
             return tokens, len(forwards), hook.key_mass(tokens)
         return on_workers(kv, workers, monkeypatch, one)

@@ -159,7 +159,7 @@ def test_partial_rows_within_the_reference_error(kernel, dtype, q_heads, kv_head
     its error is fp32 rounding (1e-5) whatever the dtype; the GEMM fallback rounds scores
     and probabilities to the dtype, so it is bounded by twice the error of transformers'
     eager attention in that dtype, which rounds them the same way."""
-    from starqa import native
+    from starqa.native import ops as native
     from starqa.attention import attend_gemm, fold_gqa, partial_rows
 
     if kernel == "native" and not native.available():
@@ -196,7 +196,7 @@ def test_partial_parts_reads_its_buffers_as_one(kernel, dtype, own, monkeypatch)
     own buffer with its own head stride, attended as the one buffer they make, against
     fp64: within fp32 rounding for the kernel, as `partial_rows` is; the fallback (no
     compiled kernel) concatenates them for `attend_gemm`."""
-    from starqa import native
+    from starqa.native import ops as native
     from starqa.attention import attend_gemm, fold_gqa, partial_parts
 
     if kernel == "native" and not native.available():
@@ -229,7 +229,7 @@ def test_pieces_laid_out_once_attend_as_partial_parts(kernel, monkeypatch):
     """`Pieces` (a shard's blocks laid out once, then a buffer that changes at each call, as
     a decode step's own KV grows) gives bit for bit what `partial_parts` gives over the same
     buffers, call after call, with and without the changing buffer."""
-    from starqa import native
+    from starqa.native import ops as native
     from starqa.attention import Pieces, fold_gqa, partial_parts
 
     if kernel == "native" and not native.available():
@@ -258,7 +258,7 @@ def test_the_kernel_is_built_where_a_compiler_is():
     import os
     import shutil
 
-    from starqa import native
+    from starqa.native import ops as native
 
     if shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("no C compiler here: starqa attends with torch's GEMMs")

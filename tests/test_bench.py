@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from starqa import bench, dist, engine, hooks, phase1
-from starqa.errors import StarqaError
-from starqa.manifest import read_manifest
+from starqa.measure import bench
+from starqa.runtime import dist
+from starqa import engine, phase1
+from starqa.phase1 import hooks
+from starqa.core.errors import StarqaError
+from starqa.cache.manifest import read_manifest
 from starqa.methods import METHODS
 from starqa.models import load_model
-from starqa.worker import flop_counter
+from starqa.workers.worker import flop_counter
 from tiny import make_tiny_model
 
 # --------------------------------------------------------------------------- dist: bytes
@@ -36,7 +39,7 @@ def test_world_of_one_moves_nothing():
 
 _TWO_RANKS = textwrap.dedent("""
     import json, os, torch
-    from starqa import dist
+    from starqa.runtime import dist
     info = dist.init("cpu")
     r = info.rank
     dist.all_gather(info, torch.zeros(3, 4))                     # 48 bytes each way
@@ -130,7 +133,7 @@ def test_worker_peak_memory_is_its_own_not_its_starters():
     held[::4096] = b"\x01" * len(held[::4096])  # resident: every page touched
     probe = textwrap.dedent("""
         import resource
-        from starqa.worker import own_peak_rss
+        from starqa.workers.worker import own_peak_rss
         print(own_peak_rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     """)
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

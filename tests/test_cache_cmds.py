@@ -14,10 +14,10 @@ from pathlib import Path
 from fakes import make_context, starqa
 from typer.testing import CliRunner
 
-from starqa import store
+from starqa.cache import store
 from starqa.cli import app
-from starqa.errors import StarqaError
-from starqa.manifest import MANIFEST, block_file, read_manifest, write_manifest
+from starqa.core.errors import StarqaError
+from starqa.cache.manifest import MANIFEST, block_file, read_manifest, write_manifest
 
 runner = CliRunner()
 
@@ -231,7 +231,7 @@ def test_contexts_past_the_window_are_marked_in_list_and_info(home):
     in `info`; one that fits is not."""
     from dataclasses import replace
 
-    from starqa.manifest import read_manifest
+    from starqa.cache.manifest import read_manifest
 
     now = time.time()
     fits = make_context(home, "fits", "f175" + "0" * 12, now - 60)

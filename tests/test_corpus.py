@@ -9,7 +9,7 @@ import pytest
 
 from starqa import corpus as corpus_mod
 from starqa.corpus import FileSpan, SourceFile, collect, content_hash, line_of, pack
-from starqa.errors import StarqaError
+from starqa.core.errors import StarqaError
 
 
 def write(root: Path, files: dict[str, str | bytes]) -> None:

@@ -67,8 +67,8 @@ def test_cuda_ingest_and_ask_equal_transformers(home, docs, tiny_model, dtype):
 
 
 def test_more_workers_than_gpus_is_refused_before_anything_starts():
-    from starqa.errors import StarqaError
-    from starqa.launch import check_gpus
+    from starqa.core.errors import StarqaError
+    from starqa.runtime.launch import check_gpus
 
     gpus = torch.cuda.device_count()
     check_gpus("auto", gpus)
@@ -82,7 +82,7 @@ def test_cuda_topk_every_key_selected_equals_exact_partial_attention(dtype):
     """test_topk's CPU test on the GPU: with k >= the keys, selection and attention over
     the selected rows are exact attention, within twice fp32's own error against fp64;
     a small k picks exactly the best keys, as the CPU does."""
-    from starqa import topk
+    from starqa.attention import topk
     from test_topk import exact_part
 
     torch.manual_seed(0)
@@ -108,8 +108,8 @@ def test_cuda_topk_shard_with_every_key_merges_to_exact_attention(kind):
     builds): flat attends there, ivf and hnsw search on the CPU; two workers' parts and
     the own causal part merge to exact attention over every key."""
     from starqa.attention import merge
-    from starqa.indexes import TopK
-    from starqa.retrieval import TopKShard
+    from starqa.topk.indexes import TopK
+    from starqa.topk.retrieval import TopKShard
 
     torch.manual_seed(2)
     hkv, g, m, dim, layer = 2, 3, 4, 16, 1
@@ -143,7 +143,7 @@ def test_cuda_topk_ask_with_every_key_is_exact_ask(home, docs, tiny_model):
     from the cache (--kv-on-disk), the question's forward exact or top-k; a small k on
     disk answers as in memory."""
     from starqa import engine
-    from starqa.indexes import TopK
+    from starqa.topk.indexes import TopK
 
     engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model), dtype="fp32",
                                        method="dense", block_size=50, device="cuda"))

@@ -1,15 +1,15 @@
-"""The decode step's compiled kernels. The int4 product (starqa/_int4.c through
+"""The decode step's compiled kernels. The int4 product (starqa/native/_int4.c through
 `native.int4_mm`) against a float64 reference of the sums its docstring defines, its fast
 (VNNI) and plain C paths bit for bit, rows independent of each other, and its error against
 the dense product bounded by that of torch's own int4 kernel over the same weights. RMSNorm
-and RoPE (starqa/_rows.c) against transformers' formulas in torch operators."""
+and RoPE (starqa/native/_rows.c) against transformers' formulas in torch operators."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from starqa import native
-from starqa.decoder import INT4_GROUP, Linear, _int4_levels, _int4_pack, _int4_tiles
+from starqa.native import ops as native
+from starqa.models.decoder import INT4_GROUP, Linear, _int4_levels, _int4_pack, _int4_tiles
 
 from memory import mapped_pages  # tests/memory.py (conftest puts tests/ on the path)
 
@@ -118,8 +118,8 @@ def test_linear_uses_the_tiles_for_decode_rows():
 def tiny_decoder(dtype: torch.dtype, bias: bool):
     """Two random layers of int4 tiles (9 query heads, 3 KV heads of 32, MLP 192; a bias on
     qkv like Qwen2's where `bias`)."""
-    from starqa.decoder import Decoder, Layer
-    from starqa.prepared import DecoderConfig
+    from starqa.models.decoder import Decoder, Layer
+    from starqa.models.prepared import DecoderConfig
 
     torch.manual_seed(4)
     c = DecoderConfig(layers=2, hidden=96, heads=9, kv_heads=3, head_dim=32, vocab=64,
@@ -140,7 +140,7 @@ def tiny_decoder(dtype: torch.dtype, bias: bool):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_layer_in_two_calls_gives_the_bits_of_its_kernels_one_by_one(dtype, bias):
-    """starqa/_layer.c composes the norm, int4, RoPE, SiLU·mul and add kernels around each
+    """starqa/native/_layer.c composes the norm, int4, RoPE, SiLU·mul and add kernels around each
     layer's attention in one call each: the forward's hidden states equal those of the
     kernels called one by one, bit for bit, for a token and for rows computed rowwise."""
     decoder = tiny_decoder(dtype, bias)
@@ -279,7 +279,7 @@ def test_a_starqa_process_asks_before_torch_allocates():
     except OSError:
         wanted = None
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    shown = subprocess.run([sys.executable, "-c", "import starqa.worker, os, sys; "
+    shown = subprocess.run([sys.executable, "-c", "import starqa.workers.worker, os, sys; "
                             "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), "
                             "'torch' in sys.modules)"],
                            env=env, capture_output=True, text=True, check=True).stdout.split()
@@ -291,7 +291,7 @@ FORWARDS = [list(range(1, 6)), [7], [9], [11, 12, 13], [14]]  # question, tokens
 
 def _forwards(decoder, attention, forwards, dtype, compiled: bool, planned: list) -> list:
     """The hidden states of `forwards` (lists of token ids) one after the other through
-    `attention` (a `phase2.ShardAttention` over 9 query heads and 3 KV heads of 32), every
+    `attention` (a `decode.ShardAttention` over 9 query heads and 3 KV heads of 32), every
     layer in one call where it offers a plan and `compiled` (planned: whether each did)."""
     hidden, position = [], 1000
     for step, tokens in enumerate(forwards):
@@ -310,14 +310,15 @@ def _forwards(decoder, attention, forwards, dtype, compiled: bool, planned: list
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["exact", "flat", "ivf"])
 def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype, kind):
-    """starqa/_step.c runs a forward's layers in one call (the attention's words from
+    """starqa/native/_step.c runs a forward's layers in one call (the attention's words from
     `ShardAttention.compiled`): a question, then single tokens and drafted rows, give the
     hidden states of the loop that calls the same kernels layer by layer, bit for bit, with
     the own keys written alike (a later forward reads them) and, for exact, the same source
     attribution from the rows kept."""
-    from starqa import dist, phase2
-    from starqa.indexes import TopK
-    from starqa.retrieval import TopKShard
+    from starqa.runtime import dist
+    from starqa.phase2 import decode
+    from starqa.topk.indexes import TopK
+    from starqa.topk.retrieval import TopKShard
 
     torch.manual_seed(9)
     decoder = tiny_decoder(dtype, bias=True)
@@ -330,10 +331,10 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
     def hook():
         if kind == "exact":
             pieces = [[(k[layer][None], v[layer][None]) for k, v in blocks] for layer in range(2)]
-            return phase2.ShardAttention(dist.local_world(), pieces, query_host=True, head=5,
+            return decode.ShardAttention(dist.local_world(), pieces, query_host=True, head=5,
                                          ids=ids)
         shard = TopKShard.from_parts(blocks, TopK(count=24, index=kind, sink=4), n)
-        return phase2.ShardAttention(dist.local_world(), None, query_host=True,
+        return decode.ShardAttention(dist.local_world(), None, query_host=True,
                                      retriever=shard)
 
     results, planned = [], []
@@ -363,9 +364,11 @@ def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages
     bit for bit, and the step releases each layer's mapped pages after its attention, as
     the loop does: after a forward no page of the values' last layer is mapped. (Earlier
     layers' last pages may be mapped again by a later layer's read: a file's large folio.)"""
-    from starqa import dist, phase2, tensorfile
-    from starqa.indexes import TopK
-    from starqa.retrieval import TopKShard
+    from starqa.runtime import dist
+    from starqa.phase2 import decode
+    from starqa.core import tensorfile
+    from starqa.topk.indexes import TopK
+    from starqa.topk.retrieval import TopKShard
 
     torch.manual_seed(10)
     dtype = torch.bfloat16
@@ -388,7 +391,7 @@ def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages
                           mapped_values=mapped["v"], sinks=held.sinks,
                           mapped_keys=mapped["k"] if kind == "flat" else None,
                           blocks=held.blocks)
-        return phase2.ShardAttention(dist.local_world(), None, query_host=True,
+        return decode.ShardAttention(dist.local_world(), None, query_host=True,
                                      retriever=shard)
 
     results, planned = [], []
@@ -408,14 +411,15 @@ def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages
 def test_a_world_of_several_goes_layer_by_layer():
     """The compiled step has no collective between layers: a world of two offers no words
     (nor does a shard whose dtype is not the model's)."""
-    from starqa import dist, phase2
+    from starqa.runtime import dist
+    from starqa.phase2 import decode
 
     pieces = [[(torch.randn(1, 3, 10, 32), torch.randn(1, 3, 10, 32))] for _ in range(2)]
     two = dist.DistInfo(1, 1, 2, torch.device("cpu"), None)
-    hook = phase2.ShardAttention(two, pieces, query_host=True)
+    hook = decode.ShardAttention(two, pieces, query_host=True)
     hook.begin(8)
     assert hook.compiled(1, torch.float32, 9, 3, 32) is None
     for dtype, offers in ((torch.bfloat16, False), (torch.float32, True)):  # an fp32 shard
-        alone = phase2.ShardAttention(dist.local_world(), pieces, query_host=True)
+        alone = decode.ShardAttention(dist.local_world(), pieces, query_host=True)
         alone.begin(8)
         assert (alone.compiled(1, dtype, 9, 3, 32) is not None) == offers

@@ -5,10 +5,12 @@ import json
 import pytest
 import torch
 
-from starqa import models, native, tensorfile
+from starqa import models
+from starqa.native import ops as native
+from starqa.core import tensorfile
 from starqa.attention import attend
-from starqa.decoder import load_decoder
-from starqa.errors import StarqaError
+from starqa.models.decoder import load_decoder
+from starqa.core.errors import StarqaError
 from starqa.models import load_model
 from tiny import make_tiny_model
 
@@ -85,7 +87,7 @@ def test_stale_prepared_weights_are_rebuilt(tiny, tmp_path):
     other kernel's layout (a model folder shared with a CPU without VNNI), are not used."""
     from safetensors.torch import save_file
 
-    from starqa import tensorfile
+    from starqa.core import tensorfile
 
     decoder = load_decoder(tiny, torch.bfloat16, "int4")
     prepared = tiny / ".starqa-phase2-int4-bfloat16.safetensors"
@@ -115,7 +117,7 @@ def test_int4_keeps_weights_that_came_from_4_bit_blocks():
     """The embedded GGUFs hold blocks of 32 weights on 16 levels (Q4_1, Q4_K): int4 in
     groups of 32 re-quantises such a tensor without loss, so x Wᵀ through the packed kernel
     equals the dense product up to bf16 rounding."""
-    from starqa.decoder import Linear
+    from starqa.models.decoder import Linear
 
     torch.manual_seed(0)
     n, k = 64, 128
@@ -139,7 +141,7 @@ def test_several_rows_multiply_int8_activations_by_int8_weights(fmt, monkeypatch
     path (no row leaks into another's scale), stays within 2% of the fp32 product, and for
     int4 it is closer to it than the int4 kernel; fewer rows (decode, a short question)
     keep the format's own kernel. (As where torch's int8 GEMM is fast, whatever this CPU.)"""
-    from starqa.decoder import INT4_GROUP, W8A8_MIN_ROWS, W8A8_MIN_ROWS_TILES, Linear
+    from starqa.models.decoder import INT4_GROUP, W8A8_MIN_ROWS, W8A8_MIN_ROWS_TILES, Linear
 
     monkeypatch.setattr(native, "int8_gemm_fast", lambda: True)
     torch.manual_seed(1)
@@ -157,7 +159,7 @@ def test_several_rows_multiply_int8_activations_by_int8_weights(fmt, monkeypatch
     one = lin(x[:1])
     if fmt == "int8":
         kernel = torch.ops.aten._weight_int8pack_mm(x[:1], lin.weight, lin.scale)
-    elif lin.scale is None:  # starqa's int4 tiles (starqa/_int4.c)
+    elif lin.scale is None:  # starqa's int4 tiles (starqa/native/_int4.c)
         kernel = native.int4_mm(x[:1], lin.weight)
     else:
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x[:1], lin.weight, INT4_GROUP,
@@ -176,7 +178,7 @@ def test_several_rows_multiply_int8_activations_by_int8_weights(fmt, monkeypatch
 def test_without_a_fast_int8_gemm_every_forward_runs_the_tiles(monkeypatch):
     """Where torch's int8 GEMM is a plain loop (no AVX-512 VNNI: ~20x the tiles' time), an
     int4 Linear never runs W8A8: a prefill of any length is the tiles', row for row."""
-    from starqa.decoder import W8A8_MIN_ROWS_TILES, Linear
+    from starqa.models.decoder import W8A8_MIN_ROWS_TILES, Linear
 
     monkeypatch.setattr(native, "int8_gemm_fast", lambda: False)
     torch.manual_seed(2)

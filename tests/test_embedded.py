@@ -3,9 +3,12 @@
 import pytest
 import torch
 
-from starqa import corpus, engine, models, native, packorder, prompt
+from starqa import corpus, engine, models
+from starqa.native import ops as native
+from starqa.reingest import packorder
+from starqa.corpus import prompt
 from starqa.models import load_model, load_tokenizer
-from starqa.paths import contexts_dir
+from starqa.core.paths import contexts_dir
 
 pytestmark = pytest.mark.model
 QUESTION = "Who approved the 2026 travel budget?"
@@ -108,7 +111,7 @@ def test_needles_file_is_the_top_source_among_near_identical_files(embedded_mode
                     "before torch (int4 weights keep torch's layout)")
 def test_cold_ask_answers_its_first_token_before_torch(embedded_model, home, request):
     """`starqa ask` as a user runs it, cold: the head start answers the first token before
-    importing torch (starqa.firsttoken), and the answer, its tokens and sources are those
+    importing torch (starqa.coldstart.firsttoken), and the answer, its tokens and sources are those
     of the same ask without that path (STARQA_FIRST_TOKEN=0)."""
     import json
     import os

@@ -9,8 +9,11 @@ import time
 import pytest
 import torch
 
-from starqa import engine, paths, prompt, store
-from starqa.errors import ShardError, StarqaError, WorkerError
+from starqa import engine
+from starqa.core import paths
+from starqa.corpus import prompt
+from starqa.cache import store
+from starqa.core.errors import ShardError, StarqaError, WorkerError
 from starqa.models import load_model, load_tokenizer
 from tiny import make_tiny_model
 
@@ -237,7 +240,7 @@ def test_cli_usage_error_is_not_a_traceback(home):
 @pytest.mark.slow
 def test_ring_two_workers_equals_dense(home, docs, tiny_model):
     """Ring Attention is exact: its shards match dense's and so do the greedy tokens."""
-    from starqa.shards import load_block
+    from starqa.cache.shards import load_block
 
     ring = ingest(docs, tiny_model, method="ring", workers=2, block_size=50, name="ring")
     dense = ingest(docs, tiny_model, method="dense", block_size=50, name="dense")
@@ -283,8 +286,9 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     """Two workers pass compressed KV round by round (one all-gather per layer, an idle
     worker in a short last round); the shards equal encoding the blocks in order in one
     process, and ask answers from them."""
-    from starqa import hooks, methods
-    from starqa.shards import load_block
+    from starqa.phase1 import hooks
+    from starqa import methods
+    from starqa.cache.shards import load_block
 
     result = ingest(docs, tiny_model, method="apb", workers=2, block_size=50,
                     method_params={"passing": 6, "window": 8})
@@ -340,7 +344,7 @@ def test_one_worker_in_process_equals_torchrun_and_transformers(home, docs, tiny
 def test_a_cold_ask_leaves_a_warm_group(home, docs, tiny_model, keepalive):
     """Warm by default: the first ask starts a group in the background (keep-alive), the
     next ask is answered by it with the same tokens, and `stop` ends it."""
-    from starqa import client
+    from starqa.workers import client
 
     ingest(docs, tiny_model, method="star", block_size=50)
     cold = ask(keepalive=keepalive)

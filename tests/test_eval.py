@@ -13,11 +13,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from starqa import prompt
+from starqa.corpus import prompt
 from starqa.cli import app
-from starqa.errors import StarqaError
-from starqa.evals import generators, prose, runner, scoring, words
-from starqa.indexes import TopK
+from starqa.core.errors import StarqaError
+from starqa.measure.evals import generators, prose, runner, scoring, words
+from starqa.topk.indexes import TopK
 from starqa.models import load_model, load_tokenizer
 
 SYNTHETIC = [t for t in generators.TASKS if t != "qa"]
@@ -431,7 +431,7 @@ def test_every_method_runs_generically_and_ring_is_dense(home, tiny_model, tmp_p
 
 
 def test_runner_names_sources_and_scores_them(home, tiny_model, tmp_path, capsys):
-    from starqa.evals import report
+    from starqa.cli import eval_report as report
 
     opts = runner.EvalOptions(model=str(tiny_model), methods="star", tasks="niah_files_1",
                               lengths="450", samples=1, dtype="fp32", block_size=128,

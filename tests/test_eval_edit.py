@@ -9,8 +9,8 @@ import torch
 from typer.testing import CliRunner
 
 from starqa.cli import app
-from starqa.errors import StarqaError
-from starqa.evals import edit, generators, runner
+from starqa.core.errors import StarqaError
+from starqa.measure.evals import edit, generators, runner
 from starqa.models import load_tokenizer
 
 

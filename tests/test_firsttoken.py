@@ -1,4 +1,4 @@
-"""A cold ask's first token before torch is imported (starqa.firsttoken): the torch path's
+"""A cold ask's first token before torch is imported (starqa.coldstart.firsttoken): the torch path's
 very bits, taken over by it without a second forward of the question."""
 
 import json
@@ -8,10 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from starqa import dist, engine, firsttoken, kernels, models, paths, prompt, store
-from starqa.answering import Answerer
-from starqa.decoder import load_decoder
-from starqa.errors import ShardError
+from starqa.runtime import dist
+from starqa import engine, models
+from starqa.coldstart import firsttoken
+from starqa.native import kernels
+from starqa.core import paths
+from starqa.corpus import prompt
+from starqa.cache import store
+from starqa.phase2.answering import Answerer
+from starqa.models.decoder import load_decoder
+from starqa.core.errors import ShardError
 from tiny import make_tiny_model
 
 pytestmark = pytest.mark.skipif(

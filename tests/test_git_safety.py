@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from starqa import corpus, paths, store
-from starqa import watch as watch_mod
+from starqa import corpus
+from starqa.core import paths
+from starqa.cache import store
+from starqa.corpus import watch as watch_mod
 from starqa.cli import app
-from starqa.errors import StarqaError
+from starqa.core.errors import StarqaError
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
 runner = CliRunner()

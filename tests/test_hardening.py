@@ -1,8 +1,8 @@
 """Bad inputs and faults from issue #11: each test failed before its fix.
 
 No model downloads and no torchrun: the tiny model of `tiny.py` where a tokenizer is needed,
-fake contexts (from test_cache_cmds) where the cache is, and `starqa.ingest._encode` replaced by a
-stand-in that commits shards the way the workers would.
+fake contexts (from test_cache_cmds) where the cache is, and `starqa.launchers.ingest._encode`
+replaced by a stand-in that commits shards the way the workers would.
 """
 
 import json
@@ -18,17 +18,13 @@ import torch
 from fakes import make_context, starqa
 from typer.testing import CliRunner
 
-from starqa import corpus, engine, paths, shards, store
-from starqa import ingest as ingest_mod
+from starqa import corpus, engine
+from starqa.core import paths
+from starqa.cache import shards, store
+from starqa.launchers import ingest as ingest_mod
 from starqa.cli import app
-from starqa.errors import ShardError, StarqaError
-from starqa.manifest import (
-    MANIFEST,
-    ModelIdentity,
-    block_file,
-    read_manifest,
-    write_manifest,
-)
+from starqa.core.errors import ShardError, StarqaError
+from starqa.cache.manifest import MANIFEST, ModelIdentity, block_file, read_manifest, write_manifest
 
 runner = CliRunner()
 
@@ -76,7 +72,7 @@ def test_symlinks_to_outside_the_folder_are_not_followed(tmp_path, under_git):
 
 def test_a_cache_folder_that_is_a_file_is_named(tmp_path, monkeypatch):
     """STARQA_HOME naming a file, or a path below one: an error naming both, no traceback."""
-    from starqa import paths
+    from starqa.core import paths
 
     (tmp_path / "f").write_text("x")
     for home in (tmp_path / "f", tmp_path / "f" / "below"):
@@ -298,7 +294,8 @@ class Encoded(Exception):
 
 
 def _context_tokens(docs: Path, model: Path) -> int:
-    from starqa import models, prompt
+    from starqa import models
+    from starqa.corpus import prompt
 
     packed, spans = corpus.pack(corpus.collect([docs]).files)
     return len(prompt.tokenize_context(models.load_tokenizer(model), packed, spans).ids)
@@ -344,7 +341,8 @@ def test_small_windows_reserve_a_quarter(home, docs, tiny_model, monkeypatch):
 def test_ask_over_window_suggests_max_new_tokens_only_when_it_helps(home, tiny_model, room):
     """A context made before the reserve, `room` tokens short of holding the question and a
     64-token answer... or the question alone (room <= 0)."""
-    from starqa import models, prompt
+    from starqa import models
+    from starqa.corpus import prompt
 
     question = "who approved the travel budget"
     m = len(prompt.tokenize_query(models.load_tokenizer(tiny_model), question))
@@ -456,7 +454,7 @@ def test_rebuild_hint_works_when_pasted_in_another_folder(home, docs, tiny_model
 @pytest.fixture
 def warm_group(home, docs, tiny_model):
     """A real warm group of one worker (`starqa serve` in the background) on the tiny model."""
-    from starqa import client
+    from starqa.workers import client
 
     manifest = engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model),
                                                   dtype="fp32", block_size=60)).manifest
@@ -467,7 +465,7 @@ def warm_group(home, docs, tiny_model):
 
 @pytest.mark.slow
 def test_malformed_requests_get_an_error_and_the_group_keeps_serving(warm_group):
-    from starqa import client
+    from starqa.workers import client
 
     manifest, group = warm_group
     conn = client.Client(group)
@@ -492,7 +490,7 @@ def test_malformed_requests_get_an_error_and_the_group_keeps_serving(warm_group)
 
 @pytest.mark.slow
 def test_rm_of_a_served_context_stops_its_group(warm_group):
-    from starqa import client
+    from starqa.workers import client
 
     manifest, group = warm_group
     result = runner.invoke(app, ["rm", manifest.key])
@@ -558,7 +556,8 @@ def test_pickle_use_detector_finds_what_it_looks_for(tmp_path):
 
 _JSON_RANKS = """
 import json, os
-from starqa import dist, sources
+from starqa.runtime import dist
+from starqa.phase2 import sources
 info = dist.init("cpu")
 r = info.rank
 part = {f"doc{r}.md": {1: 0.5, 10 + r: 0.25}, "shared.py": {3: 1.0}}
@@ -609,7 +608,8 @@ def test_objects_cross_two_gloo_ranks_as_json(tmp_path):
 
 
 def test_sources_add_takes_lines_gathered_as_json():
-    from starqa import dist, sources
+    from starqa.runtime import dist
+    from starqa.phase2 import sources
 
     info = dist.local_world()
     parts = dist.gather_object(info, {"a.py": {2: 0.5, 7: 0.25}}, dst=0)
@@ -759,7 +759,8 @@ def test_killing_the_launcher_takes_torchrun_and_the_workers_down(home, docs, ti
         deadline = time.monotonic() + 90
         while True:  # until both workers run (they sleep in STARQA_SLOW before encoding)
             seen = _descendants(proc.pid)
-            if sum("starqa.worker" in c for c in seen.values()) >= 3:  # torchrun + 2 workers
+            # torchrun + 2 workers
+            if sum("starqa.workers.worker" in c for c in seen.values()) >= 3:
                 break
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline, f"workers did not start: {seen}"
@@ -821,7 +822,7 @@ def test_ingest_on_a_gpu_without_bf16_encodes_in_fp16(home, docs, tiny_model, fa
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_device_cuda_without_a_gpu_names_the_cpu_fix(home, docs, tiny_model):
     """`--device cuda` where torch sees no GPU: a clear error before any worker starts."""
-    from starqa.launch import check_gpus
+    from starqa.runtime.launch import check_gpus
 
     with pytest.raises(StarqaError, match="no CUDA GPU") as err:
         check_gpus("cuda", 2)
@@ -833,7 +834,7 @@ def test_device_cuda_without_a_gpu_names_the_cpu_fix(home, docs, tiny_model):
 def test_asking_with_another_embedded_model_fails_before_fetching_it(home, monkeypatch):
     """A context made with one embedded model, asked with another: the error comes from the
     manifest's recorded model name, before the other model is downloaded and converted."""
-    from starqa import manifest as manifest_mod
+    from starqa.cache import manifest as manifest_mod
     from starqa import models
 
     folder = make_context(home, "notes", "k" * 16, time.time())
@@ -867,7 +868,7 @@ def test_a_full_disk_says_what_happened_and_keeps_the_cache(home, docs, tiny_mod
 
 
 def test_a_killed_worker_is_named_as_such():
-    from starqa.launch import _death
+    from starqa.runtime.launch import _death
 
     summary = ["  exitcode  : -9 (pid: 5774)", "  exitcode  : 1 (pid: 5775)"]
     assert "out-of-memory" in _death(summary, 1)
@@ -900,7 +901,7 @@ def test_killing_serve_leaves_no_group_and_ps_shows_none(home, docs, tiny_model)
             assert time.monotonic() < deadline, "the group did not become ready"
             time.sleep(0.5)
         seen = _descendants(proc.pid)
-        assert sum("starqa.worker" in c for c in seen.values()) >= 3  # torchrun + 2 workers
+        assert sum("starqa.workers.worker" in c for c in seen.values()) >= 3  # torchrun + 2 workers
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.monotonic() + 3

@@ -1,4 +1,4 @@
-"""A cold ask's head start (starqa.headstart): the Phase 2 process forked as the command
+"""A cold ask's head start (starqa.coldstart.headstart): the Phase 2 process forked as the command
 starts. Driven through `python -m starqa` (the fork must happen before torch is imported,
 which a pytest process has done long ago)."""
 
@@ -11,7 +11,10 @@ import time
 
 import pytest
 
-from starqa import engine, headstart, paths, store
+from starqa import engine
+from starqa.coldstart import headstart
+from starqa.core import paths
+from starqa.cache import store
 from tiny import make_tiny_model
 
 QUESTION = "who approved the travel budget"
@@ -154,9 +157,9 @@ def test_a_cold_answer_reads_the_shard_where_it_lies(context):
     token), and answering reads them in place."""
     import torch
 
-    from starqa import dist
-    from starqa.answering import Answerer
-    from starqa.shards import block_file
+    from starqa.runtime import dist
+    from starqa.phase2.answering import Answerer
+    from starqa.cache.shards import block_file
 
     answerer = Answerer.from_cache(context, dist.local_world("cpu"), context.model.path)
     pieces = answerer.hook.shard[0]
@@ -182,7 +185,7 @@ def test_a_cold_ask_goes_on_as_the_warm_group(context):
     goes on as the context's warm group (its own session, its output in the group's log),
     listening before the command ends, so the next question, asked at once, is warm and
     nothing loads the model again; `starqa stop` ends it."""
-    from starqa import client
+    from starqa.workers import client
 
     cold = starqa("ask", QUESTION, "--keep-alive", "60", "--max-new-tokens", "4", "--json")
     assert cold.returncode == 0, cold.stderr

@@ -47,7 +47,7 @@ def test_no_import_cycles():
 
 def test_only_the_display_modules_draw():
     """Display code (rich) lives in the CLI's display modules; everything else reports
-    through `starqa.progress.UI` (models included: a download's progress is the caller's to
+    through `starqa.core.progress.UI` (models included: a download's progress is the caller's to
     draw)."""
     drawing = set()
     for file in PACKAGE.rglob("*.py"):
@@ -56,7 +56,7 @@ def test_only_the_display_modules_draw():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "rich" or n.startswith("rich.") for n in names):
                 drawing.add(file.relative_to(PACKAGE).as_posix())
-    assert drawing == {"ui.py", "evals/report.py"}, drawing
+    assert drawing == {"cli/ui.py", "cli/eval_report.py"}, drawing
 
 
 # ---------------------------------------------------------------------------- method names

@@ -1,13 +1,14 @@
-"""ivf's lists laid out by a mean query (starqa.listlayout): the same keys, the same picks and
+"""ivf's lists laid out by a mean query (starqa.topk.listlayout): the same keys, the same picks and
 the same attention as lists laid out as built; the mean query sits where a question does."""
 
 import pytest
 import torch
 
-from starqa import indexes, listlayout, native
-from starqa.decoder import load_decoder
-from starqa.indexes import TopK
-from starqa.retrieval import IvfLayer, TopKShard
+from starqa.topk import indexes, listlayout
+from starqa.native import ops as native
+from starqa.models.decoder import load_decoder
+from starqa.topk.indexes import TopK
+from starqa.topk.retrieval import IvfLayer, TopKShard
 
 
 def _blocks(seed: int, dim: int = 32):
@@ -50,7 +51,7 @@ def test_lists_laid_out_by_a_direction_give_the_same_attention(compiled, tail, m
     a direction equals one through lists as built, bit for bit without the tail (with the
     compiled kernel and with numpy's selection); the tail sums its lists in their order,
     so with it the same up to that rounding."""
-    from starqa import retrieval
+    from starqa.topk import retrieval
 
     if compiled and not native.available():
         pytest.skip("starqa's kernels not built")

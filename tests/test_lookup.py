@@ -1,9 +1,9 @@
-"""Prompt-lookup drafts (starqa.lookup): what follows the latest, longest earlier occurrence
+"""Prompt-lookup drafts (starqa.phase2.lookup): what follows the latest, longest earlier occurrence
 of the sequence's last tokens."""
 
 import torch
 
-from starqa.lookup import MAX_MATCH, Drafter
+from starqa.phase2.lookup import MAX_MATCH, Drafter
 
 
 def test_proposes_what_followed_the_latest_longest_match():
@@ -39,15 +39,15 @@ def test_no_proposal_without_budget_or_history_and_the_buffer_grows():
 def test_draft_tokens_setting(monkeypatch):
     import pytest
 
-    from starqa import phase2
-    from starqa.errors import StarqaError
+    from starqa.phase2 import decode
+    from starqa.core.errors import StarqaError
 
     monkeypatch.delenv("STARQA_DRAFT_TOKENS", raising=False)
-    assert phase2.draft_tokens_setting() == phase2.DRAFT_TOKENS
+    assert decode.draft_tokens_setting() == decode.DRAFT_TOKENS
     monkeypatch.setenv("STARQA_DRAFT_TOKENS", "0")
-    assert phase2.draft_tokens_setting() == 0
+    assert decode.draft_tokens_setting() == 0
     for bad in ("-1", "three", "17"):
         monkeypatch.setenv("STARQA_DRAFT_TOKENS", bad)
         with pytest.raises(StarqaError, match="STARQA_DRAFT_TOKENS") as raised:
-            phase2.draft_tokens_setting()
+            decode.draft_tokens_setting()
         assert "export STARQA_DRAFT_TOKENS=3" in raised.value.hint

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from starqa import engine, shards, store
-from starqa.errors import StarqaError
-from starqa.manifest import block_file
+from starqa import engine
+from starqa.cache import shards, store
+from starqa.core.errors import StarqaError
+from starqa.cache.manifest import block_file
 
 pytestmark = pytest.mark.multihost
 
@@ -227,7 +228,8 @@ def test_placement_rule_matches_phase2_loads():
     (`dist.split_by_host`), and on one machine that is plain `split_contiguous`."""
     import torch
 
-    from starqa import dist, hosts
+    from starqa.runtime import dist
+    from starqa.cache import hosts
 
     for n, nodes, per in ((7, 2, 1), (7, 2, 2), (9, 3, 2), (4, 2, 2), (5, 1, 3)):
         roster = tuple(dist.Peer(r // per, "h", "a") for r in range(nodes * per))
@@ -244,8 +246,8 @@ def test_placement_rule_matches_phase2_loads():
 
 
 def test_ask_alone_names_the_machines_that_keep_the_other_blocks():
-    from starqa import hosts
-    from starqa.manifest import Placement
+    from starqa.cache import hosts
+    from starqa.cache.manifest import Placement
 
     manifest = type("M", (), {})()  # only what check_here reads
     manifest.placement = Placement(nodes=2, node=1, held=(2, 3), homes=(0, 0, 1, 1),
@@ -269,7 +271,7 @@ def _workers_in(machine: Machine) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"starqa.worker" in cmdline and b"torch.distributed.run" not in cmdline:
+        if b"starqa.workers.worker" in cmdline and b"torch.distributed.run" not in cmdline:
             found.append(int(pid))
     return found
 
@@ -345,7 +347,7 @@ def _in(machine: Machine, *args: str, python: tuple[str, ...] = ("-m", "starqa")
 
 CHAT = """
 import sys
-from starqa.repl import Chat
+from starqa.cli.repl import Chat
 chat = Chat(None, None, 300, 6)
 chat.ask(sys.argv[1])
 print("ANSWER=" + chat.history[-1][1], file=sys.stderr)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from starqa.errors import ShardError
-from starqa.manifest import (MANIFEST, Block, Manifest, block_file, read_manifest,
-                             write_manifest)
+from starqa.core.errors import ShardError
+from starqa.cache.manifest import (MANIFEST, Block, Manifest, block_file, read_manifest,
+    write_manifest)
 from starqa.methods import MethodConfig
 from fakes import make_context
 

@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from starqa import methods, pulsar
-from starqa.errors import StarqaError
+from starqa import methods
+from starqa.phase1 import pulsar
+from starqa.core.errors import StarqaError
 from starqa.methods import method_config, plan_blocks
 
 BLOCKS = plan_blocks(100, 20)  # 5 blocks
@@ -46,7 +47,7 @@ def test_assignment_and_workers():
 
 def test_importing_the_registry_loads_no_torch():
     """ui.py and cli.py use it: block assignment and --help must not pay for torch."""
-    code = ("import sys; from starqa import methods, ui; "
+    code = ("import sys; from starqa import methods; from starqa.cli import ui; "
             "methods.get('apb').assignment(9, 2, 1); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from starqa import models
-from starqa.errors import StarqaError
+from starqa.core.errors import StarqaError
 from tiny import make_tiny_model
 
 REAL_HOME = os.environ.get("STARQA_HOME")  # the model test uses the real cache, converted once

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from starqa import hooks, phase1
-from starqa.ring import _RingHook
+from starqa.phase1 import hooks
+from starqa import phase1
+from starqa.phase1.ring import _RingHook
 from starqa.methods import MethodConfig, method_config, plan_blocks
 from starqa.models import load_model
 
@@ -37,7 +38,8 @@ def test_dense_blocks_equal_one_causal_forward(model):
 def test_ring_in_one_process_runs_ring_and_equals_dense(model, monkeypatch):
     """encode_local for ring is ring's own path in a world of one (its hook, not dense's
     blockwise loop), and stores dense's blocks."""
-    from starqa import methods, ring
+    from starqa import methods
+    from starqa.phase1 import ring
 
     blocks = plan_blocks(len(IDS), 30)
     dense = list(phase1.encode_dense(model, IDS, blocks))

@@ -1,6 +1,7 @@
 """The prompt split: context + query tokens are the whole chat-templated prompt."""
 
-from starqa import corpus, prompt
+from starqa import corpus
+from starqa.corpus import prompt
 from starqa.models import load_tokenizer
 
 

@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from starqa import hooks, phase1, pulsar
-from starqa.errors import StarqaError
+from starqa.phase1 import hooks, pulsar
+from starqa import phase1
+from starqa.core.errors import StarqaError
 from starqa.methods import plan_blocks
 from starqa.models import load_model
 

@@ -15,10 +15,13 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from starqa import blockstore, engine, methods, packorder, paths, shards, store
+from starqa.cache import blockstore, shards, store
+from starqa import engine, methods
+from starqa.reingest import packorder
+from starqa.core import paths
 from starqa.corpus import SourceFile, collect
 from starqa.cli import app
-from starqa.manifest import read_manifest
+from starqa.cache.manifest import read_manifest
 from starqa.methods import method_config, plan_blocks, plan_file_blocks
 
 

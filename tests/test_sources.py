@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from starqa import sources
+from starqa.phase2 import sources
 from starqa.attention import attend, key_mass
-from starqa.manifest import SourceFile
+from starqa.cache.manifest import SourceFile
 
 FILES = [  # tokens 10..20 = a.md (lines start at 12, 15, 18), 20..30 = b.md
     SourceFile(path="a.md", token_start=10, token_end=20, lines=3, bytes=30,
@@ -79,10 +79,11 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_byte
     a piece's keys are gathered for all layers at once) or slices of per-layer buffers;
     with `piece_bytes`, the candidates go in pieces of 7 keys (a token's keys split across
     pieces)."""
-    from starqa import dist, phase2
+    from starqa.runtime import dist
+    from starqa.phase2 import decode
 
     if piece_bytes:
-        monkeypatch.setattr(phase2, "MASS_BYTES", piece_bytes)
+        monkeypatch.setattr(decode, "MASS_BYTES", piece_bytes)
 
     torch.manual_seed(0)
     n, head, layers = 2 * 128 * 3 + 37, 11, 2
@@ -98,7 +99,7 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_byte
         shard = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for _ in range(layers)]
         pieces = [[(k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
                   for k, v in shard]
-    hook = phase2.ShardAttention(dist.local_world(), pieces, query_host=True, head=head,
+    hook = decode.ShardAttention(dist.local_world(), pieces, query_host=True, head=head,
                                  ids=ids)
     assert (hook._block_keys() is not None) == blocks
     hook.begin(8)

@@ -21,10 +21,12 @@ import pytest
 from fakes import make_context, starqa
 from typer.testing import CliRunner
 
-from starqa import engine, paths, store
-from starqa.ask import Answer
+from starqa import engine
+from starqa.core import paths
+from starqa.cache import store
+from starqa.launchers.ask import Answer
 from starqa.cli import app
-from starqa.manifest import MANIFEST, ModelIdentity, read_manifest, write_manifest
+from starqa.cache.manifest import MANIFEST, ModelIdentity, read_manifest, write_manifest
 
 runner = CliRunner()
 
@@ -282,7 +284,8 @@ def test_json_from_the_environment_answers_errors_in_json(contexts, home, monkey
 def test_json_error_of_an_answer_too_long_for_the_window(home, tiny_model):
     import torch
 
-    from starqa import models, shards
+    from starqa import models
+    from starqa.cache import shards
 
     folder = make_context(home, "full", "f011" + "0" * 12, time.time())
     manifest = read_manifest(folder)
@@ -302,7 +305,7 @@ def test_json_error_of_an_answer_too_long_for_the_window(home, tiny_model):
 
 INTERNAL = """
 import sys
-from starqa import store
+from starqa.cache import store
 def broken(root):
     raise RuntimeError("disk on fire")
 store.scan_contexts = broken
@@ -364,7 +367,8 @@ def test_max_new_tokens_past_the_window_is_refused_beyond_the_window_too(context
 def test_a_question_with_bytes_that_are_not_utf8_is_asked(contexts, tiny_model, monkeypatch):
     """`starqa ask $'who \\xff'`: Python keeps the byte as a lone surrogate, which the
     tokenizer refused with a TypeError traceback."""
-    from starqa import models, prompt
+    from starqa import models
+    from starqa.corpus import prompt
 
     tokenizer = models.load_tokenizer(tiny_model)
     asked = []
@@ -381,7 +385,7 @@ def test_a_question_with_bytes_that_are_not_utf8_is_asked(contexts, tiny_model, 
 
 CHAT_PIPED = """
 import sys
-from starqa import repl
+from starqa.cli import repl
 asked = []
 repl.Chat.connect = lambda self, name: setattr(self, "conn", None)
 repl.Chat.ask = lambda self, question: asked.append(question)

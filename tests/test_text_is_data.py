@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from starqa import corpus, ingest as ingest_mod, prompt
+from starqa import corpus
+from starqa.launchers import ingest as ingest_mod
+from starqa.corpus import prompt
 from starqa.cli import app
 from starqa.models import load_fast_tokenizer, load_tokenizer
 

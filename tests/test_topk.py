@@ -1,16 +1,20 @@
-"""Top-k attention: the pure math (starqa.topk) against exact attention in fp64 and fp32,
-each index kind's retrieval (starqa.retrieval, starqa.indexes), and the settings' parsing."""
+"""Top-k attention: the pure math (starqa.attention.topk) against exact attention in fp64 and fp32,
+each index kind's retrieval (starqa.topk.retrieval, starqa.topk.indexes), and the settings'
+parsing."""
 
 import math
 
 import pytest
 import torch
 
-from starqa import indexes, native, tensorfile, topk
+from starqa.topk import indexes
+from starqa.native import ops as native
+from starqa.core import tensorfile
+from starqa.attention import topk
 from starqa.attention import attend, merge
-from starqa.errors import StarqaError
-from starqa.indexes import TopK
-from starqa.retrieval import IvfLayer, TopKShard
+from starqa.core.errors import StarqaError
+from starqa.topk.indexes import TopK
+from starqa.topk.retrieval import IvfLayer, TopKShard
 
 from memory import rss  # tests/memory.py (conftest puts tests/ on the path)
 
@@ -236,7 +240,7 @@ def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
     index put it in; a list's centre is the mean of its keys (rounded to bf16)."""
     import faiss
 
-    from starqa.retrieval import IvfLayer
+    from starqa.topk.retrieval import IvfLayer
 
     torch.manual_seed(4)
     hkv, dim = 2, 16
@@ -427,7 +431,7 @@ def test_lists_left_counts_each_list_once_less_its_selected_and_sink_rows():
 
 
 def test_block_tensors_read_by_hand_and_memory_mapped(tmp_path):
-    from starqa.shards import save_block
+    from starqa.cache.shards import save_block
 
     k = torch.randn(2, 3, 10, 8).to(torch.bfloat16)
     v = torch.randn(2, 3, 10, 8).to(torch.bfloat16)
@@ -441,7 +445,7 @@ def test_block_tensors_read_by_hand_and_memory_mapped(tmp_path):
 def test_a_mapped_layer_released_leaves_resident_memory(tmp_path):
     """--kv-on-disk reads a little of every layer for every token: `release` drops the
     layer's pages from the process (RSS falls back), and the tensor still reads right."""
-    from starqa.shards import save_block
+    from starqa.cache.shards import save_block
 
     k = torch.randn(2, 1, 1 << 17, 64)  # 32 MiB a layer in fp32
     path = save_block(tmp_path, 0, k, k.clone(), range(1 << 17), {"index": "0"})
@@ -458,7 +462,7 @@ def test_a_mapped_layer_released_leaves_resident_memory(tmp_path):
 def test_a_file_map_releases_only_the_pages_of_its_own_tensors(tmp_path):
     """`FileMap.release` drops the pages wholly inside a tensor it maps (RSS falls, the
     tensor still reads right from the file) and leaves a tensor of another memory alone."""
-    from starqa.shards import save_block
+    from starqa.cache.shards import save_block
 
     k = torch.randn(2, 1, 1 << 17, 64)  # 32 MiB a layer in fp32
     path = save_block(tmp_path, 0, k, k[:, :, :8].clone(), range(1 << 17), {"index": "0"})
@@ -474,7 +478,7 @@ def test_a_file_map_releases_only_the_pages_of_its_own_tensors(tmp_path):
 
 
 def test_eval_runs_each_method_exact_then_with_each_top_k(home, tiny_model, tmp_path):
-    from starqa.evals import runner
+    from starqa.measure.evals import runner
 
     every, few = TopK(fraction=1.0), TopK(count=2, index="ivf")
     bare = TopK(count=2, index="ivf", tail="none")
@@ -514,7 +518,8 @@ def test_ivf_select_ranks_in_the_kernel_as_numpy_does(monkeypatch):
     """On a GPU, `select` ranks ivf's lists on the host in the compiled kernel (numpy's
     `_select_ivf` took 2.2 s a token at 128K on an H100's host): the same rows and scores
     as numpy's, the sink never among them."""
-    from starqa import native, retrieval
+    from starqa.native import ops as native
+    from starqa.topk import retrieval
 
     if not native.available():
         pytest.skip("starqa's kernels not built")

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from starqa import engine, indexes
-from starqa.errors import ShardError, StarqaError
-from starqa.indexes import TopK
+from starqa import engine
+from starqa.topk import indexes
+from starqa.core.errors import ShardError, StarqaError
+from starqa.topk.indexes import TopK
 
 QUESTION = "who approved the travel budget"
 
@@ -56,7 +57,7 @@ def test_indexes_built_at_ingest_are_named_and_checksummed(home, docs, tiny_mode
     assert {(f.block, f.layer, f.head) for f in found.files} == {
         (b, layer, h) for b in range(len(manifest.blocks)) for layer in range(layers)
         for h in range(heads)}
-    from starqa.shards import sha256_file
+    from starqa.cache.shards import sha256_file
 
     for entry in found.files:
         assert sha256_file(manifest.folder / found.folder / entry.file) == entry.sha256
@@ -162,7 +163,7 @@ def test_a_warm_group_answers_only_with_its_own_attention(home, docs, tiny_model
     exact attention is not (it answers cold, with its own tokens)."""
     import time
 
-    from starqa import client
+    from starqa.workers import client
 
     ingest(docs, tiny_model, method="star", block_size=50)
     few = TopK(count=5, index="ivf")
@@ -186,14 +187,16 @@ def test_a_warm_group_answers_only_with_its_own_attention(home, docs, tiny_model
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
 def test_a_row_under_topk_is_the_same_alone_or_with_drafts(home, docs, tiny_model, kind):
-    """A forward's rows (a token and the tokens drafted after it, phase2.generate) each get
+    """A forward's rows (a token and the tokens drafted after it, decode.generate) each get
     exactly what a forward of that row alone gets, the question's own keys included (seen
     causally): drafts never change a top-k answer either. (The own part went through a
     kernel that rounds differently for one row and for several.)"""
     import torch
 
-    from starqa import dist, paths, store
-    from starqa.answering import Answerer
+    from starqa.runtime import dist
+    from starqa.core import paths
+    from starqa.cache import store
+    from starqa.phase2.answering import Answerer
 
     ingest(docs, tiny_model, block_size=50)
     manifest = indexes.ensure(store.find_context(paths.contexts_dir(), None), kind)
@@ -224,15 +227,18 @@ def test_a_row_under_topk_is_the_same_alone_or_with_drafts(home, docs, tiny_mode
 def test_topk_answers_without_drafts_unless_asked(home, docs, tiny_model, monkeypatch):
     """Under top-k each drafted row selects its own keys, so drafts cost more than they
     save: none by default; STARQA_DRAFT_TOKENS still sets them."""
-    from starqa import dist, paths, phase2, store
-    from starqa.answering import Answerer
+    from starqa.runtime import dist
+    from starqa.core import paths
+    from starqa.phase2 import decode
+    from starqa.cache import store
+    from starqa.phase2.answering import Answerer
 
     ingest(docs, tiny_model, block_size=50)
     manifest = store.find_context(paths.contexts_dir(), None)
     answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), manifest.model.path,
                                    topk=TopK(count=4))
     seen = []
-    monkeypatch.setattr(phase2, "generate", lambda *a, **kw: seen.append(kw["draft_tokens"]))
+    monkeypatch.setattr(decode, "generate", lambda *a, **kw: seen.append(kw["draft_tokens"]))
     monkeypatch.delenv("STARQA_DRAFT_TOKENS", raising=False)
     answerer.answer([5, 6], 4, set())
     monkeypatch.setenv("STARQA_DRAFT_TOKENS", "2")

@@ -1,4 +1,4 @@
-"""The compiled top-k kernel (starqa/_topk.c through `native.topk_attend`): each row's
+"""The compiled top-k kernel (starqa/native/_topk.c through `native.topk_attend`): each row's
 attention over exactly its own best keys, against a float64 reference, within the error
 of the same computation in fp32; row independence and buffer layouts bit for bit."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from starqa import native
+from starqa.native import ops as native
 from starqa.attention import attend
 
 from memory import rss  # tests/memory.py (conftest puts tests/ on the path)
@@ -297,10 +297,10 @@ def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
     code: it must select each row's keys the same way (ivf: the row's own lists only) and
     share them the same way across a position's query heads, so answers do not depend on
     whether a compiler was found. fp32 keys: no bf16 near-ties."""
-    from starqa import retrieval
+    from starqa.topk import retrieval
     from starqa.attention import merge
-    from starqa.indexes import TopK
-    from starqa.retrieval import TopKShard
+    from starqa.topk.indexes import TopK
+    from starqa.topk.retrieval import TopKShard
 
     torch.manual_seed(5)
     blocks = [(torch.randn(2, 2, t, 32), torch.randn(2, 2, t, 32)) for t in (1500, 900)]
@@ -356,8 +356,8 @@ def test_mapped_keys_dropped_as_scanned_give_the_same_bits(tmp_path):
     each row's scores kept for the union's attention (which reads no key): the same bits as
     with the pages kept, and the layer's keys are not left resident (a few pages at the
     ends of each scanned piece, not the layer's 32 MiB)."""
-    from starqa import tensorfile
-    from starqa.shards import save_block
+    from starqa.core import tensorfile
+    from starqa.cache.shards import save_block
 
     torch.manual_seed(6)
     heads, n, dim = 2, 1 << 17, 64  # 32 MiB a layer of keys in bf16
@@ -384,8 +384,8 @@ def test_kept_scores_of_a_long_forward_are_not_held_after_it(tmp_path):
     """Kept scores (flat with its mapped keys dropped) are rows x keys floats: a decode's
     stay for the next call, a question's forward's (here 72 rows over 131,072 keys, 72 MiB)
     are freed when the call ends, not held for the process's life."""
-    from starqa import tensorfile
-    from starqa.shards import save_block
+    from starqa.core import tensorfile
+    from starqa.cache.shards import save_block
 
     torch.manual_seed(7)
     heads, n, dim = 2, 1 << 17, 64
@@ -428,8 +428,8 @@ def test_every_simd_path_passes_the_kernel_tests(cap):
 
 
 def test_an_unknown_simd_cap_is_refused(monkeypatch):
-    from starqa import kernels
-    from starqa.errors import StarqaError
+    from starqa.native import kernels
+    from starqa.core.errors import StarqaError
 
     monkeypatch.setenv("STARQA_SIMD", "avx3")
     kernels.library.cache_clear()

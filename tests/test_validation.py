@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from starqa import launch, models
+from starqa.runtime import launch
+from starqa import models
 from starqa.cli import app
-from starqa.errors import WorkerError
-from starqa.manifest import MANIFEST
+from starqa.core.errors import WorkerError
+from starqa.cache.manifest import MANIFEST
 
 runner = CliRunner()
 QUESTION = "who approved the travel budget"
@@ -234,7 +235,7 @@ def group(monkeypatch) -> list[int]:
         started.append(launch_spec.workers)
         raise WorkerError("stand-in group", hint="none")
 
-    from starqa import ingest as ingest_mod
+    from starqa.launchers import ingest as ingest_mod
 
     monkeypatch.setattr(ingest_mod, "run_workers", run_workers)
     return started
@@ -261,8 +262,8 @@ def test_more_phase2_workers_than_cores_is_refused(context, monkeypatch):
     assert re.match(r"--workers 64 \(\d+ for the context's blocks\) > 2 CPU cores here",
                     str(result.exception)), result.exception
     assert "STARQA_OVERSUBSCRIBE=1" in result.exception.hint
-    from starqa.manifest import read_manifest
-    from starqa.placement import phase2_workers
+    from starqa.cache.manifest import read_manifest
+    from starqa.phase2.placement import phase2_workers
 
     monkeypatch.setenv("STARQA_OVERSUBSCRIBE", "1")
     manifest = read_manifest(context)
@@ -301,7 +302,7 @@ def _assert_disk_full(result) -> None:
     was before" (CliRunner hands back the exception itself)."""
     import errno
 
-    from starqa.errors import disk_full
+    from starqa.core.errors import disk_full
 
     assert isinstance(result.exception, OSError), result.exception
     assert result.exception.errno == errno.ENOSPC

@@ -45,7 +45,7 @@ def clean(out: subprocess.CompletedProcess) -> bool:
 @pytest.fixture
 def served(home, docs, tiny_model):
     """A context with a warm group of one worker (a background `starqa serve`)."""
-    from starqa import client
+    from starqa.workers import client
 
     manifest = ingest(docs, tiny_model)
     group = client.start(manifest.key, None, keepalive=120)
@@ -92,7 +92,7 @@ def test_a_200_character_home_keeps_warm_groups(home, docs, tiny_model, monkeypa
 def test_two_homes_with_one_context_get_a_socket_each(home, docs, tiny_model, monkeypatch):
     """The same context key under two cache roots: two groups, two sockets (a socket is
     named by a hash of the root and the key), each root's `ps` sees its own."""
-    from starqa import client
+    from starqa.workers import client
 
     ingest(docs, tiny_model)
     other = home.parent / "other-home"
@@ -191,7 +191,7 @@ def _serve(*args: str) -> subprocess.Popen:
 
 
 def _wait_for_group(proc: subprocess.Popen, timeout: float = 120) -> dict:
-    from starqa import client
+    from starqa.workers import client
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -301,7 +301,8 @@ def _plant_dead_group(key: str, pid: int) -> tuple[Path, Path]:
     or the number reused): a run file naming a live pid and a socket nobody listens on."""
     import socket
 
-    from starqa import client, paths
+    from starqa.workers import client
+    from starqa.core import paths
 
     sock_path = paths.socket_path(key)
     sock_path.unlink(missing_ok=True)
@@ -398,7 +399,7 @@ def test_huge_max_new_tokens_on_a_warm_group_is_a_one_line_error(served):
 def long_answers(home, docs, tmp_path):
     """A context on a model that never ends an answer (so one runs for thousands of
     tokens), with a warm group of one worker."""
-    from starqa import client
+    from starqa.workers import client
     from tiny import make_tiny_model
 
     model = make_tiny_model(tmp_path / "long-tiny", window=8192, never_stops=True)

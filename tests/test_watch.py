@@ -13,9 +13,12 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from starqa import client, engine, paths, shards, store
+from starqa.workers import client
+from starqa import engine
+from starqa.core import paths
+from starqa.cache import shards, store
 from starqa.cli import app
-from starqa.watch import Selection
+from starqa.corpus.watch import Selection
 
 WORDS = "the star attention block query answer long context budget travel".split()
 

@@ -7,12 +7,12 @@ For each model (bf16, int4 weights) and each forward size (1 row: a token; 4 row
 and 3 drafted ones), min-of-trials ms of one forward plus the LM head on its last row:
 
 - torch: int4 through torch's `_weight_int4pack_mm_for_cpu` (torch's packed layout),
-  RMSNorm and RoPE as torch operators (what starqa ran before starqa/_int4.c and _rows.c);
-- int4: starqa's int4 kernel (starqa/_int4.c), norms and RoPE still torch's;
-- rows: starqa's int4 kernel and its RMSNorm, RoPE and SiLU·mul (starqa/_rows.c), each
+  RMSNorm and RoPE as torch operators (what starqa ran before starqa/native/_int4.c and _rows.c);
+- int4: starqa's int4 kernel (starqa/native/_int4.c), norms and RoPE still torch's;
+- rows: starqa's int4 kernel and its RMSNorm, RoPE and SiLU·mul (starqa/native/_rows.c), each
   called from Python;
 - starqa: the same kernels, a layer's steps before and after its attention one call each
-  (starqa/_layer.c): what runs now.
+  (starqa/native/_layer.c): what runs now.
 
 Then, per weight shape of the models, one product of 1 and 4 rows through each int4 kernel
 in GB/s of int4 weights read (5 bits a weight with the scales), from many copies of the
@@ -26,9 +26,10 @@ import time
 
 import torch
 
-from starqa import models, native
-from starqa.decoder import (INT4_GROUP, DecoderConfig, Linear, _int4_pack, _int4_tiles,
-                            load_decoder)
+from starqa import models
+from starqa.native import ops as native
+from starqa.models.decoder import (INT4_GROUP, DecoderConfig, Linear, _int4_pack, _int4_tiles,
+    load_decoder)
 
 
 def cpu_line() -> str:

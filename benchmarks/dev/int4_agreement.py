@@ -1,5 +1,5 @@
 """How far int4 weights move the model's next-token predictions from dense bf16 weights,
-torch's int4 kernel against starqa's (starqa/_int4.c), on a cached context: a measure of
+torch's int4 kernel against starqa's (starqa/native/_int4.c), on a cached context: a measure of
 accuracy far more sensitive than scoring a few greedy answers, whose flips near a small
 model's window edge are chance.
 
@@ -18,11 +18,14 @@ from pathlib import Path
 
 import torch
 
-from starqa import dist, models, native, phase2
-from starqa.answering import Answerer
-from starqa.ask import question_ids
-from starqa.decoder import load_decoder
-from starqa.manifest import read_manifest
+from starqa.runtime import dist
+from starqa import models
+from starqa.phase2 import decode
+from starqa.native import ops as native
+from starqa.phase2.answering import Answerer
+from starqa.launchers.ask import question_ids
+from starqa.models.decoder import load_decoder
+from starqa.cache.manifest import read_manifest
 
 from decode_step import torch_layout  # benchmarks/dev/, beside this script
 
@@ -56,7 +59,7 @@ def main() -> None:
     with torch.inference_mode():
         for question in QUESTIONS[:args.questions]:
             ids = question_ids(manifest, path, question)[1]
-            answer = phase2.generate(dense, answerer.info, hook, ids, start, args.tokens, set(),
+            answer = decode.generate(dense, answerer.info, hook, ids, start, args.tokens, set(),
                                      context_ids=hook.ids, draft_tokens=0)
             sequence = torch.tensor(list(ids) + answer)
             where = torch.arange(start, start + len(sequence))

@@ -1,5 +1,5 @@
 """`starqa bench`'s Phase 2 rows, exact against top-k, on a context already cached: the
-bench's own code (`starqa.bench.phase2`: torchrun workers, wall time, each worker's peak
+bench's own code (`starqa.measure.bench.phase2`: torchrun workers, wall time, each worker's peak
 memory), without encoding the context again. Where Phase 1 of a long context takes most
 of an hour (32K on a 2-core AVX2 machine), encode it once and measure Phase 2 as often
 as needed:
@@ -16,9 +16,11 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from starqa import bench, engine, models, prompt
-from starqa.ask import _checked_model
-from starqa.manifest import read_manifest
+from starqa.measure import bench
+from starqa import engine, models
+from starqa.corpus import prompt
+from starqa.launchers.ask import _checked_model
+from starqa.cache.manifest import read_manifest
 
 
 def main() -> None:

@@ -24,10 +24,13 @@ from pathlib import Path
 
 import torch
 
-from starqa import bench, dist, indexes, models
-from starqa.answering import Answerer
-from starqa.ask import question_ids
-from starqa.manifest import read_manifest
+from starqa.measure import bench
+from starqa.runtime import dist
+from starqa.topk import indexes
+from starqa import models
+from starqa.phase2.answering import Answerer
+from starqa.launchers.ask import question_ids
+from starqa.cache.manifest import read_manifest
 
 QUESTIONS = ("Which function merges the partial attentions of the workers?",
              "How are shards written to disk?")

@@ -36,10 +36,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from starqa import dist, indexes, models
-    from starqa.answering import Answerer
-    from starqa.ask import question_ids
-    from starqa.manifest import read_manifest
+    from starqa.runtime import dist
+    from starqa.topk import indexes
+    from starqa import models
+    from starqa.phase2.answering import Answerer
+    from starqa.launchers.ask import question_ids
+    from starqa.cache.manifest import read_manifest
 
     def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

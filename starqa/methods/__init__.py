@@ -7,12 +7,12 @@ what can be asked). Pure Python; the encoders import torch when they run.
 
 from __future__ import annotations
 
-from starqa.errors import StarqaError
+from starqa.core.errors import StarqaError
 from starqa.methods.apb import Apb
 from starqa.methods.base import Method
-from starqa.methods.blocks import plan_blocks, plan_file_blocks, round_robin, split_contiguous
+from starqa.core.blocks import plan_blocks, plan_file_blocks, round_robin, split_contiguous
 from starqa.methods.config import (MAX_DEFAULT_BLOCK, MIN_BLOCK, OPTIONS, MethodConfig,
-                                   check_block_size, check_sizes, default_block, given_settings)
+    check_block_size, check_sizes, default_block, given_settings)
 from starqa.methods.exact import Dense, Ring
 from starqa.methods.pulsar import Pulsar
 from starqa.methods.star import Star

@@ -1,10 +1,10 @@
-"""APB's registry entry (the math: starqa.apb; docs/methods.md §4)."""
+"""APB's registry entry (the math: starqa.phase1.apb; docs/methods.md §4)."""
 
 from __future__ import annotations
 
-from starqa.errors import StarqaError
+from starqa.core.errors import StarqaError
 from starqa.methods.base import Encoded, Method
-from starqa.methods.blocks import round_robin
+from starqa.core.blocks import round_robin
 from starqa.methods.config import MethodConfig, chosen
 
 # passing None: an eighth of the block; question None: unknown at encoding time (the engine
@@ -51,7 +51,7 @@ class Apb(Method):
         return round_robin(n_blocks, world, rank)
 
     def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
-        from starqa.apb import encode_apb
+        from starqa.phase1.apb import encode_apb
 
         p = config.params
         return encode_apb(model, ids, blocks, indices, info, anchor=config.anchor_size,

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from starqa.errors import StarqaError
-from starqa.methods.blocks import digest, split_contiguous
+from starqa.core.errors import StarqaError
+from starqa.core.blocks import digest, split_contiguous
 from starqa.methods.config import MethodConfig
 
 Blocks = Sequence[tuple[int, int]]
@@ -133,7 +133,7 @@ class Method:
     def encode(self, model, ids, config: MethodConfig, blocks: Blocks, indices: Sequence[int],
                info, prepared: dict | None = None) -> Encoded:
         """This worker's blocks `indices` (from `assignment`): yields (index, k, v) per block.
-        ids: [n] int64 token ids; info: starqa.dist.DistInfo; prepared: `prepare`'s result
+        ids: [n] int64 token ids; info: starqa.runtime.dist.DistInfo; prepared: `prepare`'s result
         (None: compute it here). Every worker of the group calls it together."""
         raise NotImplementedError
 
@@ -142,7 +142,7 @@ class Method:
         """Phase 1 for every block in this one process (a world of one, in block order),
         equal to what the distributed workers store (tested). Used where many short
         contexts are encoded with one loaded model (`starqa eval`)."""
-        from starqa import dist
+        from starqa.runtime import dist
 
         info = dist.local_world(next(model.parameters()).device)
         return self.encode(model, ids, config, blocks, range(len(blocks)), info, prepared)

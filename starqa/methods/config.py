@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from starqa.errors import StarqaError
+from starqa.core.errors import StarqaError
 
 # The command-line option behind each method-specific setting, for error messages.
 OPTIONS = {"sink": "--sink-size", "heuristic": "--heuristic", "budget_frac": "--summary-budget",

@@ -46,7 +46,7 @@ class Ring(Method):
     needs_past = True
 
     def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
-        from starqa.ring import encode_ring
+        from starqa.phase1.ring import encode_ring
 
         return encode_ring(model, ids, blocks, indices, info)
 
@@ -54,7 +54,7 @@ class Ring(Method):
                     past=None) -> Encoded:
         """Blocks todo[0].. round the ring, every worker's queries also attending to the
         stored KV of the earlier blocks (exact, up to rounding: the merge order differs)."""
-        from starqa.ring import encode_ring
+        from starqa.phase1.ring import encode_ring
 
         shares = [self.share(todo, len(blocks), info.world_size, r)
                   for r in range(info.world_size)]

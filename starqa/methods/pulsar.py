@@ -1,4 +1,4 @@
-"""Pulsar Attention's registry entry (the math: starqa.pulsar; docs/methods.md §3).
+"""Pulsar Attention's registry entry (the math: starqa.phase1.pulsar; docs/methods.md §3).
 
 The summaries depend on the token ids alone, so the launcher computes them once (`prepare`)
 and hands them to every worker in the job; it needs them itself for `query_position` when
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from starqa.errors import StarqaError
+from starqa.core.errors import StarqaError
 from starqa.methods.base import Blocks, Encoded, Method
-from starqa.methods.blocks import digest
+from starqa.core.blocks import digest
 from starqa.methods.config import MethodConfig, chosen
 
 DEFAULTS = {"sink": 64, "heuristic": "max-idf", "budget_frac": 0.125, "chunk": 32,
@@ -30,7 +30,7 @@ class Pulsar(Method):
     reuse = "block"  # block i's KV reads its assembled input only (block_inputs)
 
     def config(self, block_size: int, anchor_size: int | None, params: dict) -> MethodConfig:
-        from starqa.pulsar import HEURISTICS, POSITIONS
+        from starqa.phase1.pulsar import HEURISTICS, POSITIONS
 
         p = chosen(DEFAULTS, params)
         if p["heuristic"] not in HEURISTICS:
@@ -53,7 +53,7 @@ class Pulsar(Method):
         """After the context (sparse), or after the longest assembled block (contiguous)."""
         if config.params["positions"] != "contiguous":
             return len(ids)
-        from starqa.pulsar import query_start
+        from starqa.phase1.pulsar import query_start
 
         return query_start(len(ids), blocks, _tensors(prepared, ids, config, blocks),
                            sink=config.params["sink"], positions="contiguous")
@@ -66,7 +66,7 @@ class Pulsar(Method):
         return max((end - start for start, end in blocks), default=0), n_tokens
 
     def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
-        from starqa.pulsar import encode_pulsar
+        from starqa.phase1.pulsar import encode_pulsar
 
         summaries = _tensors(prepared, ids, config, blocks) if prepared else None
         return encode_pulsar(model, ids, blocks, indices, summaries=summaries, **config.params)
@@ -77,7 +77,7 @@ class Pulsar(Method):
         moved, but not enough to pick other chunks) leaves it unchanged: it is reused."""
         import torch
 
-        from starqa.pulsar import assemble
+        from starqa.phase1.pulsar import assemble
 
         p = config.params
         tokens, positions, keep = assemble(torch.as_tensor(ids, dtype=torch.long), blocks, index,
@@ -101,7 +101,7 @@ class Pulsar(Method):
 def _summaries(ids, config: MethodConfig, blocks: Blocks) -> list:
     import torch
 
-    from starqa.pulsar import all_summaries
+    from starqa.phase1.pulsar import all_summaries
 
     p = config.params
     tensor = torch.as_tensor(ids, dtype=torch.long)

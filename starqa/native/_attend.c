@@ -1,0 +1,524 @@
+/* starqa's CPU attention kernel (loaded by starqa.native.ops through ctypes; plain C, no
+   Python headers, so any C compiler builds it): partial attention with its log-sum-exp over a cached shard, on CPU.
+
+   One call attends R query rows of each of H KV heads to n keys of that head, held by one
+   or more buffers in order (the shard's blocks where they lie, then the question's own
+   keys; keys and values bf16 or fp32, rows of D contiguous elements, heads any distance
+   apart: a slice of a longer buffer is read in place) and returns, per row, the attention
+   output and the LSE that starqa.attention.merge combines across shards and workers.
+
+   Why starqa has its own kernel: a decode step has only R = G rows per KV head (G query
+   heads share one KV head), so attention is a pass over the shard that should run at
+   memory speed. torch's CPU flash kernel spends most of such a step in the fixed costs of
+   its per-block GEMM calls (about 19 ms per token for SmolLM2 over 7.5K keys on a 2-core
+   Zen 5), and two oneDNN GEMMs with a softmax between them leave the scores rounded to
+   bf16 and still cost 13 ms. Here each key and value row is read once, widened to fp32,
+   and used at once by every row: scores, softmax and output accumulate in fp32 (online
+   softmax over blocks of keys, as in FlashAttention), so nothing is rounded to bf16 but
+   the inputs themselves.
+
+   Work is split into (head, run of keys of one buffer) tasks over OpenMP threads; loaded
+   after torch, this module shares torch's libgomp and so its thread pool. Each task keeps its running
+   maximum, sum and unnormalised output; the tasks of a head are merged at the end by the
+   same LSE rule as starqa.attention.merge.
+
+   Causal tail: with own = M > 0, the last M keys are the M queries' own, and the rows are
+   G blocks of M (the query index fastest, starqa.attention.fold_gqa's layout): row r sees
+   the keys before n - M + (r % M) + 1. A row that sees no key gets output 0, LSE -inf. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 64      /* keys per online-softmax step */
+#define ROWS 32       /* query rows per pass over a task's keys */
+#define TASK_KEYS 512 /* keys per task */
+#define MAX_DIM 256
+
+#include "_kernels.h"
+#include "_simd.h"
+
+/* Rows j0 .. j0 + jn of keys or values (D each, rows row_bytes apart) in fp32: bf16 rows
+   widened into `block`, fp32 rows used where they lie. */
+static inline const float *fp32_rows(const char *src, int bf16, int64_t j0, int64_t jn,
+                                     int64_t d, size_t row_bytes, float *block) {
+    src += (size_t)j0 * row_bytes;
+    if (!bf16) return (const float *)src;
+    const uint16_t *h = (const uint16_t *)src;
+#pragma omp simd
+    for (int64_t i = 0; i < jn * d; i++) {
+        union { uint32_t u; float f; } wide = {.u = (uint32_t)h[i] << 16};
+        block[i] = wide.f;
+    }
+    return block;
+}
+
+/* The online-softmax step for one block of jn keys: the scores s[r][0..jn) become the
+   weights exp(s - m[r]) under each row's running maximum m[r], whose sum joins l[r]; the
+   row's output so far (acc) shrinks when the maximum grows. */
+static inline void softmax_block(int64_t rows, int64_t jn, int64_t d, float s[][BLOCK],
+                                 float *m, float *l, float *acc) {
+    for (int64_t r = 0; r < rows; r++) {
+        float top = -INFINITY;
+        const float *sr0 = s[r];
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < jn; j++) top = sr0[j] > top ? sr0[j] : top;
+        if (top == -INFINITY) { /* every key of the block hidden from this row */
+            for (int64_t j = 0; j < jn; j++) s[r][j] = 0.0f;
+            continue;
+        }
+        if (top > m[r]) {
+            float shrink = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
+            l[r] *= shrink;
+            float *ar = acc + r * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) ar[i] *= shrink;
+            m[r] = top;
+        }
+        float mr = m[r], sum = 0.0f;
+        float *sr = s[r];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < jn; j++) {
+            float p = exp_nonpositive(sr[j] - mr);
+            sr[j] = p;
+            sum += p;
+        }
+        l[r] += sum;
+    }
+}
+
+/* Arguments of a task: rows [r0, r0 + rows) (at most ROWS) of one head, whose queries are
+   q [R, D], over its keys [a, b); each row's running max m, sum l and unnormalised output
+   acc [rows, D], at r - r0. */
+#define TASK_ARGS                                                                          \
+    const float *q, int64_t d, const char *k, const char *v, int bf16, int64_t a, int64_t b, \
+        int64_t n, int64_t own, int64_t r0, int64_t rows, float scale, float *m, float *l,   \
+        float *acc
+#define TASK_PASS q, d, k, v, bf16, a, b, n, own, r0, rows, scale, m, l, acc
+
+static void task_start(TASK_ARGS, int64_t *limit) {
+    (void)q, (void)k, (void)v, (void)bf16, (void)a, (void)b, (void)scale;
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        memset(acc + r * d, 0, (size_t)d * sizeof(float));
+        limit[r] = own ? n - own + (r0 + r) % own + 1 : n;
+    }
+}
+
+/* Any D: plain loops the compiler vectorises. */
+SIMD_CLONES static void task_any(TASK_ARGS) {
+    const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);
+    float s[ROWS][BLOCK];
+    float block[BLOCK * MAX_DIM]; /* this block's keys, then its values, in fp32 */
+    int64_t limit[ROWS];
+    task_start(TASK_PASS, limit);
+    for (int64_t j0 = a; j0 < b; j0 += BLOCK) {
+        int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;
+        const float *keys = fp32_rows(k, bf16, j0, jn, d, row_bytes, block);
+        for (int64_t r = 0; r < rows; r++) {
+            const float *qr = q + (r0 + r) * d;
+            for (int64_t j = 0; j < jn; j++) {
+                const float *key = keys + j * d;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < d; i++) dot += qr[i] * key[i];
+                s[r][j] = j0 + j < limit[r] ? dot * scale : -INFINITY;
+            }
+        }
+        softmax_block(rows, jn, d, s, m, l, acc);
+        const float *values = fp32_rows(v, bf16, j0, jn, d, row_bytes, block);
+        for (int64_t r = 0; r < rows; r++) {
+            float *ar = acc + r * d;
+            for (int64_t j = 0; j < jn; j++) {
+                const float p = s[r][j], *value = values + j * d;
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++) ar[i] += p * value[i];
+            }
+        }
+    }
+}
+
+#ifdef STARQA_X86
+/* Rows j0 .. j0 + jn (nc * 16 elements each, rows row_bytes apart) widened into `block`
+   [jn][nc * 16] fp32, the next block's rows fetched into the cache meanwhile. */
+AVX512 static inline void widen_rows(const char *src, int bf16, int64_t j0, int64_t jn,
+                                     int nc, size_t row_bytes, float *block) {
+    const size_t esize = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < jn; j++) {
+        const char *row = src + (size_t)(j0 + j) * row_bytes;
+        for (size_t x = 0; x < row_bytes; x += 64)
+            _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);
+        for (int c = 0; c < nc; c++)
+            _mm512_store_ps(block + (j * nc + c) * 16, load16(row + c * 16 * esize, bf16));
+    }
+}
+
+/* exp_nonpositive on 16 lanes, the same arithmetic lane by lane. */
+AVX512 static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 low = _mm512_set1_ps(-87.0f);
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, low), _mm512_set1_ps(LOG2_E));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(EXP2_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GE_OQ), e);
+}
+
+/* softmax_block with AVX-512: each row's maximum, weights and their sum 16 lanes at a
+   time (the portable loop's sum ended in 16 dependent scalar adds per row and block). */
+AVX512 static inline void softmax_block16(int64_t rows, int64_t jn, int64_t d,
+                                          float s[][BLOCK], float *m, float *l, float *acc) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = s[r];
+        __m512 top16 = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < jn; j += 16) {
+            __mmask16 live = jn - j >= 16 ? 0xFFFF : (__mmask16)((1u << (jn - j)) - 1);
+            top16 = _mm512_mask_max_ps(top16, live, top16, _mm512_load_ps(sr + j));
+        }
+        float top = _mm512_reduce_max_ps(top16);
+        if (top == -INFINITY) { /* every key of the block hidden from this row */
+            for (int64_t j = 0; j < jn; j++) sr[j] = 0.0f;
+            continue;
+        }
+        if (top > m[r]) {
+            float shrink = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
+            l[r] *= shrink;
+            float *ar = acc + r * d;
+            for (int64_t i = 0; i < d; i++) ar[i] *= shrink;
+            m[r] = top;
+        }
+        __m512 mr = _mm512_set1_ps(m[r]), sum16 = _mm512_setzero_ps();
+        for (int64_t j = 0; j < jn; j += 16) {
+            __mmask16 live = jn - j >= 16 ? 0xFFFF : (__mmask16)((1u << (jn - j)) - 1);
+            __m512 p = exp_nonpositive16(_mm512_sub_ps(_mm512_load_ps(sr + j), mr));
+            _mm512_store_ps(sr + j, p);
+            sum16 = _mm512_mask_add_ps(sum16, live, sum16, p);
+        }
+        l[r] += _mm512_reduce_add_ps(sum16);
+    }
+}
+
+/* D = 16 * NC (NC = 4: D 64, NC = 8: D 128), AVX-512: scores 16 keys at a time with one
+   transposed reduction, each output row in registers over the block. */
+#define TASK_AVX512(NC)                                                                    \
+    AVX512 static void task_avx512_##NC(TASK_ARGS) {                                      \
+        const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);                               \
+        float s[ROWS][BLOCK] __attribute__((aligned(64)));                                 \
+        float block[BLOCK * 16 * NC] __attribute__((aligned(64)));                         \
+        int64_t limit[ROWS];                                                               \
+        task_start(TASK_PASS, limit);                                                      \
+        for (int64_t j0 = a; j0 < b; j0 += BLOCK) {                                        \
+            int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;                                  \
+            widen_rows(k, bf16, j0, jn, NC, row_bytes, block); /* the block's keys */       \
+            for (int64_t j = jn; j < (jn + 15) / 16 * 16; j++) /* pad to 16 keys */        \
+                for (int c = 0; c < NC; c++)                                               \
+                    _mm512_store_ps(block + (j * NC + c) * 16, _mm512_setzero_ps());       \
+            for (int64_t r = 0; r < rows; r++) {                                           \
+                __m512 qr[NC];                                                             \
+                for (int c = 0; c < NC; c++) qr[c] = _mm512_loadu_ps(q + (r0 + r) * d + c * 16); \
+                for (int64_t j = 0; j < jn; j += 16) {                                     \
+                    __m512 dots[16];                                                       \
+                    for (int x = 0; x < 16; x++) {                                         \
+                        const float *key = block + (j + x) * NC * 16;                      \
+                        __m512 acc0 = _mm512_mul_ps(qr[0], _mm512_load_ps(key));           \
+                        for (int c = 1; c < NC; c++)                                       \
+                            acc0 = _mm512_fmadd_ps(qr[c], _mm512_load_ps(key + c * 16), acc0); \
+                        dots[x] = acc0;                                                    \
+                    }                                                                      \
+                    _mm512_store_ps(&s[r][j], _mm512_mul_ps(sum16(dots), _mm512_set1_ps(scale))); \
+                }                                                                          \
+                for (int64_t j = limit[r] - j0 < 0 ? 0 : limit[r] - j0; j < jn; j++)       \
+                    s[r][j] = -INFINITY; /* keys after the row's causal limit */           \
+            }                                                                              \
+            softmax_block16(rows, jn, d, s, m, l, acc);                                    \
+            widen_rows(v, bf16, j0, jn, NC, row_bytes, block); /* and its values */         \
+            /* even and odd keys into separate sums: 2 * NC chains of FMAs per row, so    \
+               both FMA units stay busy; with D 64 two rows share each value load (with D  \
+               128 their sums would not fit in the registers). A row's sums are the same  \
+               alone or paired. */                                                         \
+            for (int64_t r = 0; r < rows; r += NC == 4 ? 2 : 1) {                          \
+                const int64_t r1 = NC == 4 && r + 1 < rows ? r + 1 : r;                    \
+                __m512 even0[NC], odd0[NC], even1[NC], odd1[NC];                           \
+                for (int c = 0; c < NC; c++) {                                             \
+                    even0[c] = _mm512_loadu_ps(acc + r * d + c * 16);                      \
+                    even1[c] = NC == 4 ? _mm512_loadu_ps(acc + r1 * d + c * 16) : even0[c]; \
+                    odd0[c] = odd1[c] = _mm512_setzero_ps();                               \
+                }                                                                          \
+                int64_t j = 0;                                                             \
+                for (; j + 1 < jn; j += 2) {                                               \
+                    __m512 p00 = _mm512_set1_ps(s[r][j]), p01 = _mm512_set1_ps(s[r][j + 1]); \
+                    __m512 p10 = _mm512_set1_ps(s[r1][j]), p11 = _mm512_set1_ps(s[r1][j + 1]); \
+                    for (int c = 0; c < NC; c++) {                                         \
+                        __m512 x0 = _mm512_load_ps(block + (j * NC + c) * 16);             \
+                        __m512 x1 = _mm512_load_ps(block + ((j + 1) * NC + c) * 16);       \
+                        even0[c] = _mm512_fmadd_ps(p00, x0, even0[c]);                     \
+                        odd0[c] = _mm512_fmadd_ps(p01, x1, odd0[c]);                       \
+                        if (NC == 4) {                                                     \
+                            even1[c] = _mm512_fmadd_ps(p10, x0, even1[c]);                 \
+                            odd1[c] = _mm512_fmadd_ps(p11, x1, odd1[c]);                   \
+                        }                                                                  \
+                    }                                                                      \
+                }                                                                          \
+                if (j < jn) {                                                              \
+                    __m512 p00 = _mm512_set1_ps(s[r][j]), p10 = _mm512_set1_ps(s[r1][j]);  \
+                    for (int c = 0; c < NC; c++) {                                         \
+                        __m512 x0 = _mm512_load_ps(block + (j * NC + c) * 16);             \
+                        even0[c] = _mm512_fmadd_ps(p00, x0, even0[c]);                     \
+                        if (NC == 4) even1[c] = _mm512_fmadd_ps(p10, x0, even1[c]);        \
+                    }                                                                      \
+                }                                                                          \
+                for (int c = 0; c < NC; c++) {                                             \
+                    _mm512_storeu_ps(acc + r * d + c * 16, _mm512_add_ps(even0[c], odd0[c])); \
+                    if (NC == 4)                                                           \
+                        _mm512_storeu_ps(acc + r1 * d + c * 16, _mm512_add_ps(even1[c], odd1[c])); \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
+TASK_AVX512(4)
+TASK_AVX512(8)
+
+/* The same for CPUs with AVX2 but not AVX-512, 8 lanes: rows j0 .. j0 + jn widened into
+   `block` [jn][nc * 8] fp32, the next block's rows fetched meanwhile. */
+AVX2 static inline void widen_rows8(const char *src, int bf16, int64_t j0, int64_t jn, int nc,
+                                    size_t row_bytes, float *block) {
+    const size_t esize = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < jn; j++) {
+        const char *row = src + (size_t)(j0 + j) * row_bytes;
+        for (size_t x = 0; x < row_bytes; x += 64)
+            _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);
+        for (int c = 0; c < nc; c++)
+            _mm256_store_ps(block + (j * nc + c) * 8, load8(row + c * 8 * esize, bf16));
+    }
+}
+
+/* exp_nonpositive on 8 lanes, the same arithmetic lane by lane. */
+AVX2 static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 low = _mm256_set1_ps(-87.0f);
+    __m256 t = _mm256_mul_ps(_mm256_max_ps(x, low), _mm256_set1_ps(LOG2_E));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(EXP2_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_C1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_and_ps(e, _mm256_cmp_ps(x, low, _CMP_GE_OQ));
+}
+
+/* softmax_block with AVX2; s[r][jn .. jn rounded up to 8) must hold -inf (weight 0). */
+AVX2 static inline void softmax_block8(int64_t rows, int64_t jn, int64_t d, float s[][BLOCK],
+                                       float *m, float *l, float *acc) {
+    const int64_t jp = (jn + 7) / 8 * 8;
+    for (int64_t r = 0; r < rows; r++) {
+        float *sr = s[r];
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < jp; j += 8) top8 = _mm256_max_ps(top8, _mm256_load_ps(sr + j));
+        float lanes[8] __attribute__((aligned(32)));
+        _mm256_store_ps(lanes, top8);
+        float top = -INFINITY;
+        for (int x = 0; x < 8; x++) top = lanes[x] > top ? lanes[x] : top;
+        if (top == -INFINITY) { /* every key of the block hidden from this row */
+            for (int64_t j = 0; j < jp; j++) sr[j] = 0.0f;
+            continue;
+        }
+        if (top > m[r]) {
+            float shrink = m[r] == -INFINITY ? 0.0f : exp_nonpositive(m[r] - top);
+            l[r] *= shrink;
+            float *ar = acc + r * d;
+            for (int64_t i = 0; i < d; i++) ar[i] *= shrink;
+            m[r] = top;
+        }
+        __m256 mr = _mm256_set1_ps(m[r]), sum8 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < jp; j += 8) {
+            __m256 p = exp_nonpositive8(_mm256_sub_ps(_mm256_load_ps(sr + j), mr));
+            _mm256_store_ps(sr + j, p);
+            sum8 = _mm256_add_ps(sum8, p);
+        }
+        _mm256_store_ps(lanes, sum8);
+        float sum = 0.0f;
+        for (int x = 0; x < 8; x++) sum += lanes[x];
+        l[r] += sum;
+    }
+}
+
+/* D = 8 * NC (NC = 8: D 64, NC = 16: D 128), AVX2: scores 8 keys at a time with one
+   transposed reduction (`dots8`), each output row's sums in registers over the block, even
+   and odd keys in separate chains (D 64; with D 128 the halves of a row one after the
+   other). */
+#define TASK_AVX2(NC)                                                                      \
+    AVX2 static void task_avx2_##NC(TASK_ARGS) {                                          \
+        enum { HALF = NC < 8 ? NC : 8 }; /* ymm of a row's sums per pass */               \
+        const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);                               \
+        float s[ROWS][BLOCK] __attribute__((aligned(64)));                                 \
+        float block[BLOCK * 8 * NC] __attribute__((aligned(64)));                          \
+        int64_t limit[ROWS];                                                               \
+        task_start(TASK_PASS, limit);                                                      \
+        for (int64_t j0 = a; j0 < b; j0 += BLOCK) {                                        \
+            int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;                                  \
+            const int64_t jp = (jn + 7) / 8 * 8;                                           \
+            widen_rows8(k, bf16, j0, jn, NC, row_bytes, block); /* the block's keys */      \
+            for (int64_t j = jn; j < jp; j++) /* pad to 8 keys */                          \
+                for (int c = 0; c < NC; c++)                                               \
+                    _mm256_store_ps(block + (j * NC + c) * 8, _mm256_setzero_ps());        \
+            for (int64_t r = 0; r < rows; r++) {                                           \
+                const float *qr = q + (r0 + r) * d;                                        \
+                for (int64_t j = 0; j < jp; j += 8)                                        \
+                    _mm256_store_ps(&s[r][j], _mm256_mul_ps(dots8(qr, block + j * NC * 8, NC), \
+                                                            _mm256_set1_ps(scale)));       \
+                for (int64_t j = limit[r] - j0 < 0 ? 0 : limit[r] - j0; j < jn; j++)       \
+                    s[r][j] = -INFINITY; /* keys after the row's causal limit */           \
+                for (int64_t j = jn; j < jp; j++) s[r][j] = -INFINITY; /* the padding */   \
+            }                                                                              \
+            softmax_block8(rows, jn, d, s, m, l, acc);                                     \
+            widen_rows8(v, bf16, j0, jn, NC, row_bytes, block); /* and its values */        \
+            for (int64_t r = 0; r < rows; r++)                                             \
+                for (int c0 = 0; c0 < NC; c0 += HALF) {                                    \
+                    float *ar = acc + r * d + c0 * 8;                                      \
+                    __m256 even[HALF], odd[HALF];                                          \
+                    for (int c = 0; c < HALF; c++) {                                       \
+                        even[c] = _mm256_loadu_ps(ar + c * 8);                             \
+                        odd[c] = _mm256_setzero_ps();                                      \
+                    }                                                                      \
+                    int64_t j = 0;                                                         \
+                    for (; j + 1 < jn; j += 2) {                                           \
+                        const __m256 p0 = _mm256_set1_ps(s[r][j]), p1 = _mm256_set1_ps(s[r][j + 1]); \
+                        for (int c = 0; c < HALF; c++) {                                   \
+                            even[c] = _mm256_fmadd_ps(p0, _mm256_load_ps(block + (j * NC + c0 + c) * 8), even[c]); \
+                            odd[c] = _mm256_fmadd_ps(p1, _mm256_load_ps(block + ((j + 1) * NC + c0 + c) * 8), odd[c]); \
+                        }                                                                  \
+                    }                                                                      \
+                    if (j < jn) {                                                          \
+                        const __m256 p0 = _mm256_set1_ps(s[r][j]);                         \
+                        for (int c = 0; c < HALF; c++)                                     \
+                            even[c] = _mm256_fmadd_ps(p0, _mm256_load_ps(block + (j * NC + c0 + c) * 8), even[c]); \
+                    }                                                                      \
+                    for (int c = 0; c < HALF; c++)                                         \
+                        _mm256_storeu_ps(ar + c * 8, _mm256_add_ps(even[c], odd[c]));      \
+                }                                                                          \
+        }                                                                                  \
+    }
+TASK_AVX2(8)
+TASK_AVX2(16)
+
+#endif
+
+static void task(TASK_ARGS) {
+#ifdef STARQA_X86
+    if (has_avx512() && (d == 64 || d == 128)) {
+        (d == 64 ? task_avx512_4 : task_avx512_8)(TASK_PASS);
+        return;
+    }
+    if (has_avx2() && (d == 64 || d == 128)) {
+        (d == 64 ? task_avx2_8 : task_avx2_16)(TASK_PASS);
+        return;
+    }
+#endif
+    task_any(TASK_PASS);
+}
+
+/* One span of keys: [a, b) of piece `piece` (positions relative to its first key). */
+typedef struct {
+    int64_t piece, a, b;
+} span_t;
+
+/* Addresses: q fp32 [H, R, D]; the keys are those of `pieces` buffers in order, piece p
+   holding positions starts[p] .. starts[p + 1] - 1 (starts[pieces] = n, the total): its
+   keys k_addr[p] and values v_addr[p], [H, >= its length, D] (bf16 if `bf16` else fp32),
+   heads k_strides[p] / v_strides[p] elements apart. So the shard's blocks are read where
+   they lie (memory-mapped files) and the question's own keys from their own buffer, with
+   no copy into one. out fp32 [H, R, D] and lse fp32 [H, R], written. Returns 0, or 1 for
+   impossible shapes, 2 when out of memory. */
+int starqa_attend(int bf16, const float *q, int64_t pieces, const int64_t *starts,
+                  const int64_t *k_addr, const int64_t *v_addr, const int64_t *k_strides,
+                  const int64_t *v_strides, float *out, float *lse, int64_t heads,
+                  int64_t rows, int64_t d, int64_t own, float scale, int threads) {
+    if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || pieces < 0 || own < 0 ||
+        (own && rows % own) || (pieces && starts[0] != 0))
+        return 1;
+    int64_t n = pieces ? starts[pieces] : 0;
+    if (own > n) return 1;
+    int64_t spans = 0;
+    for (int64_t p = 0; p < pieces; p++) {
+        if (starts[p + 1] < starts[p]) return 1;
+        spans += (starts[p + 1] - starts[p] + TASK_KEYS - 1) / TASK_KEYS;
+    }
+    int64_t listed = spans ? spans : 1; /* no keys: one empty span (output 0, LSE -inf) */
+    span_t *span_of = malloc((size_t)listed * sizeof(span_t));
+    if (!span_of) return 2;
+    span_of[0] = (span_t){0, 0, 0};
+    for (int64_t p = 0, s = 0; p < pieces; p++) {
+        int64_t length = starts[p + 1] - starts[p];
+        for (int64_t a = 0; a < length; a += TASK_KEYS, s++)
+            span_of[s] = (span_t){p, a, a + TASK_KEYS < length ? a + TASK_KEYS : length};
+    }
+    spans = listed;
+    int64_t groups = (rows + ROWS - 1) / ROWS;
+    int64_t tasks = heads * spans * groups;
+    size_t esize = bf16 ? 2 : 4;
+    float *state = malloc((size_t)tasks * ROWS * (size_t)(d + 2) * sizeof(float));
+    if (!state) {
+        free(span_of);
+        return 2;
+    }
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t h = t / (spans * groups), rest = t % (spans * groups);
+        int64_t g = rest / spans;
+        span_t sp = span_of[rest % spans];
+        int64_t r0 = g * ROWS, rn = rows - r0 < ROWS ? rows - r0 : ROWS;
+        float *m = state + (size_t)t * ROWS * (d + 2), *l = m + ROWS, *acc = l + ROWS;
+        /* the piece's keys and values of head h; positions relative to its first key, so
+           the causal limit (n - own + ...) moves by its start too */
+        const char *k = pieces ? (const char *)(intptr_t)k_addr[sp.piece] +
+                                     (size_t)(h * k_strides[sp.piece]) * esize : NULL;
+        const char *v = pieces ? (const char *)(intptr_t)v_addr[sp.piece] +
+                                     (size_t)(h * v_strides[sp.piece]) * esize : NULL;
+        int64_t first = pieces ? starts[sp.piece] : 0;
+        task(q + h * rows * d, d, k, v, bf16, sp.a, sp.b, n - first, own, r0, rn, scale, m, l,
+             acc);
+    }
+    free(span_of);
+    /* merge each row's spans (starqa.attention.merge's rule) */
+    for (int64_t h = 0; h < heads; h++) {
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t g = r / ROWS, i = r % ROWS;
+            float top = -INFINITY, total = 0.0f;
+            float *o = out + (h * rows + r) * d;
+            for (int64_t span = 0; span < spans; span++) {
+                float *m = state + (size_t)((h * groups + g) * spans + span) * ROWS * (d + 2);
+                top = m[i] > top ? m[i] : top;
+            }
+            memset(o, 0, (size_t)d * sizeof(float));
+            if (top == -INFINITY) {
+                lse[h * rows + r] = -INFINITY;
+                continue;
+            }
+            for (int64_t span = 0; span < spans; span++) {
+                float *m = state + (size_t)((h * groups + g) * spans + span) * ROWS * (d + 2);
+                if (m[i] == -INFINITY) continue;
+                float w = expf(m[i] - top);
+                total += w * m[ROWS + i];
+                const float *acc = m + 2 * ROWS + i * d;
+                for (int64_t x = 0; x < d; x++) o[x] += w * acc[x];
+            }
+            for (int64_t x = 0; x < d; x++) o[x] /= total;
+            lse[h * rows + r] = top + logf(total);
+        }
+    }
+    free(state);
+    return 0;
+}

@@ -1,0 +1,364 @@
+"""The warm worker group's front door: a Unix socket served by the query host.
+
+Runs inside the query-host worker of a `serve` group. Requests and events are JSON lines:
+
+    → {"op": "ask", "question": "...", "history": [[q, a], ...], "max_new_tokens": 256}
+      (optional "draft_tokens": 0 to decode.MAX_DRAFT_TOKENS per forward; 0: none)
+    ← {"event": "token", "text": "..."} ...  {"event": "done", "sources": [...], ...}
+    → {"op": "cancel"}   (while an answer streams: stop it, keep the session)
+    → {"op": "ping"}     ← {"event": "pong", ...}        → {"op": "stop"}: end the group
+
+The socket lives in a short private folder (`paths.socket_dir`, mode 0700), itself mode
+0600: only the user who started the group can connect, and only from this machine. The
+query host tokenises the question and picks each token; the other workers receive the
+request by broadcast.
+
+Files changed under a warm group: before each question the query host compares a stat
+(size, mtime, ctime, inode) of the manifest and of each shard with what it had when the
+group loaded them (a few stats; nothing is read). A shard rewritten in place with the same
+bytes (its checksum is checked then) or a manifest rewritten with the same blocks (a rename)
+is taken as it is; any other change is refused: the asker gets an error naming the file and
+the group stops, so the next question starts afresh from the files as they are now (and a
+damaged shard is named then, as a cold ask names it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import time
+from pathlib import Path
+
+from starqa.cache.manifest import MANIFEST, Manifest
+
+HEARTBEAT_S = 20.0  # the other workers wait in a collective; never longer than this
+
+
+def serve_group(job: dict, info, answerer, manifest: Manifest, on_ready) -> None:
+    """Every rank's loop of a warm group: the query host reads requests from the socket and
+    broadcasts them; every rank answers each `ask` together, until `stop` (or idle)."""
+    from starqa.runtime import dist
+
+    server = Server(job, answerer, manifest) if info.is_last else None
+    on_ready()
+    try:
+        while True:
+            request = server.next_request() if server else None
+            request = dist.broadcast_object(info, request, src=info.world_size - 1)
+            if request["op"] == "stop":
+                break
+            if request["op"] == "ask":
+                if server:
+                    server.answer(request)
+                else:
+                    answerer.answer(request["query_ids"], request["max_new_tokens"],
+                                    request["stop_ids"], draft_tokens=request["draft_tokens"])
+    finally:
+        if server:
+            server.close()
+
+
+class Server:
+    def __init__(self, job: dict, ctx, manifest: Manifest):
+        from starqa.models import stop_ids
+        from starqa.corpus.prompt import QueryTokens
+
+        self.ctx = ctx
+        self.manifest = manifest
+        self.path = Path(job["socket"])
+        self.keepalive = float(job["keepalive"])
+        # (the plain tokenizers library where it can: a cold ask's head start going on as
+        # the group does not wait a second for transformers before it listens)
+        self.tokens = QueryTokens(manifest.query_template, Path(job["model_path"]))
+        if not job.get("lazy_tokenizer"):  # ready for `chat`'s history from the start
+            self.tokens.full()
+        self.tokenizer = self.tokens.tokenizer
+        self.stop_ids = sorted(stop_ids(self.tokenizer, Path(job["model_path"])))
+        self.window = manifest.model.window
+        self.path.unlink(missing_ok=True)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            self.listener.bind(str(self.path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+        self.listener.listen(4)
+        self.buffers: dict[socket.socket, bytes] = {}  # connected clients, unread bytes
+        self.conn: socket.socket | None = None  # the client being answered
+        self.last_activity = time.monotonic()
+        self.answered = 0
+        self.cancel_seen = False
+        self.stop_seen = False  # another client asked the group to stop mid-answer
+        self.loaded = _stamps(manifest)  # what the group answers from, as it was on disk
+
+    # -- requests ---------------------------------------------------------------------
+
+    def next_request(self) -> dict:
+        """The next request for every worker: ask / stop, or a heartbeat no-op."""
+        deadline = time.monotonic() + HEARTBEAT_S
+        while time.monotonic() < deadline:
+            if self.keepalive > 0 and time.monotonic() - self.last_activity > self.keepalive:
+                return {"op": "stop"}
+            message = self._read(timeout=max(0.0, deadline - time.monotonic()))
+            if message is None:
+                continue
+            self.last_activity = time.monotonic()
+            op = message.get("op")
+            if op == "ping":
+                self._send({"event": "pong", **self.status()})
+            elif op == "stop":
+                self._send({"event": "stopping"})
+                return {"op": "stop"}
+            elif op == "ask":
+                if (changed := self._changed()) is not None:
+                    self._send({"event": "error", "message": str(changed), "hint": changed.hint})
+                    return {"op": "stop"}
+                request = self._prepare(message)
+                if request is not None:
+                    return request
+            elif op != "cancel":  # a late cancel after the answer ended is harmless
+                self._send({"event": "error", "message": f"unknown op {op!r}"})
+        return {"op": "noop"}
+
+    def _prepare(self, message: dict) -> dict | None:
+        """Check the request, then tokenise the question with as many earlier turns as fit
+        the window. A malformed request gets an error event; the group keeps serving."""
+        from starqa.corpus import prompt
+        from starqa.phase2.decode import MAX_DRAFT_TOKENS
+
+        question = message.get("question", "")
+        max_new = message.get("max_new_tokens", 256)
+        history = message.get("history", [])
+        drafts = message.get("draft_tokens")
+        problem = (
+            "the question is empty" if not isinstance(question, str) or not question.strip()
+            else "max_new_tokens must be a positive integer"
+            if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1
+            else "history must be a list of [question, answer] pairs of text"
+            if not isinstance(history, list) or not all(
+                isinstance(turn, list) and len(turn) == 2 and all(isinstance(x, str) for x in turn)
+                for turn in history)
+            else f"draft_tokens must be an integer from 0 to {MAX_DRAFT_TOKENS}"
+            if drafts is not None and (not isinstance(drafts, int) or isinstance(drafts, bool)
+                                       or not 0 <= drafts <= MAX_DRAFT_TOKENS)
+            else None)
+        if problem:
+            self._send({"event": "error", "message": f"Bad request: {problem}."})
+            return None
+        history = [tuple(turn) for turn in history]
+        n = self.manifest.n_tokens
+        while True:
+            ids = self.tokens.ids(question, history)
+            error = prompt.room_error(n, len(ids), max_new, self.window)
+            if error is None or message.get("beyond_window"):
+                break
+            if not history:
+                self._send({"event": "error", "message": str(error), "hint": error.hint})
+                return None
+            history.pop(0)  # oldest turn first
+        return {"op": "ask", "query_ids": ids, "max_new_tokens": max_new,
+                "stop_ids": self.stop_ids, "turns_used": len(history), "draft_tokens": drafts}
+
+    def answer(self, request: dict) -> None:
+        from starqa.corpus.prompt import TextStream
+
+        started = time.perf_counter()
+        first: list[float] = []
+        stream = TextStream(self.tokenizer)
+
+        def on_token(token: int) -> None:
+            first or first.append(time.perf_counter())
+            if piece := stream.add(token):
+                self._send({"event": "token", "text": piece})
+
+        tokens, top = self.ctx.answer(request["query_ids"], request["max_new_tokens"],
+                                      request["stop_ids"], on_token, self._cancelled,
+                                      draft_tokens=request["draft_tokens"])
+        if piece := stream.finish():
+            self._send({"event": "token", "text": piece})
+        if self.stop_seen:  # cut short by `starqa stop`: not an answer to pass on as one
+            self._send({"event": "error", "hint": "ask again: a new group starts",
+                        "message": "The warm group was stopped (starqa stop) while it "
+                                   "answered; the answer was cut short."})
+            return
+        text = stream.text
+        end = time.perf_counter()
+        self.answered += 1
+        self.last_activity = time.monotonic()
+        self._send({"event": "done", "text": text.strip(), "token_ids": tokens,
+                    "question_tokens": len(request["query_ids"]),
+                    "turns_used": request["turns_used"], "sources": top,
+                    "cancelled": self.cancel_seen,
+                    "first_token_s": (first[0] - started) if first else None,
+                    "decode_s": (end - first[0]) if first else 0.0, "total_s": end - started,
+                    "rss_bytes": _rss()})
+        self.cancel_seen = False
+
+    def _cancelled(self) -> bool:
+        """Polled once per generated token: a cancel from the asking client, or it left."""
+        asker = self.conn
+        if asker is None:
+            return True
+        others = [sock for sock in self.buffers if sock is not asker]
+        ready, _, _ = select.select([asker, self.listener, *others], [], [], 0)
+        for sock in ready:
+            if sock is self.listener:  # `starqa stop` (or ps) connecting meanwhile
+                conn, _ = self.listener.accept()
+                self.buffers[conn] = b""
+            else:
+                self._receive(sock)
+        if any(_op(line) == "stop" for sock, buffer in self.buffers.items()
+               if sock is not self.conn for line in buffer.split(b"\n")[:-1]):
+            self.stop_seen = True  # stop ends the answer; its line is served next
+        if self.stop_seen:
+            return True
+        if self.conn is None:  # disconnected
+            self.cancel_seen = True
+        else:  # take cancels out of its unread lines; anything else waits its turn
+            *lines, partial = self.buffers[asker].split(b"\n")
+            kept = [line for line in lines if _op(line) != "cancel"]
+            self.cancel_seen = self.cancel_seen or len(kept) < len(lines)
+            self.buffers[asker] = b"".join(line + b"\n" for line in kept) + partial
+        return self.cancel_seen
+
+    def _changed(self):
+        """None while the context's files on disk are those the group loaded; else the
+        StarqaError to answer with (the group then stops). See the module docstring."""
+        from starqa.cache import shards
+        from starqa.core.errors import StarqaError
+        from starqa.cache.manifest import read_manifest
+
+        m = self.manifest
+        for path, before in self.loaded.items():
+            now = _stamp(path)
+            if now == before:
+                continue
+            what = "manifest" if path.name == MANIFEST else "shard"
+            if now is not None and what == "manifest":
+                try:
+                    same = _block_sums(read_manifest(m.folder)) == _block_sums(m)
+                except (StarqaError, OSError):
+                    same = False
+            elif now is not None:  # the same file (inode), the bytes the group verified
+                block = next(b for b in m.blocks if m.folder / b.file == path)
+                same = now[3] == before[3] and now[0] == before[0] \
+                    and shards.sha256_file(path) == block.sha256
+            else:
+                same = False
+            if same:
+                self.loaded[path] = now
+                continue
+            how = "was removed" if now is None else "was changed"
+            return StarqaError(
+                f"The {what} {path} {how} on disk after this warm group of {m.name} loaded "
+                "it; the group has stopped rather than answer from files that are no longer "
+                "those on disk.",
+                hint="ask again: a fresh start loads the files as they are now and checks "
+                     f"them (naming a damaged shard); or {shards._fix(m)}")
+        return None
+
+    def status(self) -> dict:
+        m = self.manifest
+        return {"context": m.name, "key": m.key, "workers": self.ctx.info.world_size,
+                "tokens": m.n_tokens, "method": m.method.name,
+                "answered": self.answered, "rss_bytes": _rss(), "pid": os.getpid()}
+
+    # -- socket plumbing ----------------------------------------------------------------
+    # Several clients may be connected (a chat and an `ask` side by side); requests are
+    # served one at a time, each answer streaming to the client that asked (`self.conn`).
+
+    def _read(self, timeout: float) -> dict | None:
+        """The next complete request line from any client, waiting up to `timeout`."""
+        if (message := self._next_line()) is not None:
+            return message
+        ready, _, _ = select.select([self.listener, *self.buffers], [], [], timeout)
+        for sock in ready:
+            if sock is self.listener:
+                conn, _ = self.listener.accept()
+                self.buffers[conn] = b""
+            else:
+                self._receive(sock)
+        return self._next_line()
+
+    def _receive(self, sock: socket.socket) -> None:
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            chunk = b""
+        if chunk:
+            self.buffers[sock] += chunk
+        else:
+            self._drop(sock)
+
+    def _next_line(self, only: socket.socket | None = None) -> dict | None:
+        for sock, buffer in list(self.buffers.items()):
+            if (only is not None and sock is not only) or b"\n" not in buffer:
+                continue
+            line, self.buffers[sock] = buffer.split(b"\n", 1)
+            self.conn = sock
+            try:
+                message = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                message = None
+            if isinstance(message, dict):
+                return message
+            self._send({"event": "error", "message": "Bad request: not a JSON object."})
+            return None  # answered; the next line may be a good one
+        return None
+
+    def _send(self, event: dict) -> None:
+        if self.conn is None:
+            return
+        try:
+            self.conn.sendall((json.dumps(event) + "\n").encode())
+        except OSError:
+            self._drop(self.conn)
+
+    def _drop(self, sock: socket.socket) -> None:
+        sock.close()
+        self.buffers.pop(sock, None)
+        if sock is self.conn:
+            self.conn = None
+
+    def close(self) -> None:
+        for sock in list(self.buffers):
+            self._drop(sock)
+        self.listener.close()
+        self.path.unlink(missing_ok=True)
+
+
+def _op(line: bytes) -> str | None:
+    try:
+        return json.loads(line).get("op")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    """(size, mtime_ns, ctime_ns, inode) of `path`, None when it is gone: a write or a
+    replacement changes it (ctime cannot be set back)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _stamps(manifest: Manifest) -> dict[Path, tuple | None]:
+    """The stamps of the context's manifest and of the shards this machine holds."""
+    files = [manifest.folder / MANIFEST] + \
+        [manifest.folder / manifest.blocks[i].file for i in manifest.local_blocks]
+    return {path: _stamp(path) for path in files}
+
+
+def _block_sums(manifest: Manifest) -> list[tuple]:
+    return [(b.file, b.bytes, b.sha256) for b in manifest.blocks]
+
+
+def _rss() -> int:
+    """Current resident memory of this process in bytes."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
