@@ -13,11 +13,10 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# starqa's CPU kernels, as `pip install` builds them (setup.py): on a GPU, ivf and flat on
-# disk rank on the host with them (every starqa/_*.c: setup.py's sources); without a
+# starqa's CPU kernels, as `pip install` builds them (starqa/native/build.py: setup.py's
+# sources and flags): on a GPU, ivf and flat on disk rank on the host with them; without a
 # compiler, numpy's path
-gcc -O3 -fopenmp -fno-math-errno -std=gnu11 -shared -fPIC -Istarqa starqa/_*.c -lm \
-    -o "starqa/_attend$(
+python3 -m starqa.native.build --no-werror "starqa/native/_attend$(
     python3 -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" \
     || echo "no C compiler: starqa's kernels not built"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

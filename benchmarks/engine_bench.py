@@ -3,10 +3,13 @@
 the full prompt, in one run.
 
     python benchmarks/engine_bench.py [--tokens 7600] [--model smollm2-135m]
+    python benchmarks/engine_bench.py --smoke   # toy model and context (benchmarks/toy.py)
 
 Ingests copies of samples/ with star on 2 workers, then compares: cold (a fresh torchrun
 group, as `starqa ask` runs, against a fresh process that loads the model) and warm (model
-and shards loaded, against the model loaded). Phase 1 and Phase 2 of every method on their
+and shards loaded, against the model loaded). Both sides run on the CPU with the threads
+torch gives them (every core); the speed of both follows the CPU's vector flags (AVX-512
+and its bf16/VNNI extensions, else AVX2). Phase 1 and Phase 2 of every method on their
 own (time, FLOPs, memory, bytes communicated): `starqa bench`.
 """
 
@@ -61,20 +64,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=7600)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a toy model and a few hundred tokens: the run, not the numbers")
     args = parser.parse_args()
 
     import torch
 
     from starqa import engine, models
     from starqa.corpus import prompt
-    from starqa.measure.session import LocalSession
 
-    model_path = models.resolve_model(args.model)  # from the user's cache
-    home = Path(tempfile.mkdtemp(prefix="starqa-bench-"))
-    os.environ["STARQA_HOME"] = str(home)  # contexts go to a scratch cache
-    tokenizer = models.load_tokenizer(model_path)
-    corpus = home / "corpus"
-    build_corpus(tokenizer, args.tokens, corpus)
+    if args.smoke:
+        import toy
+
+        toy.banner("engine_bench")
+        home = toy.scratch("engine")
+        model_path = toy.model(home)
+        tokenizer = models.load_tokenizer(model_path)
+        corpus = toy.corpus(home / "corpus")
+    else:
+        model_path = models.resolve_model(args.model)  # from the user's cache
+        home = Path(tempfile.mkdtemp(prefix="starqa-bench-"))
+        os.environ["STARQA_HOME"] = str(home)  # contexts go to a scratch cache
+        tokenizer = models.load_tokenizer(model_path)
+        corpus = home / "corpus"
+        build_corpus(tokenizer, args.tokens, corpus)
 
     print(f"cpu cores: {os.cpu_count()}, torch {torch.__version__}, model {model_path.name}")
     star = engine.ingest(engine.IngestOptions(
@@ -94,9 +107,9 @@ def main() -> None:
     print(f"  cold  dense forward over the full prompt (fresh process):     {dense_cold:6.2f} s"
           f"   ratio {dense_cold / cold.first_token_seconds:.1f}x")
 
-    session = LocalSession(star, model_path)
-    session.answer(QUESTION, 1)  # warm-up
-    warm = min(session.answer(QUESTION, 1).first_token_seconds for _ in range(3))
+    session = engine.LocalAnswerer.load(star, model_path)
+    session.ask(QUESTION, 1)  # warm-up
+    warm = min(session.ask(QUESTION, 1).first_token_seconds for _ in range(3))
     model = models.load_model(model_path, dtype=torch.bfloat16)
     with torch.inference_mode():
         ids = torch.tensor([full])

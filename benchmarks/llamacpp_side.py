@@ -7,17 +7,32 @@ imports nothing of starqa).
         llama-cpp-python's prompt-lookup drafts (LlamaPromptLookupDecoding, job's "lookup"
         tokens per draft): its answer to starqa's drafts
 
+    python llamacpp_side.py --smoke [GGUF]   # save, restore and lookup on a toy job
+
 JOB.json: {"context_ids": [...], "query_ids": [...], "new_tokens": N, "threads": T,
 "n_ctx": C}. Prints one JSON line of timings (seconds) and the greedy tokens generated.
+llama.cpp runs on the CPU with T threads; which kernels it runs follows the CPU's flags
+(AVX2, AVX-512 with bf16 and VNNI) and the flags it was built with (vs_llamacpp.py).
+--smoke runs the three modes in turn on a few hundred token ids of a small GGUF (any:
+ids below 300 are in every vocabulary), or says in a line why llama.cpp's side is skipped
+(llama_cpp not importable, no GGUF given).
 """
+
+from __future__ import annotations
 
 import ctypes
 import json
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
-import llama_cpp
-import numpy as np
+try:
+    import llama_cpp
+    import numpy as np
+except ImportError:  # --smoke says so in a line; the other modes stop with the reason
+    llama_cpp = None
 
 
 def load(gguf: str, job: dict, draft=None) -> llama_cpp.Llama:
@@ -90,9 +105,31 @@ def restore(gguf: str, state: str, job: dict, lookup: bool = False) -> dict:
             "tokens": generated, "system_info": llama_cpp.llama_print_system_info().decode()}
 
 
+MODES = {"save": save, "restore": restore, "lookup": lambda *a: restore(*a, lookup=True)}
+
+
+def smoke(gguf: str | None) -> None:
+    """save, restore and lookup in turn on a toy job, each printing its JSON line."""
+    why = ("llama_cpp is not importable by this python" if llama_cpp is None
+           else "no GGUF given" if gguf is None else None)
+    if why:
+        print(f"llama.cpp side skipped: {why}", flush=True)
+        return
+    job = {"context_ids": [10 + i % 280 for i in range(300)], "query_ids": list(range(20, 32)),
+           "new_tokens": 4, "threads": os.cpu_count(), "n_ctx": 512, "lookup": 3}
+    with tempfile.TemporaryDirectory(prefix="llamacpp-smoke-") as tmp:
+        state = str(Path(tmp) / "state.bin")
+        for mode in ("save", "restore", "lookup"):
+            print(mode, json.dumps(MODES[mode](gguf, state, job)), flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--smoke"]:
+        smoke(sys.argv[2] if len(sys.argv) > 2 else None)
+        sys.exit(0)
+    if llama_cpp is None:
+        sys.exit("llama_cpp is not importable by this python: run it with the python of the "
+                 "llama-cpp-python virtualenv (benchmarks/vs_llamacpp.py says how to make it)")
     mode, gguf, state, job_file = sys.argv[1:5]
     job = json.loads(open(job_file).read())
-    run = {"save": save, "restore": restore,
-           "lookup": lambda *a: restore(*a, lookup=True)}[mode]
-    print(json.dumps(run(gguf, state, job)), flush=True)
+    print(json.dumps(MODES[mode](gguf, state, job)), flush=True)

@@ -15,9 +15,12 @@ encoded, the wall times and their ratio (target: ≤ 0.25 when one file of ~30 c
     python benchmarks/reingest.py [--model smollm2-135m] [--method star]
         [--block-size 2048] [--package cachetools==5.5.0,5.5.1 ...] [--workers N]
         [--exclude GLOB ...]
+    python benchmarks/reingest.py --smoke   # toy model and corpus, no package download
 
-Timing: run it on a quiet machine. Contexts longer than the model's window are ingested
-with --beyond-window (timing only; answers are not looked at).
+Timing: run it on CPU cores nothing else uses (a full ingest's workers take every core;
+the incremental one encodes its few blocks in the launcher, on the CPU). Contexts longer
+than the model's window are ingested with --beyond-window (timing only; answers are not
+looked at).
 """
 
 from __future__ import annotations
@@ -98,10 +101,12 @@ def scenario(name: str, old: Path, new: Path, work: Path, args) -> dict:
             "incremental": incremental, "full": full, "what": counts(report)}
 
 
-def samples_edit(work: Path) -> tuple[Path, Path]:
+def samples_edit(work: Path, source: Path = ROOT / "samples") -> tuple[Path, Path]:
+    """A copy of `source` (samples/), and a second one with a line added to one file in the
+    middle of the context."""
     old = work / "samples-old"
     shutil.rmtree(old, ignore_errors=True)
-    shutil.copytree(ROOT / "samples", old, ignore=shutil.ignore_patterns("questions.jsonl"))
+    shutil.copytree(source, old, ignore=shutil.ignore_patterns("questions.jsonl"))
     new = work / "samples-new"
     shutil.rmtree(new, ignore_errors=True)
     shutil.copytree(old, new)
@@ -147,12 +152,23 @@ def main() -> None:
     parser.add_argument("--exclude", action="append", default=[],
                         help="passed to every ingest (e.g. CHANGELOG.rst, PKG-INFO)")
     parser.add_argument("--work", default=None, help="scratch folder (default: a temp one)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a toy model and a few hundred tokens of toy files, no packages")
     args = parser.parse_args()
-    work = Path(args.work or tempfile.mkdtemp(prefix="starqa-reingest-"))
+    source = ROOT / "samples"
+    if args.smoke:
+        import toy
+
+        toy.banner("reingest")
+        work = toy.scratch("reingest")
+        args.model, args.block_size, args.package = str(toy.model(work)), 64, [""]
+        source = toy.corpus(work / "toy")
+    else:
+        work = Path(args.work or tempfile.mkdtemp(prefix="starqa-reingest-"))
     print(f"CPU: {cpu()}")
     print(f"model {args.model}, method {args.method}, block {args.block_size}, "
           f"workers {args.workers or 'default'}; scratch {work}")
-    rows = [scenario("samples", *samples_edit(work), work, args)]
+    rows = [scenario("samples", *samples_edit(work, source), work, args)]
     for spec in args.package or ["cachetools==5.5.0,5.5.1"]:
         if spec:
             name, versions = spec.split("==")

@@ -8,8 +8,10 @@ the new position, for several δ, beside two yardsticks: not rotating at all, an
 own error (star's block KV against dense's, the approximation star makes anyway).
 
     python benchmarks/rerotate_error.py [--model smollm2-135m] [--block 1024]
+    python benchmarks/rerotate_error.py --smoke   # toy model (benchmarks/toy.py), block 32
 
-Accuracy only (no timing): safe on a busy machine. Prints one table.
+Accuracy only (no timing): safe on a busy CPU; the numbers do not depend on its flags
+beyond rounding. Prints one table.
 """
 
 from __future__ import annotations
@@ -36,8 +38,17 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=1024)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--deltas", default="1,8,64,512")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the toy model, blocks of 32 tokens, deltas 1,8,16")
     args = parser.parse_args()
-    path = models.resolve_model(args.model)
+    if args.smoke:
+        import toy
+
+        toy.banner("rerotate_error")
+        path = toy.model(toy.scratch("rerotate"))
+        args.model, args.block, args.deltas = "the toy model", 32, "1,8,16"
+    else:
+        path = models.resolve_model(args.model)
     tok = models.load_tokenizer(path)
     root = Path(__file__).resolve().parents[1] / "samples"
     files = corpus.collect([str(root / "code"), str(root / "handbook")]).files

@@ -3,8 +3,27 @@ the same rendered prompt (copies of samples/ as the context, one question).
 
     python benchmarks/vs_llamacpp.py --llamacpp-python /path/to/llamacpp-venv/bin/python \\
         [--model smollm2-135m] [--tokens 7500] [--new-tokens 48] [--rounds 3]
+    python benchmarks/vs_llamacpp.py --smoke [--llamacpp-python PY --gguf SMALL.gguf]
+    python benchmarks/vs_llamacpp.py --first-ask [--llamacpp-python PY] [--model M] [--smoke]
 
-Prints, for this machine's CPU:
+--smoke runs starqa's side on the toy model and corpus of benchmarks/toy.py (one round, a
+few hundred tokens); llama.cpp's side only where its python imports llama_cpp and a GGUF is
+given, else a line says it was skipped.
+
+--first-ask measures what a new user meets instead (issue 48): in each round a fresh
+$STARQA_HOME, `starqa ingest CORPUS --model M` and then `starqa ask QUESTION` as typed, the
+ask timed from the command's start to the first byte of its answer, beside llama.cpp's cold
+path (a fresh process: model load + state restore + question, as below), and their ratio
+(target: at most 2). The model is already fetched and converted, not timed: its converted
+folder is linked into each round's home without the files starqa derives from it (Phase
+2's prepared weights), as `starqa` leaves it after its first download; the ingest, which
+prepares those weights, is timed and shown. With --smoke, on the toy model (with
+STARQA_WEIGHTS=int4, so that its weights are prepared as an embedded model's are). Without
+a python that imports llama_cpp (--llamacpp-python) llama.cpp's side is skipped, saying so,
+and starqa's side runs alone.
+
+Prints the CPU's model and the flags that pick the kernels (AVX2, AVX-512 with bf16 and
+VNNI, AMX), then, on that CPU:
 - starqa cold first token: `starqa ask --cold` as a user runs it (a fresh process, the
   context cached, no warm group used), from the command's start to the first byte of the
   answer;
@@ -23,8 +42,8 @@ wheel's at install, Python an editable install's at first import): where
 PYTHONDONTWRITEBYTECODE is set (some CI images set it), every cold ask would
 otherwise compile them again (~50 ms of its first token). The
 engines run interleaved, `--rounds` times (warm question, llama.cpp restore, cold ask in
-each round), and the medians are compared: on a shared VM the speed of every engine drifts
-by ±15% within an hour, so numbers taken minutes apart are no ratio.
+each round), and the medians are compared: on shared virtual CPUs the speed of every
+engine drifts by ±15% within an hour, so numbers taken minutes apart are no ratio.
 
 llama-cpp-python is a benchmark-only extra, never a dependency of starqa nor of its CI.
 Build it from source in a virtualenv of its own (about 8 minutes on 2 cores); a native
@@ -44,6 +63,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,10 +94,16 @@ def cpu_line() -> str:
 
 def starqa_cold(name: str, new_tokens: int) -> tuple[float, str]:
     """Seconds from starting `starqa ask` to the first byte of its answer on stdout."""
-    cmd = [sys.executable, "-m", "starqa", "ask", QUESTION, "--context", name, "--cold",
-           "--keep-alive", "0", "--max-new-tokens", str(new_tokens)]
+    return first_byte(["ask", QUESTION, "--context", name, "--cold", "--keep-alive", "0",
+                       "--max-new-tokens", str(new_tokens)])
+
+
+def first_byte(args: list[str], env: dict | None = None) -> tuple[float, str]:
+    """(seconds from starting `starqa ARGS` to the first byte of its answer on stdout, the
+    command's own first-token line)."""
+    cmd = [sys.executable, "-m", "starqa", *args]
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     proc.stdout.read(1)
     first = time.perf_counter() - started
     proc.stdout.read()  # the rest of the answer
@@ -166,14 +192,26 @@ class LlamaCpp:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llamacpp-python", required=True,
-                        help="python of a virtualenv with llama-cpp-python (see above)")
+    parser.add_argument("--llamacpp-python", default=None,
+                        help="python of a virtualenv with llama-cpp-python (see above); "
+                             "required but with --smoke")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=7500, help="context size to build")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds of (warm, llama.cpp, cold), interleaved; medians reported")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the toy model and a few hundred tokens, one round; llama.cpp's "
+                             "side only with --gguf and a python that imports llama_cpp")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="with --smoke: any small GGUF for llama.cpp's side")
+    parser.add_argument("--first-ask", action="store_true",
+                        help="the first ask after a fresh ingest in a fresh STARQA_HOME (the "
+                             "model already fetched) against llama.cpp's cold path, and their "
+                             "ratio; llama.cpp's side only with --llamacpp-python")
     args = parser.parse_args()
+    if not (args.smoke or args.first_ask) and args.llamacpp_python is None:
+        parser.error("--llamacpp-python is required (or --smoke, or --first-ask)")
     import compileall
 
     import starqa
@@ -182,81 +220,172 @@ def main() -> None:
 
     import torch
 
-    from starqa import corpus, engine, models
-    from starqa.reingest import packorder
+    print(f"CPU: {cpu_line()}")
+    with tempfile.TemporaryDirectory(prefix="starqa-vs-") as tmp:
+        setup = smoke_setup(args) if args.smoke else embedded_setup(args, Path(tmp))
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+              f"model {setup['label']}")
+        if args.first_ask:
+            report_first_asks(args, *run_first_asks(args, setup, Path(tmp)))
+            return
+        rounds, group, cpp, dense, n_new = run_engines(args, setup, Path(tmp))
+    report(args, rounds, group, cpp, dense, n_new)
+
+
+def smoke_setup(args) -> dict:
+    """--smoke: the toy model and corpus (benchmarks/toy.py) in a scratch cache; llama.cpp's
+    side where it can run (its python imports llama_cpp, a GGUF is given), else None."""
+    import toy
+
+    toy.banner("vs_llamacpp")
+    folder = toy.scratch("vs")
+    args.new_tokens, args.rounds = min(args.new_tokens, 8), 1
+    model_path = toy.model(folder)
+    return {"label": "tiny-llama (toy)", "spec": str(model_path), "path": model_path,
+            "corpus": toy.corpus(folder / "vs-llamacpp-toy"),
+            "gguf": llamacpp_usable(args.llamacpp_python, args.gguf)}
+
+
+def embedded_setup(args, folder: Path) -> dict:
+    """The embedded model, its GGUF (fetched once) and copies of samples/ of --tokens, in
+    `folder`."""
+    from starqa import models
     from starqa.core import paths
-    from starqa.corpus import prompt
-    from starqa.cache import store
 
     embedded = models.embedded_model(args.model)
     if embedded is None:
         raise SystemExit("--model must be an embedded model (llama.cpp needs its GGUF)")
-    print(f"CPU: {cpu_line()}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; model {embedded.name}")
     model_path = models.resolve_model(embedded.name)
-    gguf = models.fetch_gguf(embedded, paths.home() / "bench" / "gguf" / embedded.gguf_file)
-    tokenizer = models.load_tokenizer(model_path)
-    name = f"vs-llamacpp-{embedded.name}-{args.tokens}"
-    with tempfile.TemporaryDirectory(prefix="starqa-vs-") as tmp:
-        folder = Path(tmp)
-        build_corpus(tokenizer, args.tokens, folder / name)
-        ingested = engine.ingest(engine.IngestOptions(paths=(str(folder / name),),
-                                                      model=embedded.name, name=name))
-        manifest = ingested.manifest
-        files = packorder.as_packed(corpus.collect([str(folder / name)]).files, manifest)
-        packed, spans = corpus.pack(files)
-        context = prompt.tokenize_context(tokenizer, packed, spans).ids
-        query = prompt.tokenize_query(tokenizer, QUESTION)
-        assert len(context) == manifest.n_tokens
-        print(f"context {len(context):,} tokens ({manifest.method.name}, "
-              f"{len(manifest.blocks)} blocks, {manifest.dtype}), question "
-              f"{len(query)} tokens", flush=True)
+    corpus = folder / f"vs-llamacpp-{embedded.name}-{args.tokens}"
+    build_corpus(models.load_tokenizer(model_path), args.tokens, corpus)
+    why = llamacpp_missing(args.llamacpp_python)
+    if why:  # its GGUF is not fetched either
+        print(f"llama.cpp side skipped: {why}; starqa's side runs alone", flush=True)
+    return {"label": embedded.name, "spec": embedded.name, "path": model_path,
+            "corpus": corpus,
+            "gguf": None if why else models.fetch_gguf(embedded, paths.home() / "bench"
+                                                       / "gguf" / embedded.gguf_file)}
 
-        # Engines interleaved, round by round: this VM's speed drifts by ±15% within an
-        # hour, so each ratio is taken within a round and the medians are reported.
-        group = StarqaWarm(manifest.key)
-        try:
-            n_new = max(len(group.ask(args.new_tokens)["tokens"]), 2)  # also a warm-up
-            cpp = LlamaCpp(args.llamacpp_python, gguf, context, query, n_new, folder)
-            rounds = []
-            for index in range(args.rounds):
-                rounds.append({"warm": group.ask(n_new), "plain": group.ask(n_new, 0),
-                               "cpp": cpp.restore(), "cpp_lookup": cpp.restore(lookup=True),
-                               "cold": starqa_cold(name, n_new)})
-                print(f"round {index + 1}: " + round_line(rounds[-1]), flush=True)
-        finally:
-            group.close()
-        dense = transformers_dense(model_path, context, query, n_new)
-        store.remove_context(manifest)
 
+def llamacpp_usable(python: str | None, gguf: Path | None) -> Path | None:
+    """The GGUF for llama.cpp's side of a smoke run, or None after a line saying why that
+    side is skipped."""
+    why = llamacpp_missing(python)
+    if why is None and gguf is None:
+        why = "no --gguf given (the toy model has none)"
+    if why:
+        print(f"llama.cpp side skipped: {why}; starqa's side runs alone", flush=True)
+        return None
+    return gguf
+
+
+def llamacpp_missing(python: str | None) -> str | None:
+    """Why llama.cpp's side cannot run with `python`, or None where it can."""
+    if python is None:
+        return "no --llamacpp-python given"
+    if subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode:
+        return f"llama_cpp is not importable by {python}"
+    return None
+
+
+def run_engines(args, setup: dict, folder: Path):
+    """Ingest the corpus, then the engines interleaved round by round: (rounds, the warm
+    group, llama.cpp or None, transformers' numbers, tokens decoded)."""
+    from starqa import engine
+    from starqa.cache import store
+
+    name = setup["corpus"].name
+    manifest = engine.ingest(engine.IngestOptions(paths=(str(setup["corpus"]),),
+                                                  model=setup["spec"], name=name)).manifest
+    context, query = prompt_ids(setup, manifest)
+    print(f"context {len(context):,} tokens ({manifest.method.name}, "
+          f"{len(manifest.blocks)} blocks, {manifest.dtype}), question "
+          f"{len(query)} tokens", flush=True)
+
+    # Engines interleaved, round by round: a shared CPU's speed drifts by ±15% within an
+    # hour, so each ratio is taken within a round and the medians are reported.
+    group = StarqaWarm(manifest.key)
+    cpp = None
+    try:
+        n_new = max(len(group.ask(args.new_tokens)["tokens"]), 2)  # also a warm-up
+        if setup["gguf"] is not None:
+            cpp = LlamaCpp(args.llamacpp_python, setup["gguf"], context, query, n_new, folder)
+        rounds = []
+        for index in range(args.rounds):
+            one = {"warm": group.ask(n_new), "plain": group.ask(n_new, 0)}
+            if cpp is not None:
+                one.update(cpp=cpp.restore(), cpp_lookup=cpp.restore(lookup=True))
+            one["cold"] = starqa_cold(name, n_new)
+            rounds.append(one)
+            print(f"round {index + 1}: " + round_line(rounds[-1]), flush=True)
+    finally:
+        group.close()
+    dense = transformers_dense(setup["path"], context, query, n_new)
+    store.remove_context(manifest)
+    return rounds, group, cpp, dense, n_new
+
+
+def prompt_ids(setup: dict, manifest) -> tuple[list[int], list[int]]:
+    """(the context's token ids as `ingest` packed them into `manifest`, the question's)."""
+    from starqa import corpus, models
+    from starqa.corpus import prompt
+    from starqa.reingest import packorder
+
+    tokenizer = models.load_tokenizer(setup["path"])
+    files = packorder.as_packed(corpus.collect([str(setup["corpus"])]).files, manifest)
+    packed, spans = corpus.pack(files)
+    context = prompt.tokenize_context(tokenizer, packed, spans).ids
+    assert len(context) == manifest.n_tokens
+    return context, prompt.tokenize_query(tokenizer, QUESTION)
+
+
+def report(args, rounds: list[dict], group: StarqaWarm, cpp, dense: dict, n_new: int) -> None:
+    """The table of medians, the targets (with llama.cpp) and what the last round said."""
     def median(engine: str, field: str) -> float:
         values = [r[engine][field] if engine != "cold" else r["cold"][0] for r in rounds]
         return statistics.median(values)
 
-    warm_decode, cpp_decode = median("warm", "decode_ms_per_token"), median(
-        "cpp", "decode_ms_per_token")
-    warm_first, cpp_question = median("warm", "first_token_s"), median("cpp", "question_s")
-    cold, cpp_cold = median("cold", ""), median("cpp", "cold_s")
-    load, restore = median("cpp", "load_s"), median("cpp", "restore_s")
+    warm_decode, warm_first = median("warm", "decode_ms_per_token"), median("warm",
+                                                                            "first_token_s")
     rows = [
-        ("starqa cold ask (command start → first byte)", cold, None),
+        ("starqa cold ask (command start → first byte)", median("cold", ""), None),
         (f"starqa warm group ({group.weights} weights, {DRAFT_TOKENS} drafted tokens)",
          warm_first, warm_decode),
         ("starqa warm group, no drafts (draft_tokens 0)", median("plain", "first_token_s"),
          median("plain", "decode_ms_per_token")),
         ("transformers bf16, context KV in memory", dense["first_token_s"],
          dense["decode_ms_per_token"]),
-        (f"llama.cpp, state restored (load {load:.2f} s + restore {restore:.2f} s + question)",
-         cpp_question, cpp_decode),
-        (f"llama.cpp, the same, prompt-lookup drafts ({DRAFT_TOKENS} tokens)",
-         median("cpp_lookup", "question_s"), median("cpp_lookup", "decode_ms_per_token")),
     ]
+    if cpp is not None:
+        rows += [
+            (f"llama.cpp, state restored (load {median('cpp', 'load_s'):.2f} s + restore "
+             f"{median('cpp', 'restore_s'):.2f} s + question)", median("cpp", "question_s"),
+             median("cpp", "decode_ms_per_token")),
+            (f"llama.cpp, the same, prompt-lookup drafts ({DRAFT_TOKENS} tokens)",
+             median("cpp_lookup", "question_s"), median("cpp_lookup", "decode_ms_per_token")),
+        ]
     print(f"\n{n_new} tokens decoded greedily by each engine; medians of {args.rounds} rounds "
           "(transformers: one run)\n")
     print(f"{'system':<72} {'first token':>12} {'decode':>14}")
     for label, first, decode in rows:
         dec = f"{decode:.1f} ms/token" if decode is not None else "—"
         print(f"{label:<72} {first:>10.2f} s {dec:>14}")
+    last = rounds[-1]
+    print(f"\nstarqa's answer: {last['warm']['text']!r}")
+    print(f"starqa cold ask's own report: {last['cold'][1]} (from its start, after Python "
+          "began)")
+    print(f"starqa's tokens with and without drafts equal: "
+          f"{last['warm']['tokens'] == last['plain']['tokens'][:len(last['warm']['tokens'])]}")
+    if cpp is not None:
+        report_llamacpp(rounds, cpp, n_new, median)
+
+
+def report_llamacpp(rounds: list[dict], cpp, n_new: int, median) -> None:
+    """starqa against llama.cpp: like for like, the targets, the tokens each chose."""
+    warm_decode, cpp_decode = median("warm", "decode_ms_per_token"), median(
+        "cpp", "decode_ms_per_token")
+    warm_first, cpp_question = median("warm", "first_token_s"), median("cpp", "question_s")
+    cold, cpp_cold = median("cold", ""), median("cpp", "cold_s")
     print("\nLike for like: without drafts starqa / llama.cpp "
           f"{median('plain', 'decode_ms_per_token') / cpp_decode:.2f}; both with drafts "
           f"{warm_decode / median('cpp_lookup', 'decode_ms_per_token'):.2f}")
@@ -269,12 +398,8 @@ def main() -> None:
         print(f"  {label}: starqa {ours:.3f} / llama.cpp {theirs:.3f} = {ours / theirs:.2f} "
               f"(target ≤ {target}; rounds {min(per_round):.2f}-{max(per_round):.2f})")
     last = rounds[-1]
-    print(f"\nstarqa's answer: {last['warm']['text']!r}")
-    print(f"starqa cold ask's own report: {last['cold'][1]} (from its start, after Python "
-          "began)")
-    print(f"starqa's tokens with and without drafts equal: "
-          f"{last['warm']['tokens'] == last['plain']['tokens'][:len(last['warm']['tokens'])]}; "
-          f"llama.cpp's: {last['cpp_lookup']['tokens'] == last['cpp']['tokens']}")
+    print(f"llama.cpp's tokens with and without drafts equal: "
+          f"{last['cpp_lookup']['tokens'] == last['cpp']['tokens']}")
     same = sum(a == b for a, b in zip(last["warm"]["tokens"], last["cpp"]["tokens"]))
     print(f"greedy tokens equal to llama.cpp's: {same} of {min(len(last['warm']['tokens']), n_new)}"
           " (different 4-bit kernels round differently)")
@@ -291,6 +416,11 @@ def ratios(one: dict) -> dict:
 
 
 def round_line(one: dict) -> str:
+    """One round's numbers (and ratios, when llama.cpp ran)."""
+    if "cpp" not in one:
+        return (f"decode {one['warm']['decode_ms_per_token']:.1f} ms/token, warm first token "
+                f"{one['warm']['first_token_s']:.2f} s, cold {one['cold'][0]:.2f} s, no drafts "
+                f"{one['plain']['decode_ms_per_token']:.1f} ms/token")
     r = ratios(one)
     return (f"decode {one['warm']['decode_ms_per_token']:.1f} vs "
             f"{one['cpp']['decode_ms_per_token']:.1f} ms/token ({r['decode']:.2f}); warm first "
@@ -298,6 +428,119 @@ def round_line(one: dict) -> str:
             f"({r['warm']:.2f}); cold {one['cold'][0]:.2f} vs {one['cpp']['cold_s']:.2f} s "
             f"({r['cold']:.2f}); no drafts {one['plain']['decode_ms_per_token']:.1f}, llama.cpp "
             f"drafts {one['cpp_lookup']['decode_ms_per_token']:.1f} ms/token")
+
+# ---------------------------------------------------------------------------- --first-ask
+
+
+def run_first_asks(args, setup: dict, folder: Path) -> tuple[list[dict], LlamaCpp | None]:
+    """--first-ask's rounds, each in a fresh $STARQA_HOME (`first_ask_round`), then
+    llama.cpp's cold path (its context state saved once, after the first round's ingest):
+    (the rounds, llama.cpp or None where its side is skipped)."""
+    from starqa.cache import store
+    from starqa.core import paths
+
+    extra = {"STARQA_WEIGHTS": "int4"} if args.smoke else {}
+    print("First ask after a fresh ingest in a fresh STARQA_HOME, as a new user meets it; the "
+          "model already fetched and converted (linked in, not timed)"
+          + ("; STARQA_WEIGHTS=int4 (the toy model)" if extra else ""), flush=True)
+    rounds: list[dict] = []
+    cpp = None
+    for index in range(args.rounds):
+        # beside the model cache, so that the model's files are linked, not copied
+        home = paths.home() / "bench" / f"first-ask-{os.getpid()}-{index}"
+        try:
+            one = first_ask_round(args, setup, home, extra)
+            if cpp is None and setup["gguf"] is not None:
+                context, query = prompt_ids(setup, store.find_context(home / "contexts", None))
+                cpp = LlamaCpp(args.llamacpp_python, setup["gguf"], context, query,
+                               args.new_tokens, folder)
+        finally:
+            shutil.rmtree(home, ignore_errors=True)
+        if cpp is not None:
+            one["cpp"] = cpp.restore()
+        rounds.append(one)
+        print(f"round {index + 1}: {first_ask_line(one)}", flush=True)
+    return rounds, cpp
+
+
+def first_ask_round(args, setup: dict, home: Path, extra: dict) -> dict:
+    """One newcomer's start in `home`, a fresh $STARQA_HOME with the model linked in:
+    `starqa ingest CORPUS --model M` (timed whole), then `starqa ask QUESTION` (to its first
+    byte), then the warm group that ask leaves is stopped."""
+    spec, model = fresh_model(setup, home)
+    env = {**os.environ, **extra, "STARQA_HOME": str(home)}
+    env.pop("STARQA_MODEL", None)
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "starqa", "ingest", str(setup["corpus"]),
+                           "--model", spec], env=env, capture_output=True, text=True)
+    ingest_s = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"starqa ingest failed:\n{proc.stderr[-3000:]}")
+    prepared = sorted(p.name for p in model.glob(".starqa-phase2-*.safetensors"))
+    try:
+        first, own = first_byte(["ask", QUESTION, "--max-new-tokens", str(args.new_tokens)],
+                                env)
+    finally:
+        subprocess.run([sys.executable, "-m", "starqa", "stop", "--all"], env=env,
+                       capture_output=True)
+    return {"ingest_s": ingest_s, "prepared": prepared, "first_s": first, "own": own}
+
+
+def fresh_model(setup: dict, home: Path) -> tuple[str, Path]:
+    """The model in `home`'s models folder as its first download leaves it: its files
+    (hard links where they can be, else copies) without the hidden ones starqa derives from
+    them (Phase 2's prepared weights, the weights' remembered hash). (the --model to pass,
+    the folder)."""
+    source = setup["path"]
+    target = home / "models" / source.name
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.is_file() and not file.name.startswith("."):
+            try:
+                os.link(file, target / file.name)
+            except OSError:  # another file system
+                shutil.copy2(file, target / file.name)
+    # an embedded name resolves to models/NAME of the home; any other model by its path
+    return (setup["spec"] if setup["spec"] == source.name else str(target)), target
+
+
+def first_ask_line(one: dict) -> str:
+    """One --first-ask round's numbers (and the ratio, when llama.cpp ran)."""
+    line = (f"ingest {one['ingest_s']:.2f} s, first ask {one['first_s']:.2f} s to its first "
+            "byte")
+    if "cpp" in one:
+        line += (f"; llama.cpp cold {one['cpp']['cold_s']:.2f} s "
+                 f"({one['first_s'] / one['cpp']['cold_s']:.2f})")
+    return line
+
+
+def report_first_asks(args, rounds: list[dict], cpp: LlamaCpp | None) -> None:
+    """--first-ask's medians, what the ingest prepared, and the ratio to llama.cpp's cold
+    path where its side ran."""
+    def median(field: str, engine: str | None = None) -> float:
+        return statistics.median(r[engine][field] if engine else r[field] for r in rounds)
+
+    last = rounds[-1]
+    print(f"\nFirst ask after a fresh ingest; medians of {len(rounds)} rounds")
+    print(f"  starqa ingest (a fresh home; Phase 1, then Phase 2's weights prepared): "
+          f"{median('ingest_s'):.2f} s")
+    print(f"  prepared by the ingest: {', '.join(last['prepared']) or 'nothing (dense weights)'}")
+    print(f"  starqa's first ask, command start → first byte: {median('first_s'):.2f} s "
+          f"(its own report: {last['own'] or '—'})")
+    if cpp is None:
+        print("  llama.cpp: skipped (no --llamacpp-python whose python imports llama_cpp), "
+              "so no ratio")
+        return
+    cold = median("cold_s", "cpp")
+    print(f"  llama.cpp cold path (load {median('load_s', 'cpp'):.2f} s + restore "
+          f"{median('restore_s', 'cpp'):.2f} s + question {median('question_s', 'cpp'):.2f} s): "
+          f"{cold:.2f} s; its context prefill and state save, once: "
+          f"{cpp.saved['prefill_s']:.1f} s")
+    per_round = [r["first_s"] / r["cpp"]["cold_s"] for r in rounds]
+    print(f"\nTarget: starqa's first ask / llama.cpp's cold path = "
+          f"{median('first_s') / cold:.2f} (target ≤ 2; rounds "
+          f"{min(per_round):.2f}-{max(per_round):.2f})")
+
 
 if __name__ == "__main__":
     main()

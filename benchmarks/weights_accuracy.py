@@ -4,6 +4,10 @@ very same shards answer the question with every weight format.
 
     python benchmarks/weights_accuracy.py [--model smollm2-135m] [--lengths 4k] \\
         [--samples 5] [--weights dense,int8,int4] [--method dense] [--tasks ...]
+    python benchmarks/weights_accuracy.py --smoke   # toy model, one 300-token sample a task
+
+Accuracy only, on the CPU (the formats' kernels follow its flags, their answers do not
+depend on them beyond rounding): safe on a busy CPU.
 
 Prints per task: accuracy per format, and each format's retention (accuracy / dense's) and
 how often its answer is token for token dense's. Same generators, seed, greedy decoding and
@@ -26,6 +30,8 @@ def main() -> None:
     parser.add_argument("--method", default="dense")
     parser.add_argument("--tasks", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true",
+                        help="the toy model (benchmarks/toy.py), 300 tokens, 1 sample a task")
     args = parser.parse_args()
 
     import torch
@@ -34,15 +40,23 @@ def main() -> None:
     from starqa.phase1 import hooks
     from starqa import methods, models
     from starqa.cache import shards
-    from starqa.phase2.answering import Answerer
+    from starqa.phase2.answering import Answerer, RankShare
     from starqa.models.decoder import load_decoder
     from starqa.measure.evals import generators, runner, scoring
 
     formats = [w.strip() for w in args.weights.split(",")]
     if formats[0] != "dense":
         formats.insert(0, "dense")
+    if args.smoke:
+        import toy
+
+        toy.banner("weights_accuracy")
+        model_path = toy.model(toy.scratch("weights"))
+        args.lengths, args.samples = "300", 1
+        args.tasks = args.tasks or "niah,vt,cwe,fwe"  # qa's prompt alone is longer
+    else:
+        model_path = models.resolve_model(args.model)
     tasks = generators.resolve_tasks(args.tasks)
-    model_path = models.resolve_model(args.model)
     lengths = runner.parse_lengths(args.lengths)
     tokenizer = models.load_tokenizer(model_path)
     stops = models.stop_ids(tokenizer, model_path)
@@ -80,7 +94,7 @@ def main() -> None:
                         return bool(tokens) and scoring.is_correct(text, sample.answers,
                                                                    sample.match)
 
-                    Answerer(info, decoders[weights], shard, start).answer(
+                    Answerer(info, decoders[weights], RankShare(shard, start)).answer(
                         sample.query_ids, sample.max_new_tokens, stops, tokens.append,
                         should_stop)
                     text = tokenizer.decode(tokens, skip_special_tokens=True)

@@ -2,17 +2,21 @@
 call. Each phase has a launcher of its own; this module only names them:
 
 - Phase 1, `ingest`: `starqa.launchers.ingest` (options, result, the cache key, the commit);
-- Phase 2, `ask` and `serve`: `starqa.launchers.ask` (cold, warm and in-process answers; warm
-  groups), placed by `starqa.phase2.placement`;
-- progress reporting for both: `starqa.core.progress.UI`.
+- Phase 2, `ask`: `starqa.launchers.ask` (cold, warm and in-process answers), placed by
+  `starqa.phase2.placement`; what every path shares (the `Answer`, the model check, a
+  context kept loaded in this process: `LocalAnswerer`): `starqa.launchers.answer`;
+- warm groups, `serve`: `starqa.launchers.serve`;
+- progress reporting for all: `starqa.core.progress.UI`.
 """
 
-from starqa.launchers.ask import (DEFAULT_KEEPALIVE, Answer, AskOptions, ServeOptions, ask,
-    ask_tokens, manifest_model, serve)
-from starqa.launchers.ingest import (IngestOptions, IngestResult, default_reserve, ingest,
-    ingest_tokens, ingest_worker_count, query_position)
 from starqa.core.progress import UI
+from starqa.launchers.answer import Answer, LocalAnswerer, manifest_model
+from starqa.launchers.ask import AskOptions, TokenAskOptions, ask, ask_tokens
+from starqa.launchers.ingest import (IngestOptions, IngestResult, TokenIngestOptions,
+    default_reserve, ingest, ingest_tokens, ingest_worker_count, query_position)
+from starqa.launchers.serve import DEFAULT_KEEPALIVE, ServeOptions, serve
 
 __all__ = ["DEFAULT_KEEPALIVE", "UI", "Answer", "AskOptions", "IngestOptions", "IngestResult",
-           "ServeOptions", "ask", "ask_tokens", "default_reserve", "ingest", "ingest_tokens",
-           "ingest_worker_count", "manifest_model", "query_position", "serve"]
+           "LocalAnswerer", "ServeOptions", "TokenAskOptions", "TokenIngestOptions", "ask",
+           "ask_tokens", "default_reserve", "ingest", "ingest_tokens", "ingest_worker_count",
+           "manifest_model", "query_position", "serve"]

@@ -1,4 +1,10 @@
+"""The fixtures tests share: the tiny models (`tiny.py`), the `docs` corpus and its contexts
+(ingested once per session and copied into each test's own $STARQA_HOME), fake contexts and
+fake workers (`fakes.py`), and the environment every test runs in (no warm group left
+behind, sources shown on random models)."""
+
 import contextlib
+import json
 import os
 import sys
 import time
@@ -8,27 +14,106 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py
 
-from fakes import make_context  # noqa: E402
+from fakes import QUESTION, install_home, make_context, write_docs  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
+    """The tiny random Llama of `tiny.py` (a 512-token window), made once per session."""
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory) -> Path:
+    """The tiny random Qwen2 of `tiny.py` (byte-level BPE, Qwen2.5's template), made once."""
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "qwen", arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model(tmp_path_factory) -> Path:
+    """A tiny Llama with an 8K window whose answers never end by themselves (its end-of-turn
+    logit pinned): an answer runs for thousands of tokens (seconds) and can be stopped."""
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "long-tiny", window=8192,
+                           never_stops=True)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    """The tiny Llama loaded in fp32 with starqa's attention hooks, as Phase 1 runs it."""
+    import torch
+
+    from starqa.models import load_model
+    from starqa.phase1 import hooks
+
+    return load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    """The tiny Llama's tokenizer."""
+    from starqa.models import load_tokenizer
+
+    return load_tokenizer(tiny_model)
 
 
 @pytest.fixture
 def docs(tmp_path) -> Path:
     """A small corpus in the tiny tokenizer's vocabulary (~200 tokens packed)."""
-    folder = tmp_path / "docs"
-    (folder / "policy").mkdir(parents=True)
-    (folder / "policy" / "travel.md").write_text(
-        "the travel budget was approved by the office . " * 6)
-    (folder / "policy" / "leave.md").write_text("leave policy is a long document . " * 5)
-    (folder / "code.py").write_text("retry limit default is seven \n" * 6)
-    for path in folder.rglob("*.*"):  # one mtime: packed in path order (starqa.reingest.packorder)
-        os.utime(path, (1_700_000_000, 1_700_000_000))
+    return write_docs(tmp_path / "docs")
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    """Nine files in the tiny vocabulary, 13-60 tokens each (about ten blocks of 40), of one
+    mtime (packed in path order): the source tree of the re-ingest and watch tests."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    words = "the star attention block query answer long context budget travel".split()
+    for i in range(9):
+        n = 10 + (i * 7) % 45
+        (folder / f"f{i}.md").write_text(" ".join(words[(i + j) % len(words)] for j in range(n)))
+        os.utime(folder / f"f{i}.md", (1_700_000_000, 1_700_000_000))
     return folder
+
+
+@pytest.fixture(scope="session")
+def ingested(tmp_path_factory):
+    """`docs` ingested once per session for each model and options: a function
+    (model, ask=False, **IngestOptions fields) -> a $STARQA_HOME holding that context (dtype
+    fp32 unless given, blocks encoded in this process), to be copied into a test's own
+    home (`fakes.install_home`). ask: one question answered from it there too (its
+    checksums remembered, as after a first `ask`). For tests that read, serve or damage a
+    context, never for tests of how one is encoded."""
+    made: dict = {}
+
+    def once(model: Path, ask: bool = False, **options) -> Path:
+        options = {"dtype": "fp32", **options}
+        key = (str(model), ask, tuple(sorted(options.items())))
+        if key not in made:
+            from starqa import engine
+
+            base = tmp_path_factory.mktemp("ingested")
+            docs = write_docs(base / "docs")
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("STARQA_HOME", str(base / "home"))
+                patch.delenv("STARQA_MODEL", raising=False)
+                engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model),
+                                                   encode_in="process", **options))
+                if ask:
+                    engine.ask(engine.AskOptions(QUESTION, max_new_tokens=2, keepalive=0))
+            made[key] = base / "home"
+        return made[key]
+
+    return once
+
+
+@pytest.fixture
+def docs_context(home, docs, tiny_model, ingested):
+    """`docs` in this test's home as `ingest(docs, dtype="fp32", block_size=60)` leaves it
+    on the tiny model (star, blocks of 60 tokens): a copy of one ingest per session.
+    Its manifest."""
+    return install_home(ingested(tiny_model, block_size=60), home)
 
 
 @pytest.fixture(autouse=True)
@@ -80,19 +165,21 @@ def fake_workers(monkeypatch) -> list[dict]:
 
     from starqa.launchers import ingest as ingest_mod
     from starqa.cache import shards
+    from starqa.runtime import protocol
 
     jobs = []
 
     def run_workers(job, launch, on_event):
+        job = json.loads(protocol.encode_job(job))  # the job as a worker reads it
         ids = load_file(job["tokens_file"])["ids"].tolist() if job.get("tokens_file") else None
         jobs.append({**job, "ids": ids})
-        on_event({"event": "ready", "rank": 0})
+        on_event(protocol.Ready(rank=0))
         for i, (start, end) in enumerate(job["blocks"]):
             if i not in job.get("todo", range(len(job["blocks"]))):
                 continue  # an incremental ingest's reused block, linked in already
             kv = torch.arange(start, end, dtype=torch.float32).reshape(1, 1, -1, 1)
             shards.save_block(Path(job["staging"]), i, kv, kv + 1, range(start, end), {})
-            on_event({"event": "block", "tokens": end - start})
+            on_event(protocol.Block(rank=0, index=i, tokens=end - start))
 
     monkeypatch.setattr(ingest_mod, "run_workers", run_workers)
     return jobs

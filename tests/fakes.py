@@ -1,15 +1,46 @@
-"""Stand-ins that tests share: a committed context written straight into a cache (no
-model, no torchrun) and the real `starqa` entry point in a subprocess."""
+"""Stand-ins that tests share: the `docs` corpus, a committed context written straight into
+a cache (no model, no torchrun), a cache copied from one made once per session, the real
+`starqa` entry point in a subprocess, and an `engine.ask` that streams given pieces."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from starqa.cache import shards
 from starqa.cache.manifest import (IngestRun, Manifest, ModelIdentity, Skipped, SourceFile,
-    block_file, write_manifest)
+    block_file, read_manifest, write_manifest)
 from starqa.methods import MethodConfig
+
+
+QUESTION = "who approved the travel budget"  # what `write_docs`' corpus is asked
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+
+
+def write_docs(folder: Path) -> Path:
+    """A small corpus in the tiny tokenizer's vocabulary (~200 tokens packed), its files of
+    one mtime, so that they are packed in path order (starqa.reingest.packorder)."""
+    (folder / "policy").mkdir(parents=True)
+    (folder / "policy" / "travel.md").write_text(
+        "the travel budget was approved by the office . " * 6)
+    (folder / "policy" / "leave.md").write_text("leave policy is a long document . " * 5)
+    (folder / "code.py").write_text("retry limit default is seven \n" * 6)
+    for path in folder.rglob("*.*"):
+        os.utime(path, (1_700_000_000, 1_700_000_000))
+    return folder
+
+
+def install_home(template: Path, home: Path) -> Manifest:
+    """A copy of the cache `template` (a $STARQA_HOME holding one context) made `home`:
+    modes, times and the hard links between a context's shards and the block store kept
+    (`cp -a`), so the copy is what the ingest left. Returns the context's manifest."""
+    home.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-a", f"{template}/.", str(home)], check=True)
+    [folder] = [f for f in (home / "contexts").iterdir() if not f.name.startswith(".")]
+    return read_manifest(folder)
 
 
 def make_context(home: Path, name: str, key: str, used: float, block_bytes=(1000, 600),
@@ -46,3 +77,25 @@ def starqa(*args: str, home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "STARQA_HOME": str(home), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "starqa", *args], env=env, capture_output=True,
                           text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
+
+
+def stub_ask(pieces, monkeypatch=None):
+    """engine.ask replaced by one that streams `pieces` as the model's tokens (its sources
+    line names a file with an escape sequence in its name); returned, and set on `engine`
+    with `monkeypatch`."""
+    from starqa import engine
+    from starqa.cache import store
+    from starqa.core import paths
+
+    def ask(opts, ui, head=None):
+        manifest = store.find_context(paths.contexts_dir(), opts.context)
+        for piece in pieces:
+            ui.token(piece)
+        return engine.Answer(text="".join(pieces), token_ids=list(range(len(pieces))),
+                             context=manifest, query_tokens=3, workers=1, seconds=0.1,
+                             first_token_seconds=0.05, decode_seconds=0.05,
+                             prefill_seconds=0.05,
+                             sources=[{"path": "src\x1b[2J.py", "lines": [1, 2], "share": 0.5}])
+    if monkeypatch is not None:
+        monkeypatch.setattr(engine, "ask", ask)
+    return ask

@@ -11,6 +11,7 @@ import torch
 from starqa import corpus, methods, models
 
 from starqa.phase2 import decode
+from starqa.phase2.shard_attention import ShardAttention
 from starqa.runtime import dist
 from starqa.phase1 import hooks, pulsar
 from starqa.corpus import prompt
@@ -282,7 +283,7 @@ def on_workers(blocks_kv, workers, monkeypatch, run):
         if mine:  # a piece per block, read where it lies (as load_shard keeps them on CPU)
             shard = [[(blocks_kv[i][0][layer][None], blocks_kv[i][1][layer][None])
                       for i in mine] for layer in range(blocks_kv[0][0].shape[0])]
-        return run(info, decode.ShardAttention(info, shard, info.is_last))
+        return run(info, ShardAttention(info, shard, info.is_last))
 
     return run_ranks(world, rank)
 
@@ -290,8 +291,9 @@ def on_workers(blocks_kv, workers, monkeypatch, run):
 def answer_on_workers(decoder, blocks_kv, query_ids, start, workers, stops, monkeypatch,
                       max_new_tokens=8):
     """Phase 2 greedy generation on `workers` ranks; every rank must agree."""
+    request = decode.Request(query_ids, start, max_new_tokens, frozenset(stops))
     results = on_workers(blocks_kv, workers, monkeypatch, lambda info, hook: decode.generate(
-        decoder, info, hook, query_ids, start, max_new_tokens, stops))
+        decoder, info, hook, request))
     assert all(r == results[-1] for r in results)  # every rank generated the same tokens
     return results[-1]
 
@@ -375,8 +377,8 @@ def test_drafts_give_the_same_tokens_and_sources(workers, model, qwen_path, tok,
             forwards = []
             advance = hook.advance  # once per forward, whether its layers ran one by one or not
             hook.advance = lambda *a: (forwards.append(1), advance(*a))[1]
-            tokens = decode.generate(decoder, info, hook, query, len(ids), 24, set(),
-                                     context_ids=lookup, draft_tokens=drafts)
+            tokens = decode.generate(decoder, info, hook, decode.Request(
+                query, len(ids), 24, draft_tokens=drafts, context_ids=lookup))
             return tokens, len(forwards), hook.key_mass(tokens)
         return on_workers(kv, workers, monkeypatch, one)
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from starqa.measure import bench
+from starqa.cli.options import TopKChoice, compared, one_topk
+from starqa.measure import bench, lengths
+from starqa.measure.evals import runner
 from starqa.runtime import dist
 from starqa import engine, phase1
 from starqa.phase1 import hooks
@@ -202,7 +204,8 @@ def test_bench_top_k_against_exact_on_the_same_context(tiny_model, tmp_path):
     """--top-k 100%: each index kind (and flat with values on disk) runs Phase 2 after exact
     on the same context, with every key: the same tokens; ivf's files are sized and timed."""
     opts = bench.options("star", "600", "1", model=str(tiny_model), dtype="fp32",
-                         new_tokens=3, top_k="100%", index="flat,ivf", kv_on_disk=True)
+                         new_tokens=3, topk=compared(TopKChoice(top_k="100%", index="flat,ivf",
+                                                                kv_on_disk=True)))
     assert [(t.index, t.kv_on_disk) for t in opts.topk] == [
         ("flat", False), ("flat", True), ("ivf", False), ("ivf", True)]
     result = bench.run(bench.make_plan(opts), contexts_dir=tmp_path / "contexts")
@@ -223,13 +226,14 @@ def test_phase2_rounds_alternate_and_report_each_kinds_median_run(monkeypatch):
     median decode time (a machine's drift between runs lands on every kind alike)."""
     from types import SimpleNamespace
 
-    opts = bench.options("star", "1k", "1", top_k="1%", index="flat,ivf", rounds=3)
+    opts = bench.options("star", "1k", "1", topk=compared(TopKChoice(top_k="1%", index="flat,ivf")),
+                         rounds=3)
     calls, context = [], SimpleNamespace(n_tokens=1000)
     # decode seconds per run, in call order: exact 9, 3, 6; flat 2, 8, 5; ivf 7, 1, 4
     seconds = iter([9, 2, 7, 3, 8, 1, 6, 5, 4])
 
-    def ask_tokens(manifest, query_ids, *, topk, **_):
-        calls.append(topk.index if topk else "exact")
+    def ask_tokens(manifest, query_ids, opts, **_):
+        calls.append(opts.topk.index if opts.topk else "exact")
         return SimpleNamespace(token_ids=[1, 2, 3], decode_seconds=next(seconds),
                                prefill_seconds=0.5, peak_bytes=[len(calls)], context=context)
 
@@ -249,8 +253,9 @@ def test_ring_phase1_bytes_are_the_kv_going_round(tiny_model, tmp_path):
     """Ring on 2 workers: each layer, each worker sends its chunk's K and V (fp32, padded to
     the longest chunk) once to the other, under the FLOP counter."""
     ids = list(range(11, 11 + 30)) * 20  # 600 tokens, 4 blocks: 160, 160, 160, 120
-    result = engine.ingest_tokens(ids, tmp_path, model=str(tiny_model), method="ring",
-                                  workers=2, dtype="fp32", measure=True, allow_over_window=True)
+    result = engine.ingest_tokens(ids, tmp_path, engine.TokenIngestOptions(
+        model=str(tiny_model), method="ring", workers=2, dtype="fp32", measure=True,
+        allow_over_window=True))
     assert [b.end - b.start for b in result.manifest.blocks] == [160, 160, 160, 120]
     per_step = 2 * 2 * 320 * 16 * 4  # [K|V, Hkv, 320 tokens (the longer chunk), D] fp32
     for m in result.measures:
@@ -267,7 +272,8 @@ def test_over_window_refused_by_ingest_and_unless_allowed(home, docs, tmp_path):
     with pytest.raises(StarqaError, match=r"tokens > 64 the model was trained on"):
         engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(small)))
     with pytest.raises(StarqaError, match=r"100 tokens > 64 the model was trained on"):
-        engine.ingest_tokens([11] * 100, tmp_path / "contexts", model=str(small))
+        engine.ingest_tokens([11] * 100, tmp_path / "contexts",
+                             engine.TokenIngestOptions(model=str(small)))
     assert not (tmp_path / "contexts").exists()  # refused before any worker started
 
 
@@ -275,8 +281,8 @@ def test_over_window_refused_by_ingest_and_unless_allowed(home, docs, tmp_path):
 
 
 def test_ivf_runs_once_per_tail_and_the_other_kinds_once():
-    opts = bench.options("star", "1k", "1", top_k="1%", index="flat,ivf", tail="lists,none",
-                         kv_on_disk=True)
+    opts = bench.options("star", "1k", "1", topk=compared(TopKChoice(
+        top_k="1%", index="flat,ivf", tail="lists,none", kv_on_disk=True)))
     assert [(t.index, t.tail, t.tails, t.kv_on_disk) for t in opts.topk] == [
         ("flat", "lists", False, False), ("flat", "lists", False, True),
         ("ivf", "lists", True, False), ("ivf", "lists", True, True),
@@ -286,6 +292,11 @@ def test_ivf_runs_once_per_tail_and_the_other_kinds_once():
 
 def test_parsing():
     assert bench.parse_lengths("8k, 2K,8k,3000") == (2048, 3000, 8192)
+    # eval's and bench's --lengths: one parser, one grammar
+    assert bench.parse_lengths is runner.parse_lengths is lengths.parse_lengths
+    assert bench.bench_lengths("1.5k,2k") == (1536, 2048)
+    assert bench.bench_lengths(None) == bench.bench_lengths(" ") == (2048, 4096, 8192, 16384,
+                                                                       32768)
     assert bench.parse_workers("4,1,2,1") == (1, 2, 4)
     assert bench.parse_methods(None) == METHODS
     assert bench.parse_methods("pulsar, star,pulsar") == ("pulsar", "star")
@@ -294,22 +305,41 @@ def test_parsing():
 @pytest.mark.parametrize("kwargs, message", [
     ({"methods": "star,nope"}, "Unknown method 'nope'"),
     ({"methods": " , "}, "names no method"),
-    ({"lengths": "2k,abc"}, "'abc' is not a token count"),
-    ({"lengths": "2k,,4k"}, "'' is not a token count"),
-    ({"lengths": "1.5k"}, "'1.5k' is not a token count"),
+    ({"lengths": "2k,abc"}, "'abc' is not a length in tokens"),
+    ({"lengths": "2k,,4k"}, "'' is not a length in tokens"),
+    ({"lengths": "1.1k"}, "'1.1k' is not a length in tokens"),
     ({"lengths": "10"}, "10 tokens is too short"),
     ({"workers": "0,2"}, "--workers must be at least 1"),
     ({"workers": "-1"}, "--workers must be at least 1"),
     ({"workers": "two"}, "'two' is not a whole number"),
     ({"new_tokens": 1}, "--new-tokens must be at least 2"),
     ({"rounds": 0}, "--rounds must be at least 1"),
-    ({"tail": "none"}, "apply to top-k runs"),
-    ({"top_k": "1%", "index": "flat", "tail": "none"}, "applies to ivf's runs only"),
-    ({"top_k": "1%", "index": "ivf", "tail": "lists,most"}, "Unknown --top-k-tail 'most'"),
 ])
 def test_bad_options(kwargs, message):
     with pytest.raises(StarqaError, match=message):
         bench.options(**kwargs)
+
+
+@pytest.mark.parametrize("choice, message", [
+    ({"tail": "none"}, "apply to top-k runs"),
+    ({"kv_on_disk": True, "index": "ivf"}, "--index, --kv-on-disk apply to top-k runs"),
+    ({"top_k": "1%", "index": "flat", "tail": "none"}, "applies to ivf's runs only"),
+    ({"top_k": "1%", "index": "ivf", "tail": "lists,most"}, "Unknown --top-k-tail 'most'"),
+    ({"top_k": "1%", "index": " , "}, "--index ' , ' names no value"),
+])
+def test_bad_top_k_options(choice, message):
+    with pytest.raises(StarqaError, match=message):
+        compared(TopKChoice(**choice))
+
+
+def test_one_grammar_of_top_k_options_for_every_command():
+    """ask's one setting, eval's every combination, bench's beside exact: one expansion."""
+    assert compared(TopKChoice()) == () and one_topk(TopKChoice()) is None
+    assert [t.index for t in compared(TopKChoice(top_k="2"))] == ["flat", "ivf", "hnsw"]
+    asked = one_topk(TopKChoice("topk", "2", index="ivf", tail="none"))
+    assert (asked.count, asked.index, asked.tail) == (2, "ivf", "none")
+    with pytest.raises(StarqaError, match="name 2 settings; a question is answered with one"):
+        one_topk(TopKChoice("topk", "1%,2%"))
 
 
 def test_cli_errors_are_messages_not_tracebacks(home):

@@ -1,4 +1,5 @@
-"""The REPL driven as a person would, in a pseudo-terminal, plus warm `ask`, `ps`, `stop`."""
+"""The REPL driven as a person would, in a pseudo-terminal, plus warm `ask`, `ps`, `stop`.
+A context the chat only reads is a copy of one ingest per session (`conftest.ingested`)."""
 
 import json
 import os
@@ -9,8 +10,8 @@ import time
 import pexpect
 import pytest
 
+from fakes import install_home
 from starqa import engine
-from tiny import make_tiny_model
 
 
 def starqa(*args, env=None):
@@ -19,11 +20,9 @@ def starqa(*args, env=None):
 
 
 @pytest.fixture
-def warm_home(home, docs, tmp_path):
+def warm_home(home, long_tiny_model, ingested):
     # A long window, so an answer can run for thousands of tokens (seconds) and be interrupted.
-    model = make_tiny_model(tmp_path / "long-tiny", window=8192, never_stops=True)
-    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32",
-                                       block_size=60))
+    install_home(ingested(long_tiny_model, block_size=60), home)
     yield home
     starqa("stop", "--all")
 
@@ -106,11 +105,9 @@ def test_chat_with_keep_alive_zero_leaves_no_group(warm_home):
 
 
 @pytest.mark.slow
-def test_chat_from_a_pipe_answers_every_line(home, docs, tiny_model):
+def test_chat_from_a_pipe_answers_every_line(home, docs_context):
     """`starqa chat < questions.txt`: every non-empty line is a question (or a command),
     answered in turn; the end of the input ends the chat and, with --keep-alive 0, its group."""
-    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model),
-                                       dtype="fp32", block_size=60))
     out = subprocess.run([sys.executable, "-m", "starqa", "chat", "--keep-alive", "0",
                           "--max-new-tokens", "4"],
                          input="who approved the travel budget\n\n/help\nwhat is the retry limit\n",
@@ -126,9 +123,10 @@ def test_chat_from_a_pipe_answers_every_line(home, docs, tiny_model):
 def test_chat_switches_to_a_reingested_version_between_questions(home, docs, tiny_model):
     """A context re-ingested while a chat is open: before its next question the chat says
     so and answers from the new version (its group), the conversation kept."""
-    def ingest():
+    def ingest():  # in this process: the chat, not the encoding, is the point
         return engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model),
-                                                  dtype="fp32", block_size=60)).manifest
+                                                  dtype="fp32", block_size=60,
+                                                  encode_in="process")).manifest
 
     old = ingest()
     chat = subprocess.Popen([sys.executable, "-m", "starqa", "chat", "--keep-alive", "0",

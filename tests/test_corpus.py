@@ -1,12 +1,12 @@
 """Tests for corpus selection (git and plain folders) and packing with spans."""
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from fakes import needs_git
 from starqa import corpus as corpus_mod
 from starqa.corpus import FileSpan, SourceFile, collect, content_hash, line_of, pack
 from starqa.core.errors import StarqaError
@@ -34,9 +34,6 @@ def git(repo: Path, *args: str) -> None:
     subprocess.run(["git", "-c", "user.email=t@example.com", "-c", "user.name=t",
                     "-c", "commit.gpgsign=false", *args], cwd=repo, check=True,
                    capture_output=True)
-
-
-needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
 
 
 # ---------------------------------------------------------------- selection
@@ -286,7 +283,8 @@ def test_starqaignore_at_the_top_of_a_folder(tmp_path: Path) -> None:
     (tmp_path / "docs" / ".starqaignore").write_text("questions.jsonl\n")
     corpus = collect([tmp_path / "docs"])
     assert [f.path for f in corpus.files] == ["a.md"]
-    assert ("questions.jsonl", "ignored by .starqaignore") in {(s.path, s.reason) for s in corpus.skipped}
+    assert ("questions.jsonl", "ignored by .starqaignore") in {
+        (s.path, s.reason) for s in corpus.skipped}
 
 
 @needs_git

@@ -54,7 +54,8 @@ def test_cuda_ingest_and_ask_equal_transformers(home, docs, tiny_model, dtype):
     the greedy tokens are those of transformers' generate over the whole prompt on the CPU;
     in bf16 the answer runs through the fused kernels and its sources sum to one."""
     from starqa import engine
-    from test_engine import QUESTION, reference_tokens
+    from fakes import QUESTION
+    from tiny import reference_tokens
 
     manifest = engine.ingest(engine.IngestOptions(
         paths=(str(docs),), model=str(tiny_model), dtype=dtype, method="dense", block_size=50,
@@ -109,7 +110,7 @@ def test_cuda_topk_shard_with_every_key_merges_to_exact_attention(kind):
     the own causal part merge to exact attention over every key."""
     from starqa.attention import merge
     from starqa.topk.indexes import TopK
-    from starqa.topk.retrieval import TopKShard
+    from starqa.topk import retrieval
 
     torch.manual_seed(2)
     hkv, g, m, dim, layer = 2, 3, 4, 16, 1
@@ -120,8 +121,8 @@ def test_cuda_topk_shard_with_every_key_merges_to_exact_attention(kind):
     settings, scale = TopK(count=1000, index=kind), dim ** -0.5
     q = query.reshape(1, hkv, g * m, dim).cuda()
     outs, lses = [], []
-    for shard in (TopKShard.from_parts(gpu[:1], settings, 200),
-                  TopKShard.from_parts(gpu[1:], settings, 200, first=False)):
+    for shard in (retrieval.from_parts(gpu[:1], settings, 200),
+                  retrieval.from_parts(gpu[1:], settings, 200, first=False)):
         out, lse = shard.parts(layer, q, scale, m)
         assert all(o.is_cuda for o in out)
         outs += out

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from starqa.native import ops as native
+from starqa.native import kernels, ops as native
 from starqa.models.decoder import INT4_GROUP, Linear, _int4_levels, _int4_pack, _int4_tiles
 
 from memory import mapped_pages  # tests/memory.py (conftest puts tests/ on the path)
@@ -221,6 +221,10 @@ def test_silu_mul_is_torchs_up_to_its_exp(dtype):
     torchs = F.silu(gate) * up
     assert got.dtype == dtype and got.shape == (5, 1536) and torch.isfinite(got).all()
     ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -21
+    if dtype == torch.float32 and kernels.simd_paths().cloned == 0:
+        # the baseline build (STARQA_SIMD=none; CPUs before x86-64-v3) fuses no multiply-add:
+        # its exp rounds g·log2(e) before reducing it, 2^-24 |g| more, relative
+        ulp = ulp + 2 ** -24 * g.abs()
     assert ((got.double() - exact).abs()
             <= (torchs.double() - exact).abs() + ulp * exact.abs() + 1e-30).all()
     assert (got == torchs).float().mean() > (0.99 if dtype == torch.bfloat16 else 0.5)
@@ -291,7 +295,7 @@ FORWARDS = [list(range(1, 6)), [7], [9], [11, 12, 13], [14]]  # question, tokens
 
 def _forwards(decoder, attention, forwards, dtype, compiled: bool, planned: list) -> list:
     """The hidden states of `forwards` (lists of token ids) one after the other through
-    `attention` (a `decode.ShardAttention` over 9 query heads and 3 KV heads of 32), every
+    `attention` (a `ShardAttention` over 9 query heads and 3 KV heads of 32), every
     layer in one call where it offers a plan and `compiled` (planned: whether each did)."""
     hidden, position = [], 1000
     for step, tokens in enumerate(forwards):
@@ -316,9 +320,9 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
     the own keys written alike (a later forward reads them) and, for exact, the same source
     attribution from the rows kept."""
     from starqa.runtime import dist
-    from starqa.phase2 import decode
+    from starqa.phase2.shard_attention import ShardAttention
+    from starqa.topk import retrieval
     from starqa.topk.indexes import TopK
-    from starqa.topk.retrieval import TopKShard
 
     torch.manual_seed(9)
     decoder = tiny_decoder(dtype, bias=True)
@@ -331,11 +335,9 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
     def hook():
         if kind == "exact":
             pieces = [[(k[layer][None], v[layer][None]) for k, v in blocks] for layer in range(2)]
-            return decode.ShardAttention(dist.local_world(), pieces, query_host=True, head=5,
-                                         ids=ids)
-        shard = TopKShard.from_parts(blocks, TopK(count=24, index=kind, sink=4), n)
-        return decode.ShardAttention(dist.local_world(), None, query_host=True,
-                                     retriever=shard)
+            return ShardAttention(dist.local_world(), pieces, query_host=True, head=5, ids=ids)
+        shard = retrieval.from_parts(blocks, TopK(count=24, index=kind, sink=4), n)
+        return ShardAttention(dist.local_world(), None, query_host=True, retriever=shard)
 
     results, planned = [], []
     for compiled in (True, False):
@@ -365,10 +367,13 @@ def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages
     the loop does: after a forward no page of the values' last layer is mapped. (Earlier
     layers' last pages may be mapped again by a later layer's read: a file's large folio.)"""
     from starqa.runtime import dist
-    from starqa.phase2 import decode
+    from starqa.phase2.shard_attention import ShardAttention
     from starqa.core import tensorfile
+    from starqa.topk import retrieval
+    from starqa.topk.flat import MappedFlatShard
     from starqa.topk.indexes import TopK
-    from starqa.topk.retrieval import TopKShard
+    from starqa.topk.ivf import IvfShard
+    from starqa.topk.rows import Held, MappedRows
 
     torch.manual_seed(10)
     dtype = torch.bfloat16
@@ -383,16 +388,14 @@ def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages
     settings = TopK(count=24, index=kind, sink=4, kv_on_disk=True)
 
     def hook():
-        held = TopKShard.from_parts(blocks, settings, sum(sizes))  # its ivf, sink, blocks
+        held = retrieval.from_parts(blocks, settings, sum(sizes))  # its ivf, sink, blocks
         starts = [0, sizes[0]]
-        mapped = {name: [(start, tensorfile.MappedTensor(path, name))
-                         for start, path in zip(starts, paths)] for name in ("k", "v")}
-        shard = TopKShard(settings, held.budgets, held.n_keys, ivf=held.ivf,
-                          mapped_values=mapped["v"], sinks=held.sinks,
-                          mapped_keys=mapped["k"] if kind == "flat" else None,
-                          blocks=held.blocks)
-        return decode.ShardAttention(dist.local_world(), None, query_host=True,
-                                     retriever=shard)
+        mapped = {name: MappedRows([(start, tensorfile.MappedTensor(path, name))
+                                    for start, path in zip(starts, paths)]) for name in ("k", "v")}
+        on_disk = Held(settings, held.budgets, held.n_keys, mapped["v"], held.sinks, held.blocks)
+        shard = (MappedFlatShard(on_disk, mapped["k"]) if kind == "flat"
+                 else IvfShard(on_disk, held.ivf))
+        return ShardAttention(dist.local_world(), None, query_host=True, retriever=shard)
 
     results, planned = [], []
     for compiled in (True, False):
@@ -400,7 +403,7 @@ def test_a_shard_on_disk_in_one_call_gives_the_loops_bits_and_releases_its_pages
         attention.begin(4)
         hidden = _forwards(decoder, attention, FORWARDS, dtype, compiled, planned)
         if compiled:  # the values' last layer: the union's rows were read from its pages
-            last = [mapped.pages(1) for _, mapped in attention.retriever.mapped_values]
+            last = [mapped.pages(1) for mapped in attention.retriever.values.files()]
             assert all(pages is not None and mapped_pages(*pages) == 0 for pages in last)
         results.append(hidden)
     assert planned[:5] == [False, True, True, True, True]  # the question: layer by layer
@@ -412,14 +415,14 @@ def test_a_world_of_several_goes_layer_by_layer():
     """The compiled step has no collective between layers: a world of two offers no words
     (nor does a shard whose dtype is not the model's)."""
     from starqa.runtime import dist
-    from starqa.phase2 import decode
+    from starqa.phase2.shard_attention import ShardAttention
 
     pieces = [[(torch.randn(1, 3, 10, 32), torch.randn(1, 3, 10, 32))] for _ in range(2)]
     two = dist.DistInfo(1, 1, 2, torch.device("cpu"), None)
-    hook = decode.ShardAttention(two, pieces, query_host=True)
+    hook = ShardAttention(two, pieces, query_host=True)
     hook.begin(8)
     assert hook.compiled(1, torch.float32, 9, 3, 32) is None
     for dtype, offers in ((torch.bfloat16, False), (torch.float32, True)):  # an fp32 shard
-        alone = decode.ShardAttention(dist.local_world(), pieces, query_host=True)
+        alone = ShardAttention(dist.local_world(), pieces, query_host=True)
         alone.begin(8)
         assert (alone.compiled(1, dtype, 9, 3, 32) is not None) == offers

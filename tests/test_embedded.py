@@ -1,8 +1,11 @@
-"""Integration on the embedded SmolLM2-135M-Instruct (fetched and converted once)."""
+"""Integration on the embedded SmolLM2-135M-Instruct (fetched and converted once). Blocks
+are encoded in this process (the same blocks a torchrun group writes); the tests that only
+ask about samples/ share one ingest of it (`samples_home`)."""
 
 import pytest
 import torch
 
+from fakes import install_home
 from starqa import corpus, engine, models
 from starqa.native import ops as native
 from starqa.reingest import packorder
@@ -14,13 +17,33 @@ pytestmark = pytest.mark.model
 QUESTION = "Who approved the 2026 travel budget?"
 
 
+@pytest.fixture(scope="module")
+def samples_ingested(tmp_path_factory, embedded_model, pytestconfig):
+    """A $STARQA_HOME holding samples/ as `starqa ingest samples` leaves it (star, the
+    default dtype), made once for the module."""
+    home = tmp_path_factory.mktemp("samples") / "home"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STARQA_HOME", str(home))
+        patch.delenv("STARQA_MODEL", raising=False)
+        engine.ingest(engine.IngestOptions(paths=(str(pytestconfig.rootpath / "samples"),),
+                                           model=str(embedded_model), encode_in="process"))
+    return home
+
+
+@pytest.fixture
+def samples_home(home, samples_ingested):
+    """This test's home holding a copy of `samples_ingested`."""
+    install_home(samples_ingested, home)
+    return home
+
+
 @pytest.mark.slow
 def test_dense_two_workers_equal_one_transformers_generate(embedded_model, home, request):
     """dense ingest (fp32) + 2-worker Phase 2 = greedy generate over the whole prompt."""
     samples = request.config.rootpath / "samples"
     manifest = engine.ingest(engine.IngestOptions(
         paths=(str(samples),), model=str(embedded_model), method="dense", dtype="fp32",
-        block_size=1024)).manifest
+        block_size=1024, encode_in="process")).manifest
     assert len(manifest.blocks) >= 4
     answer = engine.ask(engine.AskOptions(QUESTION, workers=2, max_new_tokens=12))
 
@@ -50,12 +73,10 @@ def test_samples_ingest_excludes_the_answer_key(embedded_model, home, request):
 
 
 @pytest.mark.slow
-def test_needle_file_is_the_top_source(embedded_model, home, request):
+def test_needle_file_is_the_top_source(samples_home, request):
     """The answer's attention mass, traced through the manifest, points at the file that
     holds the needle."""
     samples = request.config.rootpath / "samples"
-    engine.ingest(engine.IngestOptions(paths=(str(samples),), model=str(embedded_model),
-                                       workers=2))
     answer = engine.ask(engine.AskOptions(QUESTION, workers=2, max_new_tokens=24))
     assert "Quintanilla" in answer.text
     assert answer.sources[0]["path"] == "handbook/travel-policy.md", answer.sources
@@ -97,7 +118,7 @@ def test_needles_file_is_the_top_source_among_near_identical_files(embedded_mode
             text = "\n".join(lines) + "\n"
         (notes / f"notes_{week:02d}.md").write_text(text)
     engine.ingest(engine.IngestOptions(paths=(str(notes),), model=str(embedded_model),
-                                       workers=1))
+                                       encode_in="process"))
     answer = engine.ask(engine.AskOptions("What is the secret launch code of project "
                                           "Heliotrope?", workers=1, max_new_tokens=32))
     assert "4721" in answer.text, answer.text
@@ -109,7 +130,7 @@ def test_needles_file_is_the_top_source_among_near_identical_files(embedded_mode
 @pytest.mark.slow
 @pytest.mark.skipif(not native.int4_fast(), reason="no AVX-512 VNNI here: no first token "
                     "before torch (int4 weights keep torch's layout)")
-def test_cold_ask_answers_its_first_token_before_torch(embedded_model, home, request):
+def test_cold_ask_answers_its_first_token_before_torch(samples_home):
     """`starqa ask` as a user runs it, cold: the head start answers the first token before
     importing torch (starqa.coldstart.firsttoken), and the answer, its tokens and sources are those
     of the same ask without that path (STARQA_FIRST_TOKEN=0)."""
@@ -117,9 +138,6 @@ def test_cold_ask_answers_its_first_token_before_torch(embedded_model, home, req
     import os
     import subprocess
     import sys
-
-    samples = request.config.rootpath / "samples"
-    engine.ingest(engine.IngestOptions(paths=(str(samples),), model=str(embedded_model)))
 
     def ask(**env):
         done = subprocess.run([sys.executable, "-m", "starqa", "ask", QUESTION, "--json",

@@ -1,5 +1,8 @@
 """ingest + ask end to end through the real torchrun launch path (gloo, CPU), on a tiny
-random Llama in fp32, and every error a user can hit."""
+random Llama in fp32, and every error a user can hit. Where torchrun's launch is not the
+point of a test (the answer, the error or the warm group is), its ingest encodes in this
+process (`encode_in="process"`, the same blocks a group writes) or copies one made once
+per session (`conftest.ingested`)."""
 
 import json
 import subprocess
@@ -11,11 +14,11 @@ import torch
 
 from starqa import engine
 from starqa.core import paths
-from starqa.corpus import prompt
 from starqa.cache import store
 from starqa.core.errors import ShardError, StarqaError, WorkerError
 from starqa.models import load_model, load_tokenizer
-from tiny import make_tiny_model
+from fakes import install_home
+from tiny import context_ids, make_tiny_model, reference_tokens
 
 QUESTION = "who approved the travel budget"
 
@@ -30,32 +33,9 @@ def ask(model=None, **kw):
                                         model=str(model) if model else None, **kw))
 
 
-def reference_tokens(model_path, manifest, question, max_new_tokens):
-    """One ordinary transformers generate over the whole prompt (context + query), fp32."""
-    tok = load_tokenizer(model_path)
-    model = load_model(model_path, dtype=torch.float32)
-    ctx_ids = _context_ids(model_path, manifest)
-    ids = ctx_ids + prompt.tokenize_query(tok, question)
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-    new = out[0, len(ids):].tolist()
-    return new[:-1] if new and new[-1] == tok.eos_token_id else new
-
-
-def _context_ids(model_path, manifest):
-    from starqa import corpus
-
-    tok = load_tokenizer(model_path)
-    files = corpus.collect(manifest.sources).files
-    packed, spans = corpus.pack(files)
-    ids = prompt.tokenize_context(tok, packed, spans).ids
-    assert len(ids) == manifest.n_tokens
-    return ids
-
-
 @pytest.mark.slow
 def test_dense_ingest_two_worker_ask_equals_transformers_generate(home, docs, tiny_model):
-    result = ingest(docs, tiny_model, method="dense", block_size=50)
+    result = ingest(docs, tiny_model, method="dense", block_size=50, encode_in="process")
     manifest = result.manifest
     assert not result.cache_hit and len(manifest.blocks) >= 3
     answer = ask(workers=2)
@@ -91,8 +71,10 @@ def test_star_two_workers_through_torchrun(home, docs, tiny_model):
 
 @pytest.mark.slow
 def test_star_single_block_answers_like_dense(home, docs, tiny_model):
-    star = ingest(docs, tiny_model, method="star", block_size=10_000, name="star1")
-    dense = ingest(docs, tiny_model, method="dense", block_size=10_000, name="dense1")
+    star = ingest(docs, tiny_model, method="star", block_size=10_000, name="star1",
+                  encode_in="process")
+    dense = ingest(docs, tiny_model, method="dense", block_size=10_000, name="dense1",
+                   encode_in="process")
     assert star.manifest.key != dense.manifest.key
     assert ask(context="star1").token_ids == ask(context="dense1").token_ids
 
@@ -127,16 +109,15 @@ def test_ask_without_context(home):
 
 
 @pytest.mark.slow
-def test_ask_unknown_context_name(home, docs, tiny_model):
-    ingest(docs, tiny_model, method="dense")
+def test_ask_unknown_context_name(home, docs_context):
     with pytest.raises(StarqaError, match="No context named 'nope'"):
         ask(context="nope")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["delete", "corrupt"])
-def test_missing_or_corrupt_shard_is_named(home, docs, tiny_model, damage):
-    m = ingest(docs, tiny_model, method="dense", block_size=60).manifest
+def test_missing_or_corrupt_shard_is_named(home, docs, tiny_model, ingested, damage):
+    m = install_home(ingested(tiny_model, method="dense", block_size=60), home)
     shard = m.folder / m.blocks[1].file
     if damage == "delete":
         shard.unlink()
@@ -150,8 +131,7 @@ def test_missing_or_corrupt_shard_is_named(home, docs, tiny_model, damage):
 
 
 @pytest.mark.slow
-def test_model_that_does_not_match_the_manifest(home, docs, tiny_model, tmp_path):
-    ingest(docs, tiny_model, method="dense")
+def test_model_that_does_not_match_the_manifest(home, docs_context, tmp_path):
     other = make_tiny_model(tmp_path / "other", seed=1)
     with pytest.raises(StarqaError, match="does not match the model"):
         ask(model=other)
@@ -159,7 +139,8 @@ def test_model_that_does_not_match_the_manifest(home, docs, tiny_model, tmp_path
 
 @pytest.mark.slow
 def test_worker_death_shows_stderr_and_keeps_previous_cache(home, docs, tiny_model, monkeypatch):
-    first = ingest(docs, tiny_model, method="star", workers=2, block_size=40).manifest
+    first = ingest(docs, tiny_model, method="star", workers=2, block_size=40,
+                   encode_in="process").manifest
     before = sorted(p.name for p in first.folder.iterdir())
     monkeypatch.setenv("STARQA_FAULT", "ingest:1")
     with pytest.raises(WorkerError, match="injected fault in ingest on rank 1"):
@@ -243,7 +224,8 @@ def test_ring_two_workers_equals_dense(home, docs, tiny_model):
     from starqa.cache.shards import load_block
 
     ring = ingest(docs, tiny_model, method="ring", workers=2, block_size=50, name="ring")
-    dense = ingest(docs, tiny_model, method="dense", block_size=50, name="dense")
+    dense = ingest(docs, tiny_model, method="dense", block_size=50, name="dense",
+                   encode_in="process")
     assert ring.workers == 2 and ring.manifest.method.name == "ring"
     for i in range(len(dense.manifest.blocks)):
         ring_block, dense_block = load_block(ring.manifest, i), load_block(dense.manifest, i)
@@ -297,7 +279,7 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     assert m.method.as_dict() == {"name": "apb", "block_size": 50, "anchor_size": 12,
                                   "params": {"passing": 6, "window": 8, "question": None}}
     model = load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
-    ids = torch.tensor(_context_ids(tiny_model, m))
+    ids = torch.tensor(context_ids(tiny_model, m))
     blocks = [(b.start, b.end) for b in m.blocks]
     for i, k, v in methods.get(m.method.name).encode_local(model, ids, m.method, blocks):
         stored_k, stored_v, stored_ids = load_block(m, i)
@@ -307,7 +289,7 @@ def test_apb_workers_equal_blocks_encoded_in_order(home, docs, tiny_model):
     assert len(ask(workers=2).token_ids) > 0
     # A question known at encoding time joins the anchor: another cache, ids recorded.
     known = ingest(docs, tiny_model, method="apb", workers=2, block_size=40,
-                   method_params={"question": QUESTION}, name="known")
+                   method_params={"question": QUESTION}, name="known", encode_in="process")
     params = known.manifest.method.params
     assert known.manifest.key != m.key and params["question"] == QUESTION
     assert params["question_ids"] == load_tokenizer(tiny_model).encode(
@@ -324,7 +306,8 @@ def test_one_worker_in_process_equals_torchrun_and_transformers(home, docs, tiny
     """A cold ask whose model and shards fit answers in this process (a world of one, no
     torchrun), with the tokens of 2 and 3 torchrun workers and of transformers' generate."""
     monkeypatch.setenv("STARQA_OVERSUBSCRIBE", "1")  # 3 workers on 2 cores: the merge is the test
-    manifest = ingest(docs, tiny_model, method="dense", block_size=50).manifest
+    manifest = ingest(docs, tiny_model, method="dense", block_size=50,
+                      encode_in="process").manifest
     here = ask()
     assert here.workers == 1 and here.weights == "dense"  # a local folder: dense weights
     assert here.token_ids == reference_tokens(tiny_model, manifest, QUESTION, 8)
@@ -341,12 +324,11 @@ def test_one_worker_in_process_equals_torchrun_and_transformers(home, docs, tiny
 
 @pytest.mark.slow
 @pytest.mark.parametrize("keepalive", [60, -1])  # -1: a group that never exits on its own
-def test_a_cold_ask_leaves_a_warm_group(home, docs, tiny_model, keepalive):
+def test_a_cold_ask_leaves_a_warm_group(home, docs_context, keepalive):
     """Warm by default: the first ask starts a group in the background (keep-alive), the
     next ask is answered by it with the same tokens, and `stop` ends it."""
     from starqa.workers import client
 
-    ingest(docs, tiny_model, method="star", block_size=50)
     cold = ask(keepalive=keepalive)
     assert not cold.warm
     deadline = time.monotonic() + 120

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from starqa.corpus import prompt
 from starqa.cli import app
+from starqa.cli.options import TopKChoice, topk_runs
 from starqa.core.errors import StarqaError
 from starqa.measure.evals import generators, prose, runner, scoring, words
 from starqa.topk.indexes import TopK
@@ -306,15 +307,28 @@ def test_source_score_and_its_summary():
 
 
 def test_lengths_parse_and_fit_the_window():
-    assert runner.parse_lengths("2k, 1k,1500,1.5k") == [1024, 1500, 1536, 2048]
-    assert runner.parse_lengths(None) is None
-    for bad in ("1x", "k", "1k,,2k", "0", "-1k", "1.1"):
-        with pytest.raises(StarqaError, match="Bad --lengths"):
+    assert runner.parse_lengths("2k, 1k,1500,1.5k") == (1024, 1500, 1536, 2048)
+    assert runner.parse_lengths(None) is None and runner.parse_lengths(" ") is None
+    for bad in ("1x", "k", "1k,,2k", "0", "-1k", "1.1", "1.1k", "0.0001k"):
+        with pytest.raises(StarqaError, match="Bad --lengths") as err:
             runner.parse_lengths(bad)
+        assert err.value.hint.startswith("--lengths 1k,2k,4k  # ")  # pasted, it works
     assert runner.fit_window(None, 8192) == [1024, 2048, 4096, 8192]
     assert runner.fit_window(None, 512) == [512]
     with pytest.raises(StarqaError, match=r"16k is 16,384 tokens > 8,192 the model was trained"):
         runner.fit_window([1024, 16384], 8192)
+
+
+def test_top_k_lists_run_every_combination():
+    """eval's --top-k, --top-k-prefill and --top-k-tail lists: each combination once, in
+    the order given (starqa.cli.options, the grammar of every command)."""
+    found = topk_runs(TopKChoice("topk", "0.5%,1%,0.5%", index="ivf", prefill="exact,topk",
+                                 tail="lists,none"))
+    assert [(t.label, t.prefill, t.tail) for t in found] == [
+        (b, p, t) for b in ("0.5%", "1%") for p in ("exact", "topk") for t in ("lists", "none")]
+    assert topk_runs(TopKChoice()) == ()
+    with pytest.raises(StarqaError, match="--top-k only apply to --attention topk"):
+        topk_runs(TopKChoice(top_k="1%,2%"))
 
 
 def test_methods_dense_first_and_always():

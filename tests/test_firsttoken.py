@@ -3,6 +3,7 @@ very bits, taken over by it without a second forward of the question."""
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from starqa.cache import store
 from starqa.phase2.answering import Answerer
 from starqa.models.decoder import load_decoder
 from starqa.core.errors import ShardError
+from starqa.runtime.protocol import AskJob, Token
 from tiny import make_tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -40,12 +42,13 @@ def context(home, docs, model):
     return store.find_context(paths.contexts_dir(), None)
 
 
-def job_for(manifest, model, question=QUESTION, **changes) -> dict:
+def job_for(manifest, model, question=QUESTION, **changes) -> AskJob:
     tokens = prompt.QueryTokens(manifest.query_template, model)
-    return {"phase": "ask", "model_path": str(model), "dtype": manifest.dtype,
-            "context_dir": str(manifest.folder), "query_ids": tokens.ids(question),
-            "weights": "int4", "max_new_tokens": 8, "device": "cpu", "topk": None,
-            "stop_ids": sorted(models.stop_ids(tokens.tokenizer, model)), **changes}
+    return replace(AskJob(model_path=str(model), dtype=manifest.dtype,
+                          context_dir=str(manifest.folder), query_ids=tuple(tokens.ids(question)),
+                          weights="int4", max_new_tokens=8, device="cpu", topk=None,
+                          stop_ids=tuple(sorted(models.stop_ids(tokens.tokenizer, model)))),
+                   **changes)
 
 
 def bits(array: np.ndarray) -> torch.Tensor:
@@ -60,24 +63,25 @@ def test_first_token_and_kv_are_the_torch_paths_own(context, model):
     not stream the first token a second time."""
     job = job_for(context, model)
     events = []
-    early = firsttoken.prefill(job, lambda event, **fields: events.append((event, fields)))
+    early = firsttoken.prefill(job, events.append)
     assert early is not None and len(early.keys) == 2  # the tiny models' layers
 
-    stops = set(job["stop_ids"])
+    stops = set(job.stop_ids)
     reference = Answerer.from_cache(context, dist.local_world("cpu"), model, "int4")
     streamed = []
-    tokens, top = reference.answer(job["query_ids"], 8, stops, streamed.append)
+    tokens, top = reference.answer(list(job.query_ids), 8, stops, streamed.append)
     assert len(tokens) == 8 and streamed == tokens  # never_stops: a full answer
-    assert early.token == tokens[0] and events == [("token", {"id": tokens[0]})]
+    assert early.token == tokens[0] and events == [Token(id=tokens[0])]
     assert early.emitted == [tokens[0]]
-    m = len(job["query_ids"])
-    for layer, (own_k, own_v) in enumerate(reference.hook._own):
+    m = len(job.query_ids)
+    for layer, (own_k, own_v) in enumerate(reference.hook.own.buffers):
         assert torch.equal(own_k[0, :, :m], bits(early.keys[layer]))
         assert torch.equal(own_v[0, :, :m], bits(early.values[layer]))
 
     adopted = Answerer.from_cache(context, dist.local_world("cpu"), model, "int4")
     heard = []
-    again, sources = adopted.answer(job["query_ids"], 8, stops, heard.append, prefilled=early)
+    again, sources = adopted.answer(list(job.query_ids), 8, stops, heard.append,
+                                    prefilled=early)
     assert again == tokens and heard == tokens[1:]
     assert sources == top
     torch.testing.assert_close(adopted.hook.key_mass(tokens), reference.hook.key_mass(tokens),
@@ -89,14 +93,14 @@ def test_a_stop_token_first_is_not_streamed(context, model):
     """A first token that ends the answer is not streamed (the torch path would not stream
     it either), and the answer is empty."""
     job = job_for(context, model)
-    early = firsttoken.prefill(job, lambda *a, **k: None)
-    job = {**job, "stop_ids": [early.token]}
+    early = firsttoken.prefill(job, lambda event: None)
+    job = replace(job, stop_ids=(early.token,))
     events = []
-    early = firsttoken.prefill(job, lambda event, **fields: events.append(event))
+    early = firsttoken.prefill(job, events.append)
     assert events == [] and early.emitted == []
     answerer = Answerer.from_cache(context, dist.local_world("cpu"), model, "int4")
     heard = []
-    tokens, _ = answerer.answer(job["query_ids"], 8, set(job["stop_ids"]), heard.append,
+    tokens, _ = answerer.answer(list(job.query_ids), 8, set(job.stop_ids), heard.append,
                                 prefilled=early)
     assert tokens == [] and heard == []
 
@@ -107,14 +111,14 @@ def test_where_it_does_not_apply_nothing_is_emitted(context, model, monkeypatch,
     of this layout: None, nothing streamed, and the torch path answers as before."""
     emitted = []
 
-    def emit(*args, **kwargs):
-        emitted.append(args)
+    def emit(event):
+        emitted.append(event)
 
     cases = [job_for(context, model, weights="dense"), job_for(context, model, dtype="float32"),
              job_for(context, model, topk={"k": 4}), job_for(context, model, device="cuda"),
              job_for(context, model, question=" ".join(["the budget"] * 40)),
-             job_for(context, model, query_ids=[])]
-    assert len(cases[4]["query_ids"]) >= 64
+             job_for(context, model, query_ids=())]
+    assert len(cases[4].query_ids) >= 64
     for job in cases:
         assert firsttoken.prefill(job, emit) is None
     monkeypatch.setenv("STARQA_FIRST_TOKEN", "0")
@@ -145,4 +149,4 @@ def test_a_corrupt_shard_is_the_same_error_as_on_the_torch_path(context, model):
     data[-1] ^= 0xFF
     first.write_bytes(bytes(data))
     with pytest.raises(ShardError, match="fails its checksum"):
-        firsttoken.prefill(job_for(context, model), lambda *a, **k: None)
+        firsttoken.prefill(job_for(context, model), lambda event: None)

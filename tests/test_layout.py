@@ -122,3 +122,110 @@ def test_method_names_are_spelled_only_in_the_registry():
              for file in sorted(PACKAGE.rglob("*.py")) if registry not in file.parents
              for line, name in method_literals(file.read_text(), METHODS)]
     assert not found, "method names outside the registry:\n" + "\n".join(found)
+
+
+# ------------------------------------------------------------------ the dependency table
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def allowed() -> dict[str, set[str]]:
+    """The dependency table, written once in docs/architecture.md: each package (or
+    top-level module) → the packages it may import, in the order the doc reads them."""
+    rows = re.findall(r"^\| `(\w+)(?:/|\.py)?` \| ([^|]*) \|$", ARCHITECTURE.read_text(),
+                      re.MULTILINE)
+    return {name: set(re.findall(r"\w+", deps)) for name, deps in rows}
+
+
+def unit(module: str) -> str:
+    """The table's name for a starqa module: its package, or the top-level module's name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "starqa"
+
+
+def test_imports_follow_the_dependency_table():
+    ALLOWED = allowed()
+    graph = imports()
+    units = {unit(m) for m in graph} - {"starqa"}
+    assert units == set(ALLOWED), f"packages not in the table: {units ^ set(ALLOWED)}"
+    against = []
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            source, target = unit(module), unit(dep)
+            if source == target or target == "starqa":
+                continue
+            if target not in ALLOWED[source]:
+                against.append(f"{module} → {dep}")
+    assert not against, "imports against the table (docs/architecture.md):\n" + \
+        "\n".join(against)
+    below: dict[str, set[str]] = {}  # package → everything it reaches through the table
+
+    def reach(package: str, path: tuple[str, ...]) -> set[str]:
+        assert package not in path, "the table has a cycle: " + " → ".join(path + (package,))
+        if package not in below:
+            below[package] = set().union(*(reach(t, path + (package,)) | {t}
+                                           for t in ALLOWED[package]))
+        return below[package]
+
+    for package in ALLOWED:
+        reach(package, ())
+
+
+def test_the_architecture_doc_walks_the_table():
+    """docs/architecture.md has one section per package, in the table's order."""
+    found = re.findall(r"^## `(\w+)(?:/|\.py)`", ARCHITECTURE.read_text(), re.MULTILINE)
+    assert found == [p for p in allowed() if p != "__main__"], found
+
+
+# ------------------------------------------------------------------ function sizes
+
+MAX_LINES, MAX_PARAMS = 80, 8
+# The functions allowed past those limits, each with its reason (at most five).
+LONG = {
+    "phase1/hooks.py:starqa_attention": "transformers' attention interface fixes its parameters",
+}
+
+
+def _is_command(node: ast.FunctionDef) -> bool:
+    """A Typer command (`@app.command(...)`): one parameter per option is its nature."""
+    return any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+               and d.func.attr == "command" for d in node.decorator_list)
+
+
+def long_functions(source: str) -> list[tuple[str, int, int]]:
+    """(name, lines, parameters) of each function in `source` over the limits; `self` and
+    `cls` are not counted, nor a command's options."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or _is_command(node):
+            continue
+        args = node.args
+        params = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+        params += [a.arg for a in (args.vararg, args.kwarg) if a]
+        params = [p for p in params if p not in ("self", "cls")]
+        lines = node.end_lineno - node.lineno + 1
+        if lines > MAX_LINES or len(params) > MAX_PARAMS:
+            found.append((node.name, lines, len(params)))
+    return found
+
+
+def test_long_functions_are_found():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))
+    assert long_functions(f"def f():\n{body}\n") == [("f", MAX_LINES + 1, 0)]
+    many = ", ".join(f"a{i}" for i in range(MAX_PARAMS + 1))
+    assert long_functions(f"class C:\n    def m(self, {many}):\n        pass\n") == [
+        ("m", 2, MAX_PARAMS + 1)]
+    assert long_functions(f"@app.command()\ndef ask({many}):\n    pass\n") == []
+    assert long_functions(f"def ok(self, {', '.join(f'a{i}' for i in range(8))}): ...") == []
+
+
+def test_no_function_is_long():
+    assert len(LONG) <= 5
+    found = {f"{file.relative_to(PACKAGE).as_posix()}:{name}": (lines, params)
+             for file in sorted(PACKAGE.rglob("*.py"))
+             for name, lines, params in long_functions(file.read_text())}
+    over = [f"{where}: {lines} lines, {params} parameters"
+            for where, (lines, params) in found.items() if where not in LONG]
+    assert not over, (f"over {MAX_LINES} lines or {MAX_PARAMS} parameters (split it, or group "
+                      "what travels together in a frozen dataclass):\n" + "\n".join(over))
+    assert not set(LONG) - set(found), f"stale exceptions: {set(LONG) - set(found)}"

@@ -4,11 +4,11 @@ the same attention as lists laid out as built; the mean query sits where a quest
 import pytest
 import torch
 
-from starqa.topk import indexes, listlayout
+from starqa.topk import indexes, listlayout, retrieval
 from starqa.native import ops as native
 from starqa.models.decoder import load_decoder
 from starqa.topk.indexes import TopK
-from starqa.topk.retrieval import IvfLayer, TopKShard
+from starqa.topk.ivf import IvfLayer
 
 
 def _blocks(seed: int, dim: int = 32):
@@ -51,16 +51,14 @@ def test_lists_laid_out_by_a_direction_give_the_same_attention(compiled, tail, m
     a direction equals one through lists as built, bit for bit without the tail (with the
     compiled kernel and with numpy's selection); the tail sums its lists in their order,
     so with it the same up to that rounding."""
-    from starqa.topk import retrieval
-
     if compiled and not native.available():
         pytest.skip("starqa's kernels not built")
-    monkeypatch.setattr(retrieval.native, "available", lambda: compiled)
+    monkeypatch.setattr(native, "available", lambda: compiled)
     blocks = _blocks(5)
     toward = [torch.randn(2, 32) for _ in range(2)]
     settings = TopK(count=60, index="ivf", sink=4, tail=tail)
-    as_built = TopKShard.from_parts(blocks, settings, 2400)
-    laid = TopKShard.from_parts(blocks, settings, 2400, toward=toward)
+    as_built = retrieval.from_parts(blocks, settings, 2400)
+    laid = retrieval.from_parts(blocks, settings, 2400, toward=toward)
     assert not (as_built.ivf[1].centroids == laid.ivf[1].centroids).all()
     q = torch.randn(1, 2, 12, 32)  # 3 query heads per KV head at 4 positions
     own = tuple(torch.randn(1, 2, 10, 32) for _ in range(2))

@@ -165,7 +165,7 @@ def test_ingest_and_ask_across_two_machines_without_a_shared_cache(
     # equal to one machine with every block: dense, whose tokens are one plain forward's
     single = _single_machine(docs, tiny_model, tmp_path / "single", monkeypatch, "dense", 2)
     assert runs[1][1].strip() == single.text
-    from test_engine import reference_tokens
+    from tiny import reference_tokens
 
     assert single.token_ids == reference_tokens(tiny_model, single.context, QUESTION, 6)
 

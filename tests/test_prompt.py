@@ -5,8 +5,7 @@ from starqa.corpus import prompt
 from starqa.models import load_tokenizer
 
 
-def test_context_plus_query_is_the_rendered_prompt(tiny_model):
-    tok = load_tokenizer(tiny_model)
+def test_context_plus_query_is_the_rendered_prompt(tok):
     files = [corpus.SourceFile("a.md", "the star block\nthe query\n", 30)]
     packed, spans = corpus.pack(files)
     context, offset = prompt.context_text(tok, packed)
@@ -18,15 +17,13 @@ def test_context_plus_query_is_the_rendered_prompt(tiny_model):
     assert context[offset:] == packed
 
 
-def test_history_goes_into_the_query_part(tiny_model):
-    tok = load_tokenizer(tiny_model)
+def test_history_goes_into_the_query_part(tok):
     query = prompt.query_text(tok, "second", [("first", "answer one")])
     assert query.index("first") < query.index("answer one") < query.index("second")
     assert query.startswith(prompt.QUESTION + "first")
 
 
-def test_file_and_line_token_spans(tiny_model):
-    tok = load_tokenizer(tiny_model)
+def test_file_and_line_token_spans(tok):
     files = [corpus.SourceFile("a.md", "the star\nblock query\nanswer\n", 30),
              corpus.SourceFile("b.md", "long context\n", 13)]
     packed, spans = corpus.pack(files)
@@ -39,14 +36,13 @@ def test_file_and_line_token_spans(tiny_model):
     assert vocab[tokens.ids[tokens.line_tokens[1][0]]] == "long"
 
 
-def test_query_template_with_the_plain_tokenizers_library(tmp_path, tiny_model):
+def test_query_template_with_the_plain_tokenizers_library(tiny_model, tiny_qwen):
     """A cold ask tokenises the question with `tokenizers` alone, from the template's query
     part kept in the manifest: the very ids, decoded text and stop ids transformers gives,
     for the tiny Llama (word level) and the tiny Qwen2 (byte-level BPE, ChatML)."""
     from starqa import models
-    from tiny import make_tiny_model
 
-    for path in (tiny_model, make_tiny_model(tmp_path / "qwen", arch="qwen2")):
+    for path in (tiny_model, tiny_qwen):
         tok, fast = load_tokenizer(path), models.load_fast_tokenizer(path)
         template = prompt.query_template(tok)
         assert template is not None and template["prefix"].startswith(prompt.QUESTION)

@@ -198,7 +198,8 @@ SETTINGS = {"sink": 8, "chunk": 4, "budget_frac": 0.25}
 def test_pulsar_block_zero_equals_star_block_zero(model):
     ids = context(model)
     blocks = plan_blocks(len(ids), 50)
-    [(_, k, v)] = pulsar.encode_pulsar(model, ids, blocks, [0], **SETTINGS)
+    [(_, k, v)] = pulsar.encode_pulsar(model, ids, blocks, [0],
+                                       pulsar.PulsarSettings(**SETTINGS))
     [(_, k_star, v_star)] = phase1.encode_star(model, ids, blocks, [0], anchor_size=50)
     torch.testing.assert_close(k, k_star)
     torch.testing.assert_close(v, v_star)
@@ -210,8 +211,8 @@ def test_pulsar_block_equals_causal_forward_over_its_layout(model, heuristic, po
     ids = context(model)
     blocks = plan_blocks(len(ids), 50)  # 4 blocks
     sink, i = SETTINGS["sink"], 2
-    [(index, k, v)] = pulsar.encode_pulsar(model, ids, blocks, [i], heuristic=heuristic,
-                                           positions=positions, **SETTINGS)
+    [(index, k, v)] = pulsar.encode_pulsar(model, ids, blocks, [i], pulsar.PulsarSettings(
+        heuristic=heuristic, positions=positions, **SETTINGS))
     summaries = pulsar.all_summaries(ids, blocks, model.config.vocab_size, sink=sink,
                                      heuristic=heuristic, chunk=4, budget_frac=0.25)
     start, end = blocks[i]

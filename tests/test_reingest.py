@@ -31,19 +31,6 @@ def _ingest(docs, model, method="star", **kw):
                                               dtype="fp32", method=method, block_size=40, **kw))
 
 
-@pytest.fixture
-def repo(tmp_path):
-    """Nine files in the tiny vocabulary, 13-60 tokens each: about ten blocks of 40."""
-    folder = tmp_path / "repo"
-    folder.mkdir()
-    words = "the star attention block query answer long context budget travel".split()
-    for i in range(9):
-        n = 10 + (i * 7) % 45
-        (folder / f"f{i}.md").write_text(" ".join(words[(i + j) % len(words)] for j in range(n)))
-        os.utime(folder / f"f{i}.md", (1_700_000_000, 1_700_000_000))  # ties: path order
-    return folder
-
-
 def _append(path, text=" the answer"):
     path.write_text(path.read_text() + text)
 
@@ -244,7 +231,7 @@ def test_unchanged_sources_are_a_cache_hit_and_force_encodes_all(home, repo, tin
 def test_report_line_names_the_changes(home, repo, tiny_model):
     runner = CliRunner()
     args = ["ingest", str(repo), "--model", str(tiny_model), "--dtype", "fp32",
-            "--block-size", "40"]
+            "--block-size", "40", "--encode-in", "process"]  # no group: the report is the point
     assert runner.invoke(app, args).exit_code == 0
     _append(repo / "f4.md")
     (repo / "new.md").write_text("the answer is seven")
@@ -269,8 +256,8 @@ def test_a_block_shared_by_two_contexts_survives_rm_of_one(home, repo, tiny_mode
     first = _ingest(repo, tiny_model, name="first").manifest
     _append(repo / "f7.md")
     second = _ingest(repo, tiny_model, name="second").manifest
-    shared = [b for b in second.blocks
-              if os.path.samefile(second.folder / b.file, first.folder / first.blocks[b.index].file)]
+    shared = [b for b in second.blocks if os.path.samefile(
+        second.folder / b.file, first.folder / first.blocks[b.index].file)]
     assert shared  # the blocks before the edit are one file in both contexts
     result = CliRunner().invoke(app, ["rm", "first"])
     assert result.exit_code == 0, result.output

@@ -80,10 +80,10 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_byte
     with `piece_bytes`, the candidates go in pieces of 7 keys (a token's keys split across
     pieces)."""
     from starqa.runtime import dist
-    from starqa.phase2 import decode
+    from starqa.phase2.shard_attention import ShardAttention
 
     if piece_bytes:
-        monkeypatch.setattr(decode, "MASS_BYTES", piece_bytes)
+        monkeypatch.setattr(sources, "MASS_BYTES", piece_bytes)
 
     torch.manual_seed(0)
     n, head, layers = 2 * 128 * 3 + 37, 11, 2
@@ -99,9 +99,8 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_byte
         shard = [(torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)) for _ in range(layers)]
         pieces = [[(k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
                   for k, v in shard]
-    hook = decode.ShardAttention(dist.local_world(), pieces, query_host=True, head=head,
-                                 ids=ids)
-    assert (hook._block_keys() is not None) == blocks
+    hook = ShardAttention(dist.local_world(), pieces, query_host=True, head=head, ids=ids)
+    assert (hook.view.block_keys is not None) == blocks
     hook.begin(8)
     hook.track = True
     tokens = [3, 7, 3, 11]  # what each tracked row emitted (the last row's pick is cut off)
@@ -112,7 +111,8 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_byte
         for layer in range(layers):
             q, k, v = torch.randn(1, 6, m, 8), torch.randn(1, 2, m, 8), torch.randn(1, 2, m, 8)
             hook.attention(layer, q, k, v)
-            keys[layer], values[layer] = torch.cat([keys[layer], k], 2), torch.cat([values[layer], v], 2)
+            keys[layer] = torch.cat([keys[layer], k], 2)
+            values[layer] = torch.cat([values[layer], v], 2)
             _, lse = attend(q, keys[layer], values[layer], 8 ** -0.5, causal=True)
             if step < len(tokens):
                 mass = key_mass(q[:, :, -1:], shard[layer][0], 8 ** -0.5, lse[..., -1:]).double()

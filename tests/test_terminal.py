@@ -18,13 +18,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from fakes import make_context, starqa
+from fakes import make_context, starqa, stub_ask
 from typer.testing import CliRunner
 
 from starqa import engine
-from starqa.core import paths
-from starqa.cache import store
-from starqa.launchers.ask import Answer
 from starqa.cli import app
 from starqa.cache.manifest import MANIFEST, ModelIdentity, read_manifest, write_manifest
 
@@ -120,27 +117,12 @@ def test_a_recorded_command_is_quoted_again_word_by_word(contexts, home):
     assert "$(curl" not in out and "starqa ingest /data/docs" in out
 
 
-def _stub_ask(pieces, monkeypatch=None):
-    """engine.ask replaced by one that streams `pieces` as the model's tokens."""
-    def ask(opts, ui, head=None):
-        manifest = store.find_context(paths.contexts_dir(), opts.context)
-        for piece in pieces:
-            ui.token(piece)
-        return Answer(text="".join(pieces), token_ids=list(range(len(pieces))),
-                      context=manifest, query_tokens=3, workers=1, seconds=0.1,
-                      first_token_seconds=0.05, decode_seconds=0.05, prefill_seconds=0.05,
-                      sources=[{"path": "src\x1b[2J.py", "lines": [1, 2], "share": 0.5}])
-    if monkeypatch is not None:
-        monkeypatch.setattr(engine, "ask", ask)
-    return ask
-
-
 ANSWER = ["# Budget\n\n", "The **office**", " approved\x1b[2J it\x07.\r\n", "\u202eevil",
           "\n\n- one\n\t- two\n"]
 
 
 def test_a_piped_answer_keeps_its_lines_and_loses_its_controls(contexts, monkeypatch):
-    _stub_ask(ANSWER, monkeypatch)
+    stub_ask(ANSWER, monkeypatch)
     result = runner.invoke(app, ["ask", "who approved it"])
     assert result.exit_code == 0, (result.output, result.exception)
     assert result.stdout == ("# Budget\n\nThe **office** approved\\x1b[2J it\\x07.\n"
@@ -179,8 +161,8 @@ STUBBED_ASK = """
 import sys
 sys.path.insert(0, {tests!r})
 from starqa import engine
-from test_terminal import _stub_ask
-engine.ask = _stub_ask({pieces!r})
+from fakes import stub_ask
+engine.ask = stub_ask({pieces!r})
 sys.argv = ["starqa", "ask", "who approved it"]
 from starqa.cli import main
 main()
@@ -200,8 +182,8 @@ LONG_ANSWER = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from starqa import engine
-from test_terminal import _stub_ask
-inner = _stub_ask([f"line {{i}} of the answer\\n\\n" for i in range(30)])
+from fakes import stub_ask
+inner = stub_ask([f"line {{i}} of the answer\\n\\n" for i in range(30)])
 
 class Slow:  # tokens as a model sends them: the live display redraws between them
     def __init__(self, ui):
@@ -375,7 +357,7 @@ def test_a_question_with_bytes_that_are_not_utf8_is_asked(contexts, tiny_model, 
 
     def ask(opts, ui, head=None):
         asked.append(prompt.tokenize_query(tokenizer, opts.question))  # as the real one does
-        return _stub_ask([])(opts, ui)
+        return stub_ask([])(opts, ui)
 
     monkeypatch.setattr(engine, "ask", ask)
     result = runner.invoke(app, ["ask", "who \udcff approved"])

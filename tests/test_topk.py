@@ -7,14 +7,15 @@ import math
 import pytest
 import torch
 
-from starqa.topk import indexes
+from starqa.topk import indexes, probing, retrieval
 from starqa.native import ops as native
 from starqa.core import tensorfile
 from starqa.attention import topk
 from starqa.attention import attend, merge
 from starqa.core.errors import StarqaError
 from starqa.topk.indexes import TopK
-from starqa.topk.retrieval import IvfLayer, TopKShard
+from starqa.topk.ivf import IvfLayer, IvfShard
+from starqa.topk.rows import Held, ResidentRows
 
 from memory import rss  # tests/memory.py (conftest puts tests/ on the path)
 
@@ -88,8 +89,8 @@ def test_each_index_kind_with_every_key_is_exact_and_merges_across_workers(kind)
     own_k, own_v = torch.randn(1, hkv, m, dim), torch.randn(1, hkv, m, dim)
     query = torch.randn(1, hkv * g, m, dim)
     settings = TopK(count=1000, index=kind)
-    workers = [TopKShard.from_parts(blocks[:1], settings, 200),
-               TopKShard.from_parts(blocks[1:], settings, 200)]
+    workers = [retrieval.from_parts(blocks[:1], settings, 200),
+               retrieval.from_parts(blocks[1:], settings, 200)]
     layer, scale = 1, dim ** -0.5
     q = query.reshape(1, hkv, g * m, dim)
     outs, lses = [], []
@@ -128,7 +129,7 @@ def test_the_question_attends_every_key_exactly_unless_told_otherwise(kind):
     bound = 4 * (ref32.double() - ref).abs().max() + 1e-6
 
     def merged(settings, question):
-        shard = TopKShard.from_parts(blocks, settings, 110)
+        shard = retrieval.from_parts(blocks, settings, 110)
         outs, lses = shard.parts(layer, q, scale, m, (own_k, own_v), question)
         out, lse = merge(torch.cat([o.float() for o in outs]), torch.cat(lses))
         return out.reshape(ref.shape).double(), lse.reshape(ref_lse.shape).double()
@@ -147,7 +148,7 @@ def test_the_question_reads_a_mapped_shard_a_block_layer_at_a_time():
     torch.manual_seed(9)
     hkv, dim = 2, 8
     parts = [(torch.randn(2, hkv, t, dim), torch.randn(2, hkv, t, dim)) for t in (30, 20)]
-    shard = TopKShard.from_parts(parts, TopK(count=2), 50)
+    shard = retrieval.from_parts(parts, TopK(count=2), 50)
     released = []
     shard.blocks = [(k, v, lambda layer, b=b: released.append((b, layer)))
                     for b, (k, v) in enumerate(parts)]
@@ -169,8 +170,8 @@ def test_the_sink_is_attended_apart_and_never_retrieved(kind):
     blocks = [(torch.randn(1, hkv, t, dim), torch.randn(1, hkv, t, dim)) for t in (60, 50)]
     blocks[0][0][:, :, :sink] *= 0.1  # small inner products: never among a row's best
     settings = TopK(count=k, index=kind, sink=sink)
-    first = TopKShard.from_parts(blocks, settings, 110)
-    other = TopKShard.from_parts(blocks[1:], settings, 110, first=False)
+    first = retrieval.from_parts(blocks, settings, 110)
+    other = retrieval.from_parts(blocks[1:], settings, 110, first=False)
     assert first.n_sink == sink and other.n_sink == 0 and other.sinks is None
     q = torch.randn(hkv, g, dim)
     _, idx = first.select(0, q, k)
@@ -202,7 +203,7 @@ def test_without_the_compiled_kernel_a_bf16_shard_attends_as_with_it(kind, monke
     hkv, g, dim = 2, 3, 16
     blocks = [(torch.randn(1, hkv, t, dim).bfloat16(), torch.randn(1, hkv, t, dim).bfloat16())
               for t in (60, 50)]
-    shard = TopKShard.from_parts(blocks, TopK(count=5, index=kind, sink=4), 110)
+    shard = retrieval.from_parts(blocks, TopK(count=5, index=kind, sink=4), 110)
     q = torch.randn(1, hkv, g, dim).bfloat16()
     results = []
     for compiled in (True, False):
@@ -224,7 +225,7 @@ def test_index_search_finds_most_of_the_exact_top_k(kind):
     keys = centers[torch.randint(0, 50, (n,))] + torch.randn(n, dim)
     queries = centers[torch.randint(0, 50, (8,))] + torch.randn(8, dim)
     index = indexes.build(kind, keys.numpy())
-    _, found = indexes.search(index, queries.numpy(), k)
+    _, found = probing.search(index, queries.numpy(), k)
     exact = (queries @ keys.T).topk(k).indices
     recall = sum(len(set(f.tolist()) & set(e.tolist())) for f, e in zip(found, exact)) / exact.numel()
     assert recall >= 0.9, recall
@@ -239,8 +240,6 @@ def test_ivf_layer_holds_every_key_once_under_its_list_and_row(dtype):
     once, in the cache's dtype, under its row in the shard and in the list its block's
     index put it in; a list's centre is the mean of its keys (rounded to bf16)."""
     import faiss
-
-    from starqa.topk.retrieval import IvfLayer
 
     torch.manual_seed(4)
     hkv, dim = 2, 16
@@ -282,11 +281,11 @@ def test_a_row_probes_enough_lists_however_small_the_context():
     """IVF_ROW_SCAN * k keys is few lists on a short context (8K, k = 82, 208 lists: 9);
     a row probes at least IVF_MIN_PROBES (32K too: 34 of 840 by the scan rule), never more
     than every list, and on a longer context the scan rule rules (128K: 135 of 3,360)."""
-    assert indexes.ivf_probes(8192, 208, 82, indexes.IVF_ROW_SCAN) == 9
-    assert indexes.row_probes(8192, 208, 82) == indexes.IVF_MIN_PROBES == 48
-    assert indexes.row_probes(32768, 840, 328) == 48
-    assert indexes.row_probes(131072, 3360, 1311) == 135
-    assert indexes.row_probes(4096, 30, 41) == 30
+    assert probing.ivf_probes(8192, 208, 82, probing.IVF_ROW_SCAN) == 9
+    assert probing.row_probes(8192, 208, 82) == probing.IVF_MIN_PROBES == 48
+    assert probing.row_probes(32768, 840, 328) == 48
+    assert probing.row_probes(131072, 3360, 1311) == 135
+    assert probing.row_probes(4096, 30, 41) == 30
 
 
 def test_ivf_finds_the_exact_top_k_when_every_list_is_scanned():
@@ -296,8 +295,8 @@ def test_ivf_finds_the_exact_top_k_when_every_list_is_scanned():
     blocks = [(torch.randn(1, 2, t, 16), torch.randn(1, 2, t, 16)) for t in (300, 200)]
     q = torch.randn(2, 3, 16)
     for sink in (0, 4):
-        flat = TopKShard.from_parts(blocks, TopK(count=496, index="flat", sink=sink), 500)
-        ivf = TopKShard.from_parts(blocks, TopK(count=496, index="ivf", sink=sink), 500)
+        flat = retrieval.from_parts(blocks, TopK(count=496, index="flat", sink=sink), 500)
+        ivf = retrieval.from_parts(blocks, TopK(count=496, index="ivf", sink=sink), 500)
         s_flat, i_flat = flat.select(0, q, 500 - sink)
         s_ivf, i_ivf = ivf.select(0, q, 500 - sink)
         order_f, order_i = i_flat.sort(-1), i_ivf.sort(-1)
@@ -393,8 +392,9 @@ def copies_shard(sink: int, k: int):
                    torch.stack([keys[h, rows[h]] for h in range(hkv)]), means.bfloat16())
     settings = TopK(count=k, index="ivf", sink=sink)
     sinks = [(keys[None, :, :sink], values[None, :, :sink])] if sink else None
-    assert indexes.row_probes(n, n_lists, k) < n_lists  # some lists are not scanned
-    return TopKShard(settings, [k], n, ivf=[lay], values=[values], sinks=sinks), keys, values
+    assert probing.row_probes(n, n_lists, k) < n_lists  # some lists are not scanned
+    held = Held(settings, [k], n, ResidentRows([values]), sinks)
+    return IvfShard(held, [lay]), keys, values
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -507,7 +507,7 @@ def test_a_top_k_shard_leaves_torch_its_threads(kind):
     try:
         torch.manual_seed(0)
         blocks = [(torch.randn(1, 2, 120, 16), torch.randn(1, 2, 120, 16))]
-        shard = TopKShard.from_parts(blocks, TopK(count=8, index=kind), 120)
+        shard = retrieval.from_parts(blocks, TopK(count=8, index=kind), 120)
         shard.parts(0, torch.randn(1, 2, 3, 16), 0.25)
         assert torch.get_num_threads() == 2
     finally:
@@ -518,18 +518,15 @@ def test_ivf_select_ranks_in_the_kernel_as_numpy_does(monkeypatch):
     """On a GPU, `select` ranks ivf's lists on the host in the compiled kernel (numpy's
     `_select_ivf` took 2.2 s a token at 128K on an H100's host): the same rows and scores
     as numpy's, the sink never among them."""
-    from starqa.native import ops as native
-    from starqa.topk import retrieval
-
     if not native.available():
         pytest.skip("starqa's kernels not built")
     torch.manual_seed(12)
     blocks = [(torch.randn(1, 2, t, 16), torch.randn(1, 2, t, 16)) for t in (700, 500)]
-    shard = TopKShard.from_parts(blocks, TopK(count=20, index="ivf", sink=4), 1200)
+    shard = retrieval.from_parts(blocks, TopK(count=20, index="ivf", sink=4), 1200)
     q = torch.randn(2, 6, 16)
     s_kernel, i_kernel = shard.select(0, q, 20)
     assert shard._tables[0].selects_only is False  # the kernel's table ranked them
-    monkeypatch.setattr(retrieval.native, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda: False)
     s_numpy, i_numpy = shard.select(0, q, 20)
     mine, theirs = i_kernel.sort(-1), i_numpy.sort(-1)
     assert torch.equal(mine.values, theirs.values) and (mine.values >= 4).all()

@@ -238,7 +238,8 @@ def test_topk_answers_without_drafts_unless_asked(home, docs, tiny_model, monkey
     answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), manifest.model.path,
                                    topk=TopK(count=4))
     seen = []
-    monkeypatch.setattr(decode, "generate", lambda *a, **kw: seen.append(kw["draft_tokens"]))
+    monkeypatch.setattr(decode, "generate",
+                        lambda *a, **kw: seen.append(kw["request"].draft_tokens))
     monkeypatch.delenv("STARQA_DRAFT_TOKENS", raising=False)
     answerer.answer([5, 6], 4, set())
     monkeypatch.setenv("STARQA_DRAFT_TOKENS", "2")

@@ -1,4 +1,4 @@
-"""The compiled top-k kernel (starqa/native/_topk.c through `native.topk_attend`): each row's
+"""The compiled top-k kernel (starqa/native/_topk_*.c through `native.TopKTable`): each row's
 attention over exactly its own best keys, against a float64 reference, within the error
 of the same computation in fp32; row independence and buffer layouts bit for bit."""
 
@@ -14,6 +14,14 @@ from starqa.attention import attend
 from memory import rss  # tests/memory.py (conftest puts tests/ on the path)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="starqa's kernels not built")
+
+
+def topk_attend(q, keys, values, k, skip, scale, key_map=None, lists=None, tokens=None,
+                key_at=None, own=None, tail=None):
+    """A `native.TopKTable` of these buffers (its docstring says what each is), attended
+    once."""
+    return native.TopKTable(keys, values, key_map, lists, key_at, tail=tail).attend(
+        q, k, skip, scale, tokens, own)
 
 
 def reference(q, key, value, k, scale, skip=0, allowed=None, dtype=torch.float64, tokens=None):
@@ -71,7 +79,7 @@ def allowed_by_lists(q, order, centroids, offsets, probes):
 @pytest.mark.parametrize("heads,rows,n,dim,k", [(2, 5, 300, 24, 17), (3, 12, 40000, 64, 300)])
 def test_each_row_attends_to_exactly_its_best_keys(kind, dtype, heads, rows, n, dim, k):
     """40,000 keys: several spans of positions, whose selections merge, and rows whose
-    candidates overflow and are cut back to their best (see _topk.c)."""
+    candidates overflow and are cut back to their best (see _topk.h)."""
     torch.manual_seed(0)
     q = torch.randn(heads, rows, dim)
     key, value = torch.randn(heads, n, dim).to(dtype), torch.randn(heads, n, dim).to(dtype)
@@ -81,7 +89,7 @@ def test_each_row_attends_to_exactly_its_best_keys(kind, dtype, heads, rows, n, 
         ordered, key_map, centroids, offsets = ivf_layout(key, 9, 3)
         keys, lists = [(0, ordered)], (centroids, offsets, 3)
         allowed = allowed_by_lists(q, key_map, centroids, offsets, 3)
-    out, lse = native.topk_attend(q, keys, [(0, value)], k, skip, scale, key_map, lists)
+    out, lse = topk_attend(q, keys, [(0, value)], k, skip, scale, key_map, lists)
     want_out, want_lse = reference(q, key, value, k, scale, skip, allowed)
     fp32_out, fp32_lse = reference(q, key, value, k, scale, skip, allowed, torch.float32)
     own_out = (fp32_out.double() - want_out).abs().max().item()
@@ -101,8 +109,8 @@ def test_many_lists_are_chosen_in_pieces_and_each_row_keeps_its_best(rows):
     q = torch.randn(heads, rows, dim)
     key, value = torch.randn(heads, n, dim).bfloat16(), torch.randn(heads, n, dim).bfloat16()
     ordered, key_map, centroids, offsets = ivf_layout(key, 600, 40)
-    out, lse = native.topk_attend(q, [(0, ordered)], [(0, value)], k, 2, 0.125, key_map,
-                                  (centroids, offsets, 40))
+    out, lse = topk_attend(q, [(0, ordered)], [(0, value)], k, 2, 0.125, key_map,
+                           (centroids, offsets, 40))
     allowed = allowed_by_lists(q, key_map, centroids, offsets, 40)
     want_out, want_lse = reference(q, key, value, k, 0.125, 2, allowed)
     fp32_out, fp32_lse = reference(q, key, value, k, 0.125, 2, allowed, torch.float32)
@@ -115,7 +123,7 @@ def test_every_key_is_exact_attention():
     attention.attend's own fp32 result is."""
     torch.manual_seed(1)
     q, key, value = torch.randn(3, 6, 64), torch.randn(3, 500, 64), torch.randn(3, 500, 64)
-    out, lse = native.topk_attend(q, [(0, key)], [(0, value)], 10**6, 0, 0.125)
+    out, lse = topk_attend(q, [(0, key)], [(0, value)], 10**6, 0, 0.125)
     want_out, want_lse = reference(q, key, value, 500, 0.125)
     exact_out, exact_lse = attend(q[None], key[None], value[None], 0.125)
     own_out = (exact_out[0].double() - want_out).abs().max().item()
@@ -137,7 +145,7 @@ def test_the_query_heads_of_a_position_attend_to_the_union_of_their_keys(kind, d
         ordered, key_map, centroids, offsets = ivf_layout(key, 30, 5)
         keys, lists = [(0, ordered)], (centroids, offsets, 5)
         allowed = allowed_by_lists(q, key_map, centroids, offsets, 5)
-    out, lse = native.topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens)
+    out, lse = topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens)
     want_out, want_lse = reference(q, key, value, k, 0.125, 3, allowed, tokens=tokens)
     fp32_out, fp32_lse = reference(q, key, value, k, 0.125, 3, allowed, torch.float32, tokens)
     own_out = (fp32_out.double() - want_out).abs().max().item()
@@ -145,7 +153,7 @@ def test_the_query_heads_of_a_position_attend_to_the_union_of_their_keys(kind, d
     assert (out.double() - want_out).abs().max().item() <= 2 * own_out + 1e-6
     assert (lse.double() - want_lse).abs().max().item() <= 2 * own_lse + 1e-6
     # and the union is more than a row's own k: the lse grows over the row's own
-    alone, alone_lse = native.topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists)
+    alone, alone_lse = topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists)
     assert (lse >= alone_lse - 1e-5).all() and (lse > alone_lse + 1e-3).any()
 
 
@@ -161,12 +169,12 @@ def test_a_position_gets_the_same_bits_alone_or_among_others(kind):
     if kind == "ivf":
         ordered, key_map, centroids, offsets = ivf_layout(key, 40, 6)
         keys, lists = [(0, ordered)], (centroids, offsets, 6)
-    out, lse = native.topk_attend(q.reshape(heads, -1, dim), keys, [(0, value)], 50, 0, 0.125,
-                                  key_map, lists, tokens)
+    out, lse = topk_attend(q.reshape(heads, -1, dim), keys, [(0, value)], 50, 0, 0.125,
+                           key_map, lists, tokens)
     out, lse = out.view(heads, groups, tokens, dim), lse.view(heads, groups, tokens)
     for m in range(tokens):
-        one, one_lse = native.topk_attend(q[:, :, m].contiguous(), keys, [(0, value)], 50, 0,
-                                          0.125, key_map, lists, 1)
+        one, one_lse = topk_attend(q[:, :, m].contiguous(), keys, [(0, value)], 50, 0,
+                                   0.125, key_map, lists, 1)
         assert torch.equal(one, out[:, :, m]) and torch.equal(one_lse, lse[:, :, m])
 
 
@@ -180,10 +188,10 @@ def test_a_row_gets_the_same_bits_alone_or_among_others(kind):
     if kind == "ivf":
         ordered, key_map, centroids, offsets = ivf_layout(key, 40, 6)
         keys, lists = [(0, ordered)], (centroids, offsets, 6)
-    out, lse = native.topk_attend(q, keys, [(0, value)], 50, 0, 0.125, key_map, lists)
+    out, lse = topk_attend(q, keys, [(0, value)], 50, 0, 0.125, key_map, lists)
     for r in (0, 5, 11):
-        one, one_lse = native.topk_attend(q[:, r:r + 1], keys, [(0, value)], 50, 0, 0.125,
-                                          key_map, lists)
+        one, one_lse = topk_attend(q[:, r:r + 1], keys, [(0, value)], 50, 0, 0.125,
+                                   key_map, lists)
         assert torch.equal(one[:, 0], out[:, r]) and torch.equal(one_lse[:, 0], lse[:, r])
 
 
@@ -202,9 +210,9 @@ def test_a_rows_picks_do_not_depend_on_how_many_rows_score_a_chunk():
     key = torch.stack([base[:, order] for order in orders], 1).reshape(1, -1, dim).bfloat16()
     value = torch.randn(1, families * members, dim).bfloat16()
     k = 12 * members + members // 2
-    out, lse = native.topk_attend(q, [(0, key)], [(0, value)], k, 0, 0.125)
+    out, lse = topk_attend(q, [(0, key)], [(0, value)], k, 0, 0.125)
     for r in range(rows):
-        one, one_lse = native.topk_attend(q[:, r:r + 1], [(0, key)], [(0, value)], k, 0, 0.125)
+        one, one_lse = topk_attend(q[:, r:r + 1], [(0, key)], [(0, value)], k, 0, 0.125)
         assert torch.equal(one[:, 0], out[:, r]) and torch.equal(one_lse[:, 0], lse[:, r])
 
 
@@ -214,8 +222,8 @@ def test_keys_and_values_in_several_buffers_give_the_same_bits():
     torch.manual_seed(3)
     q = torch.randn(2, 3, 64)
     key, value = torch.randn(2, 3000, 64).bfloat16(), torch.randn(2, 3000, 64).bfloat16()
-    whole = native.topk_attend(q, [(0, key)], [(0, value)], 40, 7, 0.125)
-    cut = native.topk_attend(
+    whole = topk_attend(q, [(0, key)], [(0, value)], 40, 7, 0.125)
+    cut = topk_attend(
         q, [(0, key[:, :1000].contiguous()), (1000, key[:, 1000:2001].contiguous()),
             (2001, key[:, 2001:].contiguous())],
         [(0, value[:, :1500].contiguous()), (1500, value[:, 1500:].contiguous())], 40, 7, 0.125)
@@ -227,8 +235,8 @@ def test_a_row_without_keys_weighs_nothing():
     q, key = torch.randn(1, 2, 16), torch.randn(1, 8, 16)
     centroids = torch.stack([q[0, 0] + q[0, 1], -(q[0, 0] + q[0, 1])])[None] * 100
     lists = (centroids, torch.tensor([[0, 0, 8]]), 1)  # list 0 (the nearest) holds no key
-    out, lse = native.topk_attend(q, [(0, key)], [(0, key)], 3, 0, 0.25, torch.arange(8)[None],
-                                  lists)
+    out, lse = topk_attend(q, [(0, key)], [(0, key)], 3, 0, 0.25, torch.arange(8)[None],
+                           lists)
     assert (out == 0).all() and (lse == -math.inf).all()
 
 
@@ -236,7 +244,7 @@ def test_the_sink_alone_is_exact_attention_over_it():
     """Every row of the shard in the sink: nothing to pick, every row attends to them all."""
     torch.manual_seed(4)
     q, key, value = torch.randn(2, 3, 16), torch.randn(2, 8, 16), torch.randn(2, 8, 16)
-    out, lse = native.topk_attend(q, [(0, key)], [(0, value)], 3, 8, 0.25)
+    out, lse = topk_attend(q, [(0, key)], [(0, value)], 3, 8, 0.25)
     want_out, want_lse = attend(q[None], key[None], value[None], 0.25)
     torch.testing.assert_close(out, want_out[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(lse, want_lse[0], rtol=0, atol=1e-5)
@@ -262,9 +270,9 @@ def test_own_keys_are_attended_causally_under_the_same_softmax(kind, dtype):
     if kind == "ivf":
         ordered, key_map, centroids, offsets = ivf_layout(key, 30, 5)
         keys, lists = [(0, ordered)], (centroids, offsets, 5)
-    out, lse = native.topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens,
-                                  own=own)
-    part = native.topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens)
+    out, lse = topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens,
+                           own=own)
+    part = topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens)
     mine = partial_rows(q, own[0], own[1], 0.125, tokens)
     want_out, want_lse = merge(torch.stack([part[0], mine[0]]), torch.stack([part[1], mine[1]]))
     torch.testing.assert_close(out, want_out, rtol=0, atol=1e-5)
@@ -273,8 +281,8 @@ def test_own_keys_are_attended_causally_under_the_same_softmax(kind, dtype):
     by_token = q.view(heads, groups, tokens, dim)
     for m in range(tokens):
         cut = tuple(x[:, :before + m + 1] for x in buffer)
-        one, one_lse = native.topk_attend(by_token[:, :, m].contiguous(), keys, [(0, value)], k,
-                                          3, 0.125, key_map, lists, 1, own=cut)
+        one, one_lse = topk_attend(by_token[:, :, m].contiguous(), keys, [(0, value)], k,
+                                   3, 0.125, key_map, lists, 1, own=cut)
         assert torch.equal(one, out[:, :, m]) and torch.equal(one_lse, lse[:, :, m])
 
 
@@ -282,13 +290,13 @@ def test_own_keys_of_another_layout_are_refused():
     q, key = torch.randn(2, 2, 16), torch.randn(2, 40, 16)
     own = torch.randn(2, 16, 5)  # D not last
     with pytest.raises(ValueError, match="own keys"):
-        native.topk_attend(q, [(0, key)], [(0, key)], 3, 0, 0.25, own=(own.transpose(1, 2),) * 2)
+        topk_attend(q, [(0, key)], [(0, key)], 3, 0, 0.25, own=(own.transpose(1, 2),) * 2)
 
 
 def test_impossible_arguments_are_refused():
     q, key = torch.randn(1, 2, 16), torch.randn(1, 8, 16)
     with pytest.raises(ValueError, match="top-k kernel"):
-        native.topk_attend(q, [(0, key)], [(0, key)], 0, 0, 0.25)
+        topk_attend(q, [(0, key)], [(0, key)], 0, 0, 0.25)
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
@@ -300,11 +308,10 @@ def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
     from starqa.topk import retrieval
     from starqa.attention import merge
     from starqa.topk.indexes import TopK
-    from starqa.topk.retrieval import TopKShard
 
     torch.manual_seed(5)
     blocks = [(torch.randn(2, 2, t, 32), torch.randn(2, 2, t, 32)) for t in (1500, 900)]
-    shard = TopKShard.from_parts(blocks, TopK(count=60, index=kind, sink=4), 2400)
+    shard = retrieval.from_parts(blocks, TopK(count=60, index=kind, sink=4), 2400)
     q = torch.randn(1, 2, 12, 32)  # 3 query heads per KV head at 4 positions
     own = tuple(torch.randn(1, 2, 10, 32) for _ in range(2))  # 6 tokens before these 4
 
@@ -312,7 +319,7 @@ def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
         return merge(torch.cat(parts[0]), torch.cat(parts[1]))
 
     with_kernel = merged(shard.parts(1, q, 32 ** -0.5, 4, own))
-    monkeypatch.setattr(retrieval.native, "available", lambda: False)
+    monkeypatch.setattr(native, "available", lambda: False)
     without = merged(shard.parts(1, q, 32 ** -0.5, 4, own))
     for a, b in zip(with_kernel, without):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
@@ -333,7 +340,7 @@ def test_a_table_kept_across_calls_gives_what_a_fresh_one_gives(kind):
     for rows, tokens, k in ((3, 1, 30), (12, 4, 30), (3, None, 7)):
         q = torch.randn(heads, rows, dim)
         kept = table.attend(q, k, 2, 0.125, tokens)
-        fresh = native.topk_attend(q, keys, [(0, value)], k, 2, 0.125, key_map, lists, tokens)
+        fresh = topk_attend(q, keys, [(0, value)], k, 2, 0.125, key_map, lists, tokens)
         assert torch.equal(kept[0], fresh[0]) and torch.equal(kept[1], fresh[1])
 
 

@@ -3,7 +3,8 @@ the command line where users meet them; each test failed before its fix.
 
 A context here is a real one: the tiny model of `tiny.py` encodes it in this process
 (`--encode-in process`, no torchrun), and `ask` answers from it, so a damage that slipped
-through would answer (exit 0) instead of being named.
+through would answer (exit 0) instead of being named. Tests that damage it get a copy of
+one made (and asked) once per session (`conftest.ingested`).
 """
 
 import hashlib
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from fakes import install_home
 from starqa.runtime import launch
 from starqa import models
 from starqa.cli import app
@@ -35,13 +37,10 @@ def ask():
 
 
 @pytest.fixture
-def context(home, docs, tiny_model) -> Path:
-    """A committed context of ~190 tokens in 5 blocks, which answers."""
-    result = ingest(docs, tiny_model)
-    assert result.exit_code == 0, result.output
-    [folder] = [f for f in (home / "contexts").iterdir() if not f.name.startswith(".")]
-    assert ask().exit_code == 0
-    return folder
+def context(home, docs, tiny_model, ingested) -> Path:
+    """A committed context of ~190 tokens in 5 blocks, which answers: `ingest(docs,
+    tiny_model)` then `ask()` as below, copied from the session's."""
+    return install_home(ingested(tiny_model, ask=True, block_size=40), home).folder
 
 
 def edit_manifest(folder: Path, change) -> None:

@@ -1,7 +1,8 @@
 """Warm groups under faults (issue 45, items 5, 6, 12 and 13, and what was found trying
 more): a long or read-only cache root, signals, files changed under a running group, a
 socket folder someone else made. Each drives the `starqa` command as a user would, in a
-subprocess, on the tiny model of `tiny.py`; each failed before its fix."""
+subprocess, on the tiny model of `tiny.py`; each failed before its fix. The context is a
+copy of one ingest per session (`conftest.docs_context`): none of these is about encoding."""
 
 import json
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from starqa import engine
+from fakes import install_home
 
 QUESTION = "who approved the travel budget"
 
@@ -25,11 +26,6 @@ def starqa(*args: str, input: str | None = None, timeout: float = 120,
                           text=True, timeout=timeout, input=input,
                           stdin=None if input is not None else subprocess.DEVNULL,
                           env={**os.environ, "COLUMNS": "200", **(env or {})})
-
-
-def ingest(docs: Path, model: Path):
-    return engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model),
-                                              dtype="fp32", block_size=60)).manifest
 
 
 def groups() -> list[dict]:
@@ -43,14 +39,32 @@ def clean(out: subprocess.CompletedProcess) -> bool:
 
 
 @pytest.fixture
-def served(home, docs, tiny_model):
+def served(docs_context):
     """A context with a warm group of one worker (a background `starqa serve`)."""
     from starqa.workers import client
 
-    manifest = ingest(docs, tiny_model)
-    group = client.start(manifest.key, None, keepalive=120)
-    yield manifest, group
+    group = client.start(docs_context.key, None, keepalive=120)
+    yield docs_context, group
     starqa("stop", "--all")
+
+
+@pytest.fixture(scope="module")
+def shared_group(tmp_path_factory, tiny_model, ingested):
+    """`served` once for the module, for the tests that only ask its group (or rename its
+    context, which the group takes): a home of its own, a group that no keep-alive ends,
+    stopped after the module's last test."""
+    from starqa.workers import client
+
+    home = tmp_path_factory.mktemp("shared") / "home"
+    manifest = install_home(ingested(tiny_model, block_size=60), home)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STARQA_HOME", str(home))
+        patch.delenv("STARQA_MODEL", raising=False)
+        group = client.start(manifest.key, None, keepalive=-1)
+        try:
+            yield manifest, group
+        finally:
+            starqa("stop", "--all")
 
 
 # ---------------------------------------------------------------------------------------
@@ -58,14 +72,14 @@ def served(home, docs, tiny_model):
 
 
 @pytest.mark.slow
-def test_a_200_character_home_keeps_warm_groups(home, docs, tiny_model, monkeypatch):
+def test_a_200_character_home_keeps_warm_groups(home, tiny_model, ingested, monkeypatch):
     """AF_UNIX paths hold 107 bytes: a socket under a long $STARQA_HOME could not be bound,
     so every `ask` was cold, `serve` said "already running" then printed a traceback and
     `chat` died. Sockets now live in a short private folder, whatever the root."""
     long_home = home.parent / ("h" * (200 - len(str(home.parent)) - 1))
     assert len(str(long_home)) == 200
     monkeypatch.setenv("STARQA_HOME", str(long_home))
-    ingest(docs, tiny_model)
+    install_home(ingested(tiny_model, block_size=60), long_home)
 
     first = starqa("ask", QUESTION, "--max-new-tokens", "3", "--keep-alive", "60")
     assert first.returncode == 0 and clean(first), first.stderr
@@ -89,12 +103,11 @@ def test_a_200_character_home_keeps_warm_groups(home, docs, tiny_model, monkeypa
 
 
 @pytest.mark.slow
-def test_two_homes_with_one_context_get_a_socket_each(home, docs, tiny_model, monkeypatch):
+def test_two_homes_with_one_context_get_a_socket_each(home, docs_context, monkeypatch):
     """The same context key under two cache roots: two groups, two sockets (a socket is
     named by a hash of the root and the key), each root's `ps` sees its own."""
     from starqa.workers import client
 
-    ingest(docs, tiny_model)
     other = home.parent / "other-home"
     shutil.copytree(home, other)
     sockets = []
@@ -159,12 +172,11 @@ def _read_only_runs(home: Path, docs: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_read_only_home_answers_and_says_what_it_cannot_do(home, docs, tiny_model):
+def test_a_read_only_home_answers_and_says_what_it_cannot_do(home, docs, docs_context):
     """`client.run_dir` made and chmod-ed the run folder on every call: on a read-only root
     `ask`, `ps`, `stop --all` and `ingest` were tracebacks. Now read-only commands work (a
     warm group's run files go to a private folder outside the root) and `ingest` names the
     read-only folder and the way out."""
-    ingest(docs, tiny_model)
     ask, ps, warm, listed, again, stop, after = _read_only_runs(home, docs)
     for run in (ask, ps, warm, listed, again, stop, after):
         assert "Traceback" not in run["err"] + run["out"], run
@@ -203,10 +215,10 @@ def _wait_for_group(proc: subprocess.Popen, timeout: float = 120) -> dict:
 
 
 @pytest.mark.slow
-def test_sigterm_ends_serve_with_143_and_cleans_up(home, docs, tiny_model):
+def test_sigterm_ends_serve_with_143_and_cleans_up(home, docs_context):
     """`kill` of `starqa serve` exited 130 (Ctrl-C's code); now 143, the code of a process
     ended by SIGTERM, with its run file and socket removed."""
-    manifest = ingest(docs, tiny_model)
+    manifest = docs_context
     proc = _serve("--keep-alive", "60")
     try:
         group = _wait_for_group(proc)
@@ -223,7 +235,7 @@ def test_sigterm_ends_serve_with_143_and_cleans_up(home, docs, tiny_model):
 
 
 @pytest.mark.slow
-def test_chat_from_a_file_exits_1_when_a_line_failed(served):
+def test_chat_from_a_file_exits_1_when_a_line_failed(shared_group):
     """`starqa chat < script` exited 0 when a question or command in it failed; now 1
     (each failure printed as it happened, the lines after it still answered), and 0 when
     everything succeeded."""
@@ -279,9 +291,9 @@ def test_a_shard_changed_under_a_warm_group_is_refused(served):
 
 
 @pytest.mark.slow
-def test_a_manifest_rewritten_with_the_same_blocks_is_taken(served):
+def test_a_manifest_rewritten_with_the_same_blocks_is_taken(shared_group):
     """A rename rewrites the manifest but not the shards: the group goes on answering."""
-    manifest, group = served
+    manifest, group = shared_group
     path = manifest.folder / "manifest.json"
     data = json.loads(path.read_text())
     data["name"] = "renamed"
@@ -317,11 +329,11 @@ def _plant_dead_group(key: str, pid: int) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-def test_a_dead_groups_leftovers_never_block_ask_or_stop(home, docs, tiny_model):
+def test_a_dead_groups_leftovers_never_block_ask_or_stop(home, docs_context):
     """A group gone without cleaning up, its pid still alive (a zombie its init had not
     reaped yet, or the number reused): `ask` failed with "Cannot reach the worker group"
     instead of answering, and `stop --all` stopped at it with the same error."""
-    manifest = ingest(docs, tiny_model)
+    manifest = docs_context
     stand_in = subprocess.Popen(["sleep", "120"])
     try:
         run_file, sock_path = _plant_dead_group(manifest.key, stand_in.pid)
@@ -342,11 +354,10 @@ def test_a_dead_groups_leftovers_never_block_ask_or_stop(home, docs, tiny_model)
 
 
 @pytest.mark.slow
-def test_garbage_in_the_run_folder_is_ignored(home, docs, tiny_model):
+def test_garbage_in_the_run_folder_is_ignored(home, docs_context):
     """Files in the run folder that are not run files of this starqa (a run file missing
     fields, as another version's would, one of the wrong kinds, a list, a folder named
     like a run file): `ps` printed a KeyError traceback; now they are passed over."""
-    ingest(docs, tiny_model)
     run = home / "run"
     run.mkdir(parents=True, exist_ok=True)
     (run / "old.json").write_text(json.dumps({"key": "k", "pid": os.getpid(), "socket": None}))
@@ -365,11 +376,10 @@ def test_garbage_in_the_run_folder_is_ignored(home, docs, tiny_model):
 
 
 @pytest.mark.slow
-def test_a_socket_folder_someone_else_made_is_refused(home, docs, tiny_model, tmp_path):
+def test_a_socket_folder_someone_else_made_is_refused(home, docs_context, tmp_path):
     """The sockets' folder is the first thing another local user could plant (a symlink to
     a folder of theirs, in /tmp or $XDG_RUNTIME_DIR): `serve` refuses it with the way out;
     `ask` still answers (cold, leaving no group there)."""
-    ingest(docs, tiny_model)
     runtime = tmp_path / "rt"
     elsewhere = tmp_path / "theirs"
     runtime.mkdir()
@@ -387,7 +397,7 @@ def test_a_socket_folder_someone_else_made_is_refused(home, docs, tiny_model, tm
 
 
 @pytest.mark.slow
-def test_huge_max_new_tokens_on_a_warm_group_is_a_one_line_error(served):
+def test_huge_max_new_tokens_on_a_warm_group_is_a_one_line_error(shared_group):
     """Already fine: the room check names a value that fits; the group keeps serving."""
     out = starqa("ask", QUESTION, "--max-new-tokens", str(10**12))
     assert out.returncode == 1 and clean(out) and "--max-new-tokens" in out.stderr
@@ -396,14 +406,12 @@ def test_huge_max_new_tokens_on_a_warm_group_is_a_one_line_error(served):
 
 
 @pytest.fixture
-def long_answers(home, docs, tmp_path):
+def long_answers(home, long_tiny_model, ingested):
     """A context on a model that never ends an answer (so one runs for thousands of
     tokens), with a warm group of one worker."""
     from starqa.workers import client
-    from tiny import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "long-tiny", window=8192, never_stops=True)
-    manifest = ingest(docs, model)
+    manifest = install_home(ingested(long_tiny_model, block_size=60), home)
     client.start(manifest.key, None, keepalive=120)
     yield manifest
     starqa("stop", "--all")
@@ -432,12 +440,11 @@ def test_stop_while_an_answer_streams_stops_at_once(long_answers):
 
 
 @pytest.mark.slow
-def test_chat_goes_on_when_its_group_went_away(home, docs, tiny_model):
+def test_chat_goes_on_when_its_group_went_away(home, docs_context):
     """A chat whose group went away between questions (its keep-alive ran out while the
     chat sat idle, or `starqa stop` elsewhere): the next question killed the chat with no
     message (a BrokenPipeError; exit 1). Now the chat starts the group again and answers,
     its conversation kept."""
-    ingest(docs, tiny_model)
     proc = subprocess.Popen([sys.executable, "-m", "starqa", "chat", "--max-new-tokens", "2"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -466,10 +473,9 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_sigterm_while_a_group_of_two_loads(home, docs, tiny_model):
+def test_sigterm_while_a_group_of_two_loads(home, docs_context):
     """SIGTERM while torchrun's workers load: exit 143 (was 130), no traceback, no worker
     left, no run file."""
-    ingest(docs, tiny_model)
     proc = _serve("--workers", "2", "--keep-alive", "60")
     try:
         deadline = time.monotonic() + 60
@@ -504,12 +510,11 @@ print(json.dumps([run("ask", "who approved the travel budget", "--max-new-tokens
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="mounts a full tmpfs in a mount namespace: needs root and unshare")
-def test_a_full_run_folder_costs_the_warm_group_not_the_answer(home, docs, tiny_model):
+def test_a_full_run_folder_costs_the_warm_group_not_the_answer(home, docs_context):
     """The run folder on a full disk: `ask` printed its answer, then failed (exit 1, "Worker
     0 ran out of disk space ... Nothing of this run was kept") because the group it leaves
     could not write its run file; `chat` said only "exited while starting:" with an empty
     log. Now the ask succeeds without a group, and chat names the folder and the fix."""
-    ingest(docs, tiny_model)
     (home / "run").mkdir(exist_ok=True)
     script = ('mount -t tmpfs -o size=16k tmpfs "$STARQA_HOME/run" || exit 77\n'
               'dd if=/dev/zero of="$STARQA_HOME/run/fill" bs=4k count=100 2>/dev/null\n'
@@ -528,12 +533,11 @@ def test_a_full_run_folder_costs_the_warm_group_not_the_answer(home, docs, tiny_
 
 
 @pytest.mark.slow
-def test_stop_right_after_a_group_was_started_stops_it(home, docs, tiny_model):
+def test_stop_right_after_a_group_was_started_stops_it(home, docs_context):
     """`stop --all` just after an `ask` (or an `ingest`) started a group in the background
     said "No matching worker group is running." and the group came up a second later,
     running on. The slot is now taken as the group is spawned, and `stop` waits for a
     group still starting, then stops it."""
-    ingest(docs, tiny_model)
     asked = starqa("ask", QUESTION, "--max-new-tokens", "2", "--keep-alive", "60",
                    env={"STARQA_HEADSTART": "0"})  # in-process answer: `serve` is spawned
     assert asked.returncode == 0, asked.stderr
@@ -546,13 +550,13 @@ def test_stop_right_after_a_group_was_started_stops_it(home, docs, tiny_model):
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="makes a file owned by another user: needs root")
-def test_another_users_group_in_a_shared_cache_is_not_ours(home, docs, tiny_model):
+def test_another_users_group_in_a_shared_cache_is_not_ours(home, docs_context):
     """A cache shared by a team holds the run file of another user's group (their socket,
     which we may not enter): `ps` listed it and `ask` tried it and failed ("Cannot reach
     the worker group"). Run files are now taken only from their owner; the ask answers."""
     import socket
 
-    manifest = ingest(docs, tiny_model)
+    manifest = docs_context
     theirs = home / "theirs"
     theirs.mkdir()
     sock = socket.socket(socket.AF_UNIX)
@@ -598,11 +602,10 @@ print("EXIT", child.exitstatus, any(bad in seen.getvalue() for bad in ("Tracebac
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="makes a read-only mount in a mount namespace: needs root")
-def test_chat_at_a_terminal_on_a_read_only_home(home, docs, tiny_model):
+def test_chat_at_a_terminal_on_a_read_only_home(home, docs_context):
     """At a terminal, chat appends each question to `$STARQA_HOME/chat_history`: on a
     read-only cache the first question ended the chat ("cache folder … read-only").
     The history is now kept for the session only there."""
-    ingest(docs, tiny_model)
     script = ('mount --bind -o ro "$STARQA_HOME" "$STARQA_HOME" || exit 77\n'
               f'exec {sys.executable} -c "$DRIVER"')
     out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,

@@ -20,18 +20,11 @@ from starqa.cache import shards, store
 from starqa.cli import app
 from starqa.corpus.watch import Selection
 
-WORDS = "the star attention block query answer long context budget travel".split()
-
-
 @pytest.fixture
-def repo(tmp_path):
-    """Nine files in the tiny vocabulary (about ten blocks of 40), and files that ingest
-    leaves out: one by .starqaignore, one by .gitignore, one by --exclude, one hidden."""
-    folder = tmp_path / "repo"
-    folder.mkdir()
-    for i in range(9):
-        n = 10 + (i * 7) % 45
-        (folder / f"f{i}.md").write_text(" ".join(WORDS[(i + j) % len(WORDS)] for j in range(n)))
+def repo(repo):
+    """`conftest.repo`'s nine files (about ten blocks of 40), and files that ingest leaves
+    out: one by .starqaignore, one by .gitignore, one by --exclude, one hidden."""
+    folder = repo
     (folder / ".starqaignore").write_text("skip.md\n")
     (folder / ".gitignore").write_text("build/\n")
     (folder / "skip.md").write_text("the star")

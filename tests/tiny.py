@@ -5,6 +5,9 @@ folders: the models of the unit tests (no weights to download).
 a Qwen2 (q/k/v projections with biases, randomised here so they matter; GQA 6/2 like
 Qwen2.5's 12/2), a byte-level BPE loaded as Qwen2Tokenizer, Qwen2.5's ChatML template
 (default system prompt included) and its special tokens.
+
+`reference_tokens`: what transformers alone answers on such a model (greedy `generate` over
+the whole prompt in fp32), the reference starqa's answers are compared with.
 """
 
 from pathlib import Path
@@ -122,3 +125,33 @@ def _make_tiny_qwen2(folder: Path, seed: int, window: int, vocab_multiple: int) 
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def context_ids(model_path, manifest) -> list[int]:
+    """The token ids of a context as `ingest` packed them: its sources read again, in path
+    order (the files of `conftest.docs` share one mtime), checked against its length."""
+    from starqa import corpus
+    from starqa.corpus import prompt
+    from starqa.models import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    files = corpus.collect(manifest.sources).files
+    packed, spans = corpus.pack(files)
+    ids = prompt.tokenize_context(tok, packed, spans).ids
+    assert len(ids) == manifest.n_tokens
+    return ids
+
+
+def reference_tokens(model_path, manifest, question: str, max_new_tokens: int) -> list[int]:
+    """One ordinary transformers generate over the whole prompt (context + query), fp32,
+    greedy: the answer's token ids, its end-of-turn token dropped."""
+    from starqa.corpus import prompt
+    from starqa.models import load_model, load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    model = load_model(model_path, dtype=torch.float32)
+    ids = context_ids(model_path, manifest) + prompt.tokenize_query(tok, question)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    new = out[0, len(ids):].tolist()
+    return new[:-1] if new and new[-1] == tok.eos_token_id else new

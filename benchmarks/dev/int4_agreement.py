@@ -59,8 +59,8 @@ def main() -> None:
     with torch.inference_mode():
         for question in QUESTIONS[:args.questions]:
             ids = question_ids(manifest, path, question)[1]
-            answer = decode.generate(dense, answerer.info, hook, ids, start, args.tokens, set(),
-                                     context_ids=hook.ids, draft_tokens=0)
+            answer = decode.generate(dense, answerer.info, hook, decode.Request(
+                ids, start, args.tokens, draft_tokens=0, context_ids=hook.ids))
             sequence = torch.tensor(list(ids) + answer)
             where = torch.arange(start, start + len(sequence))
 

@@ -1,7 +1,7 @@
 """`starqa bench`'s Phase 2 rows, exact against top-k, on a context already cached: the
 bench's own code (`starqa.measure.bench.phase2`: torchrun workers, wall time, each worker's peak
 memory), without encoding the context again. Where Phase 1 of a long context takes most
-of an hour (32K on a 2-core AVX2 machine), encode it once and measure Phase 2 as often
+of an hour (32K on 2 cores of an AVX2 CPU), encode it once and measure Phase 2 as often
 as needed:
 
     python benchmarks/dev/topk_phase2.py CONTEXT_DIR --top-k 1% --index flat,ivf --kv-on-disk \\
@@ -16,10 +16,11 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
+from starqa.cli.options import TopKChoice, compared
 from starqa.measure import bench
 from starqa import engine, models
 from starqa.corpus import prompt
-from starqa.launchers.ask import _checked_model
+from starqa.launchers.answer import checked_model
 from starqa.cache.manifest import read_manifest
 
 
@@ -36,11 +37,12 @@ def main() -> None:
                         help="exact and each top-k this many times, alternating (medians)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    topk = compared(TopKChoice(top_k=args.top_k, index=args.index, kv_on_disk=args.kv_on_disk,
+                               prefill=args.top_k_prefill))
     opts = bench.options(lengths="1k", workers=str(args.workers), new_tokens=args.new_tokens,
-                         top_k=args.top_k, index=args.index, kv_on_disk=args.kv_on_disk,
-                         prefill=args.top_k_prefill, rounds=args.rounds)
+                         topk=topk, rounds=args.rounds)
     manifest = read_manifest(args.context)
-    tokenizer = models.load_tokenizer(_checked_model(manifest, None))
+    tokenizer = models.load_tokenizer(checked_model(manifest, None))
     query_ids = prompt.tokenize_query(tokenizer, bench.QUESTION)
     print(f"{manifest.n_tokens:,} tokens, {len(manifest.blocks)} blocks; CPU: "
           f"{bench.cpu_info()}")

@@ -1,11 +1,12 @@
 """Phase 2 with exact or top-k attention on a cached context, one run in this process:
-exact against top-k side by side (docs/results.md, "Top-k attention"), for a machine too
+exact against top-k side by side (docs/results.md, "Top-k attention"), for CPUs too
 busy for `starqa bench` (CPU time, not wall time, and one torch thread by default, so
 another job on the other core changes little).
 
     python benchmarks/dev/topk_side_by_side.py CONTEXT_DIR exact
     python benchmarks/dev/topk_side_by_side.py CONTEXT_DIR ivf --kv-on-disk [--top-k 1%]
-    python benchmarks/dev/topk_side_by_side.py CONTEXT_DIR flat --threads 2 --new 32 --draft-tokens 0
+    python benchmarks/dev/topk_side_by_side.py CONTEXT_DIR flat --threads 2 --new 32 \\
+        --draft-tokens 0
 
 CONTEXT_DIR: a context folder (its manifest.json), e.g. one `starqa bench --json` kept, or
 `starqa ingest`'s. Each variant should run in a fresh process (peak memory is the

@@ -92,6 +92,13 @@ def fold_gqa(query: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Te
     return query.to(dtype).reshape(1, kv_heads, q_heads // kv_heads * m, dim)
 
 
+def fold_result(out: torch.Tensor, lse: torch.Tensor, kv_heads: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend`'s (out [1, Hq, M, D], lse [1, Hq, M]) as one part in `fold_gqa`'s layout:
+    ([1, Hkv, G*M, D], [1, Hkv, G*M]), the layout of `partial_chunks`' parts."""
+    return out.reshape(1, kv_heads, -1, out.shape[-1]), lse.reshape(1, kv_heads, -1)
+
+
 def partial_chunks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                    chunk: int, head: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Unmasked partial attentions of folded queries q [1, Hkv, R, D] over each run of

@@ -17,117 +17,18 @@ from typing import Annotated, Optional
 import typer
 
 from starqa import methods as method_registry  # pure Python: --help stays instant
+from starqa.workers import DEFAULT_KEEPALIVE  # a constant: nothing imported
+from starqa.cli.options import (AnchorSize, ApiKey, AsJson, Attention, BenchLengths, BeyondWindow,
+    BlockSize, ChunkSize, ContextArg, Device, Dtype, EvalLengths, Heuristic, HttpAddress, IndexKind,
+    KeepAlive, KvOnDisk, MaxNewTokens, Model, Nnodes, NodeRank, PassingSize, Positions, ProbeWindow,
+    Rdzv, SinkSize, SummaryBudget, TopKChoice, TopKOpt, TopKPrefill, TopKSchedule, TopKTail,
+    Weights, Workers, compared, method_params, one_topk, topk_runs)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Ask questions about documents and code too long for ordinary LLM "
                        "inference (Star Attention on torchrun workers).")
 
-# ---------------------------------------------------------------------------------------
-# shared options
-
-Model = Annotated[Optional[str], typer.Option(
-    "--model", "-m", envvar="STARQA_MODEL",
-    help="Embedded model name (smollm2-135m, qwen2.5-coder-1.5b), a local Hugging Face "
-    "folder, or a hub id.")]
-Workers = Annotated[Optional[int], typer.Option(
-    "--workers", "-w", envvar="STARQA_WORKERS", min=1,
-    help="Workers (ingest: all GPUs, else all CPU cores; ask, serve: one with every core "
-         "when model and shards fit in memory, else as ingest).")]
-Nnodes = Annotated[int, typer.Option("--nnodes", envvar="STARQA_NNODES", min=1,
-                                     help="torchrun: number of machines.")]
-NodeRank = Annotated[int, typer.Option("--node-rank", envvar="STARQA_NODE_RANK", min=0,
-                                       help="torchrun: this machine's rank.")]
-Rdzv = Annotated[Optional[str], typer.Option(
-    "--rdzv-endpoint", envvar="STARQA_RDZV_ENDPOINT",
-    help="torchrun: HOST:PORT of node 0, for runs across machines.")]
-Device = Annotated[str, typer.Option("--device", envvar="STARQA_DEVICE",
-                                     help="auto, cpu or cuda.")]
-MaxNewTokens = Annotated[int, typer.Option(envvar="STARQA_MAX_NEW_TOKENS", min=1,
-                                           help="Longest answer in tokens.")]
-BeyondWindow = Annotated[bool, typer.Option(
-    "--beyond-window", envvar="STARQA_BEYOND_WINDOW",
-    help="Go on even when the context is longer than the model's trained window.")]
-DTYPE_HELP = ("The cache's dtype: bf16 (default), fp16, fp32 (a bf16 cache is computed in fp32 "
-              "on CPUs without bf16 matrix instructions).")
-Dtype = Annotated[Optional[str], typer.Option(envvar="STARQA_DTYPE", help=DTYPE_HELP)]
-# method settings (ingest, eval)
-BlockSize = Annotated[Optional[int], typer.Option(
-    envvar="STARQA_BLOCK_SIZE", help="Tokens per block (default: a quarter of the context).")]
-AnchorSize = Annotated[Optional[int], typer.Option(
-    envvar="STARQA_ANCHOR_SIZE",
-    help="star, apb: anchor tokens (default: the block size for star, a quarter of it for apb).")]
-SinkSize = Annotated[Optional[int], typer.Option(
-    envvar="STARQA_SINK_SIZE", help="pulsar: tokens of the sink (default 64).")]
-Heuristic = Annotated[Optional[str], typer.Option(
-    envvar="STARQA_HEURISTIC",
-    help="pulsar: chunk scoring, max-idf (default), tfidf, bm25, entropy or even.")]
-SummaryBudget = Annotated[Optional[float], typer.Option(
-    envvar="STARQA_SUMMARY_BUDGET",
-    help="pulsar: summary size as a fraction of the block (default 0.125).")]
-ChunkSize = Annotated[Optional[int], typer.Option(
-    envvar="STARQA_CHUNK_SIZE", help="pulsar: tokens per scored chunk (default 32).")]
-Positions = Annotated[Optional[str], typer.Option(
-    envvar="STARQA_POSITIONS", help="pulsar: sparse (default: original positions) or contiguous.")]
-PassingSize = Annotated[Optional[int], typer.Option(
-    envvar="STARQA_PASSING_SIZE",
-    help="apb: compressed tokens each block passes on, per layer and KV head "
-         "(default: an eighth of the block).")]
-ProbeWindow = Annotated[Optional[int], typer.Option(
-    envvar="STARQA_PROBE_WINDOW",
-    help="apb: the block's last tokens whose queries score what to pass (default 64).")]
-
-
-# top-k attention (ask, chat, serve, eval; ingest: --index)
-Attention = Annotated[str, typer.Option(
-    envvar="STARQA_ATTENTION",
-    help="Phase 2 attention: exact (every key) or topk (each query row attends to its k "
-         "keys with the largest inner product, from a vector index; no sources).")]
-TopKOpt = Annotated[Optional[str], typer.Option(
-    "--top-k", envvar="STARQA_TOP_K",
-    help="topk: keys per query row and worker, a count (512) or a percentage of the "
-         "context (1%, the default).")]
-TopKSchedule = Annotated[Optional[str], typer.Option(
-    "--top-k-schedule", envvar="STARQA_TOP_K_SCHEDULE",
-    help="topk: uniform (k in every layer, the default) or linear (k grows with depth, "
-         "the same total).")]
-IndexKind = Annotated[Optional[str], typer.Option(
-    "--index", envvar="STARQA_INDEX",
-    help="topk: flat (exact matmul + top-k over the keys in memory, the default), ivf or "
-         "hnsw (faiss indexes next to the shards, built on first use).")]
-TopKPrefill = Annotated[Optional[str], typer.Option(
-    "--top-k-prefill", envvar="STARQA_TOP_K_PREFILL",
-    help="topk: how the question's own forward attends: exact (every key, as the paper "
-         "does; the default) or topk (its k keys per row, like the answer's tokens: a "
-         "sooner first token on a huge context).")]
-TopKTail = Annotated[Optional[str], typer.Option(
-    "--top-k-tail", envvar="STARQA_TOP_K_TAIL",
-    help="topk with --index ivf: lists (the default) counts the keys a row did not retrieve "
-         "by their lists' centres and mean values, so the softmax misses no list's weight; "
-         "none drops them (the paper's top-k).")]
-KvOnDisk = Annotated[bool, typer.Option(
-    "--kv-on-disk", envvar="STARQA_KV_ON_DISK",
-    help="topk: keep values (and ivf/hnsw keys) memory-mapped from the cache and read only "
-         "the rows selected.")]
-
-
-def _topk(attention: str, top_k, schedule, index, kv_on_disk, prefill, tail):
-    from starqa.topk.indexes import topk_settings
-
-    return topk_settings(attention, top_k, schedule, index, kv_on_disk, prefill, tail)
-
-
-def _topk_list(attention: str, top_k, schedule, index, prefill, tail) -> tuple:
-    """`starqa eval`'s top-k settings, one per comma-separated budget, prefill and tail
-    (none: exact only)."""
-    from starqa.topk.indexes import topk_settings
-
-    def listed(text):
-        return [None] if text is None else [b for b in text.split(",") if b.strip()] or [""]
-
-    found = [topk_settings(attention, b, schedule, index, prefill=p.strip() if p else p,
-                           tail=t.strip() if t else t)
-             for b in listed(top_k) for p in listed(prefill) for t in listed(tail)]
-    return tuple(dict.fromkeys(t for t in found if t is not None))
+# The options several commands share are defined once, in starqa.cli.options.
 
 
 def _name(name: str | None) -> str | None:
@@ -215,14 +116,9 @@ def ingest(
 ) -> None:
     """Pack files into one context and encode it into cached KV shards (Phase 1)."""
     from starqa import engine
-    from starqa.core.errors import StarqaError
-    from starqa.cli.ui import RichUI, as_text, ingest_report
+    from starqa.cli.ui import as_text
 
-    if watch and nnodes > 1:
-        raise StarqaError("--watch re-ingests on this machine; it cannot run across machines.",
-                          hint="drop --nnodes, or drop --watch")
-
-    opts = engine.IngestOptions(
+    _ingest(engine.IngestOptions(
         paths=tuple(paths), model=model, method=method, block_size=block_size,
         anchor_size=anchor_size, workers=workers, name=name, dtype=dtype,
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
@@ -230,16 +126,28 @@ def ingest(
         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device, encode_in=encode_in,
         oversubscribe=oversubscribe,
         command=_rerunnable("starqa " + shlex.join(a for a in sys.argv[1:] if a != "--watch")),
-        method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
-                "chunk": chunk_size, "positions": positions, "passing": passing_size,
-                "window": probe_window, "question": as_text(question)})
+        method_params={**method_params(sink_size, heuristic, summary_budget, chunk_size,
+                                       positions, passing_size, probe_window),
+                       "question": as_text(question)}), watch)
+
+
+def _ingest(opts, watch: bool) -> None:
+    """`starqa ingest` with its options parsed: Phase 1 on screen, its report, a warm group
+    of the context handed over to the new version; then, with --watch, the watching."""
+    from dataclasses import replace
+
+    from starqa import engine
+    from starqa.core.errors import StarqaError
+    from starqa.cli.ui import RichUI, ingest_report
+
+    if watch and opts.nnodes > 1:
+        raise StarqaError("--watch re-ingests on this machine; it cannot run across machines.",
+                          hint="drop --nnodes, or drop --watch")
     with RichUI() as ui:
         result = engine.ingest(opts, ui)
     ingest_report(result)
     _hand_over(result)
     if watch:
-        from dataclasses import replace
-
         _watch(replace(opts, force=False), result)
 
 
@@ -301,7 +209,7 @@ def ask(
     rdzv_endpoint: Rdzv = None,
     device: Device = "auto",
     weights: Weights = None,
-    keepalive: KeepAlive = 300.0,
+    keepalive: KeepAlive = DEFAULT_KEEPALIVE,
     attention: Attention = "exact",
     top_k: TopKOpt = None,
     top_k_schedule: TopKSchedule = None,
@@ -325,8 +233,8 @@ def ask(
                              nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                              device=device, warm=not cold, weights=weights,
                              keepalive=keepalive,
-                             topk=_topk(attention, top_k, top_k_schedule, index, kv_on_disk,
-                                       top_k_prefill, top_k_tail))
+                             topk=one_topk(TopKChoice(attention, top_k, top_k_schedule, index,
+                                                      kv_on_disk, top_k_prefill, top_k_tail)))
     with RichUI(stream=not as_json) as ui:
         answer = engine.ask(opts, ui, headstart.take())
     if as_json:
@@ -337,9 +245,6 @@ def ask(
 
 # ---------------------------------------------------------------------------------------
 # cache management
-
-AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
-
 
 @app.command("list")
 def list_(as_json: AsJson = False) -> None:
@@ -442,40 +347,23 @@ def cache(
     from an incompatible starqa."""
     from starqa.core import paths
     from starqa.cache import store
+    from starqa.native import kernels
 
     usage = store.cache_usage(paths.models_dir(), paths.contexts_dir())
     cleaned = None
     if clean:
         cleaned = store.clean_leftovers(usage.leftovers, paths.contexts_dir())
         usage = store.cache_usage(paths.models_dir(), paths.contexts_dir())
+    found = kernels.require()
     if as_json:
+        built = {"state": found.state, "path": found.path and str(found.path),
+                 "detail": found.detail}
         print(json.dumps({"home": str(paths.home()), **usage.as_dict(),
-                          "cleaned_bytes": cleaned}, indent=1))
+                          "cleaned_bytes": cleaned, "kernels": built}, indent=1))
         return
     from starqa.cli.ui import cache_report
 
-    cache_report(paths.home(), usage, cleaned)
-
-
-def _seconds(value: float) -> float:
-    """--keep-alive's check: NaN compares as neither positive nor negative, and left a
-    warm group that never exits, listed as "never"."""
-    if value != value:
-        raise typer.BadParameter("nan is not a number of seconds (a negative value: never)")
-    return value
-
-
-KeepAlive = Annotated[float, typer.Option(
-    "--keep-alive", envvar="STARQA_KEEP_ALIVE", callback=_seconds,
-    help="Seconds without a question before warm workers exit; a negative value: never "
-         "(until `starqa stop`). ask: 0 leaves no warm group; chat: 0 stops it when the chat "
-         "ends; serve: 0, never.")]
-Weights = Annotated[Optional[str], typer.Option(
-    "--weights", envvar="STARQA_WEIGHTS",
-    help="Phase 2 weights: dense (the cache's dtype), int8 or int4 (weight-only, CPU) "
-         "(default: int4 for the embedded models on CPU, else dense).")]
-ContextArg = Annotated[Optional[str], typer.Argument(
-    envvar="STARQA_CONTEXT", help="Context name or key (default: the one used last).")]
+    cache_report(paths.home(), usage, cleaned, found)
 
 
 @app.command()
@@ -483,7 +371,7 @@ def serve(
     context: ContextArg = None,
     model: Model = None,
     workers: Workers = None,
-    keepalive: KeepAlive = 300.0,
+    keepalive: KeepAlive = DEFAULT_KEEPALIVE,
     device: Device = "auto",
     weights: Weights = None,
     attention: Attention = "exact",
@@ -496,9 +384,12 @@ def serve(
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
     rdzv_endpoint: Rdzv = None,
+    http: HttpAddress = None,
+    api_key: ApiKey = None,
 ) -> None:
     """Keep a worker group warm for a context; `ask` and `chat` use it while it runs (across
-    machines: on the query host, the machine of the last node rank)."""
+    machines: on the query host, the machine of the last node rank). With --http, serve every
+    context through the OpenAI chat API instead."""
 
     def ready(info: dict) -> None:
         from starqa.cli.ui import err, safe
@@ -521,6 +412,9 @@ def serve(
     # and exits 143, the code of a process ended by SIGTERM (Ctrl-C's is 130); from the
     # first import on, so a SIGTERM while loading exits 143 as well.
     with _sigterm_exits(143):
+        if http is not None:
+            _serve_http(http, api_key, workers, keepalive)
+            return
         from starqa import engine
         from starqa.cli.ui import RichUI
 
@@ -528,11 +422,34 @@ def serve(
             engine.serve(engine.ServeOptions(context=context, model=model, workers=workers,
                                              keepalive=keepalive, device=device,
                                              weights=weights,
-                                             topk=_topk(attention, top_k, top_k_schedule,
-                                                        index, kv_on_disk, top_k_prefill,
-                                                        top_k_tail),
+                                             topk=one_topk(TopKChoice(
+                                                 attention, top_k, top_k_schedule, index,
+                                                 kv_on_disk, top_k_prefill, top_k_tail)),
                                              nnodes=nnodes, node_rank=node_rank,
                                              rdzv_endpoint=rdzv_endpoint), ui, ready)
+
+
+def _serve_http(address: str, api_key: str | None, workers: int | None,
+                keepalive: float) -> None:
+    """`serve --http`: the OpenAI-compatible server (starqa.servers.http) until Ctrl-C."""
+    from starqa.cli.ui import err, safe
+    from starqa.servers import http
+
+    http.serve(address, api_key, workers, keepalive, on_ready=lambda url: err.print(
+        f"Serving the OpenAI chat API at {safe(url)}: every context is a model "
+        "(GET /v1/models). Ctrl-C ends it."))
+
+
+@app.command("mcp")
+def mcp_(
+    workers: Workers = None,
+    keepalive: KeepAlive = DEFAULT_KEEPALIVE,
+) -> None:
+    """Serve MCP on stdin and stdout, for coding agents: the tools list_contexts, ingest and
+    ask (answers with their sources and timings), and each context as a resource."""
+    from starqa.servers import mcp
+
+    mcp.run(workers, keepalive)
 
 
 @contextlib.contextmanager
@@ -558,7 +475,7 @@ def _sigterm_exits(code: int):
 
 
 @app.command()
-def ps(as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+def ps(as_json: AsJson = False) -> None:
     """Show running worker groups."""
     from starqa.workers import client
     from starqa.cli.ui import groups_table
@@ -629,7 +546,7 @@ def stop(
 def chat(
     context: ContextArg = None,
     workers: Workers = None,
-    keepalive: KeepAlive = 300.0,
+    keepalive: KeepAlive = DEFAULT_KEEPALIVE,
     max_new_tokens: MaxNewTokens = 256,
     attention: Attention = "exact",
     top_k: TopKOpt = None,
@@ -643,8 +560,8 @@ def chat(
     from starqa.cli.repl import Chat
 
     code = Chat(context, workers, keepalive, max_new_tokens,
-                _topk(attention, top_k, top_k_schedule, index, kv_on_disk, top_k_prefill,
-                      top_k_tail)).run()
+                one_topk(TopKChoice(attention, top_k, top_k_schedule, index, kv_on_disk,
+                                    top_k_prefill, top_k_tail))).run()
     if code:  # a question or command of a script failed (each said why as it did)
         raise typer.Exit(code)
 
@@ -683,16 +600,13 @@ def bench(
     methods: Annotated[Optional[str], typer.Option(
         envvar="STARQA_BENCH_METHODS",
         help="Methods, comma-separated (default: every method).")] = None,
-    lengths: Annotated[str, typer.Option(
-        envvar="STARQA_BENCH_LENGTHS",
-        help="Context lengths in tokens, comma-separated; k = 1,024. May pass the model's "
-             "window (timing only).")] = "2k,4k,8k,16k,32k",
+    lengths: BenchLengths = "2k,4k,8k,16k,32k",
     workers: Annotated[str, typer.Option(
         "--workers", "-w", envvar="STARQA_BENCH_WORKERS",
         help="Worker counts, comma-separated (simulated hosts; may outnumber the cores).")
     ] = "1,2,4",
     model: Model = None,
-    dtype: Annotated[Optional[str], typer.Option(envvar="STARQA_DTYPE", help=DTYPE_HELP)] = None,
+    dtype: Dtype = None,
     new_tokens: Annotated[int, typer.Option(
         envvar="STARQA_BENCH_NEW_TOKENS",
         help="Tokens generated per run, for time to first token and per-token latency.")] = 16,
@@ -700,18 +614,10 @@ def bench(
         "--json", envvar="STARQA_BENCH_JSON",
         help="Also write every measurement (per worker) to this JSON file.")] = None,
     device: Device = "auto",
-    top_k: Annotated[Optional[str], typer.Option(
-        "--top-k", envvar="STARQA_TOP_K",
-        help="Also run Phase 2 with top-k attention of this budget (a count or a percentage "
-             "of the context, e.g. 1%) for each --index kind, against exact.")] = None,
-    index: Annotated[str, typer.Option(
-        "--index", envvar="STARQA_BENCH_INDEX",
-        help="With --top-k: index kinds, comma-separated.")] = "flat,ivf,hnsw",
+    top_k: TopKOpt = None,
+    index: IndexKind = None,
     top_k_schedule: TopKSchedule = None,
-    kv_on_disk: Annotated[bool, typer.Option(
-        "--kv-on-disk", envvar="STARQA_KV_ON_DISK",
-        help="With --top-k: each kind also with values memory-mapped from the cache.")
-    ] = False,
+    kv_on_disk: KvOnDisk = False,
     top_k_prefill: TopKPrefill = None,
     top_k_tail: TopKTail = None,
     rounds: Annotated[int, typer.Option(
@@ -722,16 +628,26 @@ def bench(
     """Measure Phase 1 and Phase 2 of each method side by side on synthetic contexts.
 
     Phase 1 wall time, tokens/s, critical-path and total FLOPs, peak memory per worker,
-    bytes communicated, shard size; Phase 2 time to first token and per-token latency."""
+    bytes communicated, shard size; Phase 2 time to first token and per-token latency
+    (with --top-k, also of top-k attention against exact on the same context)."""
+    from starqa.measure import bench as bench_mod
+
+    topk = compared(TopKChoice(top_k=top_k, schedule=top_k_schedule, index=index,
+                               kv_on_disk=kv_on_disk, prefill=top_k_prefill, tail=top_k_tail))
+    _bench(bench_mod.options(methods, lengths, workers, model=model, dtype=dtype,
+                             new_tokens=new_tokens, device=device, topk=topk, rounds=rounds),
+           json_path)
+
+
+def _bench(opts, json_path: str | None) -> None:
+    """`starqa bench` with its options parsed: what it will run, the runs (a line each),
+    the table, and the JSON file written after each run."""
     from pathlib import Path
 
     from starqa.measure import bench as bench_mod
     from starqa.cli.ui import RichUI, bench_notes, bench_table, err, safe
 
-    opts = bench_mod.options(methods, lengths, workers, model, dtype, new_tokens, device, top_k,
-                             index, top_k_schedule, kv_on_disk, top_k_prefill, rounds,
-                             top_k_tail)
-    _fetch_model(model)
+    _fetch_model(opts.model)
     plan = bench_mod.make_plan(opts)
     bench_notes(plan)
     result = bench_mod.run(plan, json_path=Path(json_path) if json_path else None,
@@ -752,13 +668,10 @@ def eval_(
         envvar="STARQA_EVAL_TASKS",
         help="Comma-separated tasks or groups (default: all): niah_single_1..3, "
              "niah_multikey_1..3, niah_multivalue, niah_multiquery, niah_files_1..2 (group: "
-             "niah), vt, cwe, "
-             "fwe, qa; with --edit: edit_changed, edit_unchanged (group: edit).")] = None,
-    lengths: Annotated[Optional[str], typer.Option(
-        envvar="STARQA_EVAL_LENGTHS",
-        help="Comma-separated sample lengths in tokens, context + question + answer, e.g. "
-             "1k,2k,4k or 1500; 1k = 1,024 (default: 1k doubling up to the model's "
-             "window).")] = None,
+             "niah), vt, cwe, fwe, qa, repo_qa (questions about an installed package's code: "
+             "$STARQA_EVAL_PACKAGE, default typer); with --edit: edit_changed, edit_unchanged "
+             "(group: edit).")] = None,
+    lengths: EvalLengths = None,
     samples: Annotated[int, typer.Option(
         "--samples", "-n", envvar="STARQA_EVAL_SAMPLES", min=1,
         help="Samples per task and length.")] = 4,
@@ -780,20 +693,11 @@ def eval_(
     passing_size: PassingSize = None,
     probe_window: ProbeWindow = None,
     attention: Attention = "exact",
-    top_k: Annotated[Optional[str], typer.Option(
-        "--top-k", envvar="STARQA_TOP_K",
-        help="topk: comma-separated budgets, each a count or a percentage of the context "
-             "(e.g. 0.5%,1%,2%; default 1%); every method also runs with each.")] = None,
+    top_k: TopKOpt = None,
     top_k_schedule: TopKSchedule = None,
     index: IndexKind = None,
-    top_k_prefill: Annotated[Optional[str], typer.Option(
-        "--top-k-prefill", envvar="STARQA_TOP_K_PREFILL",
-        help="topk: how the question's forward attends, exact (the default) or topk; "
-             "comma-separated, each runs (exact,topk).")] = None,
-    top_k_tail: Annotated[Optional[str], typer.Option(
-        "--top-k-tail", envvar="STARQA_TOP_K_TAIL",
-        help="topk with --index ivf: lists (the default) or none; comma-separated, each "
-             "runs (lists,none).")] = None,
+    top_k_prefill: TopKPrefill = None,
+    top_k_tail: TopKTail = None,
     edit: Annotated[bool, typer.Option(
         "--edit", envvar="STARQA_EVAL_EDIT",
         help="Measure incremental re-ingest: a haystack of files is ingested, one file "
@@ -803,23 +707,28 @@ def eval_(
     """Measure each method's accuracy, and its retention of dense accuracy, on generated
     long-context tasks (RULER-style: needles, variable tracking, word extraction, and
     questions over samples/), all in this process, offline and reproducible from --seed."""
+    from starqa.measure.evals import runner
+
+    topk = topk_runs(TopKChoice(attention, top_k, top_k_schedule, index,
+                                prefill=top_k_prefill, tail=top_k_tail))
+    _eval(runner.EvalOptions(
+        model=model, methods=methods, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
+        json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
+        anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]), topk=topk,
+        edit=edit, method_params=method_params(sink_size, heuristic, summary_budget, chunk_size,
+                                               positions, passing_size, probe_window)))
+
+
+def _eval(opts) -> None:
+    """`starqa eval` with its options parsed: the plan on screen, the run with its progress
+    (`kill` ends it as Ctrl-C does, and the JSON says so), the table and where the results
+    are; an interrupted run exits 130."""
     from starqa.cli import eval_report as report
     from starqa.measure.evals import runner
 
-    opts = runner.EvalOptions(
-        model=model, methods=methods, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
-        json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
-        anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]),
-        topk=_topk_list(attention, top_k, top_k_schedule, index, top_k_prefill, top_k_tail),
-        edit=edit,
-        method_params={"sink": sink_size, "heuristic": heuristic, "budget_frac": summary_budget,
-                       "chunk": chunk_size, "positions": positions, "passing": passing_size,
-                       "window": probe_window})
-    _fetch_model(model)
+    _fetch_model(opts.model)
     plan = runner.plan(opts)
     report.plan_report(plan)
-
-    # `kill` ends the run like Ctrl-C: the JSON says so
     with _sigterm_interrupts(), report.RichProgress() as progress:
         results = runner.run(plan, progress)
     report.results_table(results)

@@ -2,11 +2,13 @@
 
 Progress and reports go to stderr; the answer alone goes to stdout, so `starqa ask ... >
 answer.txt` captures just the answer. `list`, `info`, `rm` and `cache` print their result
-to stdout.
+to stdout. Every command that draws progress (ask, ingest, chat, ...), and `info` and
+`cache`, first warns where starqa's compiled kernels are missing or stale.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from contextlib import contextmanager
@@ -34,6 +36,7 @@ from starqa.launchers.ingest import IngestResult
 from starqa.cache.manifest import Manifest
 from starqa.methods import MethodConfig
 from starqa.core.progress import UI
+from starqa.native import kernels
 
 MIN_WIDTH = 20  # columns: words stay whole on the narrowest terminal (the terminal wraps)
 
@@ -165,6 +168,7 @@ class RichUI(UI):
         self._write = stream_writer() if stream else None
 
     def __enter__(self):
+        kernels_warning()
         return self
 
     def __exit__(self, *exc):
@@ -229,6 +233,17 @@ class RichUI(UI):
         self._stop_status()
         if self._write is not None and text:
             self._write(text)
+
+
+@functools.cache
+def kernels_warning() -> None:
+    """Where starqa's compiled kernels are missing or stale (`kernels.status`): a warning on
+    stderr with the fix to paste, once per process (the answers are right, only slower);
+    STARQA_REQUIRE_KERNELS=1 raises the error instead."""
+    found = kernels.require()
+    if not found.ok:
+        err.print(f"[yellow]warning:[/] {safe(found.message())}", soft_wrap=True)
+        err.print(f"[yellow]hint:[/] {safe(found.hint())}", soft_wrap=True)
 
 
 def print_sources(sources: list[dict] | None, limit: int = 3) -> None:
@@ -429,7 +444,10 @@ def context_list(summaries: list[dict], now: float, damaged: list[dict] = (),
 
 
 def context_info(manifest: Manifest, summary: dict, now: float) -> None:
-    """Everything useful in a context's manifest: identity, model, method, blocks, files."""
+    """Everything useful in a context's manifest: identity, model, method, blocks, files
+    (after a warning where the compiled kernels that would answer from it are missing or
+    stale)."""
+    kernels_warning()
     m, model, run = manifest, manifest.model, manifest.ingest
     model_text = (f"{model.name} (digest {model.digest[:12]}, window {model.window:,}, "
                   f"from {model.spec})")
@@ -494,8 +512,11 @@ def removed_report(removed: list[tuple[Manifest | store.Damaged, int]]) -> None:
         out.print(f"Removed {len(removed)} contexts, freed {_size(sum(f for _, f in removed))}")
 
 
-def cache_report(home: Path, usage: store.CacheUsage, cleaned: int | None) -> None:
-    """Where the cache lives, what takes its space, and leftovers of interrupted work."""
+def cache_report(home: Path, usage: store.CacheUsage, cleaned: int | None,
+                 found: kernels.KernelStatus) -> None:
+    """Where the cache lives, what takes its space, leftovers of interrupted work, and
+    whether the compiled kernels are here (`found`; a warning where not)."""
+    kernels_warning()
     out.print(f"Cache at {safe(str(home))}")
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
@@ -510,6 +531,8 @@ def cache_report(home: Path, usage: store.CacheUsage, cleaned: int | None) -> No
                       f"{len(usage.leftovers)} folder{'s' * (len(usage.leftovers) > 1)}, "
                       f"{len(stale)} removable with --clean")
     facts.add_row("total", _size(usage.total_bytes), "")
+    facts.add_row("kernels", found.state if found.ok else f"[yellow]{found.state}[/]",
+                  safe(found.path or ""))
     out.print(facts)
     for x in usage.leftovers:
         out.print(f"  {safe(x.path.name)}  {_size(x.bytes)}  {safe(x.state)}")

@@ -41,6 +41,7 @@ from starqa.models import cuda_available
 from starqa.models.prepared import (W8A8_MIN_ROWS_TILES, DecoderConfig, installed_torch_version,
     prepared_file, prepared_stamp)
 from starqa.cache.shards import verify_checksums
+from starqa.runtime.protocol import AskJob, Event, Job, Token
 
 
 @dataclass
@@ -82,38 +83,38 @@ class _Model:
         return _Linear(self.arrays[f"{prefix}.weight"], self.arrays.get(f"{prefix}.bias"))
 
 
-def applies(job: dict) -> bool:
+def applies(job: Job) -> bool:
     """Whether the job is a question this module can start (the rest is `prefill`'s to
     check: the files)."""
     library = kernels.library()
     return (os.environ.get("STARQA_FIRST_TOKEN", "1") != "0" and library is not None
-            and kernels.int4_fast() and job.get("phase") == "ask" and not job.get("topk")
-            and job.get("weights") == "int4" and job.get("dtype") == "bfloat16"
-            and job.get("device", "auto") in ("auto", "cpu") and not _gpu_device(job)
-            and 0 < len(job.get("query_ids") or ()) < W8A8_MIN_ROWS_TILES)
+            and kernels.int4_fast() and isinstance(job, AskJob) and not job.topk
+            and job.weights == "int4" and job.dtype == "bfloat16"
+            and job.device in ("auto", "cpu") and not _gpu_device(job)
+            and 0 < len(job.query_ids) < W8A8_MIN_ROWS_TILES)
 
 
-def _gpu_device(job: dict) -> bool:
-    return job.get("device", "auto") != "cpu" and cuda_available()
+def _gpu_device(job: AskJob) -> bool:
+    return job.device != "cpu" and cuda_available()
 
 
-def prefill(job: dict, emit: Callable[..., None], threads: int | None = None
+def prefill(job: Job, emit: Callable[[Event], None], threads: int | None = None
             ) -> Prefill | None:
     """Run the question's forward for `job` (a head start's ask) on `threads` threads
-    (default `kernels.cpu_threads()`) and `emit("token", id=...)` its first token unless
-    that is a stop token; None (nothing emitted) where this path does not apply or the
-    prepared weights are not there yet. Errors in the context's files (a corrupt shard)
-    raise what the torch path would."""
+    (default `kernels.cpu_threads()`) and `emit(Token(...))` its first token unless that is
+    a stop token; None (nothing emitted) where this path does not apply or the prepared
+    weights are not there yet. Errors in the context's files (a corrupt shard) raise what
+    the torch path would."""
     if not applies(job):
         return None
-    manifest = read_manifest(Path(job["context_dir"]))
-    model = _load_model(Path(job["model_path"]))
+    manifest = read_manifest(Path(job.context_dir))
+    model = _load_model(Path(job.model_path))
     if model is None:
         return None
-    result = _forward(model, _shard_tables(manifest, model.config), list(job["query_ids"]),
+    result = _forward(model, _shard_tables(manifest, model.config), list(job.query_ids),
                       manifest.query_position, threads or kernels.cpu_threads())
-    if result.token not in set(job["stop_ids"]):
-        emit("token", id=result.token)
+    if result.token not in set(job.stop_ids):
+        emit(Token(id=result.token))
         result.emitted = [result.token]
     return result
 
@@ -169,9 +170,9 @@ def _forward(model: _Model, tables: Sequence[kernels.KeyTable], ids: list[int], 
 
     def linear(x: np.ndarray, lin: _Linear) -> np.ndarray:
         y = np.empty((x.shape[0], lin.outputs), dtype=np.uint16)
-        code = library.starqa_int4_mm(1, x.ctypes.data, x.shape[0], x.shape[1],
-                                      lin.tiles.ctypes.data, lin.outputs, 1, y.ctypes.data, 1,
-                                      threads)
+        code = library.starqa_int4_mm(kernels.starqa_int4_args(
+            1, x.ctypes.data, x.shape[0], x.shape[1], lin.tiles.ctypes.data, lin.outputs, 1,
+            y.ctypes.data, 1, threads))
         if code:
             raise MemoryError() if code == 2 else ValueError("int4 kernel: impossible shapes")
         if lin.bias is not None:
@@ -184,8 +185,9 @@ def _forward(model: _Model, tables: Sequence[kernels.KeyTable], ids: list[int], 
                                 c.eps, y.ctypes.data)
         return y
 
-    def address(lin: _Linear) -> tuple[int, int | None]:
-        return lin.tiles.ctypes.data, None if lin.bias is None else lin.bias.ctypes.data
+    def address(lin: _Linear) -> kernels.starqa_linear:
+        bias = None if lin.bias is None else lin.bias.ctypes.data
+        return kernels.starqa_linear(lin.tiles.ctypes.data, bias)
 
     def check(code: int) -> None:
         if code:
@@ -201,12 +203,12 @@ def _forward(model: _Model, tables: Sequence[kernels.KeyTable], ids: list[int], 
     for layer in range(c.layers):
         prefix = f"{layer}."
         # the layer before its attention, one call (starqa/native/_layer.c, as Decoder.forward)
-        tiles, bias = address(model.linear(prefix + "qkv"))
         qkv = np.empty((m, heads + 2 * kv, d), dtype=np.uint16)
-        check(library.starqa_layer_before(
+        check(library.starqa_layer_before(kernels.starqa_before_args(
             1, hidden.ctypes.data, m, hidden.shape[1],
-            model.arrays[prefix + "attn_norm"].ctypes.data, c.eps, tiles, qkv.shape[1] * d,
-            bias, heads + kv, d, cos.ctypes.data, sin.ctypes.data, qkv.ctypes.data, threads))
+            model.arrays[prefix + "attn_norm"].ctypes.data, c.eps,
+            address(model.linear(prefix + "qkv")), qkv.shape[1] * d, heads + kv, d,
+            cos.ctypes.data, sin.ctypes.data, qkv.ctypes.data, threads)))
         key = np.ascontiguousarray(qkv[:, heads:heads + kv].transpose(1, 0, 2))  # [Hkv, M, D]
         value = np.ascontiguousarray(qkv[:, heads + kv:].transpose(1, 0, 2))
         # query heads of a KV head as rows (attention.fold_gqa): [Hkv, G M, D]
@@ -216,20 +218,19 @@ def _forward(model: _Model, tables: Sequence[kernels.KeyTable], ids: list[int], 
         out = np.empty((kv, group * m, d), dtype=np.float32)
         lse = np.empty((kv, group * m), dtype=np.float32)
         own = (key.ctypes.data, value.ctypes.data, m, m * d, m * d)
-        code = tables[layer].attend(True, q.ctypes.data, kv, group * m, d, out.ctypes.data,
-                                    lse.ctypes.data, d**-0.5, own, m, threads)
+        code = tables[layer].attend(
+            True, kernels.starqa_queries(q.ctypes.data, kv, group * m, d),
+            kernels.starqa_outputs(d**-0.5, out.ctypes.data, lse.ctypes.data), own, m, threads)
         if code:
             raise MemoryError() if code == 2 else ValueError("attention kernel: shapes")
         attended = _narrow(out.reshape(heads, m, d).transpose(1, 0, 2).reshape(m, heads * d))
         # the layer after it, one call
-        out_tiles, out_bias = address(model.linear(prefix + "out"))
         gate_up = model.linear(prefix + "gate_up")
-        up_tiles, up_bias = address(gate_up)
-        down_tiles, down_bias = address(model.linear(prefix + "down"))
-        check(library.starqa_layer_after(
+        check(library.starqa_layer_after(kernels.starqa_after_args(
             1, hidden.ctypes.data, m, hidden.shape[1], attended.ctypes.data, attended.shape[1],
-            out_tiles, out_bias, model.arrays[prefix + "mlp_norm"].ctypes.data, c.eps, up_tiles,
-            gate_up.outputs // 2, up_bias, down_tiles, down_bias, threads))
+            address(model.linear(prefix + "out")), model.arrays[prefix + "mlp_norm"].ctypes.data,
+            c.eps, address(gate_up), gate_up.outputs // 2,
+            address(model.linear(prefix + "down")), threads)))
         keys.append(key), values.append(value)
         queries.append(folded.reshape(kv, group, m, d)), lses.append(lse.reshape(kv, group, m))
     last = norm(np.ascontiguousarray(hidden[-1:]), model.norm)

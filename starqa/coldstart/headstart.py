@@ -8,13 +8,14 @@ point (`starqa.__main__`) forks this process first, before anything but the stan
 is imported, when the command is an `ask` that no warm group will answer: the child imports
 torch and Phase 2 on the other core while the parent does its part, then waits for its job.
 `ask` takes it (`take`), hands it the job (`HeadStart.run`) and reads the event lines a
-torchrun rank writes (`starqa.workers.worker.run_job`, the same Phase 2 path as every other way in).
+torchrun rank writes (`starqa.workers.worker.run_job`, the same Phase 2 path as every other way
+in; the job and the events are `starqa.runtime.protocol`'s, the job one line on a pipe).
 An ask that ends any other way (a warm group answered, more than one worker, an error,
 `--help`) lets go of it (`discard`, also at exit): the child sees its job pipe close and
 exits without a word.
 
 Once it has answered an ask with a keep-alive, the child goes on as the context's warm group
-(`_serve_on`: `starqa.launchers.ask.serve` with the model and shard it holds), in a session of its
+(`_serve_on`: `starqa.launchers.serve.serve` with the model and shard it holds), in a session of its
 own, instead of the command starting `starqa serve` to load them again. Until then it never
 outlives the command: the kernel kills it when the parent dies (even by SIGKILL), and
 Ctrl-C interrupts it as it does the command (what it prints goes to the pipe, which the
@@ -31,6 +32,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used: this module loads before all but the standard library
+    from starqa.runtime.protocol import AskJob, Event, ThenServe
 
 _pending: HeadStart | None = None
 GRACE_S = 5.0  # seconds an interrupted child has to finish its cleanup
@@ -46,26 +51,27 @@ class HeadStart:
         self._out = os.fdopen(out_fd, "r", errors="replace")
         self.serving = False  # the child went on as the context's warm group
 
-    def run(self, job: dict, on_event: Callable[[dict], None]) -> None:
-        """Run `job` (a worker job, `starqa.runtime.launch.run_workers`'s kind) on the child: calls
-        `on_event` for each event, in order; raises what the worker failed with. A job
-        with "then_serve" (the ask's keep-alive, weights, workers and attention) has the
-        child, once it has answered, go on as the context's warm group (`serving`), in its
-        own session, with the model and shard it has loaded: nothing to start again."""
+    def run(self, job: AskJob, on_event: Callable[[Event], None]) -> None:
+        """Run `job` on the child: calls `on_event` for each event, in order; raises what the
+        worker failed with. A job with `then_serve` (the ask's keep-alive, weights, workers
+        and attention) has the child, once it has answered, go on as the context's warm
+        group (`serving`), in its own session, with the model and shard it has loaded:
+        nothing to start again."""
         import collections
 
         from starqa.runtime.launch import check_outcome, follow
+        from starqa.runtime.protocol import Serving, encode_job
 
         tail: collections.deque[str] = collections.deque(maxlen=200)
 
-        def seen(event: dict) -> None:
-            if event["event"] == "serving":
+        def seen(event: Event) -> None:
+            if isinstance(event, Serving):
                 self.serving = True
             else:
                 on_event(event)
 
         try:
-            self._job.write(json.dumps(job) + "\n")
+            self._job.write(encode_job(job) + "\n")
             self._job.close()
             errors = follow(self._out, seen, tail)
             # a child that serves on has let go of the pipe; it is no longer this command's
@@ -193,9 +199,9 @@ def _groups_running() -> bool:
     return False
 
 
-def _serve_on(settings: dict, job: dict) -> Callable:
+def _serve_on(settings: ThenServe, job: AskJob) -> Callable:
     """What the child does once it has answered an ask whose keep-alive leaves a warm group:
-    it becomes that group (`starqa.launchers.ask.serve`, with the Answerer it holds), as `starqa
+    it becomes that group (`starqa.launchers.serve.serve`, with the Answerer it holds), as `starqa
     serve` would have been started to (`starqa.workers.client.spawn`, which loads the model and
     shard again: a second of CPU, during which the next question was cold). Once the group
     listens and its run file is written, it tells the command so (which then ends: the next
@@ -204,13 +210,15 @@ def _serve_on(settings: dict, job: dict) -> Callable:
     runs or starts for the context already, it just exits."""
 
     def serve_on(answerer) -> None:
-        from starqa.workers import client, worker
-        from starqa.launchers.ask import ServeOptions, serve
+        from starqa.workers import client
+        from starqa.launchers.serve import ServeOptions, serve
         from starqa.core.errors import StarqaError
+        from starqa.runtime.launch import parent_death_signal
+        from starqa.runtime.protocol import Serving, emit
         from starqa.topk.indexes import topk_of
         from starqa.cache.manifest import read_manifest
 
-        key = read_manifest(Path(job["context_dir"])).key
+        key = read_manifest(Path(job.context_dir)).key
         try:
             held = client.claim(key)
             if held is None or client.find(key) is not None:  # one runs or starts already
@@ -226,21 +234,19 @@ def _serve_on(settings: dict, job: dict) -> Callable:
 
         def ready(info: dict) -> None:
             detached.append(True)
-            worker.emit("serving", pid=os.getpid())
+            emit(Serving(pid=os.getpid()))
             sys.stdout.flush()
             sys.stderr.flush()
             os.setsid()  # Ctrl-C at the terminal is the command's, no longer this group's
-            worker.parent_death_signal(0)()
+            parent_death_signal(0)()
             os.dup2(log, 1)  # the pipe closes: the command's `follow` ends
             os.dup2(log, 2)
             os.close(log)
 
         try:
-            serve(ServeOptions(context=key, workers=settings.get("workers"),
-                               keepalive=settings["keepalive"],
-                               device=job.get("device", "auto"),
-                               weights=settings.get("weights"),
-                               topk=topk_of(settings.get("topk"))),
+            serve(ServeOptions(context=key, workers=settings.workers,
+                               keepalive=settings.keepalive, device=job.device,
+                               weights=settings.weights, topk=topk_of(settings.topk)),
                   on_ready=ready, answerer=answerer, claim=held)
         except Exception as err:
             if detached:
@@ -274,7 +280,7 @@ def _import_torch():
     return thread
 
 
-def _first_token(job: dict, firsttoken, emit, importing) -> object | None:
+def _first_token(job: AskJob, firsttoken, emit, importing) -> object | None:
     """starqa.coldstart.firsttoken's `prefill` of the job (the first token, streamed before torch is
     there), or None where it does not apply or failed: the torch path then answers from the
     start (and reports any error in the context's files as it would have). While torch is
@@ -302,7 +308,7 @@ def _child(parent: int, job_fd: int, out_fd: int) -> None:
     code = 1
     try:
         from starqa.core import gcpause
-        from starqa.workers.worker import parent_death_signal
+        from starqa.runtime.launch import parent_death_signal
 
         parent_death_signal(signal.SIGKILL)()
         if os.getppid() != parent:  # it died before the line above
@@ -319,6 +325,7 @@ def _child(parent: int, job_fd: int, out_fd: int) -> None:
         # Everything this thread imports, imported before torch starts on another: two
         # threads importing modules that import each other can deadlock.
         from starqa.coldstart import firsttoken
+        from starqa.runtime.protocol import decode_job, emit
         from starqa.workers import worker
 
         importing = _import_torch()  # the point: while the parent parses and tokenizes
@@ -326,13 +333,13 @@ def _child(parent: int, job_fd: int, out_fd: int) -> None:
         with os.fdopen(job_fd) as pipe:
             line = pipe.readline()
         if line:  # else the parent let go: nothing to do
-            job = json.loads(line)
-            early = _first_token(job, firsttoken, worker.emit, importing)
+            job = decode_job(line)
+            early = _first_token(job, firsttoken, emit, importing)
             importing.join()
             from starqa.runtime import dist
 
-            then = job.get("then_serve")
-            code = worker.run_job(job, dist.local_world(job.get("device", "auto")),
+            then = job.then_serve
+            code = worker.run_job(job, dist.local_world(job.device),
                                   after=_serve_on(then, job) if then else None,
                                   prefilled=early)
         else:

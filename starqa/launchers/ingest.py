@@ -15,26 +15,30 @@ import os
 import shlex
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from starqa.cache import blockstore, shards, store
-from starqa.topk import indexes
-from starqa import methods
-from starqa.reingest import packorder, reuse
-from starqa.core import paths, tensorfile
-from starqa.corpus import prompt
 from starqa import corpus as corpus_mod
+from starqa import methods
+from starqa.cache import blockstore, shards, store
+from starqa.cache.manifest import (FORMAT, IngestRun, Manifest, ModelIdentity, Placement,
+    Skipped, SourceFile, block_file, read_manifest)
+from starqa.core import paths, tensorfile
 from starqa.core.errors import StarqaError
+from starqa.core.progress import UI
+from starqa.corpus import prompt
+from starqa.methods import MethodConfig, method_config, plan_blocks, plan_file_blocks
+from starqa.reingest import packorder, reuse
 from starqa.reingest.incremental import adopt as adopt_blocks
 from starqa.reingest.incremental import keep as keep_blocks
 from starqa.reingest.incremental import rope
-from starqa.runtime.launch import default_workers, launch_of, run_workers
-from starqa.cache.manifest import (FORMAT, block_file, IngestRun, Manifest, ModelIdentity,
-    Placement, Skipped, SourceFile, read_manifest)
-from starqa.methods import method_config, plan_blocks, plan_file_blocks
-from starqa.core.progress import UI
 from starqa.reingest.reuse import Reuse
+from starqa.runtime.launch import PerRank, default_workers, launch_of, run_workers
+from starqa.runtime.protocol import (Block, Event, Hit, IndexBuilt, IndexJob, IngestJob, Placed,
+    Ready)
+from starqa.topk import indexes
 
 ENCODE_IN = ("auto", "process", "group")
 PLAN = "files-1"  # the block plan of `ingest` (methods.plan_file_blocks), in its cache key
@@ -86,12 +90,112 @@ class IngestResult:
     peak_bytes: list[int] = field(default_factory=list)  # per worker
     measures: list[dict] = field(default_factory=list)  # per worker, when measured (bench)
     reuse: Reuse | None = None  # what an ingest of a previously ingested source reused
+    prepare_seconds: float = 0.0  # Phase 2's weights prepared for the first ask (in `seconds`)
+
+
+@dataclass(frozen=True)
+class TokenIngestOptions:
+    """`ingest_tokens`' settings: the model (None: $STARQA_MODEL, else the default), the
+    method, workers, dtype and device as for `ingest`; `name`, the context's and its
+    stand-in file's. measure: the workers report time, FLOPs and bytes communicated
+    (IngestResult.measures). allow_over_window: a context longer than the model's window is
+    encoded anyway, for timing only, where answers do not matter; `ingest` never passes it
+    (users have --beyond-window, which says what it does)."""
+
+    model: str | None = None
+    method: str = methods.DEFAULT
+    workers: int | None = None
+    dtype: str | None = None
+    name: str = "tokens"
+    measure: bool = False
+    allow_over_window: bool = False
+    device: str = "auto"
+
+
+@dataclass(frozen=True)
+class Source:
+    """What an ingest encodes, as the launcher prepared it: its cache key, the token ids
+    (with each file's token span and line starts), the corpus they came from and its packed
+    spans, the model and the cache's dtype, the method's settings, the content's hash, the
+    query template the manifest records, and the block plan (None: fixed-size blocks)."""
+
+    key: str
+    tokens: prompt.ContextTokens
+    corpus: corpus_mod.Corpus
+    spans: Sequence[corpus_mod.FileSpan]
+    model: ModelIdentity
+    dtype: str
+    method: MethodConfig
+    content: str
+    query_template: dict | None = None
+    blocks: Sequence[tuple[int, int]] | None = None
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How `_encode` runs. measure: the workers report their numbers (bench); incremental:
+    the blocks the content-addressed store holds are linked in (or re-rotated) and only the
+    others encoded, in this process where a group would not pay for its start, and every
+    block then joins the store; lock_held: the caller holds the context's lock; hit_here:
+    across machines, this machine holds the context already."""
+
+    measure: bool = False
+    incremental: bool = False
+    lock_held: bool = False
+    hit_here: bool = False
+
+
+@dataclass(frozen=True)
+class Phase1Plan:
+    """What Phase 1 will do for one ingest, decided before anything is written: the blocks
+    and the method's prepared data; which blocks the store holds (`stored`: linked in,
+    re-rotated with `freqs`, or to encode); the previous version a re-ingest reports
+    against; whether the blocks to encode are encoded in this process (`local`) or on a
+    group of `workers` per machine; the staging folder; the top-k indexes to build."""
+
+    opts: IngestOptions
+    source: Source
+    mode: Mode
+    final: Path  # where the context is committed
+    blocks: Sequence[tuple[int, int]]
+    prepared: dict | None  # the method's `prepare` result (pulsar: the summaries)
+    store: Path  # the content-addressed block store (blockstore.store_dir)
+    freqs: Any  # RoPE frequencies for re-rotating stored blocks; None: no re-rotation
+    stored: reuse.Plan
+    previous: Manifest | None
+    local: bool
+    workers: int
+    staging: Path
+    index: IndexJob | None
+
+    @property
+    def todo(self) -> list[int]:
+        return list(self.stored.todo)
+
+    @property
+    def todo_tokens(self) -> int:
+        return sum(self.blocks[i][1] - self.blocks[i][0] for i in self.stored.todo)
+
+    @property
+    def multinode(self) -> bool:
+        return self.opts.nnodes > 1
+
+
+@dataclass
+class _Heard:
+    """What Phase 1's encoding reported: when it started (the first worker ready), each
+    block's index seconds, each rank's own reports, and across machines where the blocks
+    went (`Placed`), or that every machine held them already (`Hit`)."""
+
+    started: float | None = None
+    index_seconds: list[float] = field(default_factory=list)
+    ranks: PerRank = field(default_factory=PerRank)
+    placed: Placed | Hit | None = None
 
 
 def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
-    from starqa.runtime import dist
-    from starqa import models
-
+    """Phase 1 of `opts.paths`: a cache hit when the same context is cached already, else
+    encoded (only the blocks the store does not hold, on a re-ingest) and committed."""
     started = time.perf_counter()
     if opts.max_file_bytes < 1:
         raise StarqaError(f"--max-file-size {opts.max_file_bytes} skips every file as too large.",
@@ -101,14 +205,75 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         corpus = corpus_mod.collect(opts.paths, max_file_bytes=opts.max_file_bytes,
                                     include=opts.include, exclude=opts.exclude)
     with ui.status("Resolving model"):
-        model_path = models.resolve_model(opts.model, ui)
-        tokenizer = models.load_tokenizer(model_path)
-        window = models.context_window(_config(model_path))
-        model = ModelIdentity.of(model_path, opts.model or models.DEFAULT_MODEL, window,
-                                 models.fingerprint(model_path))
-    dtype = str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
-                ).removeprefix("torch.")
+        model, tokenizer = _model(opts.model, ui)
+    dtype = _cache_dtype(opts.dtype, opts.device)
     root = paths.contexts_dir()
+    corpus, tokens, spans = _tokenised(opts, root, corpus, tokenizer, ui)
+    opts = _checked(opts, len(tokens.ids), model.window)
+    method = _method(opts, root, model, dtype, tokens.ids, tokenizer)
+    content = corpus_mod.content_hash(corpus.files)
+    key = _cache_key(content, model.digest, method.as_dict(), dtype, PLAN)
+    source = Source(key, tokens, corpus, spans, model, dtype, method, content)
+    result = _cached_or_encoded(opts, root, source, tokenizer, ui, started)
+    return _with_prepared_weights(result, opts, source, ui, started)
+
+
+def _with_prepared_weights(result: IngestResult, opts: IngestOptions, source: Source, ui: UI,
+                           started: float) -> IngestResult:
+    """`result` once Phase 2's weights are prepared beside the model, in the format and
+    dtype the first `ask` will use by default ($STARQA_WEIGHTS, else the model's default for
+    this device; the cache's dtype): that ask then maps them instead of building them
+    before its answer (~47 s for Qwen2.5-Coder-1.5B). Done once per model, format and
+    dtype; later ingests find them. Its time is the result's `prepare_seconds`, and part of
+    `seconds`. A model Phase 2 cannot prepare here (dense weights, a GPU, an architecture it
+    does not run, a read-only folder) is left as it is: `ask` says what it must."""
+    from starqa import models
+    from starqa.runtime import dist
+
+    device = str(dist.resolve_device(opts.device))
+    weights = models.phase2_weights(os.environ.get("STARQA_WEIGHTS") or None,
+                                    source.model.spec, device)
+    if weights == "dense" or not device.startswith("cpu"):
+        return result
+    import torch
+
+    from starqa.models.decoder import prepare_weights
+
+    begun = time.perf_counter()
+    message = (f"Preparing {weights} weights for the first question (once per model; "
+               f"{source.model.name})")
+    try:
+        prepare_weights(Path(source.model.path), getattr(torch, source.dtype), weights,
+                        on_build=lambda: ui.status(message))
+    except (StarqaError, RuntimeError, MemoryError) as e:  # the context stands; ask will retry
+        ui.note(f"Phase 2's {weights} weights were not prepared ({e}); the first ask "
+                "prepares them")
+    end = time.perf_counter()
+    return replace(result, seconds=end - started, prepare_seconds=end - begun)
+
+
+def _model(spec: str | None, ui: UI) -> tuple[ModelIdentity, Any]:
+    """The model `spec` names (None: the default), resolved, and its tokenizer."""
+    from starqa import models
+
+    model_path = models.resolve_model(spec, ui)
+    tokenizer = models.load_tokenizer(model_path)
+    window = models.context_window(_config(model_path))
+    return (ModelIdentity.of(model_path, spec or models.DEFAULT_MODEL, window,
+                             models.fingerprint(model_path)), tokenizer)
+
+
+def _cache_dtype(dtype: str | None, device: str) -> str:
+    """The cache's dtype (torch's name) for --dtype on `device`."""
+    from starqa import models
+    from starqa.runtime import dist
+
+    return str(models.parse_dtype(dtype, dist.resolve_device(device))).removeprefix("torch.")
+
+
+def _tokenised(opts: IngestOptions, root: Path, corpus: corpus_mod.Corpus, tokenizer,
+               ui: UI) -> tuple[corpus_mod.Corpus, prompt.ContextTokens, list]:
+    """(the corpus with its files in packing order, their token ids, their packed spans)."""
     # The files' order (starqa.reingest.packorder): the last context of these sources sets it,
     # whatever its method or model; across machines every launcher must pack alike, and
     # mtimes differ between copies: path order.
@@ -123,9 +288,12 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
             files = packorder.by_age(corpus.files)  # all encoded again anyway: laid out afresh
             packed, spans = corpus_mod.pack(files)
             tokens = prompt.tokenize_context(tokenizer, packed, spans)
-        ids = tokens.ids
-    corpus = replace(corpus, files=files)
-    n = len(ids)
+    return replace(corpus, files=files), tokens, spans
+
+
+def _checked(opts: IngestOptions, n: int, window: int) -> IngestOptions:
+    """`opts` with its reserve resolved, once the index asked for, the reserve and the
+    context's `n` tokens are checked against the model's `window`."""
     if opts.index is not None and opts.index not in ("ivf", "hnsw"):
         raise StarqaError(f"--index {opts.index!r} is not an index to build.",
                           hint="choose ivf or hnsw (flat top-k searches the keys themselves "
@@ -141,6 +309,14 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
                  f"number below {window:,}")
     if n + opts.reserve > window and not opts.beyond_window:
         raise _no_room(n, opts.reserve, window)
+    return opts
+
+
+def _method(opts: IngestOptions, root: Path, model: ModelIdentity, dtype: str, ids: list[int],
+            tokenizer) -> MethodConfig:
+    """The method's settings for this context, checked usable (apb: with the question's
+    ids, which join every block's anchor)."""
+    n = len(ids)
     methods.check_block_size(opts.block_size, n)
     method = method_config(opts.method, n, _block_size(opts, root, model, dtype, n),
                            opts.anchor_size, opts.method_params)
@@ -151,34 +327,38 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     if opts.encode_in not in ENCODE_IN:
         raise StarqaError(f"Unknown --encode-in {opts.encode_in!r}.",
                           hint=f"choose one of: {', '.join(ENCODE_IN)}")
-    content = corpus_mod.content_hash(corpus.files)
-    key = _cache_key(content, model.digest, method.as_dict(), dtype, PLAN)
-    final = root / key
+    return method
+
+
+def _cached_or_encoded(opts: IngestOptions, root: Path, source: Source, tokenizer, ui: UI,
+                       started: float) -> IngestResult:
+    """The context cached already (a hit), or encoded now, under the context's lock."""
+    final = root / source.key
     # One ingest of a key at a time, from the cache check through the commit: a second
     # ingest of the same input waits, then is a cache hit (issue #11, item 9). Only node 0
     # locks: the other machines' launchers must join its torchrun group, never wait on it.
-    lock = (store.context_lock(root, key, on_wait=lambda: ui.waiting(
+    lock = (store.context_lock(root, source.key, on_wait=lambda: ui.waiting(
                 "Waiting for another ingest of the same context")) if opts.node_rank == 0
             else contextlib.nullcontext())
     with lock:
         hit = not opts.force and _reusable(final, PLAN) and _placed_alike(final, opts)
-        if hit and opts.nnodes == 1:
-            manifest = read_manifest(final)
-            if opts.name and opts.name != manifest.name:  # --name applies to a hit too
-                manifest = store.rename_context(manifest, opts.name)
-            store.touch(manifest)
-        else:
-            blocks = plan_file_blocks(n, method.block_size, [
-                (f.path, a, b) for f, (a, b) in zip(corpus.files, tokens.file_tokens)])
+        if not hit or opts.nnodes != 1:
+            files = [(f.path, a, b) for f, (a, b) in zip(source.corpus.files,
+                                                         source.tokens.file_tokens)]
+            source = replace(source, query_template=prompt.query_template(tokenizer),
+                             blocks=plan_file_blocks(len(source.tokens.ids),
+                                                     source.method.block_size, files))
             # Across machines every machine starts the group, even with the context here:
             # it is a cache hit only where every machine holds it (the workers agree).
-            return _encode(opts, root, key, tokens, corpus, spans, model, dtype, method,
-                           content, started, ui, blocks=blocks, incremental=opts.nnodes == 1,
-                           query_template=prompt.query_template(tokenizer), lock_held=True,
-                           hit_here=hit)
+            return _encode(opts, root, source, started, ui,
+                           Mode(incremental=opts.nnodes == 1, lock_held=True, hit_here=hit))
+        manifest = read_manifest(final)
+        if opts.name and opts.name != manifest.name:  # --name applies to a hit too
+            manifest = store.rename_context(manifest, opts.name)
+        store.touch(manifest)
     if opts.index:  # a hit without the indexes asked for: built now (they take the lock)
         manifest = indexes.ensure(manifest, opts.index, on_build=ui.waiting)
-    return IngestResult(manifest, corpus, True, time.perf_counter() - started)
+    return IngestResult(manifest, source.corpus, True, time.perf_counter() - started)
 
 
 def default_reserve(window: int) -> int:
@@ -209,83 +389,108 @@ def _no_room(n: int, reserve: int, window: int) -> StarqaError:
                        hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
 
 
-def ingest_tokens(ids: list[int], root: Path, *, model: str | None = None,
-                  method: str = methods.DEFAULT,
-                  workers: int | None = None, dtype: str | None = None, name: str = "tokens",
-                  measure: bool = False, allow_over_window: bool = False,
-                  device: str = "auto", ui: UI = UI()) -> IngestResult:
+def ingest_tokens(ids: list[int], root: Path, opts: TokenIngestOptions = TokenIngestOptions(),
+                  ui: UI = UI()) -> IngestResult:
     """Phase 1 over token ids given directly, through the same torchrun workers as `ingest`:
-    the way in for `starqa bench`'s synthetic contexts. One stand-in file named `name` holds
-    every token (so answers are attributed, as for ingested files); always encodes (no cache
-    lookup); the context is committed under `root`.
-
-    measure: the workers report time, FLOPs and bytes communicated (IngestResult.measures).
-    allow_over_window: a context longer than the model's window is encoded anyway. For
-    timing only, where answers do not matter; `ingest` never passes it (users have
-    --beyond-window, which says what it does).
-    """
-    from starqa.runtime import dist
+    the way in for `starqa bench`'s synthetic contexts. One stand-in file named `opts.name`
+    holds every token (so answers are attributed, as for ingested files); always encodes
+    (no cache lookup); the context is committed under `root`."""
     from starqa import models
 
     started = time.perf_counter()
-    spec = model or os.environ.get("STARQA_MODEL") or models.DEFAULT_MODEL  # as resolved
+    spec = opts.model or os.environ.get("STARQA_MODEL") or models.DEFAULT_MODEL  # as resolved
     model_path = models.resolve_model(spec, ui)
     window = models.context_window(_config(model_path))
     identity = ModelIdentity.of(model_path, spec, window,
                                 models.fingerprint(model_path))
-    if len(ids) > window and not allow_over_window:
+    if len(ids) > window and not opts.allow_over_window:
         raise StarqaError(f"The context is {len(ids):,} tokens > {window:,} the model was "
                           "trained on.", hint="use fewer tokens or a model with a longer window")
-    config = method_config(method, len(ids))
-    dtype = str(models.parse_dtype(dtype, dist.resolve_device(device))).removeprefix("torch.")
+    config = method_config(opts.method, len(ids))
+    dtype = _cache_dtype(opts.dtype, opts.device)
     content = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
     key = _cache_key(content, identity.digest, config.as_dict(), dtype)
-    opts = IngestOptions(paths=(), model=model, method=method, workers=workers, name=name,
-                         dtype=dtype, device=device, command=f"starqa bench ({name})")
+    name = opts.name
+    ingest_opts = IngestOptions(paths=(), model=opts.model, method=opts.method,
+                                workers=opts.workers, name=name, dtype=dtype, device=opts.device,
+                                command=f"starqa bench ({name})")
     # One stand-in file over every token, a line per BENCH_LINE tokens, so that answers
     # are attributed (and `bench` measures what that costs) as for ingested files.
     n = len(ids)
     lines = list(range(0, n, BENCH_LINE))
     whole = corpus_mod.SourceFile(name, "", 0)
-    return _encode(opts, root, key, prompt.ContextTokens(list(ids), [(0, n)], [lines]),
-                   corpus_mod.Corpus((), (whole,), ()),
-                   [corpus_mod.FileSpan(name, 0, 0, 0, len(lines))], identity, dtype, config,
-                   content, started, ui, measure)
+    source = Source(key, prompt.ContextTokens(list(ids), [(0, n)], [lines]),
+                    corpus_mod.Corpus((), (whole,), ()),
+                    [corpus_mod.FileSpan(name, 0, 0, 0, len(lines))], identity, dtype, config,
+                    content)
+    return _encode(ingest_opts, root, source, started, ui, Mode(measure=opts.measure))
 
 
 BENCH_LINE = 64  # tokens per line of `ingest_tokens`' stand-in file
 
 
-def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
-            model: ModelIdentity, dtype, method, content, started, ui: UI, measure: bool = False,
-            *, blocks=None, incremental: bool = False, query_template: dict | None = None,
-            lock_held: bool = False, hit_here: bool = False) -> IngestResult:
-    """Run Phase 1 and commit the shards under `root / key` (under the context's lock;
-    `lock_held`: the caller holds it already). `incremental`: blocks the content-addressed
-    store holds are linked in (or re-rotated), and only the others are encoded, in this
-    process or on a torchrun group (`_in_process`); every block then joins the store.
-    Across machines (`opts.nnodes` > 1) each machine stages and commits its own blocks
-    (starqa.cache.hosts); `hit_here`: this machine holds the context already."""
-    ids = tokens.ids
-    n = len(ids)
-    final = root / key
-    blocks = blocks or plan_blocks(n, method.block_size)
+# ------------------------------------------------------------------ Phase 1: plan and steps
+
+
+def _encode(opts: IngestOptions, root: Path, source: Source, started: float, ui: UI,
+            mode: Mode = Mode()) -> IngestResult:
+    """Run Phase 1 and commit the shards under `root / source.key`, all or nothing: plan
+    it (`_plan`), link in what the store holds, encode the rest (`_phase1`), then commit
+    (`_commit`). Across machines (`opts.nnodes` > 1) each machine stages and commits its own
+    blocks (starqa.cache.hosts)."""
+    plan = _plan(opts, root, source, mode)
+    try:
+        keep_blocks(plan.stored, plan.store, plan.staging, plan.blocks, plan.freqs,
+                    source.method.name)
+        heard = _phase1(plan, ui)
+        encode_seconds = time.perf_counter() - (heard.started or started)
+        for leftover in plan.staging.glob("tokens-node*.safetensors"):
+            leftover.unlink()
+        if isinstance(heard.placed, Hit):  # every machine holds it: nothing was encoded
+            shutil.rmtree(plan.staging, ignore_errors=True)
+            manifest = read_manifest(plan.final)
+            store.touch(manifest)
+            return IngestResult(manifest, source.corpus, True, time.perf_counter() - started)
+        if plan.multinode and heard.placed is not None and heard.placed.shared \
+                and opts.node_rank != 0:
+            shutil.rmtree(plan.staging, ignore_errors=True)  # node 0 commits on the shared cache
+            return IngestResult(None, source.corpus, False, time.perf_counter() - started,
+                                plan.workers, encode_seconds,
+                                peak_bytes=heard.ranks.peak_bytes(),
+                                measures=heard.ranks.measure_rows())
+        _commit(plan, heard, encode_seconds)
+    except BaseException:  # every machine drops its own staging: no half-written context
+        shutil.rmtree(plan.staging, ignore_errors=True)
+        raise
+    manifest = read_manifest(plan.final)
+    store.touch(manifest)
+    return IngestResult(manifest, source.corpus, False, time.perf_counter() - started,
+                        plan.workers * opts.nnodes, encode_seconds,
+                        peak_bytes=heard.ranks.peak_bytes(), measures=heard.ranks.measure_rows(),
+                        reuse=_reuse_report(plan, manifest))
+
+
+def _plan(opts: IngestOptions, root: Path, source: Source, mode: Mode) -> Phase1Plan:
+    """What Phase 1 will do (`Phase1Plan`); makes the staging folder."""
+    ids, method, model = source.tokens.ids, source.method, source.model
+    blocks = source.blocks or plan_blocks(len(ids), method.block_size)
     encoder = methods.get(method.name)
     # computed once here, for every worker and the manifest (pulsar: the summaries)
     prepared = encoder.prepare(ids, method, blocks)
     bstore = blockstore.store_dir(root)
-    freqs = rope(model.path) if incremental and encoder.rotatable else None
-    plan = reuse.plan(method, ids, blocks, prepared, model.digest, dtype, bstore,
-                      force=opts.force or not incremental, rotate=freqs is not None)
-    previous = _previous(root, opts.paths, method.name, model.digest, dtype) \
-        if incremental else None
-    todo = list(plan.todo)
-    local = incremental and _in_process(opts, encoder, plan, measure)
+    freqs = rope(model.path) if mode.incremental and encoder.rotatable else None
+    stored = reuse.plan(method, ids, blocks, prepared,
+                        reuse.BlockStore(bstore, model.digest, source.dtype),
+                        force=opts.force or not mode.incremental, rotate=freqs is not None)
+    previous = _previous(root, opts.paths, method.name, model.digest, source.dtype) \
+        if mode.incremental else None
+    todo = list(stored.todo)
+    local = mode.incremental and _in_process(opts, encoder, stored, mode.measure)
     # a group never has more workers than blocks to spread (apb runs every block)
     spread = max(len(encoder.share(todo, len(blocks), 1, 0)), 1)
     workers = 1 if local or not todo else _ingest_workers(opts, method.name, spread)
     if not local and todo:
-        workers = check_workers(opts, workers, model.path, dtype)
+        workers = check_workers(opts, workers, model.path, source.dtype)
     # Each machine's workers write into its own staging folder, and each machine commits
     # the blocks it keeps (on a shared cache, node 0 all of them: starqa.cache.hosts).
     multinode = opts.nnodes > 1
@@ -293,127 +498,147 @@ def _encode(opts: IngestOptions, root: Path, key: str, tokens, corpus, spans,
         raise StarqaError("--index is not built across machines yet.",
                           hint="ingest across machines without --index; top-k attention "
                                "needs every block on one machine (ingest there with --index)")
-    staging = store.staging_dir(root, key, node=opts.node_rank if multinode else None)
-    placed: dict = {}
-    try:
-        keep_blocks(plan, bstore, staging, blocks, freqs, method.name)
-        todo_tokens = sum(blocks[i][1] - blocks[i][0] for i in todo)
-        index_job = ({"kind": opts.index, "folder": indexes.new_folder(opts.index)}
-                     if opts.index else None)
-        index_seconds: list[float] = []
-        encode_started: list[float] = []
-        peaks: dict[int, int] = {}
-        measures: dict[int, dict] = {}
-        if not todo:
-            pass
-        elif local:
-            from starqa.workers.encoding import encode_in_process
+    staging = store.staging_dir(root, source.key, node=opts.node_rank if multinode else None)
+    index = IndexJob(opts.index, indexes.new_folder(opts.index)) if opts.index else None
+    return Phase1Plan(opts, source, mode, root / source.key, blocks, prepared, bstore, freqs,
+                      stored, previous, local, workers, staging, index)
 
-            ui.waiting("Loading the model")
-            encode_in_process(model.path, dtype, opts.device, ids, method, blocks, todo, staging,
-                              prepared, on_ready=lambda: (encode_started.append(
-                                  time.perf_counter()), ui.start_encoding(todo_tokens, 1)),
-                              on_block=lambda index, tokens: ui.advance(tokens),
-                              index=index_job, on_index=index_seconds.append)
+
+def _phase1(plan: Phase1Plan, ui: UI) -> _Heard:
+    """Encode the plan's blocks to encode, in this process or on a group; what it reported."""
+    heard = _Heard()
+    if not plan.todo:
+        pass
+    elif plan.local:
+        _encode_here(plan, ui, heard)
+    else:
+        _encode_on_group(plan, ui, heard)
+    return heard
+
+
+def _encode_here(plan: Phase1Plan, ui: UI, heard: _Heard) -> None:
+    """The blocks to encode, encoded in this process (`_in_process` chose it)."""
+    from starqa.workers.encoding import BlockSink, EncodeTask, encode_in_process
+
+    def on_ready() -> None:
+        heard.started = time.perf_counter()
+        ui.start_encoding(plan.todo_tokens, 1)
+
+    source = plan.source
+    ui.waiting("Loading the model")
+    encode_in_process(source.model.path, plan.opts.device, source.tokens.ids,
+                      EncodeTask(source.method, plan.blocks, plan.todo, plan.prepared),
+                      BlockSink(plan.staging, source.dtype, plan.index,
+                                lambda index, tokens: ui.advance(tokens),
+                                heard.index_seconds.append), on_ready)
+
+
+def _encode_on_group(plan: Phase1Plan, ui: UI, heard: _Heard) -> None:
+    """The blocks to encode, encoded on a torchrun group of `plan.workers` per machine."""
+    from starqa.runtime import dist
+    from starqa import models
+
+    opts, source = plan.opts, plan.source
+    tokens_file = _save_tokens(plan.staging, source.tokens.ids, opts.node_rank)
+    job = IngestJob(model_path=source.model.path, dtype=source.dtype,
+                    compute_dtype=models.phase1_dtype(source.dtype,
+                                                      dist.resolve_device(opts.device),
+                                                      source.model.path, plan.workers),
+                    method=source.method.as_dict(), blocks=tuple(map(tuple, plan.blocks)),
+                    todo=tuple(plan.todo), staging=str(plan.staging),
+                    tokens_file=str(tokens_file), measure=plan.mode.measure,
+                    prepared=plan.prepared, index=plan.index, across=plan.multinode,
+                    hit=plan.mode.hit_here)
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, Ready):
+            if heard.started is None:
+                heard.started = time.perf_counter()
+                ui.start_encoding(plan.todo_tokens, plan.workers * opts.nnodes)
+        elif isinstance(event, Block):
+            ui.advance(event.tokens)
+        elif isinstance(event, IndexBuilt):
+            heard.index_seconds.append(event.seconds)
+        elif isinstance(event, (Placed, Hit)):
+            heard.placed = event
         else:
-            from starqa.runtime import dist
-            from starqa import models
+            heard.ranks.hear(event)
 
-            tokens_file = _save_tokens(staging, ids, opts.node_rank)
-            job = {"phase": "ingest", "model_path": model.path, "dtype": dtype,
-                   "compute_dtype": models.phase1_dtype(
-                       dtype, dist.resolve_device(opts.device), model.path, workers),
-                   "method": method.as_dict(), "blocks": blocks, "todo": todo,
-                   "staging": str(staging), "tokens_file": str(tokens_file),
-                   "measure": measure, "prepared": prepared, "index": index_job,
-                   "across": multinode, "hit": hit_here}
-
-            def on_event(event: dict) -> None:
-                if event["event"] == "ready" and not encode_started:
-                    encode_started.append(time.perf_counter())
-                    ui.start_encoding(todo_tokens, workers * opts.nnodes)
-                elif event["event"] == "block":
-                    ui.advance(event["tokens"])
-                elif event["event"] == "peak":
-                    peaks[event["rank"]] = event["bytes"]
-                elif event["event"] == "measure":
-                    measures[event["rank"]] = event
-                elif event["event"] == "index":
-                    index_seconds.append(event["seconds"])
-                elif event["event"] in ("placement", "hit"):
-                    placed.update(event)
-
-            ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
-            run_workers(job, launch_of(opts, workers), on_event)
-            tokens_file.unlink(missing_ok=True)  # node 0 may have committed it away already
-        encode_seconds = time.perf_counter() - (encode_started[0] if encode_started else started)
-        per_rank = {"peak_bytes": [peaks[r] for r in sorted(peaks)],
-                    "measures": [measures[r] for r in sorted(measures)]}
-        for leftover in staging.glob("tokens-node*.safetensors"):
-            leftover.unlink()
-        if placed.get("event") == "hit":  # every machine holds it: nothing was encoded
-            shutil.rmtree(staging, ignore_errors=True)
-            manifest = read_manifest(final)
-            store.touch(manifest)
-            return IngestResult(manifest, corpus, True, time.perf_counter() - started)
-        if multinode and placed.get("shared") and opts.node_rank != 0:
-            shutil.rmtree(staging, ignore_errors=True)  # node 0 commits on the shared cache
-            return IngestResult(None, corpus, False, time.perf_counter() - started, workers,
-                                encode_seconds, **per_rank)
-        if multinode:  # every block's checksum, gathered from the machines that keep them
-            hashed = shards.listed_blocks(staging, blocks, placed["sums"], placed["held"])
-        else:
-            hashed = (adopt_blocks(plan, bstore, staging, blocks) if incremental  # into the store
-                      else shards.hash_blocks(staging, blocks, known=plan.known))
-        sources = tuple(str(Path(p).resolve()) for p in opts.paths)
-        built = ()
-        if index_job is not None:  # the blocks linked in, not encoded, get theirs here
-            encoded = set(todo)
-            for i in (i for i in range(len(blocks)) if i not in encoded):
-                index_seconds.append(indexes.write_block(
-                    staging / index_job["folder"], opts.index, i,
-                    tensorfile.read_tensor(staging / block_file(i), "k")))
-            built = (indexes.hash_set(staging, index_job["folder"], opts.index, len(blocks),
-                                      sum(index_seconds)),)
-        store.commit(staging, final, Manifest(
-            key=key, name=opts.name or _default_name(opts.paths), created=time.time(),
-            sources=sources, command=opts.command or "starqa ingest " + shlex.join(sources),
-            model=model, reserve=opts.reserve, dtype=dtype, method=method,
-            content_sha256=content, n_tokens=n,
-            query_position=query_position(ids, method, blocks, prepared),
-            query_template=query_template, blocks=hashed,
-            files=tuple(SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
-                                   bytes=f.size, line_tokens=tuple(lines),
-                                   sha256=reuse.file_sha(f.text))
-                        for sp, (a, b), lines, f in zip(spans, tokens.file_tokens,
-                                                        tokens.line_tokens, corpus.files)),
-            skipped=tuple(Skipped(path=s.path, reason=s.reason) for s in corpus.skipped),
-            ingest=IngestRun.timed(workers * opts.nnodes, encode_seconds, n), indexes=built,
-            placement=_placement(placed, opts)),
-            replace_existing=True, held=lock_held and opts.node_rank == 0)
-    except BaseException:  # every machine drops its own staging: no half-written context
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    manifest = read_manifest(final)
-    store.touch(manifest)
-    report = None
-    if incremental and (previous is not None or plan.reused or plan.rotated):
-        changes = None if previous is None else reuse.changes(
-            {f.path: f.sha256 for f in previous.files},
-            {f.path: f.sha256 for f in manifest.files})
-        report = Reuse(len(blocks), len(plan.reused), len(plan.rotated), len(todo), changes,
-                       _why(opts, encoder, method, plan, changes, previous, manifest), local)
-    return IngestResult(manifest, corpus, False, time.perf_counter() - started,
-                        workers * opts.nnodes, encode_seconds, **per_rank, reuse=report)
+    workers = plan.workers
+    ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading the model)")
+    run_workers(job, launch_of(opts, workers), on_event)
+    tokens_file.unlink(missing_ok=True)  # node 0 may have committed it away already
 
 
-def _placement(placed: dict, opts: IngestOptions) -> Placement | None:
+def _commit(plan: Phase1Plan, heard: _Heard, encode_seconds: float) -> None:
+    """Commit the staging folder as the context: every block hashed (or listed, across
+    machines), the indexes of the blocks linked in built, the manifest written."""
+    if plan.multinode:  # every block's checksum, gathered from the machines that keep them
+        hashed = shards.listed_blocks(plan.staging, plan.blocks, heard.placed.sums,
+                                      heard.placed.held)
+    elif plan.mode.incremental:  # into the store
+        hashed = adopt_blocks(plan.stored, plan.store, plan.staging, plan.blocks)
+    else:
+        hashed = shards.hash_blocks(plan.staging, plan.blocks, known=plan.stored.known)
+    built = ()
+    if plan.index is not None:  # the blocks linked in, not encoded, get theirs here
+        encoded = set(plan.todo)
+        folder = plan.staging / plan.index.folder
+        for i in (i for i in range(len(plan.blocks)) if i not in encoded):
+            heard.index_seconds.append(indexes.write_block(
+                folder, plan.index.kind, i,
+                tensorfile.read_tensor(plan.staging / block_file(i), "k")))
+        built = (indexes.hash_set(plan.staging, plan.index.folder, plan.index.kind,
+                                  len(plan.blocks), sum(heard.index_seconds)),)
+    store.commit(plan.staging, plan.final, _manifest(plan, hashed, built, heard.placed,
+                                                      encode_seconds),
+                 replace_existing=True, held=plan.mode.lock_held and plan.opts.node_rank == 0)
+
+
+def _manifest(plan: Phase1Plan, hashed, built: tuple, placed: Placed | None,
+              encode_seconds: float) -> Manifest:
+    """The committed context's manifest."""
+    opts, source = plan.opts, plan.source
+    ids, tokens, corpus = source.tokens.ids, source.tokens, source.corpus
+    sources = tuple(str(Path(p).resolve()) for p in opts.paths)
+    return Manifest(
+        key=source.key, name=opts.name or _default_name(opts.paths), created=time.time(),
+        sources=sources, command=opts.command or "starqa ingest " + shlex.join(sources),
+        model=source.model, reserve=opts.reserve, dtype=source.dtype, method=source.method,
+        content_sha256=source.content, n_tokens=len(ids),
+        query_position=query_position(ids, source.method, plan.blocks, plan.prepared),
+        query_template=source.query_template, blocks=hashed,
+        files=tuple(SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
+                               bytes=f.size, line_tokens=tuple(lines),
+                               sha256=reuse.file_sha(f.text))
+                    for sp, (a, b), lines, f in zip(source.spans, tokens.file_tokens,
+                                                    tokens.line_tokens, corpus.files)),
+        skipped=tuple(Skipped(path=s.path, reason=s.reason) for s in corpus.skipped),
+        ingest=IngestRun.timed(plan.workers * opts.nnodes, encode_seconds, len(ids)),
+        indexes=built, placement=_placement(placed, opts))
+
+
+def _reuse_report(plan: Phase1Plan, manifest: Manifest) -> Reuse | None:
+    """What a re-ingest reused and what changed since the previous version, where either."""
+    stored, previous = plan.stored, plan.previous
+    if not (plan.mode.incremental and (previous is not None or stored.reused or stored.rotated)):
+        return None
+    changes = None if previous is None else reuse.changes(
+        {f.path: f.sha256 for f in previous.files},
+        {f.path: f.sha256 for f in manifest.files})
+    method = plan.source.method
+    why = _why(plan.opts, methods.get(method.name), method, stored, changes, previous, manifest)
+    return Reuse(len(plan.blocks), len(stored.reused), len(stored.rotated), len(plan.todo),
+                 changes, why, plan.local)
+
+
+def _placement(placed: Placed | None, opts: IngestOptions) -> Placement | None:
     """The manifest's record of which machine keeps which block; None when every block is
     in this folder (one machine, or a cache all machines share)."""
-    if opts.nnodes == 1 or placed.get("shared"):
+    if opts.nnodes == 1 or placed.shared:
         return None
-    return Placement(nodes=opts.nnodes, node=placed["node"], held=tuple(placed["held"]),
-                     homes=tuple(placed["homes"]), hosts=tuple(placed["hosts"]))
+    return Placement(nodes=opts.nnodes, node=placed.node, held=tuple(placed.held),
+                     homes=tuple(placed.homes), hosts=tuple(placed.hosts))
 
 
 def _placed_alike(folder: Path, opts: IngestOptions) -> bool:

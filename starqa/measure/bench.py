@@ -25,10 +25,11 @@ from starqa import engine, methods, models
 from starqa.corpus import prompt
 from starqa.cache import store
 from starqa.core.errors import StarqaError
-from starqa.topk.indexes import TopK, find_set, topk_settings
+from starqa.topk.indexes import TopK, find_set
 from starqa.runtime.launch import cpu_count
 from starqa.cache.manifest import Manifest, write_json_atomic
 from starqa.methods import METHODS, method_config, plan_blocks
+from starqa.measure.lengths import parse_lengths
 
 DEFAULT_LENGTHS = "2k,4k,8k,16k,32k"
 DEFAULT_WORKERS = "1,2,4"
@@ -38,6 +39,8 @@ QUESTION = "Which function merges the partial attentions of the workers?"
 
 @dataclass(frozen=True)
 class BenchOptions:
+    """What `starqa bench` runs, checked: every bad value is a clear error."""
+
     methods: tuple[str, ...]
     lengths: tuple[int, ...]  # context tokens
     workers: tuple[int, ...]  # requested worker counts
@@ -45,51 +48,27 @@ class BenchOptions:
     dtype: str | None = None
     new_tokens: int = 16  # tokens generated per run; per-token latency needs at least 2
     device: str = "auto"
-    topk: tuple[TopK, ...] = ()  # Phase 2 also with each, on the same context, after exact
+    # Phase 2 also with each, on the same context, after exact (starqa.cli.options.compared)
+    topk: tuple[TopK, ...] = ()
     rounds: int = 1  # Phase 2 runs of exact and each top-k, alternating (`phase2`)
 
+    def __post_init__(self) -> None:
+        if self.new_tokens < 2:
+            raise StarqaError(f"--new-tokens must be at least 2 (got {self.new_tokens}): "
+                              "per-token latency is measured between generated tokens.",
+                              hint="--new-tokens 16")
+        if self.rounds < 1:
+            raise StarqaError(f"--rounds must be at least 1 (got {self.rounds}).",
+                              hint="--rounds 3   (exact and each top-k three times, "
+                                   "alternating)")
 
-def options(methods: str | None = None, lengths: str = DEFAULT_LENGTHS,
-            workers: str = DEFAULT_WORKERS, model: str | None = None, dtype: str | None = None,
-            new_tokens: int = 16, device: str = "auto", top_k: str | None = None,
-            index: str = "flat,ivf,hnsw", schedule: str | None = None,
-            kv_on_disk: bool = False, prefill: str | None = None,
-            rounds: int = 1, tail: str | None = None) -> BenchOptions:
-    """BenchOptions from the command line's strings; every bad value is a clear error.
-    top_k: Phase 2 also runs top-k attention with this budget for each index kind of
-    `index` (comma-separated), in memory and, with `kv_on_disk`, memory-mapped too.
-    rounds: Phase 2's runs of exact and of each top-k, alternating (see `phase2`).
-    tail: ivf's runs, one per comma-separated value (lists,none: both, side by side)."""
-    if new_tokens < 2:
-        raise StarqaError(f"--new-tokens must be at least 2 (got {new_tokens}): per-token "
-                          "latency is measured between generated tokens.")
-    if rounds < 1:
-        raise StarqaError(f"--rounds must be at least 1 (got {rounds}).",
-                          hint="--rounds 3   (exact and each top-k three times, alternating)")
-    topk = []
-    kinds = list(dict.fromkeys(k.strip() for k in index.split(",") if k.strip()))
-    tails = [t.strip() for t in (tail or "").split(",") if t.strip()] or [None]
-    if top_k is not None:
-        if tail and "ivf" not in kinds:
-            raise StarqaError("--top-k-tail applies to ivf's runs only.",
-                              hint="add ivf to --index (e.g. --index flat,ivf), or drop "
-                                   "--top-k-tail")
-        for kind in kinds:
-            for each in tails if kind == "ivf" else [None]:
-                topk.append(topk_settings("topk", top_k, schedule, kind, prefill=prefill,
-                                          tail=each))
-                if kv_on_disk:
-                    topk.append(topk_settings("topk", top_k, schedule, kind, True, prefill,
-                                              each))
-        if not topk:
-            raise StarqaError(f"--index {index!r} names no index kind.",
-                              hint="e.g. --index flat,ivf,hnsw")
-    elif kv_on_disk or schedule or prefill or tail:
-        raise StarqaError("--kv-on-disk, --top-k-schedule, --top-k-prefill and --top-k-tail "
-                          "apply to top-k runs.",
-                          hint="add --top-k 1%")
-    return BenchOptions(parse_methods(methods), parse_lengths(lengths), parse_workers(workers),
-                        model, dtype, new_tokens, device, tuple(topk), rounds)
+
+def options(methods: str | None = None, lengths: str | None = DEFAULT_LENGTHS,
+            workers: str = DEFAULT_WORKERS, **settings) -> BenchOptions:
+    """BenchOptions from the command line's comma-separated methods, lengths and worker
+    counts; `settings`: its other fields (model, dtype, new_tokens, device, topk, rounds)."""
+    return BenchOptions(parse_methods(methods), bench_lengths(lengths), parse_workers(workers),
+                        **settings)
 
 
 def parse_methods(text: str | None) -> tuple[str, ...]:
@@ -107,21 +86,14 @@ def parse_methods(text: str | None) -> tuple[str, ...]:
     return names
 
 
-def parse_lengths(text: str) -> tuple[int, ...]:
-    """`2k,8k,10000` → (2048, 8192, 10000): token counts, `k` = 1,024; sorted, unique."""
-    lengths = set()
-    for part in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*([kK]?)\s*", part)
-        if not match:
-            raise StarqaError(f"Bad --lengths {text!r}: {part.strip()!r} is not a token count.",
-                              hint="give token counts separated by commas, e.g. 2k,4k,8k "
-                                   "(k = 1,024) or 3000")
-        n = int(match[1]) * (1024 if match[2] else 1)
-        if n < MIN_LENGTH:
-            raise StarqaError(f"Bad --lengths {text!r}: {n:,} tokens is too short for a "
-                              f"benchmark (at least {MIN_LENGTH}).")
-        lengths.add(n)
-    return tuple(sorted(lengths))
+def bench_lengths(text: str | None) -> tuple[int, ...]:
+    """--lengths (starqa.measure.lengths' grammar; none given: DEFAULT_LENGTHS), each at
+    least MIN_LENGTH tokens."""
+    lengths = parse_lengths(text) or parse_lengths(DEFAULT_LENGTHS)
+    if (short := min(lengths)) < MIN_LENGTH:
+        raise StarqaError(f"Bad --lengths {text!r}: {short:,} tokens is too short for a "
+                          f"benchmark (at least {MIN_LENGTH}).", hint="--lengths 2k,4k,8k")
+    return lengths
 
 
 def parse_workers(text: str) -> tuple[int, ...]:
@@ -252,7 +224,8 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
         "dtype": str(models.parse_dtype(opts.dtype, dist.resolve_device(opts.device))
                      ).removeprefix("torch."),
         "device": opts.device, "new_tokens": opts.new_tokens, "query_tokens": len(query_ids),
-        "cpu": cpu_info(), "started": time.time()}, "notes": list(plan.notes), "rows": [], "ratios": []}
+        "cpu": cpu_info(), "started": time.time()},
+        "notes": list(plan.notes), "rows": [], "ratios": []}
     scratch = None
     if contexts_dir is None:
         scratch = Path(tempfile.mkdtemp(prefix="starqa-bench-"))
@@ -265,10 +238,10 @@ def run(plan: Plan, *, contexts_dir: Path | None = None, json_path: Path | None 
             ids = contexts[r.tokens]
             started = time.perf_counter()
             with new_ui() as ui:
-                ingested = engine.ingest_tokens(
-                    ids, root, model=opts.model, method=r.method, workers=r.workers,
+                ingested = engine.ingest_tokens(ids, root, engine.TokenIngestOptions(
+                    model=opts.model, method=r.method, workers=r.workers,
                     dtype=opts.dtype, name=f"bench-{r.method}-{r.tokens}", measure=True,
-                    allow_over_window=True, device=opts.device, ui=ui)
+                    allow_over_window=True, device=opts.device), ui=ui)
             manifest = ingested.manifest
             shard_bytes = sum((manifest.folder / b.file).stat().st_size for b in manifest.blocks)
             answer, topk_rows, manifest = phase2(manifest, query_ids, r.workers, opts, new_ui,
@@ -301,10 +274,9 @@ def phase2(manifest: Manifest, query_ids: list[int], workers: int, opts: BenchOp
     benchmarks/dev/topk_phase2.py for a context ingested once."""
     def answer(topk: TopK | None):
         with new_ui() as ui:
-            return engine.ask_tokens(manifest, query_ids, workers=workers,
-                                     max_new_tokens=opts.new_tokens, stop=False, measure=True,
-                                     allow_over_window=True, device=opts.device, topk=topk,
-                                     ui=ui)
+            return engine.ask_tokens(manifest, query_ids, engine.TokenAskOptions(
+                workers=workers, max_new_tokens=opts.new_tokens, stop=False, measure=True,
+                allow_over_window=True, device=opts.device, topk=topk), ui=ui)
 
     runs: list[list] = [[] for _ in range(1 + len(opts.topk))]  # exact's, then each top-k's
     for _ in range(opts.rounds):

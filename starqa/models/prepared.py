@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starqa.core.errors import StarqaError
-from starqa.models import weights_digest
+from starqa.models import EMBEDDED, weights_digest
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 INT4_GROUP = 32  # the GGUF Q4 block: re-quantising a Q4_1/Q4_K tensor in groups of 32 keeps it
@@ -56,7 +56,8 @@ class DecoderConfig:
             raise StarqaError(
                 f"Phase 2 supports {', '.join(ARCHITECTURES)} with plain RoPE; "
                 f"{folder} is {arch} (RoPE {rope_type}).",
-                hint="use an embedded model (--model smollm2-135m or qwen2.5-coder-1.5b)")
+                hint="use an embedded model: " + " or ".join(f"--model {m.name}"
+                                                             for m in EMBEDDED))
         heads = config["num_attention_heads"]
         return cls(layers=config["num_hidden_layers"], hidden=config["hidden_size"],
                    heads=heads, kv_heads=config.get("num_key_value_heads") or heads,

@@ -1,5 +1,6 @@
 /* starqa's CPU attention kernel (loaded by starqa.native.ops through ctypes; plain C, no
-   Python headers, so any C compiler builds it): partial attention with its log-sum-exp over a cached shard, on CPU.
+   Python headers, so any C compiler builds it): partial attention with its log-sum-exp
+   over a cached shard, on CPU.
 
    One call attends R query rows of each of H KV heads to n keys of that head, held by one
    or more buffers in order (the shard's blocks where they lie, then the question's own
@@ -108,7 +109,7 @@ static void task_start(TASK_ARGS, int64_t *limit) {
 }
 
 /* Any D: plain loops the compiler vectorises. */
-SIMD_CLONES static void task_any(TASK_ARGS) {
+SIMD_CLONED(static, void, task_any, (TASK_ARGS), (TASK_PASS)) {
     const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);
     float s[ROWS][BLOCK];
     float block[BLOCK * MAX_DIM]; /* this block's keys, then its values, in fp32 */
@@ -435,17 +436,19 @@ typedef struct {
     int64_t piece, a, b;
 } span_t;
 
-/* Addresses: q fp32 [H, R, D]; the keys are those of `pieces` buffers in order, piece p
-   holding positions starts[p] .. starts[p + 1] - 1 (starts[pieces] = n, the total): its
-   keys k_addr[p] and values v_addr[p], [H, >= its length, D] (bf16 if `bf16` else fp32),
-   heads k_strides[p] / v_strides[p] elements apart. So the shard's blocks are read where
-   they lie (memory-mapped files) and the question's own keys from their own buffer, with
-   no copy into one. out fp32 [H, R, D] and lse fp32 [H, R], written. Returns 0, or 1 for
-   impossible shapes, 2 when out of memory. */
-int starqa_attend(int bf16, const float *q, int64_t pieces, const int64_t *starts,
-                  const int64_t *k_addr, const int64_t *v_addr, const int64_t *k_strides,
-                  const int64_t *v_strides, float *out, float *lse, int64_t heads,
-                  int64_t rows, int64_t d, int64_t own, float scale, int threads) {
+/* The keys are those of the table's buffers in order (_kernels.h), so the shard's blocks
+   are read where they lie (memory-mapped files) and the question's own keys from their own
+   buffer, with no copy into one. */
+int starqa_attend(const starqa_attend_args *args) {
+    const int bf16 = args->table.bf16;
+    const int64_t pieces = args->table.pieces, *starts = args->table.starts;
+    const int64_t *k_addr = args->table.keys, *v_addr = args->table.values;
+    const int64_t *k_strides = args->table.key_strides, *v_strides = args->table.value_strides;
+    const float *q = args->queries.q, scale = args->result.scale;
+    const int64_t heads = args->queries.heads, rows = args->queries.rows, d = args->queries.d;
+    const int64_t own = args->own;
+    float *out = args->result.out, *lse = args->result.lse;
+    const int threads = args->threads;
     if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || pieces < 0 || own < 0 ||
         (own && rows % own) || (pieces && starts[0] != 0))
         return 1;

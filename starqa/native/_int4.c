@@ -227,8 +227,12 @@ int starqa_int4_fast(void) {
 /* y [M, N] = x [M, K] Wᵀ, W in the tiles layout above (N a multiple of 16, K of 32); x and
    y bf16 or fp32 (x_bf16, y_bf16). fast = 0 runs the plain C path (tests compare both).
    Returns 0, 1 for impossible shapes, 2 when out of memory. */
-int starqa_int4_mm(int x_bf16, const void *x, int64_t m, int64_t k, const uint8_t *w,
-                   int64_t n, int y_bf16, void *y, int fast, int threads) {
+int starqa_int4_mm(const starqa_int4_args *args) {
+    const int x_bf16 = args->x_bf16, y_bf16 = args->y_bf16, threads = args->threads;
+    const void *x = args->x;
+    const int64_t m = args->m, k = args->k, n = args->n;
+    const uint8_t *w = args->w;
+    void *y = args->y;
     if (m < 0 || k <= 0 || n <= 0 || k % GROUP || n % 16) return 1;
     if (m == 0) return 0;
     int64_t groups = k / GROUP, tiles = n / 16;
@@ -242,7 +246,7 @@ int starqa_int4_mm(int x_bf16, const void *x, int64_t m, int64_t k, const uint8_
     float *xsum = sx + m * groups;
     for (int64_t r = 0; r < m; r++)
         quantise_row(x, x_bf16, r, m, k, x8, sx, xsum);
-    fast = fast ? starqa_int4_fast() : 0;
+    const int fast = args->fast ? starqa_int4_fast() : 0;
 #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *tile = w + (size_t)t * (size_t)groups * RECORD;

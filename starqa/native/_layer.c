@@ -21,53 +21,54 @@
 #include "_kernels.h"
 
 /* y [M, N] = x [M, K] Wᵀ (+ bias [N]): a Linear of int4 tiles, as starqa.models.decoder's. */
-static int linear(int bf16, const void *x, int64_t m, int64_t k, const uint8_t *w,
-                  int64_t n, const void *bias, void *y, int threads) {
-    const int code = starqa_int4_mm(bf16, x, m, k, w, n, bf16, y, 1, threads);
-    if (!code && bias) starqa_add(bf16, y, m, n, bias, 0);
+static int linear(int bf16, const void *x, int64_t m, int64_t k, starqa_linear w, int64_t n,
+                  void *y, int threads) {
+    const starqa_int4_args product = {bf16, x, m, k, w.tiles, n, bf16, y, 1, threads};
+    const int code = starqa_int4_mm(&product);
+    if (!code && w.bias) starqa_add(bf16, y, m, n, w.bias, 0);
     return code;
 }
 
-/* hidden [M, H] → qkv [M, N] (N = heads · D, the query, key and value heads side by side),
+/* hidden [M, H] → out [M, N] (N = heads · D, the query, key and value heads side by side),
    RoPE'd on its first `rotated` heads with cos, sin [M, D]. */
-int starqa_layer_before(int bf16, const void *hidden, int64_t m, int64_t h, const void *norm,
-                        float eps, const uint8_t *w_qkv, int64_t n, const void *bias,
-                        int64_t rotated, int64_t d, const void *cos, const void *sin,
-                        void *qkv, int threads) {
-    if (m < 1 || h < 1 || d < 1 || n % d || rotated < 0 || rotated > n / d) return 1;
+int starqa_layer_before(const starqa_before_args *args) {
+    const int bf16 = args->bf16;
+    const int64_t m = args->m, h = args->h, n = args->n, d = args->d;
+    if (m < 1 || h < 1 || d < 1 || n % d || args->rotated < 0 || args->rotated > n / d)
+        return 1;
     const size_t esize = bf16 ? 2 : 4;
     void *x = malloc((size_t)(m * h) * esize);
     if (!x) return 2;
-    starqa_rms_norm(bf16, hidden, m, h, norm, eps, x);
-    int code = linear(bf16, x, m, h, w_qkv, n, bias, qkv, threads);
+    starqa_rms_norm(bf16, args->hidden, m, h, args->norm, args->eps, x);
+    int code = linear(bf16, x, m, h, args->qkv, n, args->out, args->threads);
     free(x);
-    if (!code && starqa_rope(bf16, qkv, m, n, rotated, d, cos, sin)) code = 1;
+    if (!code && starqa_rope(bf16, args->out, m, n, args->rotated, d, args->cos, args->sin))
+        code = 1;
     return code;
 }
 
 /* hidden [M, H] in place, from the attention's output attn [M, K] (its heads side by side):
    the output projection and residual, then the MLP (gate and up [2I], down) and its
    residual. */
-int starqa_layer_after(int bf16, void *hidden, int64_t m, int64_t h, const void *attn,
-                       int64_t k, const uint8_t *w_out, const void *bias_out, const void *norm,
-                       float eps, const uint8_t *w_gate_up, int64_t inner,
-                       const void *bias_gate_up, const uint8_t *w_down, const void *bias_down,
-                       int threads) {
+int starqa_layer_after(const starqa_after_args *args) {
+    const int bf16 = args->bf16, threads = args->threads;
+    const int64_t m = args->m, h = args->h, k = args->k, inner = args->inner;
+    void *hidden = args->hidden;
     if (m < 1 || h < 1 || k < 1 || inner < 1) return 1;
     const size_t esize = bf16 ? 2 : 4;
     char *y = malloc((size_t)(m * (2 * h + 3 * inner)) * esize);
     if (!y) return 2;
     char *x = y + (size_t)(m * h) * esize, *gate_up = x + (size_t)(m * h) * esize;
     char *act = gate_up + (size_t)(m * 2 * inner) * esize;
-    int code = linear(bf16, attn, m, k, w_out, h, bias_out, y, threads);
+    int code = linear(bf16, args->attn, m, k, args->out, h, y, threads);
     if (!code) {
         starqa_add(bf16, hidden, m, h, y, h);
-        starqa_rms_norm(bf16, hidden, m, h, norm, eps, x);
-        code = linear(bf16, x, m, h, w_gate_up, 2 * inner, bias_gate_up, gate_up, threads);
+        starqa_rms_norm(bf16, hidden, m, h, args->norm, args->eps, x);
+        code = linear(bf16, x, m, h, args->gate_up, 2 * inner, gate_up, threads);
     }
     if (!code) {
         starqa_silu_mul(bf16, gate_up, m, inner, act);
-        code = linear(bf16, act, m, inner, w_down, h, bias_down, y, threads);
+        code = linear(bf16, act, m, inner, args->down, h, y, threads);
     }
     if (!code) starqa_add(bf16, hidden, m, h, y, h);
     free(y);

@@ -101,7 +101,8 @@ void starqa_rope_table(int bf16, const int64_t *position, int64_t m, const float
 /* y [M, N] = round(round(silu(g)) · u) for x [M, 2N], g its first N columns and u its
    last N; silu(g) = g / (1 + e^-g), computed as g / (1 + e) for g >= 0 and g · e / (1 + e)
    below, e = exp(-|g|) (so the exp never overflows). */
-SIMD_CLONES void starqa_silu_mul(int bf16, const void *x, int64_t m, int64_t n, void *y) {
+SIMD_CLONED(static, void, silu_mul, (int bf16, const void *x, int64_t m, int64_t n, void *y),
+            (bf16, x, m, n, y)) {
     for (int64_t r = 0; r < m; r++) {
         const int64_t in = r * 2 * n, out = r * n;
         if (bf16) {
@@ -128,8 +129,9 @@ SIMD_CLONES void starqa_silu_mul(int bf16, const void *x, int64_t m, int64_t n, 
 
 /* x [M, N] += y, y's rows `stride` elements apart (0: one row, a bias, added to every row
    of x), each sum rounded to the dtype. */
-SIMD_CLONES void starqa_add(int bf16, void *x, int64_t m, int64_t n, const void *y,
-                            int64_t stride) {
+SIMD_CLONED(static, void, add,
+            (int bf16, void *x, int64_t m, int64_t n, const void *y, int64_t stride),
+            (bf16, x, m, n, y, stride)) {
     for (int64_t r = 0; r < m; r++) {
         if (bf16) {
             uint16_t *a = (uint16_t *)x + r * n;
@@ -144,4 +146,12 @@ SIMD_CLONES void starqa_add(int bf16, void *x, int64_t m, int64_t n, const void 
             for (int64_t i = 0; i < n; i++) a[i] += b[i];
         }
     }
+}
+
+void starqa_silu_mul(int bf16, const void *x, int64_t m, int64_t n, void *y) {
+    silu_mul(bf16, x, m, n, y);
+}
+
+void starqa_add(int bf16, void *x, int64_t m, int64_t n, const void *y, int64_t stride) {
+    add(bf16, x, m, n, y, stride);
 }

@@ -1,5 +1,7 @@
-/* What starqa's CPU kernels (_attend.c, _topk.c, _int4.c, _rows.c) share: bf16 conversions,
-   SIMD dispatch and the AVX-512 pieces that widen bf16 and reduce 16 dot products at once. */
+/* What starqa's CPU kernels (_attend.c, _topk_*.c, _int4.c, _rows.c) share: bf16
+   conversions, SIMD dispatch (STARQA_SIMD's cap, the multi-versioned loops of
+   SIMD_CLONED) and the AVX-512 and AVX2 pieces that widen bf16 and reduce 16 or 8 dot
+   products at once. Internal to the library: the boundary is _kernels.h. */
 
 #ifndef STARQA_SIMD_H
 #define STARQA_SIMD_H
@@ -52,10 +54,69 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale.f;
 }
 
+/* The widest paths allowed: 2 AVX-512 (what the CPU has, the default), 1 AVX2, 0 none
+   (portable C), from STARQA_SIMD=avx512|avx2|none. It caps the hand-written paths and the
+   builds of SIMD_CLONED functions alike, so tests and benchmarks run every path on one CPU
+   (starqa.native.kernels refuses other values before a kernel runs). */
+static inline int simd_cap(void) {
+    static int cap = -1;
+    if (cap < 0) {
+        const char *e = getenv("STARQA_SIMD");
+        cap = !e || !*e || !strcmp(e, "avx512") ? 2 : !strcmp(e, "avx2") ? 1 : 0;
+    }
+    return cap;
+}
+
+/* Which builds of SIMD_CLONED functions have run in this process: bit l for level l
+   (_simd.c; starqa_simd_paths reports it). Set once per build, read at each call. */
+extern int simd_clones_taken;
+
+static inline void simd_taken(int level) {
+    if (!(__atomic_load_n(&simd_clones_taken, __ATOMIC_RELAXED) & (1 << level)))
+        __atomic_fetch_or(&simd_clones_taken, 1 << level, __ATOMIC_RELAXED);
+}
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define SIMD_CLONES_BUILT 1
+
+/* The build of SIMD_CLONED functions this process runs: 2 x86-64-v4 (AVX-512), 1 x86-64-v3
+   (AVX2), 0 the baseline; what the CPU has, capped by STARQA_SIMD. */
+static inline int clone_level(void) {
+    static int level = -1;
+    if (level < 0) {
+        __builtin_cpu_init();
+        const int cpu = __builtin_cpu_supports("x86-64-v4")   ? 2
+                        : __builtin_cpu_supports("x86-64-v3") ? 1
+                                                              : 0;
+        level = cpu < simd_cap() ? cpu : simd_cap();
+    }
+    return level;
+}
+
+/* SIMD_CLONED(linkage, type, name, (parameters), (arguments)) { body }: `name` built three
+   times from one body, for x86-64-v4, x86-64-v3 and the baseline (what GCC's
+   target_clones builds; the body is inlined into each, so each is vectorised for its
+   target), and dispatched by `clone_level`, so STARQA_SIMD reaches the baseline too. */
+#define SIMD_CLONED(linkage, type, name, params, args)                                     \
+    static inline __attribute__((always_inline)) type name##_body params;                 \
+    __attribute__((target("arch=x86-64-v4"))) static type name##_v4 params {              \
+        return name##_body args;                                                           \
+    }                                                                                      \
+    __attribute__((target("arch=x86-64-v3"))) static type name##_v3 params {              \
+        return name##_body args;                                                           \
+    }                                                                                      \
+    static type name##_v1 params { return name##_body args; }                              \
+    linkage type name params {                                                             \
+        const int level = clone_level();                                                   \
+        simd_taken(level);                                                                 \
+        return level == 2 ? name##_v4 args : level == 1 ? name##_v3 args : name##_v1 args; \
+    }                                                                                      \
+    static inline __attribute__((always_inline)) type name##_body params
 #else
-#define SIMD_CLONES
+/* One build (the compiler's default target), reported as the baseline. */
+#define SIMD_CLONES_BUILT 0
+static inline int clone_level(void) { return 0; }
+#define SIMD_CLONED(linkage, type, name, params, args) linkage type name params
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -99,7 +160,7 @@ AVX2 static inline __m256 sum8(const __m256 *x) {
 /* The inner products of q [8 * nc] with the 8 fp32 rows keys[x * 8 * nc ..] (x < 8), in
    key order: each key's 8 lanes summed in a register, the 8 reduced together (`sum8`); q's
    pieces are read from L1 (16 ymm hold no more than the 8 sums). Exact attention's and
-   top-k's AVX2 scoring (_attend.c, _topk.c). */
+   top-k's AVX2 scoring (_attend.c, _topk_score.c). */
 AVX2 static inline __m256 dots8(const float *q, const float *keys, int nc) {
     __m256 dots[8];
     const __m256 q0 = _mm256_loadu_ps(q);
@@ -117,18 +178,6 @@ AVX2 static inline __m256 load8(const char *src, int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)src);
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-/* The widest hand-written paths allowed: 2 AVX-512 (what the CPU has, the default), 1 AVX2,
-   0 none (portable C), from STARQA_SIMD=avx512|avx2|none (tests and benchmarks run every
-   path on one CPU; starqa.native.kernels refuses other values before a kernel runs). */
-static inline int simd_cap(void) {
-    static int cap = -1;
-    if (cap < 0) {
-        const char *e = getenv("STARQA_SIMD");
-        cap = !e || !*e || !strcmp(e, "avx512") ? 2 : !strcmp(e, "avx2") ? 1 : 0;
-    }
-    return cap;
 }
 
 static inline int has_avx2(void) {

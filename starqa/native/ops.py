@@ -1,13 +1,15 @@
 """starqa's compiled CPU kernels on torch tensors (starqa/native/_attend.c: exact attention;
-starqa/native/_topk.c: top-k attention; starqa/native/_int4.c: int4 weights times a few rows;
-starqa/native/_rows.c: RMSNorm, RoPE, SiLU·mul; starqa/native/_layer.c: a decoder layer's steps on
-either side of its attention), built by `pip install` where a C compiler is found and bound
-through ctypes by starqa.native.kernels. Without them, `available()` is False and
-starqa.attention, starqa.topk.retrieval and starqa.models.decoder fall back to torch's and numpy's
-code."""
+starqa/native/_topk_*.c: top-k attention; starqa/native/_int4.c: int4 weights times a few
+rows; starqa/native/_rows.c: RMSNorm, RoPE, SiLU·mul; starqa/native/_layer.c: a decoder
+layer's steps on either side of its attention; starqa/native/_step.c: every layer of a
+forward), built by `pip install` where a C compiler is found and bound through ctypes by
+starqa.native.kernels, whose mirrors of _kernels.h's structs carry each call's arguments.
+Without them, `available()` is False and starqa.attention, starqa.topk and
+starqa.models.decoder fall back to torch's and numpy's code."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -73,23 +75,22 @@ class Layout:
         out = q.new_empty(heads, rows, dim)
         lse = q.new_empty(heads, rows)
         dtype = self.dtype if self.dtype is not None else key.dtype if key is not None else None
-        code = self._table.attend(dtype == torch.bfloat16, q.data_ptr(), heads, rows, dim,
-                                  out.data_ptr(), lse.data_ptr(), scale,
-                                  None if key is None else _buffer(key, value), own,
-                                  torch.get_num_threads())
+        code = self._table.attend(
+            dtype == torch.bfloat16, kernels.starqa_queries(q.data_ptr(), heads, rows, dim),
+            kernels.starqa_outputs(scale, out.data_ptr(), lse.data_ptr()),
+            None if key is None else _buffer(key, value), own, torch.get_num_threads())
         if code:
             shapes = [tuple(k.shape) for k, _ in self.parts] + \
                 ([tuple(key.shape)] if key is not None else [])
-            raise (MemoryError() if code == 2 else ValueError(
-                f"attention kernel: impossible shapes q {tuple(q.shape)}, keys {shapes}, "
-                f"own {own}"))
+            _check(code, f"attention kernel: impossible shapes q {tuple(q.shape)}, keys "
+                         f"{shapes}, own {own}")
         return out, lse
 
     def step_words(self) -> tuple[int, ...]:
-        """The exact part of a layer's attention words for `decode_layers` (starqa/native/_step.c's
-        E_*): the laid-out buffers and the addresses of the table's five arrays, whose slot
-        after them the kernel fills with the own buffer at each call."""
-        return (self._table.count - 1, *self._table.addresses)
+        """The exact part of a layer's attention words for `decode_layers`
+        (starqa_step_attention's `exact`): the address of the laid-out table, whose slot
+        after its buffers the step fills with the own buffer at each call."""
+        return (self._table.address,)
 
 
 def _buffer(key: torch.Tensor, value: torch.Tensor) -> tuple[int, int, int, int, int]:
@@ -103,7 +104,7 @@ def _address(x: torch.Tensor | None) -> int | None:
 
 
 def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> bool:
-    """Whether `topk_attend` takes these key and value buffers (see there); no values: a
+    """Whether `TopKTable` takes these key and value buffers (see there); no values: a
     table that only selects (`TopKTable.select`)."""
     buffers = list(keys) + list(values)
     return (available() and all(_fits(x) for x in buffers)
@@ -111,15 +112,65 @@ def supports_topk(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
             and len({x.shape[-1] for x in buffers}) == 1)
 
 
-DROP_KEYS = 1  # TopKTable's drop (starqa/native/_topk.c's)
+DROP_KEYS = kernels.DROP_KEYS  # `TopKTable`'s drop
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _buffers(buffers: Sequence[tuple[int, torch.Tensor]] | None, n: int
+             ) -> tuple[kernels.starqa_buffers, tuple]:
+    """[(first row, [H, T, D])] as a `starqa_buffers` (none: an empty one), and the arrays
+    it points into (the caller keeps them alive)."""
+    if not buffers:
+        return kernels.starqa_buffers(0, 0, None, None, None), ()
+    arrays = (_int64([first for first, _ in buffers] + [n]),
+              _int64([x.data_ptr() for _, x in buffers]),
+              _int64([x.stride(0) for _, x in buffers]))
+    return kernels.starqa_buffers(int(buffers[0][1].dtype == torch.bfloat16), len(buffers),
+                                  *(x.data_ptr() for x in arrays)), arrays
+
+
+def _key_order(key_map: torch.Tensor | None, key_at: torch.Tensor | None, n: int
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(key_map int64, key_at int32) as the kernel reads them, key_at the inverse
+    permutation of key_map where not given (None, None: positions are rows)."""
+    if key_map is None:
+        return None, None
+    key_map = key_map.to(torch.int64).contiguous()
+    if key_at is None:
+        key_at = torch.empty_like(key_map, dtype=torch.int32).scatter_(
+            1, key_map, torch.arange(n, dtype=torch.int32).expand_as(key_map).contiguous())
+    return key_map, key_at.to(torch.int32).contiguous()
+
+
+def _lists(lists: tuple[torch.Tensor, torch.Tensor, int] | None,
+           tail: tuple[torch.Tensor, torch.Tensor] | None, n: int
+           ) -> tuple[kernels.starqa_lists, tuple]:
+    """ivf's lists and tail (`TopKTable`) as a `starqa_lists` (None: flat, one list), and
+    the tensors it points into."""
+    if tail is not None and (lists is None or tail[0].shape != lists[0].shape
+                             or tail[1].shape != (lists[0].shape[0], n)):
+        raise ValueError(f"top-k kernel: a tail {tuple(tail[0].shape)} with row lists "
+                         f"{tuple(tail[1].shape)} for {n} keys needs ivf's lists of that "
+                         f"shape")
+    if lists is None:
+        return kernels.starqa_lists(1, None, None, 1, None, None), ()
+    held = (lists[0].to(torch.bfloat16).contiguous(), lists[1].to(torch.int64).contiguous(),
+            None if tail is None else tail[0].to(torch.bfloat16).contiguous(),
+            None if tail is None else tail[1].to(torch.int32).contiguous())
+    centroids, offsets, tail_values, tail_lists = map(_address, held)
+    return kernels.starqa_lists(held[0].shape[1], centroids, offsets, lists[2], tail_values,
+                                tail_lists), held
 
 
 class TopKTable:
-    """The arguments of the top-k kernel (starqa/native/_topk.c) that stay the same from call to
-    call, laid out once: a layer's key and value buffers, its key order and ivf's lists.
-    Built per call they cost ~15 small tensor operations a layer (SmolLM2's ivf decode at
-    32K: ~27.8 against 25.6 ms/token); a shard keeps one table per layer
-    (`retrieval.TopKShard`).
+    """The top-k kernel's `starqa_topk_table` (starqa/native/_kernels.h: what stays the
+    same from call to call), laid out once: a layer's key and value buffers, its key order
+    and ivf's lists. Built per call they cost ~15 small tensor operations a layer
+    (SmolLM2's ivf decode at 32K: ~27.8 against 25.6 ms/token); a top-k shard keeps one
+    table per layer (starqa.topk).
 
     keys: [(first position, [H, T, D])] the buffers holding positions 0 .. N-1 of every head,
     in order; key_map [H, N] int64: each position's row in the shard, key_at [H, N] int32
@@ -129,12 +180,12 @@ class TopKTable:
     offsets [H, C + 1] int64, probes): position ranges, and how many of the nearest a row
     scans; None scans every position. drop: DROP_KEYS where the key buffers are clean private
     file mappings (flat's --kv-on-disk): the kernel drops their pages as its scan passes
-    them (starqa/native/_topk.c), so a layer's keys are never resident at once; the same results.
-    tail (ivf): (each list's mean value [H, C, D], read in bf16; each shard row's list [H,
-    N] int32): the keys a row's union leaves out enter its softmax as their lists'
-    estimate (`topk.tail_part`; starqa/native/_topk.c's `tail_rows`); None: they weigh nothing
-    (top-k alone). The buffers must stay where they are while the table lives (it keeps
-    them referenced)."""
+    them (starqa/native/_topk_lists.c), so a layer's keys are never resident at once; the
+    same results. tail (ivf): (each list's mean value [H, C, D], read in bf16; each shard
+    row's list [H, N] int32): the keys a row's union leaves out enter its softmax as their
+    lists' estimate (`topk.tail_part`; starqa/native/_topk_tail.c); None: they weigh
+    nothing (top-k alone). The buffers must stay where they are while the table lives (it
+    keeps them referenced)."""
 
     def __init__(self, keys: Sequence[tuple[int, torch.Tensor]],
                  values: Sequence[tuple[int, torch.Tensor]] | None,
@@ -144,59 +195,26 @@ class TopKTable:
                  tail: tuple[torch.Tensor, torch.Tensor] | None = None):
         n = keys[-1][0] + keys[-1][1].shape[1]
         self.drop = drop
-
-        def table(buffers):
-            return (torch.tensor([first for first, _ in buffers] + [n], dtype=torch.int64),
-                    torch.tensor([x.data_ptr() for _, x in buffers], dtype=torch.int64),
-                    torch.tensor([x.stride(0) for _, x in buffers], dtype=torch.int64))
-
-        if key_map is not None:
-            key_map = key_map.to(torch.int64).contiguous()
-            if key_at is None:  # the inverse permutation
-                key_at = torch.empty_like(key_map, dtype=torch.int32).scatter_(
-                    1, key_map, torch.arange(n, dtype=torch.int32).expand_as(key_map).contiguous())
-            key_at = key_at.to(torch.int32).contiguous()
-        centroids = offsets = None
-        self.lists, self.probes = 1, 1
-        if lists is not None:
-            centroids = lists[0].to(torch.bfloat16).contiguous()
-            offsets = lists[1].to(torch.int64).contiguous()
-            self.lists, self.probes = centroids.shape[1], lists[2]
-        tail_values = tail_lists = None
-        if tail is not None:
-            tail_values, tail_lists = tail
-            if (centroids is None or tail_values.shape != centroids.shape
-                    or tail_lists.shape != (centroids.shape[0], n)):
-                raise ValueError(f"top-k kernel: a tail {tuple(tail_values.shape)} with row "
-                                 f"lists {tuple(tail_lists.shape)} for {n} keys needs ivf's "
-                                 f"lists of that shape")
-            tail_values = tail_values.to(torch.bfloat16).contiguous()
-            tail_lists = tail_lists.to(torch.int32).contiguous()
-        kstart, kptr, kstride = table(keys)
+        key_map, key_at = _key_order(key_map, key_at, n)
+        key_buffers, key_arrays = _buffers(keys, n)
+        value_buffers, value_arrays = _buffers(values, n)
+        list_struct, list_tensors = _lists(lists, tail, n)
+        self.lists, self.probes = list_struct.count, list_struct.probes
         self.selects_only = not values
-        none = torch.zeros(1, dtype=torch.int64)
-        vstart, vptr, vstride = table(values) if values else (none, none, none)
-        # what the kernel reads through the addresses below, kept alive with the table
-        self._keep = (keys, values, key_map, key_at, centroids, offsets, tail_values,
-                      tail_lists, kstart, kptr, kstride, vstart, vptr, vstride)
-
-        key_args = (n, len(keys), kstart.data_ptr(), kptr.data_ptr(), kstride.data_ptr(),
-                    _address(key_map))
-        list_args = (self.lists, _address(centroids), _address(offsets), self.probes)
-        # every argument after q, heads, rows, tokens and dim, up to k
-        self._middle = (*key_args, _address(key_at), len(values or ()), vstart.data_ptr(),
-                        vptr.data_ptr(), vstride.data_ptr(), *list_args, _address(tail_values),
-                        _address(tail_lists))
-        self._select_args = (*key_args, *list_args)  # select's, after q, heads, rows and dim
-        self._dtypes = (int(keys[0][1].dtype == torch.bfloat16),
-                        int(bool(values) and values[0][1].dtype == torch.bfloat16))
+        # what the kernel reads through the table's addresses, kept alive with it
+        self._keep = (keys, values, key_map, key_at, key_arrays, value_arrays, list_tensors)
+        self.table = kernels.starqa_topk_table(n, key_buffers, _address(key_map),
+                                               _address(key_at), value_buffers, list_struct,
+                                               drop)
+        self._pointer = ctypes.pointer(self.table)
 
     def step_words(self, k: int, skip: int, release: torch.Tensor | None = None
                    ) -> tuple[int, ...]:
-        """The top-k part of a layer's attention words for `decode_layers` (starqa/native/_step.c's
-        T_*): `attend`'s arguments that stay the same, then k, skip and drop, then
-        `release` [P, 2] int64 (the caller keeps it alive): the (address, length) of the
-        memory-mapped pages that the step releases after the layer's attention."""
+        """The top-k part of a layer's attention words for `decode_layers`
+        (starqa_step_attention's topk, k, skip, release and releases): the table's
+        address, k, skip, then `release` [P, 2] int64 (the caller keeps it alive): the
+        (address, length) of the memory-mapped pages that the step releases after the
+        layer's attention."""
         if self.selects_only:
             raise ValueError("top-k kernel: this table holds no values (it only selects)")
         if release is not None and (release.dtype != torch.int64 or release.dim() != 2
@@ -204,14 +222,14 @@ class TopKTable:
             raise ValueError(f"top-k kernel: release ranges {tuple(release.shape)} "
                              f"{release.dtype} (int64 [P, 2], contiguous)")
         pairs = (0, 0) if release is None else (release.data_ptr(), release.shape[0])
-        return (*self._dtypes, *self._middle, k, skip, self.drop, *pairs)
+        return (ctypes.addressof(self.table), k, skip, *pairs)
 
     def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
                tokens: int | None = None,
                own: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k partial attention of every row of q [H, R, D] (the kernel's file says how).
-        tokens: the forward's positions M, the rows being G blocks of M
+        """Top-k partial attention of every row of q [H, R, D] (starqa/native/_topk.h says
+        how). tokens: the forward's positions M, the rows being G blocks of M
         (`attention.fold_gqa`); the G rows of a position share their keys (None: M = R,
         nothing shared). Rows below `skip` (the sink) are never picked, and every row
         attends to them. own: the query host's own (keys, values) [H, L, D] (rows
@@ -224,25 +242,14 @@ class TopKTable:
         tokens = rows if tokens is None else tokens
         q = q.to(torch.float32).contiguous()
         out, lse = q.new_empty(heads, rows, dim), q.new_empty(heads, rows)
-        own_args = (0, None, None, 0, 0)
-        if own is not None:
-            own_k, own_v = own
-            if not (own_k.dtype == own_v.dtype and own_k.dtype in (torch.bfloat16, torch.float32)
-                    and own_k.shape == own_v.shape and own_k.shape[0] == heads
-                    and own_k.stride() == own_v.stride() and own_k.stride()[1:] == (dim, 1)
-                    and own_k.shape[1] >= tokens and own_k.device.type == "cpu"):
-                raise ValueError(f"top-k kernel: own keys {tuple(own_k.shape)} {own_k.dtype} "
-                                 f"strides {own_k.stride()} for q {tuple(q.shape)}")
-            own_args = (int(own_k.dtype == torch.bfloat16), own_k.data_ptr(), own_v.data_ptr(),
-                        own_k.stride(0), own_k.shape[1] - tokens)
-        code = _library().starqa_topk_attend(
-            *self._dtypes, q.data_ptr(), heads, rows, tokens, dim,
-            *self._middle, k, skip, *own_args, scale, out.data_ptr(), lse.data_ptr(),
-            self.drop, torch.get_num_threads())
+        code = _library().starqa_topk_attend(kernels.starqa_topk_args(
+            self._pointer, kernels.starqa_queries(q.data_ptr(), heads, rows, dim), tokens, k,
+            skip, _own_keys(own, q, tokens),
+            kernels.starqa_outputs(scale, out.data_ptr(), lse.data_ptr()),
+            torch.get_num_threads()))
         if code:
-            raise (MemoryError() if code == 2 else ValueError(
-                f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "
-                f"{self.lists} lists, {self.probes} probes"))
+            _check(code, f"top-k kernel: impossible arguments q {tuple(q.shape)}, "
+                                      f"k {k}, {self.lists} lists, {self.probes} probes")
         return out, lse
 
     def select(self, q: torch.Tensor, k: int, skip: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,36 +262,38 @@ class TopKTable:
         q = q.to("cpu", torch.float32).contiguous()
         found = torch.empty(heads, rows, k, dtype=torch.int64)
         scores = torch.empty(heads, rows, k)
-        code = _library().starqa_topk_select(
-            self._dtypes[0], q.data_ptr(), heads, rows, dim, *self._select_args, k, skip,
-            found.data_ptr(), scores.data_ptr(), torch.get_num_threads())
+        code = _library().starqa_topk_select(kernels.starqa_select_args(
+            self._pointer, kernels.starqa_queries(q.data_ptr(), heads, rows, dim), k, skip,
+            found.data_ptr(), scores.data_ptr(), torch.get_num_threads()))
         if code:
-            raise (MemoryError() if code == 2 else ValueError(
-                f"top-k kernel: impossible arguments q {tuple(q.shape)}, k {k}, "
-                f"{self.lists} lists, {self.probes} probes"))
+            _check(code, f"top-k kernel: impossible arguments q {tuple(q.shape)}, "
+                                      f"k {k}, {self.lists} lists, {self.probes} probes")
         return scores, found
 
 
-def topk_attend(q: torch.Tensor, keys: Sequence[tuple[int, torch.Tensor]],
-                values: Sequence[tuple[int, torch.Tensor]], k: int, skip: int, scale: float,
-                key_map: torch.Tensor | None = None,
-                lists: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                tokens: int | None = None, key_at: torch.Tensor | None = None,
-                own: tuple[torch.Tensor, torch.Tensor] | None = None,
-                tail: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k partial attention of every row of q [H, R, D] over one layer of a shard: a
-    `TopKTable` of these buffers, attended once (`supports_topk` says which buffers the
-    kernel takes)."""
-    return TopKTable(keys, values, key_map, lists, key_at, tail=tail).attend(
-        q, k, skip, scale, tokens, own)
+def _own_keys(own: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, tokens: int
+              ) -> kernels.starqa_own_keys:
+    """`TopKTable.attend`'s own keys and values (see there) as the kernel reads them, checked
+    against q [H, R, D] (None: none)."""
+    if own is None:
+        return kernels.starqa_own_keys(0, None, None, 0, 0)
+    heads, _, dim = q.shape
+    own_k, own_v = own
+    if not (own_k.dtype == own_v.dtype and own_k.dtype in (torch.bfloat16, torch.float32)
+            and own_k.shape == own_v.shape and own_k.shape[0] == heads
+            and own_k.stride() == own_v.stride() and own_k.stride()[1:] == (dim, 1)
+            and own_k.shape[1] >= tokens and own_k.device.type == "cpu"):
+        raise ValueError(f"top-k kernel: own keys {tuple(own_k.shape)} {own_k.dtype} "
+                         f"strides {own_k.stride()} for q {tuple(q.shape)}")
+    return kernels.starqa_own_keys(int(own_k.dtype == torch.bfloat16), own_k.data_ptr(),
+                                   own_v.data_ptr(), own_k.stride(0), own_k.shape[1] - tokens)
 
 
 def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Tensor:
     """x [M, K] (bf16 or fp32, CPU) times int4 weights [N, K] packed as `tiles` (uint8
-    [N / 16, K / 32, 320], starqa/native/_int4.c says how) transposed: [M, N] in x's dtype, the
-    activations quantised to 14 bits per group of 32. fast=False: the kernel's plain C path
-    (the same sums; for tests)."""
+    [N / 16, K / 32, 320], starqa/native/_int4.c says how) transposed: [M, N] in x's dtype,
+    the activations quantised to 14 bits per group of 32. fast=False: the kernel's plain C
+    path (the same sums; for tests)."""
     library = _library()
     n, k = tiles.shape[0] * 16, tiles.shape[1] * 32
     if (x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu"
@@ -293,10 +302,9 @@ def int4_mm(x: torch.Tensor, tiles: torch.Tensor, fast: bool = True) -> torch.Te
     x = x.contiguous()
     y = x.new_empty(x.shape[0], n)
     bf16 = int(x.dtype == torch.bfloat16)
-    code = library.starqa_int4_mm(bf16, x.data_ptr(), x.shape[0], k, tiles.data_ptr(), n, bf16,
-                                  y.data_ptr(), int(fast), torch.get_num_threads())
-    if code:
-        raise MemoryError() if code == 2 else ValueError(f"int4 kernel: shapes {n}x{k}")
+    _check(library.starqa_int4_mm(kernels.starqa_int4_args(
+        bf16, x.data_ptr(), x.shape[0], k, tiles.data_ptr(), n, bf16, y.data_ptr(), int(fast),
+        torch.get_num_threads())), f"int4 kernel: shapes {n}x{k}")
     return y
 
 
@@ -340,34 +348,42 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dty
 
 
 def _check(code: int, what: str) -> None:
+    """Raise for a kernel's code: 1 impossible arguments (ValueError, `what`), 2 out of
+    memory."""
     if code:
-        raise MemoryError() if code == 2 else ValueError(f"{what}: impossible shapes")
+        raise MemoryError() if code == 2 else ValueError(what)
 
 
-def layer_before(hidden: torch.Tensor, norm: torch.Tensor, eps: float, qkv: torch.Tensor,
-                 bias: torch.Tensor | None, rotated: int, dim: int, cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
-    """A decoder layer before its attention (starqa/native/_layer.c): RMSNorm of hidden [M, H],
-    times the int4 tiles `qkv` (+ bias), RoPE on the first `rotated` heads of D = dim;
-    returns [M, N / dim, dim]. Every tensor contiguous, one dtype `rows_supported` takes
-    (the caller's to check, as for `rms_norm`)."""
+def _linear(weights: tuple[torch.Tensor, torch.Tensor | None]) -> kernels.starqa_linear:
+    """(int4 tiles, bias or None) as a `starqa_linear`."""
+    return kernels.starqa_linear(weights[0].data_ptr(), _address(weights[1]))
+
+
+def layer_before(hidden: torch.Tensor, norm: torch.Tensor, eps: float,
+                 qkv: tuple[torch.Tensor, torch.Tensor | None], rotated: int, dim: int,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A decoder layer before its attention (starqa/native/_layer.c): RMSNorm of hidden
+    [M, H], times qkv (int4 tiles, bias or None), RoPE on the first `rotated` heads of
+    D = dim; returns [M, N / dim, dim]. Every tensor contiguous, one dtype
+    `rows_supported` takes (the caller's to check, as for `rms_norm`)."""
     m, h = hidden.shape
-    n = qkv.shape[0] * 16
-    if qkv.shape[1] * 32 != h or n % dim:
+    tiles = qkv[0]
+    n = tiles.shape[0] * 16
+    if tiles.shape[1] * 32 != h or n % dim:
         raise ValueError(f"decoder layer: hidden {tuple(hidden.shape)} against qkv tiles "
-                         f"{tuple(qkv.shape)} of heads of {dim}")
+                         f"{tuple(tiles.shape)} of heads of {dim}")
     y = hidden.new_empty(m, n // dim, dim)
-    _check(_library().starqa_layer_before(
+    _check(_library().starqa_layer_before(kernels.starqa_before_args(
         hidden.dtype == torch.bfloat16, hidden.data_ptr(), m, h, norm.data_ptr(), eps,
-        qkv.data_ptr(), n, _address(bias), rotated, dim, cos.data_ptr(), sin.data_ptr(),
-        y.data_ptr(), torch.get_num_threads()), "decoder layer")
+        _linear(qkv), n, rotated, dim, cos.data_ptr(), sin.data_ptr(), y.data_ptr(),
+        torch.get_num_threads())), "decoder layer: impossible shapes")
     return y
 
 
 def layer_after(hidden: torch.Tensor, attn: torch.Tensor, out, norm: torch.Tensor, eps: float,
                 gate_up, down) -> None:
-    """A decoder layer after its attention (starqa/native/_layer.c), on hidden [M, H] in place:
-    the output projection of attn [M, K] and its residual, RMSNorm, the MLP and its
+    """A decoder layer after its attention (starqa/native/_layer.c), on hidden [M, H] in
+    place: the output projection of attn [M, K] and its residual, RMSNorm, the MLP and its
     residual. out, gate_up, down: (int4 tiles, bias or None). Every tensor contiguous,
     one dtype `rows_supported` takes."""
     m, h = hidden.shape
@@ -377,11 +393,11 @@ def layer_after(hidden: torch.Tensor, attn: torch.Tensor, out, norm: torch.Tenso
         raise ValueError(f"decoder layer: hidden {tuple(hidden.shape)}, attention "
                          f"{tuple(attn.shape)} against tiles {tuple(out[0].shape)}, "
                          f"{tuple(gate_up[0].shape)}, {tuple(down[0].shape)}")
-    _check(_library().starqa_layer_after(
+    _check(_library().starqa_layer_after(kernels.starqa_after_args(
         hidden.dtype == torch.bfloat16, hidden.data_ptr(), m, h, attn.data_ptr(),
-        attn.shape[1], out[0].data_ptr(), _address(out[1]), norm.data_ptr(), eps,
-        gate_up[0].data_ptr(), gate_up[0].shape[0] * 8, _address(gate_up[1]),
-        down[0].data_ptr(), _address(down[1]), torch.get_num_threads()), "decoder layer")
+        attn.shape[1], _linear(out), norm.data_ptr(), eps, _linear(gate_up),
+        gate_up[0].shape[0] * 8, _linear(down), torch.get_num_threads())),
+        "decoder layer: impossible shapes")
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -393,52 +409,55 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-# starqa/native/_step.c's words of a layer, in its order: the model's (M_*); the attention's (A_*:
-# kind, scale, own keys, own values, their capacity) followed by exact's (E_*) or top-k's
-# (T_*); the kinds A_EXACT and A_TOPK.
-MODEL_WORDS = ("bf16", "hidden", "heads", "kv_heads", "dim", "inner", "eps", "attn_norm",
-               "qkv", "qkv_bias", "out", "out_bias", "mlp_norm", "gate_up", "gate_up_bias",
-               "down", "down_bias")
-STEP_EXACT, STEP_TOPK = 0, 1
+# A layer's values for `step_words`, in the order of starqa/native/_kernels.h's structs:
+# the model's (starqa_step_model's fields), the attention's (starqa_step_attention's kind,
+# scale, own keys, own values, their capacity, then exact's table or top-k's, k, skip and
+# release pages: what `Layout.step_words` and `TopKTable.step_words` give).
+MODEL_WORDS = tuple(name for name, _ in kernels.starqa_step_model._fields_)
+STEP_EXACT, STEP_TOPK = kernels.STEP_EXACT, kernels.STEP_TOPK
+_ATTENTION_WORDS = {
+    STEP_EXACT: ("kind", "scale", "own_k", "own_v", "capacity", "exact"),
+    STEP_TOPK: ("kind", "scale", "own_k", "own_v", "capacity", "topk", "k", "skip", "release",
+                "releases"),
+}
 
 
-def _word(value) -> int:
-    """A word of a `decode_layers` array: a tensor's address (None: 0), a float's fp32 bits,
-    an int."""
-    if value is None:
-        return 0
-    if isinstance(value, torch.Tensor):
-        return value.data_ptr()
-    if isinstance(value, float):
-        return int(torch.tensor(value, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF
-    return int(value)
+def _fill(struct: ctypes.Structure, names: Sequence[str], values: Sequence) -> None:
+    """Set `struct`'s fields `names` to `values`: a tensor by its address, a pointer to a
+    struct from an address, anything else as it is (None: NULL)."""
+    if len(names) != len(values):
+        raise ValueError(f"decode step: {len(values)} values for the fields {names}")
+    kinds = dict(struct._fields_)
+    for name, value in zip(names, values):
+        if isinstance(value, torch.Tensor):
+            value = value.data_ptr()
+        elif issubclass(kinds[name], ctypes._Pointer):  # a POINTER(struct), from an address
+            value = ctypes.cast(value, kinds[name])
+        setattr(struct, name, value)
 
 
 def step_words(layers: Sequence[Sequence], attention: bool = False) -> torch.Tensor | None:
-    """[L, words] int64 for `decode_layers`: per layer its values in MODEL_WORDS order (or
-    with attention, the attention's words as _step.c orders them); None where the compiled
-    library is not here or lays its words out otherwise."""
-    library = _library()
-    if library is None:
+    """The structs `decode_layers` reads, one per layer, laid out in an int64 tensor [L,
+    words]: starqa_step_model from each layer's values in MODEL_WORDS order, or with
+    attention, starqa_step_attention from (kind, scale, own keys, own values, capacity,
+    *the kind's table words); None where the compiled library is not here."""
+    if _library() is None:
         return None
-    width = int(library.starqa_step_words(int(attention)))
-    if not attention and width != len(MODEL_WORDS):
-        return None
-    words = torch.zeros(len(layers), width, dtype=torch.int64)
+    struct = kernels.starqa_step_attention if attention else kernels.starqa_step_model
+    size = ctypes.sizeof(struct)  # a multiple of 8: the structs hold int64s
+    words = torch.zeros(len(layers), size // 8, dtype=torch.int64)
     for index, values in enumerate(layers):
-        if len(values) > width:
-            return None
-        words[index, :len(values)] = torch.tensor([_word(v) for v in values],
-                                                  dtype=torch.int64)
+        names = _ATTENTION_WORDS[values[0]] if attention else MODEL_WORDS
+        _fill(struct.from_address(words.data_ptr() + index * size), names, values)
     return words
 
 
 def decode_layers(model: torch.Tensor, attention: torch.Tensor, hidden: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, before: int, q_rows: torch.Tensor,
                   lse: torch.Tensor) -> None:
-    """Every decoder layer of a forward in one call (starqa/native/_step.c), on hidden [M, H] in
-    place: model and attention, `step_words`' arrays (their tensors alive and where they
-    were); cos, sin [M, 1, D] (`rope_table`); before: the own keys written before this
+    """Every decoder layer of a forward in one call (starqa/native/_step.c), on hidden [M, H]
+    in place: model and attention, `step_words`' structs (their tensors alive and where
+    they were); cos, sin [M, 1, D] (`rope_table`); before: the own keys written before this
     forward's; q_rows [L, Hkv, G * M, D] and lse [L, Hkv, G * M], fp32, contiguous: filled
     with each layer's folded query rows and their LSE."""
     layers, m = model.shape[0], hidden.shape[0]
@@ -447,7 +466,9 @@ def decode_layers(model: torch.Tensor, attention: torch.Tensor, hidden: torch.Te
             or not q_rows.is_contiguous() or not lse.is_contiguous()):
         raise ValueError(f"decode step: {layers} layers against attention words "
                          f"{tuple(attention.shape)}, rows {tuple(q_rows.shape)}")
-    _check(_library().starqa_decode_layers(
-        layers, model.data_ptr(), attention.data_ptr(), hidden.data_ptr(), m, cos.data_ptr(),
-        sin.data_ptr(), before, q_rows.data_ptr(), lse.data_ptr(), torch.get_num_threads()),
-        "decode step")
+    step = kernels.starqa_decode_args(
+        layers, ctypes.cast(model.data_ptr(), ctypes.POINTER(kernels.starqa_step_model)),
+        ctypes.cast(attention.data_ptr(), ctypes.POINTER(kernels.starqa_step_attention)),
+        hidden.data_ptr(), m, cos.data_ptr(), sin.data_ptr(), before, q_rows.data_ptr(),
+        lse.data_ptr(), torch.get_num_threads())
+    _check(_library().starqa_decode_layers(step), "decode step: impossible shapes")

@@ -27,6 +27,7 @@ through one all-gather per layer. Each block only reads earlier blocks, so a wor
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,19 @@ Blocks = Sequence[tuple[int, int]]
 KV = tuple[torch.Tensor, torch.Tensor]
 # exchange(layer, k, v) -> the passing block (k, v) [1, Hkv, P, D] of every earlier block
 Exchange = Callable[[int, torch.Tensor, torch.Tensor], KV]
+
+
+@dataclass(frozen=True)
+class ApbSettings:
+    """What one APB encoding is given besides the model and the blocks."""
+
+    anchor: int  # l_a: the context's first tokens in every block's anchor (after the question)
+    passing: int  # keys each block passes on, per layer and KV head
+    window: int = 64  # without a question, the probe is the block's last `window` tokens
+    pool: int = 5  # max-pool width of the key scores (`key_scores`)
+    # The question's token ids when known at encoding time: they open every anchor and are
+    # the probe; () leaves the cache reusable across questions.
+    question_ids: tuple[int, ...] = ()
 
 
 def assignment(n_blocks: int, world: int, rank: int) -> list[int]:
@@ -119,13 +133,13 @@ class _ApbHook:
                                               enable_gqa=query.shape[1] != key.shape[1])
 
 
-def _encode_block(model, ids: torch.Tensor, blocks: Blocks, i: int, anchor: int,
-                  question: torch.Tensor, passing: int, window: int, pool: int,
-                  exchange: Exchange) -> KV:
-    """One block's forward; returns its KV [L, Hkv, T, D]."""
+def _encode_block(model, ids: torch.Tensor, blocks: Blocks, i: int, settings: ApbSettings,
+                  question: torch.Tensor, exchange: Exchange) -> KV:
+    """One block's forward (`question`: settings.question_ids as int64 [Q]); returns its KV
+    [L, Hkv, T, D]."""
     device = next(model.parameters()).device
     start, end = blocks[i]
-    anchor_ids = (torch.cat([question, ids[:min(anchor, start)]]) if i > 0
+    anchor_ids = (torch.cat([question, ids[:min(settings.anchor, start)]]) if i > 0
                   else ids[:0])  # block 0 is encoded alone
     a = len(anchor_ids)
     tokens = torch.cat([anchor_ids, ids[start:end]]).to(device)
@@ -134,8 +148,8 @@ def _encode_block(model, ids: torch.Tensor, blocks: Blocks, i: int, anchor: int,
     if i > 0 and len(question):
         probe = slice(0, len(question))
     else:
-        probe = slice(max(a, len(tokens) - window), None)
-    hook = _ApbHook(a, probe, passing, pool, exchange)
+        probe = slice(max(a, len(tokens) - settings.window), None)
+    hook = _ApbHook(a, probe, settings.passing, settings.pool, exchange)
     model.model(input_ids=tokens[None], position_ids=positions[None], starqa=hook, use_cache=False)
     return stack_layers(hook.kept)
 
@@ -175,17 +189,16 @@ class _RoundExchange:
 
 @torch.inference_mode()
 def encode_apb(model, ids: torch.Tensor, blocks: Blocks, indices: Sequence[int],
-               info: dist.DistInfo, *, anchor: int, passing: int, window: int = 64, pool: int = 5,
-               question_ids: Sequence[int] | None = None
+               info: dist.DistInfo, settings: ApbSettings
                ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """This worker's blocks (`assignment`), encoded round by round with every worker of the
     group; yields (index, k, v). All workers must call it together."""
     world = info.world_size
     if list(indices) != assignment(len(blocks), world, info.rank):
         raise ValueError("apb blocks must be assigned round-robin (apb.assignment)")
-    lengths = [min(passing, end - start) for start, end in blocks]
+    lengths = [min(settings.passing, end - start) for start, end in blocks]
     exchange = _RoundExchange(info, lengths)
-    question = torch.tensor(list(question_ids or []), dtype=torch.long)
+    question = torch.tensor(list(settings.question_ids), dtype=torch.long)
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = next(model.parameters()).dtype
@@ -194,8 +207,7 @@ def encode_apb(model, ids: torch.Tensor, blocks: Blocks, indices: Sequence[int],
         exchange.round = r
         i = r * world + info.rank
         if i < len(blocks):
-            yield (i, *_encode_block(model, ids, blocks, i, anchor, question, passing, window,
-                                     pool, exchange))
+            yield (i, *_encode_block(model, ids, blocks, i, settings, question, exchange))
         else:
             empty = torch.zeros(1, config.num_key_value_heads, 0, head_dim, dtype=dtype,
                                 device=device)

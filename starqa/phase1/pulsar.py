@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +27,8 @@ Blocks = Sequence[tuple[int, int]]
 
 def _check(value: str, choices: tuple[str, ...], what: str) -> None:
     if value not in choices:
-        raise StarqaError(f"Unknown Pulsar {what} {value!r}.", hint=f"choose one of: {', '.join(choices)}")
+        raise StarqaError(f"Unknown Pulsar {what} {value!r}.",
+                          hint=f"choose one of: {', '.join(choices)}")
 
 
 # ---------------------------------------------------------------------------- IDF
@@ -69,7 +71,8 @@ def chunk_scores(block_ids: torch.Tensor, idf: torch.Tensor, heuristic: str, chu
     if heuristic == "even" or n == 0:
         return torch.zeros(n_chunks)
     if heuristic == "max-idf":
-        return torch.zeros(n_chunks).scatter_reduce(0, which, idf[block_ids], "amax", include_self=False)
+        return torch.zeros(n_chunks).scatter_reduce(0, which, idf[block_ids], "amax",
+                                                    include_self=False)
     if heuristic == "tfidf":
         return torch.zeros(n_chunks).index_add(0, which, idf[block_ids]) / lengths
     # distinct (chunk, token) pairs with their term frequency within the chunk
@@ -85,7 +88,8 @@ def chunk_scores(block_ids: torch.Tensor, idf: torch.Tensor, heuristic: str, chu
     norm = BM25_K1 * (1 - BM25_B + BM25_B * lengths.to(torch.float64)[pair_chunk] / avg)
     tf = tf.to(torch.float64)
     terms = idf_bm25 * tf * (BM25_K1 + 1) / (tf + norm)
-    return torch.zeros(n_chunks, dtype=torch.float64).index_add(0, pair_chunk, terms).to(torch.float32)
+    return torch.zeros(n_chunks, dtype=torch.float64).index_add(0, pair_chunk,
+                                                                terms).to(torch.float32)
 
 
 # ---------------------------------------------------------------------------- summaries
@@ -173,10 +177,22 @@ def query_start(n_tokens: int, blocks: Blocks, summaries: Sequence[torch.Tensor]
 # ---------------------------------------------------------------------------- encode
 
 
+@dataclass(frozen=True)
+class PulsarSettings:
+    """Pulsar's settings (docs/methods.md §3), as `starqa.methods.pulsar.DEFAULTS` names
+    them: the sink's tokens, the chunk heuristic (HEURISTICS), each summary's share of its
+    block, the tokens per scored chunk, and the positions (POSITIONS)."""
+
+    sink: int = 64
+    heuristic: str = "max-idf"
+    budget_frac: float = 0.125
+    chunk: int = 32
+    positions: str = "sparse"
+
+
 @torch.inference_mode()
-def encode_pulsar(model, ids: torch.Tensor, blocks: Blocks, indices: Sequence[int], *,
-                  sink: int = 64, heuristic: str = "max-idf", budget_frac: float = 0.125,
-                  chunk: int = 32, positions: str = "sparse",
+def encode_pulsar(model, ids: torch.Tensor, blocks: Blocks, indices: Sequence[int],
+                  settings: PulsarSettings = PulsarSettings(),
                   summaries: Sequence[torch.Tensor] | None = None
                   ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Pulsar Phase 1 for blocks `indices`; yields (index, k, v) with k, v [L, Hkv, len(B_i), D].
@@ -184,14 +200,16 @@ def encode_pulsar(model, ids: torch.Tensor, blocks: Blocks, indices: Sequence[in
     The summaries (`all_summaries`, from `ids` [n]) are given, or computed once, up front;
     each block is then one causal forward over its assembled input, keeping only B_i's KV.
     """
-    _check(heuristic, HEURISTICS, "heuristic")
-    _check(positions, POSITIONS, "positions")
+    _check(settings.heuristic, HEURISTICS, "heuristic")
+    _check(settings.positions, POSITIONS, "positions")
     device = next(model.parameters()).device
     if summaries is None:
-        summaries = all_summaries(ids, blocks, model.config.vocab_size, sink=sink,
-                                  heuristic=heuristic, budget_frac=budget_frac, chunk=chunk)
+        summaries = all_summaries(ids, blocks, model.config.vocab_size, sink=settings.sink,
+                                  heuristic=settings.heuristic,
+                                  budget_frac=settings.budget_frac, chunk=settings.chunk)
     for i in indices:
-        tokens, pos, keep = assemble(ids, blocks, i, summaries, sink=sink, positions=positions)
+        tokens, pos, keep = assemble(ids, blocks, i, summaries, sink=settings.sink,
+                                     positions=settings.positions)
         hook = Recorder(keep=keep)
         forward(model, tokens.to(device), pos.to(device), hook)
         yield (i, *hook.stacked())

@@ -1,3 +1,5 @@
-"""Phase 2, a question against the cached shards: the decode loop and the shard attention it
-calls in every layer (`decode`), the worker's answering path (`answering`), prompt-lookup drafts,
-source attribution, and where Phase 2 runs (`placement`)."""
+"""Phase 2, a question against the cached shards: the decode loop (`decode`), the attention it
+calls in every layer (`shard_attention`, composing the shard view `shard_view`, the own-KV
+buffers `own_kv`, the layer call `layer_attention` and the compiled step `compiled_step`), the
+worker's answering path (`answering`), prompt-lookup drafts (`lookup`), source attribution
+(`sources`), and where Phase 2 runs (`placement`)."""

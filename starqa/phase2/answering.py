@@ -9,7 +9,9 @@ everywhere, and eval and bench measure what users run.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,32 +19,51 @@ from starqa.runtime import dist
 from starqa.core import gcpause
 from starqa.phase2 import decode
 from starqa.phase2 import sources
+from starqa.phase2.shard_attention import ShardAttention
+from starqa.phase2.shard_view import Shard
 from starqa.topk.indexes import TopK
 from starqa.cache.manifest import Manifest, SourceFile
 from starqa.cache.shards import load_shard
 
+if TYPE_CHECKING:  # annotations only: top-k is loaded where it is asked for
+    from starqa.topk.shard import TopKShard
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """This rank's share of a context, what its `Answerer` answers over: the shard of its
+    contiguous blocks (`ShardView`'s layout; None for none, or under top-k attention) or
+    top-k attention over them (`retriever`, starqa.topk.shard.TopKShard), the question's
+    position, and what source attribution needs (without them, no sources): the files the
+    context covers, the position of the shard's first key and the shard's token ids."""
+
+    shard: Shard | None
+    query_position: int
+    files: Sequence[SourceFile] = ()
+    token_start: int = 0
+    blocks: Sequence[int] = ()
+    ids: torch.Tensor | None = None
+    retriever: TopKShard | None = None
+
+    def head(self) -> int:
+        """The shard's keys before the first document (template, system prompt): no
+        source."""
+        first_doc = min((f.token_start for f in self.files), default=self.token_start)
+        return max(0, first_doc - self.token_start)
+
 
 class Answerer:
-    """Decoder + this rank's shard of contiguous blocks (+ the files they cover and the
-    shard's token ids, which source attribution needs; without them, no sources)."""
+    """Decoder + this rank's share of the context (`RankShare`), answering questions."""
 
-    def __init__(self, info: dist.DistInfo, decoder, shard, query_position: int,
-                 files: Sequence[SourceFile] = (), token_start: int = 0,
-                 blocks: Sequence[int] = (), ids: torch.Tensor | None = None,
-                 retriever=None):
+    def __init__(self, info: dist.DistInfo, decoder, share: RankShare):
         self.info = info
-        self.blocks = list(blocks)
         self.decoder = decoder
-        self.query_position = query_position
-        self.files = list(files)
-        self.token_start = token_start
-        # The keys before the first document are no source (see ShardAttention's `head`).
-        first_doc = min((f.token_start for f in self.files), default=token_start)
+        self.share = share
+        self.blocks = list(share.blocks)
+        self.query_position = share.query_position
         self.sources_seconds = 0.0
-        # retriever: top-k attention over the blocks (starqa.topk.retrieval), shard then None.
-        self.hook = decode.ShardAttention(info, shard, query_host=info.is_last,
-                                          head=max(0, first_doc - token_start), ids=ids,
-                                          retriever=retriever)
+        self.hook = ShardAttention(info, share.shard, query_host=info.is_last,
+                                   head=share.head(), ids=share.ids, retriever=share.retriever)
 
     @classmethod
     def from_cache(cls, manifest: Manifest, info: dist.DistInfo, model_path: Path,
@@ -59,19 +80,19 @@ class Answerer:
         if topk is None:
             shard, ids = load_shard(manifest, blocks, device=info.device, dtype=dtype)
         else:
-            from starqa.topk.retrieval import TopKShard
+            from starqa.topk import retrieval
 
             from starqa.topk.listlayout import mean_queries
 
-            retriever = TopKShard.from_cache(
+            retriever = retrieval.from_cache(
                 manifest, blocks, topk, dtype, info.device,
                 lambda ids: mean_queries(decoder, ids, manifest.query_position))
             if retriever is not None:
                 retriever.make_tables()
         start = manifest.blocks[blocks[0]].start if blocks else 0
         gcpause.settle()  # started: what is alive now lives as long as the process
-        return cls(info, decoder, shard, manifest.query_position, manifest.files, start, blocks,
-                   ids, retriever)
+        return cls(info, decoder, RankShare(shard, manifest.query_position, tuple(manifest.files),
+                                            start, tuple(blocks), ids, retriever))
 
     def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
                on_token: Callable[[int], None] | None = None,
@@ -90,16 +111,17 @@ class Answerer:
         if draft_tokens is None:
             draft_tokens = decode.draft_tokens_setting(
                 0 if self.hook.retriever is not None else decode.DRAFT_TOKENS)
-        tokens = decode.generate(self.decoder, self.info, self.hook, query_ids,
-                                 self.query_position, max_new_tokens, set(stop_ids),
-                                 on_token, should_stop, context_ids=self.hook.ids,
-                                 draft_tokens=draft_tokens, prefilled=prefilled)
+        request = decode.Request(tuple(query_ids), self.query_position, max_new_tokens,
+                                 frozenset(stop_ids), draft_tokens, self.hook.ids, prefilled)
+        tokens = decode.generate(self.decoder, self.info, self.hook, request=request,
+                                 callbacks=decode.Callbacks(on_token, should_stop))
         if self.hook.retriever is not None:  # top-k attention (every rank): no attribution
             return tokens, None
         started = time.perf_counter()
         mine = {}
-        if self.hook.n_keys and self.files:
-            mine = sources.line_mass(self.files, self.token_start, self.hook.key_mass(tokens))
+        if self.hook.n_keys and self.share.files:
+            mine = sources.line_mass(self.share.files, self.share.token_start,
+                                     self.hook.key_mass(tokens))
         parts = dist.gather_object(self.info, mine, dst=self.info.world_size - 1)
         top = sources.top_sources(sources.add(parts)) if parts is not None else None
         self.sources_seconds = time.perf_counter() - started  # what attribution cost (bench)

@@ -42,17 +42,28 @@ class Plan:
     known: dict[int, str] = field(default_factory=dict)  # reused blocks' checked sha256
 
 
-def plan(config: MethodConfig, ids, blocks, prepared: dict | None, model_digest: str,
-         dtype: str, store: Path, *, force: bool = False, rotate: bool = True) -> Plan:
+@dataclass(frozen=True)
+class BlockStore:
+    """The content-addressed block store a plan looks in (`blockstore.store_dir`), and what
+    its blocks' addresses hash besides their inputs: the model's fingerprint, the dtype."""
+
+    folder: Path
+    model_digest: str
+    dtype: str
+
+
+def plan(config: MethodConfig, ids, blocks, prepared: dict | None, store: BlockStore, *,
+         force: bool = False, rotate: bool = True) -> Plan:
     """What to do with each block: reuse what the store holds (checked against its recorded
     checksum), re-rotate a star block that only moved (`rotate`: the model's RoPE allows
     it) by at most a block's length from where it was encoded exactly (the error grows with
     the distance: benchmarks/rerotate_error.py), encode the rest. `force`: encode every
     block."""
     encoder = methods.get(config.name)
-    addresses = [address(model_digest, dtype, config.name,
+    addresses = [address(store.model_digest, store.dtype, config.name,
                          encoder.block_inputs(ids, config, blocks, i, prepared))
                  for i in range(len(blocks))]
+    folder = store.folder
     stems = [blockstore.stem(a, start) for a, (start, _) in zip(addresses, blocks)]
     if force:
         return Plan(tuple(stems), todo=tuple(range(len(blocks))))
@@ -63,18 +74,18 @@ def plan(config: MethodConfig, ids, blocks, prepared: dict | None, model_digest:
             continue
         # exactly encoded first, else one re-rotated to this offset before
         for candidate in (stems[i], blockstore.stem(addr, start, rotated=True)):
-            if blockstore.has(store, candidate) and (
-                    sha := blockstore.checked_sha(store, candidate)):
+            if blockstore.has(folder, candidate) and (
+                    sha := blockstore.checked_sha(folder, candidate)):
                 reused.append(i)
                 known[i], stems[i] = sha, candidate
                 break
         else:
             moved = sorted((abs(start - offset), offset, stored) for offset, stored
-                           in blockstore.offsets(store, addr)
+                           in blockstore.offsets(folder, addr)
                            if abs(start - offset) <= config.block_size) \
                 if rotate and encoder.rotatable else []
             source = next(((offset, stored) for _, offset, stored in moved
-                           if blockstore.checked_sha(store, stored)), None)
+                           if blockstore.checked_sha(folder, stored)), None)
             if source is None:
                 todo.append(i)
             else:

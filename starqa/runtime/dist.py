@@ -115,6 +115,11 @@ class DistInfo:
         return self.node_ranks(self.node)[0] == self.rank
 
 
+def env_rank() -> int:
+    """This process's rank in torchrun's group (`RANK`); 0 outside torchrun."""
+    return int(os.environ.get("RANK", 0))
+
+
 def init(device: str = "auto", timeout_s: float = 1800,
          on_lost: Callable[[str], None] | None = None) -> DistInfo:
     """Join the torchrun group (or make a world of one). Pins this worker's CPU threads.
@@ -123,7 +128,7 @@ def init(device: str = "auto", timeout_s: float = 1800,
     worker of another machine stop beating, `on_lost` is called (from the watchdog's
     thread) with that machine described, once; it is expected not to return (a worker
     reports and leaves)."""
-    rank = int(os.environ.get("RANK", 0))
+    rank = env_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     device = resolve_device(device)

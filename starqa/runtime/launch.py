@@ -1,14 +1,16 @@
 """Spawning torchrun workers and listening to them.
 
-The launcher writes the job as JSON, starts `python -m torch.distributed.run ... -m
-starqa.workers.worker JOB`, turns the workers' event lines into callbacks, keeps the tail of their
-stderr, and raises WorkerError (with that tail) if any of them dies.
+The launcher writes the job (`starqa.runtime.protocol`) as JSON, starts `python -m
+torch.distributed.run ... -m starqa.workers.worker JOB`, turns the workers' event lines into
+callbacks, keeps the tail of their stderr, and raises WorkerError (with that tail) if any of
+them dies. Every process it starts, and the workers torchrun starts, die with their parent
+(`parent_death_signal`).
 """
 
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import os
 import re
 import shutil
@@ -18,10 +20,10 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starqa.core.errors import ShardError, StarqaError, WorkerError
-from starqa.workers.worker import EVENT_PREFIX, parent_death_signal
+from starqa.runtime.protocol import Error, Event, Job, Measure, Peak, encode_job, read_event
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,32 @@ class Launch:
     device: str = "auto"
 
 
+@dataclass
+class PerRank:
+    """What each rank reported of itself once its phase was done: its peak memory (`Peak`)
+    and, in a bench, its numbers (`Measure`)."""
+
+    peaks: dict[int, int] = field(default_factory=dict)
+    measures: dict[int, dict] = field(default_factory=dict)
+
+    def hear(self, event: Event) -> None:
+        """Keep `event` if it is a rank's report."""
+        if isinstance(event, Peak):
+            self.peaks[event.rank] = event.bytes
+        elif isinstance(event, Measure):
+            self.measures[event.rank] = event.row()
+
+    def peak_bytes(self) -> list[int]:
+        """Per rank, in rank order."""
+        return [self.peaks[r] for r in sorted(self.peaks)]
+
+    def measure_rows(self) -> list[dict]:
+        """Per rank, in rank order."""
+        return [self.measures[r] for r in sorted(self.measures)]
+
+
 def cpu_count() -> int:
+    """The CPU cores this process may run on."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -84,6 +111,7 @@ def check_gpus(device: str, workers: int) -> None:
 
 
 def torchrun_command(launch: Launch, job_file: str) -> list[str]:
+    """The command line that starts `launch`'s workers on the job in `job_file`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launch.workers}"]
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
         cmd.append("--standalone")
@@ -94,7 +122,7 @@ def torchrun_command(launch: Launch, job_file: str) -> list[str]:
     return cmd + ["-m", "starqa.workers.worker", job_file]
 
 
-def run_workers(job: dict, launch: Launch, on_event: Callable[[dict], None]) -> None:
+def run_workers(job: Job, launch: Launch, on_event: Callable[[Event], None]) -> None:
     """Run the job on a torchrun group; calls `on_event` for each event line, in order."""
     check_gpus(launch.device, launch.workers)
     threads = max(1, cpu_count() // launch.workers)  # N workers on C cores: C/N threads each
@@ -106,14 +134,14 @@ def run_workers(job: dict, launch: Launch, on_event: Callable[[dict], None]) -> 
     run_tmp = tempfile.mkdtemp(prefix="starqa-run-")
     job_file = os.path.join(run_tmp, "job.json")
     with open(job_file, "w") as fh:
-        json.dump({**job, "device": launch.device}, fh)
+        fh.write(encode_job(dataclasses.replace(job, device=launch.device)))
     try:
         _run(torchrun_command(launch, job_file), {**env, "TMPDIR": run_tmp}, on_event)
     finally:
         shutil.rmtree(run_tmp, ignore_errors=True)
 
 
-def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:
+def _run(cmd: list[str], env: dict, on_event: Callable[[Event], None]) -> None:
     # torchrun runs in its own session (a Ctrl-C reaches it through _kill, once), and dies
     # with this process even when it is killed outright (parent-death signal).
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
@@ -133,36 +161,31 @@ def _run(cmd: list[str], env: dict, on_event: Callable[[dict], None]) -> None:
     check_outcome(errors, proc.returncode, list(tail))
 
 
-def follow(lines: Iterable[str], on_event: Callable[[dict], None],
-           tail: collections.deque[str]) -> list[dict]:
-    """Read a worker's output to its end: event lines (`worker.emit`) go to `on_event`,
-    error events are returned, any other line joins `tail` (what it printed on its own)."""
-    errors: list[dict] = []
+def follow(lines: Iterable[str], on_event: Callable[[Event], None],
+           tail: collections.deque[str]) -> list[Error]:
+    """Read a worker's output to its end: events (`protocol.emit`) go to `on_event`, error
+    events are returned, any other line joins `tail` (what it printed on its own)."""
+    errors: list[Error] = []
     for line in lines:
-        if not line.startswith(EVENT_PREFIX):
+        event = read_event(line)
+        if event is None:
             tail.append(line)
-            continue
-        try:
-            event = json.loads(line[len(EVENT_PREFIX):])
-        except ValueError:  # cut by a line another writer interleaved: not an event
-            tail.append(line)
-            continue
-        if event["event"] == "error":
+        elif isinstance(event, Error):
             errors.append(event)
         else:
             on_event(event)
     return errors
 
 
-def check_outcome(errors: list[dict], returncode: int, lines: list[str]) -> None:
+def check_outcome(errors: list[Error], returncode: int, lines: list[str]) -> None:
     """Raise what a finished run of workers failed with, if it failed: a worker's own error
     event first, else how it died with its last lines."""
     if errors:  # a worker explained itself: that message beats any traceback
         # A worker's own failure first: the others then lose it ("Lost ...") as a result.
-        first = min(errors, key=lambda e: bool(e.get("lost")))
+        first = min(errors, key=lambda e: e.lost)
         kind = {"ShardError": ShardError, "WorkerError": WorkerError}.get(
-            first.get("kind"), StarqaError)
-        raise kind(first["message"], hint=first.get("hint"))
+            first.kind, StarqaError)
+        raise kind(first.message, hint=first.hint)
     if returncode != 0:
         raise WorkerError(
             f"A worker died ({_death(lines, returncode)}). Nothing of this run was kept; "
@@ -204,6 +227,25 @@ def _kill(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A function that asks the kernel to send `sig` to the calling process when its parent
+    exits (Linux `prctl(PR_SET_PDEATHSIG)`; a no-op elsewhere), so a `kill -9` of the
+    launcher takes torchrun down, and torchrun's death its workers (issue #11, item 4).
+    libc is looked up here, so the returned function is safe as a `preexec_fn` (no dlopen
+    between fork and exec). The setting survives exec."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    PR_SET_PDEATHSIG = 1
+
+    def set_it() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+    return set_it
 
 
 def launch_of(opts, workers: int) -> Launch:

@@ -25,6 +25,7 @@ from pathlib import Path
 from starqa.core import paths
 from starqa.cache import store
 from starqa.core.errors import StarqaError, WorkerError
+from starqa.workers import DEFAULT_KEEPALIVE
 
 
 def run_dir() -> Path:
@@ -292,7 +293,7 @@ def follow(name: str, key: str) -> list[dict]:
         except (StarqaError, OSError):
             continue  # it went away meanwhile, or cannot be reached: nothing to hand over
         replaced.append(group)
-        spawn(key, group.get("requested_workers"), group.get("keepalive", 300),
+        spawn(key, group.get("requested_workers"), group.get("keepalive", DEFAULT_KEEPALIVE),
               group.get("weights"), group.get("attention_args", ()))
     return replaced
 

@@ -10,8 +10,11 @@ Runs inside the query-host worker of a `serve` group. Requests and events are JS
 
 The socket lives in a short private folder (`paths.socket_dir`, mode 0700), itself mode
 0600: only the user who started the group can connect, and only from this machine. The
-query host tokenises the question and picks each token; the other workers receive the
-request by broadcast.
+query host tokenises the question and picks each token; the other workers receive what to
+do next by broadcast: a `Step` (answer a `Turn`, stop, or nothing), in
+`starqa.runtime.protocol`'s codec. The socket's own lines stay JSON objects read as such: any
+local client may write them, and a malformed one is answered with a `Bad request` error
+naming the problem, while the group keeps serving.
 
 Files changed under a warm group: before each question the query host compares a stat
 (size, mtime, ctime, inode) of the manifest and of each shard with what it had when the
@@ -29,14 +32,41 @@ import os
 import select
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from starqa.cache.manifest import MANIFEST, Manifest
+from starqa.runtime.protocol import ServeJob, decode, encode
 
 HEARTBEAT_S = 20.0  # the other workers wait in a collective; never longer than this
 
 
-def serve_group(job: dict, info, answerer, manifest: Manifest, on_ready) -> None:
+@dataclass(frozen=True)
+class Turn:
+    """One question every rank answers together: the query ids (the question after as many
+    earlier turns as fit the window), the answer's length and stop tokens, and the draft
+    tokens per forward (None: the group's default)."""
+
+    query_ids: tuple[int, ...]
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    turns_used: int  # earlier turns of the conversation the query ids hold
+    draft_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """What every rank of the group does next, as the query host broadcasts it: "ask"
+    (answer `turn`), "stop", or "noop" (a heartbeat: nothing came within HEARTBEAT_S)."""
+
+    op: str
+    turn: Turn | None = None
+
+
+STOP, NOOP = Step("stop"), Step("noop")
+
+
+def serve_group(job: ServeJob, info, answerer, manifest: Manifest, on_ready) -> None:
     """Every rank's loop of a warm group: the query host reads requests from the socket and
     broadcasts them; every rank answers each `ask` together, until `stop` (or idle)."""
     from starqa.runtime import dist
@@ -45,37 +75,41 @@ def serve_group(job: dict, info, answerer, manifest: Manifest, on_ready) -> None
     on_ready()
     try:
         while True:
-            request = server.next_request() if server else None
-            request = dist.broadcast_object(info, request, src=info.world_size - 1)
-            if request["op"] == "stop":
+            step = encode(server.next_request()) if server else None
+            step = decode(Step, dist.broadcast_object(info, step, src=info.world_size - 1))
+            if step.op == "stop":
                 break
-            if request["op"] == "ask":
+            if step.op == "ask":
                 if server:
-                    server.answer(request)
+                    server.answer(step.turn)
                 else:
-                    answerer.answer(request["query_ids"], request["max_new_tokens"],
-                                    request["stop_ids"], draft_tokens=request["draft_tokens"])
+                    turn = step.turn
+                    answerer.answer(list(turn.query_ids), turn.max_new_tokens,
+                                    list(turn.stop_ids), draft_tokens=turn.draft_tokens)
     finally:
         if server:
             server.close()
 
 
 class Server:
-    def __init__(self, job: dict, ctx, manifest: Manifest):
+    """The query host's socket: requests in, answers streamed back to the client that
+    asked (see the module docstring)."""
+
+    def __init__(self, job: ServeJob, ctx, manifest: Manifest):
         from starqa.models import stop_ids
         from starqa.corpus.prompt import QueryTokens
 
         self.ctx = ctx
         self.manifest = manifest
-        self.path = Path(job["socket"])
-        self.keepalive = float(job["keepalive"])
+        self.path = Path(job.socket)
+        self.keepalive = job.keepalive
         # (the plain tokenizers library where it can: a cold ask's head start going on as
         # the group does not wait a second for transformers before it listens)
-        self.tokens = QueryTokens(manifest.query_template, Path(job["model_path"]))
-        if not job.get("lazy_tokenizer"):  # ready for `chat`'s history from the start
+        self.tokens = QueryTokens(manifest.query_template, Path(job.model_path))
+        if not job.lazy_tokenizer:  # ready for `chat`'s history from the start
             self.tokens.full()
         self.tokenizer = self.tokens.tokenizer
-        self.stop_ids = sorted(stop_ids(self.tokenizer, Path(job["model_path"])))
+        self.stop_ids = sorted(stop_ids(self.tokenizer, Path(job.model_path)))
         self.window = manifest.model.window
         self.path.unlink(missing_ok=True)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -96,12 +130,12 @@ class Server:
 
     # -- requests ---------------------------------------------------------------------
 
-    def next_request(self) -> dict:
-        """The next request for every worker: ask / stop, or a heartbeat no-op."""
+    def next_request(self) -> Step:
+        """The next step for every worker: ask / stop, or a heartbeat no-op."""
         deadline = time.monotonic() + HEARTBEAT_S
         while time.monotonic() < deadline:
             if self.keepalive > 0 and time.monotonic() - self.last_activity > self.keepalive:
-                return {"op": "stop"}
+                return STOP
             message = self._read(timeout=max(0.0, deadline - time.monotonic()))
             if message is None:
                 continue
@@ -111,19 +145,19 @@ class Server:
                 self._send({"event": "pong", **self.status()})
             elif op == "stop":
                 self._send({"event": "stopping"})
-                return {"op": "stop"}
+                return STOP
             elif op == "ask":
                 if (changed := self._changed()) is not None:
                     self._send({"event": "error", "message": str(changed), "hint": changed.hint})
-                    return {"op": "stop"}
-                request = self._prepare(message)
-                if request is not None:
-                    return request
+                    return STOP
+                turn = self._prepare(message)
+                if turn is not None:
+                    return Step("ask", turn)
             elif op != "cancel":  # a late cancel after the answer ended is harmless
                 self._send({"event": "error", "message": f"unknown op {op!r}"})
-        return {"op": "noop"}
+        return NOOP
 
-    def _prepare(self, message: dict) -> dict | None:
+    def _prepare(self, message: dict) -> Turn | None:
         """Check the request, then tokenise the question with as many earlier turns as fit
         the window. A malformed request gets an error event; the group keeps serving."""
         from starqa.corpus import prompt
@@ -159,10 +193,10 @@ class Server:
                 self._send({"event": "error", "message": str(error), "hint": error.hint})
                 return None
             history.pop(0)  # oldest turn first
-        return {"op": "ask", "query_ids": ids, "max_new_tokens": max_new,
-                "stop_ids": self.stop_ids, "turns_used": len(history), "draft_tokens": drafts}
+        return Turn(tuple(ids), max_new, tuple(self.stop_ids), len(history), drafts)
 
-    def answer(self, request: dict) -> None:
+    def answer(self, turn: Turn) -> None:
+        """Answer `turn` with the other ranks, streaming its text to the client that asked."""
         from starqa.corpus.prompt import TextStream
 
         started = time.perf_counter()
@@ -174,9 +208,9 @@ class Server:
             if piece := stream.add(token):
                 self._send({"event": "token", "text": piece})
 
-        tokens, top = self.ctx.answer(request["query_ids"], request["max_new_tokens"],
-                                      request["stop_ids"], on_token, self._cancelled,
-                                      draft_tokens=request["draft_tokens"])
+        tokens, top = self.ctx.answer(list(turn.query_ids), turn.max_new_tokens,
+                                      list(turn.stop_ids), on_token, self._cancelled,
+                                      draft_tokens=turn.draft_tokens)
         if piece := stream.finish():
             self._send({"event": "token", "text": piece})
         if self.stop_seen:  # cut short by `starqa stop`: not an answer to pass on as one
@@ -189,8 +223,8 @@ class Server:
         self.answered += 1
         self.last_activity = time.monotonic()
         self._send({"event": "done", "text": text.strip(), "token_ids": tokens,
-                    "question_tokens": len(request["query_ids"]),
-                    "turns_used": request["turns_used"], "sources": top,
+                    "question_tokens": len(turn.query_ids),
+                    "turns_used": turn.turns_used, "sources": top,
                     "cancelled": self.cancel_seen,
                     "first_token_s": (first[0] - started) if first else None,
                     "decode_s": (end - first[0]) if first else 0.0, "total_s": end - started,
@@ -261,6 +295,7 @@ class Server:
         return None
 
     def status(self) -> dict:
+        """What a `ping` is answered with (`starqa ps` shows it)."""
         m = self.manifest
         return {"context": m.name, "key": m.key, "workers": self.ctx.info.world_size,
                 "tokens": m.n_tokens, "method": m.method.name,
@@ -324,6 +359,7 @@ class Server:
             self.conn = None
 
     def close(self) -> None:
+        """Disconnect every client and remove the socket."""
         for sock in list(self.buffers):
             self._drop(sock)
         self.listener.close()

@@ -1,19 +1,18 @@
 """The torchrun worker: `python -m starqa.workers.worker JOB.json`, one process per rank.
 
-Reads the job the launcher wrote, joins the process group (starqa.runtime.dist), loads the model,
-and runs Phase 1 (encode and save this rank's blocks) or Phase 2 (load this rank's shards,
-answer). Talks to the launcher through JSON event lines on stdout (see `emit`). A job with
-`"measure": true` (starqa bench) also reports this rank's time, FLOPs and bytes
-communicated in a `measure` event; other jobs pay nothing for it.
+Reads the job the launcher wrote (`starqa.runtime.protocol`: an IngestJob, AskJob or
+ServeJob), joins the process group (starqa.runtime.dist), loads the model, and runs Phase 1
+(encode and save this rank's blocks) or Phase 2 (load this rank's shards, answer). Talks to
+the launcher through the protocol's event lines on stdout (`protocol.emit`). A job with
+`measure` (starqa bench) also reports this rank's time, FLOPs and bytes communicated in a
+`Measure` event; other jobs pay nothing for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-import signal
 import sys
 import time
 import traceback
@@ -22,17 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from starqa.core.errors import StarqaError, disk_full
-
-EVENT_PREFIX = "@@starqa "
-
-
-def emit(event: str, **fields) -> None:
-    """One event line for the launcher. Lines are short, so concurrent ranks never interleave."""
-    sys.stdout.write(EVENT_PREFIX + json.dumps({"event": event, **fields}) + "\n")
-    sys.stdout.flush()
+from starqa.runtime.protocol import (AskJob, Block, Done, Error, Hit, IndexBuilt, IngestJob, Job,
+    Measure, Peak, Placed, Ready, ServeJob, Token, decode_job, emit)
 
 
-def _load_model(job: dict, info):
+def _load_model(job: IngestJob, info):
     """Phase 1's model, in the dtype it computes in: the job's `compute_dtype`, chosen once
     by the launcher for its workers (`models.phase1_dtype`: fp32 for a bf16 cache on a CPU
     without bf16 matrix instructions; the blocks are stored in the job's `dtype`). Across
@@ -45,63 +38,65 @@ def _load_model(job: dict, info):
     from starqa.phase1 import hooks
     from starqa.models import load_model
 
-    dtype = job.get("compute_dtype", job["dtype"])
-    if job.get("across") and len(set(dist.all_gather_object(info, dtype))) > 1:
-        dtype = job["dtype"]
-    return load_model(job["model_path"], dtype=getattr(torch, dtype), device=info.device,
+    dtype = job.compute_dtype
+    if job.across and len(set(dist.all_gather_object(info, dtype))) > 1:
+        dtype = job.dtype
+    return load_model(job.model_path, dtype=getattr(torch, dtype), device=info.device,
                       attn_implementation=hooks.register())
 
 
-def run_ingest(job: dict, info) -> None:
+def run_ingest(job: IngestJob, info) -> None:
+    """Phase 1 on this rank: encode its share of the job's blocks into the staging folder;
+    across machines, then move each block to the machine that keeps it."""
     from safetensors.torch import load_file
 
     from starqa.runtime import dist
     from starqa.core import gcpause
     from starqa import methods
-    from starqa.workers.encoding import encode_blocks
+    from starqa.workers.encoding import BlockSink, EncodeTask, encode_blocks
 
-    method = methods.MethodConfig(**job["method"])
+    method = methods.MethodConfig(**job.method)
     encoder = methods.get(method.name)
-    blocks = [tuple(b) for b in job["blocks"]]
-    todo = job.get("todo", list(range(len(blocks))))  # an incremental ingest: fewer
-    folder = Path(job["staging"])
-    across = job.get("across", False)  # machines that keep their own blocks (issue #15)
-    if across:
+    folder = Path(job.staging)
+    if job.across:  # machines that keep their own blocks (issue #15)
         from starqa.cache import hosts
 
-        if all(dist.all_gather_object(info, job.get("hit", False))):
-            emit("hit", rank=info.rank)  # every machine holds the context already
+        if all(dist.all_gather_object(info, job.hit)):
+            emit(Hit(rank=info.rank))  # every machine holds the context already
             return
         shared = hosts.shared_folder(info, folder.parent)
-    ids = load_file(job["tokens_file"])["ids"].long()
+    ids = load_file(job.tokens_file)["ids"].long()
     model = _load_model(job, info)
     gcpause.settle()
-    mine = encoder.share(todo, len(blocks), info.world_size, info.rank)
-    emit("ready", rank=info.rank, blocks=mine)
+    mine = encoder.share(job.todo, len(job.blocks), info.world_size, info.rank)
+    emit(Ready(rank=info.rank, blocks=tuple(mine)))
     _fault("ingest", info.rank)
-    _slow("ingest")
-    measure = job.get("measure", False)
-    if measure:
+    _slow("ingest", info.rank)
+    if job.measure:
         dist.barrier(info)  # every rank starts its clock together, after the model loaded
-    counter = flop_counter() if measure else contextlib.nullcontext()
+    counter = flop_counter() if job.measure else contextlib.nullcontext()
     started, cpu = time.perf_counter(), time.process_time()
+    task = EncodeTask(method, job.blocks, job.todo, job.prepared)
+    sink = BlockSink(folder, job.dtype, job.index,
+                     lambda index, tokens: emit(Block(rank=info.rank, index=index,
+                                                      tokens=tokens)),
+                     lambda seconds: emit(IndexBuilt(rank=info.rank, seconds=seconds)))
     with counter:
-        encode_blocks(model, ids, method, blocks, todo, folder, info, job.get("prepared"),
-                      lambda index, tokens: emit("block", rank=info.rank, index=index,
-                                                 tokens=tokens),
-                      index=job.get("index"),
-                      on_index=lambda seconds: emit("index", rank=info.rank, seconds=seconds),
-                      dtype=job["dtype"])
-    if measure:
-        emit("measure", rank=info.rank, phase="ingest", seconds=time.perf_counter() - started,
-             cpu_seconds=time.process_time() - cpu, flops=counter.get_total_flops(),
-             tokens=sum(blocks[i][1] - blocks[i][0] for i in mine), **info.traffic.as_dict())
+        encode_blocks(model, ids, task, info, sink)
+    if job.measure:
+        emit(Measure(rank=info.rank, phase="ingest", values={
+            "seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu,
+            "flops": counter.get_total_flops(),
+            "tokens": sum(job.blocks[i][1] - job.blocks[i][0] for i in mine),
+            **info.traffic.as_dict()}))
     dist.barrier(info)
-    if across:
+    if job.across:
         _fault("place", info.rank)
-        placed = hosts.place_ingest(info, folder, blocks, shared)
+        placed = hosts.place_ingest(info, folder, job.blocks, shared)
         if placed is not None:
-            emit("placement", node=info.node, **placed)
+            emit(Placed(node=info.node, shared=placed["shared"], held=tuple(placed["held"]),
+                        homes=tuple(placed["homes"]), hosts=tuple(placed["hosts"]),
+                        sums=tuple(tuple(s) for s in placed["sums"])))
 
 
 def flop_counter():
@@ -133,52 +128,54 @@ def flop_counter():
     return FlopCounterMode(display=False, custom_mapping=dict.fromkeys(kernels, sdpa))
 
 
-def _answerer(job: dict, info):
+def _answerer(job: AskJob | ServeJob, info):
     """This rank's Answerer for the job's context, once every rank has loaded its own."""
     from starqa.runtime import dist
     from starqa.phase2.answering import Answerer
     from starqa.topk.indexes import topk_of
     from starqa.cache.manifest import read_manifest
 
-    manifest = read_manifest(Path(job["context_dir"]))
+    manifest = read_manifest(Path(job.context_dir))
     if len(info.nodes) > 1:  # across machines: each one holds what its ranks load
         from starqa.cache.hosts import ensure_blocks
 
         manifest = ensure_blocks(info, manifest)
-    answerer = Answerer.from_cache(manifest, info, Path(job["model_path"]),
-                                   job.get("weights", "dense"), topk_of(job.get("topk")))
+    answerer = Answerer.from_cache(manifest, info, Path(job.model_path), job.weights,
+                                   topk_of(job.topk))
     dist.barrier(info)
     return answerer, manifest
 
 
-def run_ask(job: dict, info, prefilled=None):
+def run_ask(job: AskJob, info, prefilled=None):
     """Answer the job's question; returns the Answerer (model and shard, still loaded).
     prefilled: the question's forward, run by the head start before torch was imported
     (starqa.coldstart.firsttoken), which streamed the first token itself."""
     ctx, _ = _answerer(job, info)
-    emit("ready", rank=info.rank, blocks=ctx.blocks)
+    emit(Ready(rank=info.rank, blocks=tuple(ctx.blocks)))
     _fault("ask", info.rank)
     started = time.perf_counter() if prefilled is None else prefilled.started
     first: list[float] = [prefilled.picked] if prefilled is not None else []
 
     def on_token(token: int) -> None:
         first or first.append(time.perf_counter())
-        emit("token", id=token)
+        emit(Token(id=token))
 
-    tokens, top = ctx.answer(job["query_ids"], job["max_new_tokens"], job["stop_ids"],
+    tokens, top = ctx.answer(list(job.query_ids), job.max_new_tokens, list(job.stop_ids),
                              on_token if info.is_last else None, prefilled=prefilled)
     if info.is_last:
         end = time.perf_counter()
-        emit("done", tokens=len(tokens), prefill_s=(first[0] if first else end) - started,
-             decode_s=end - (first[0] if first else end), sources=top,
-             before_torch=prefilled is not None)
-    if job.get("measure", False):
-        emit("measure", rank=info.rank, phase="ask", seconds=time.perf_counter() - started,
-             tokens=len(tokens), sources_seconds=ctx.sources_seconds, **info.traffic.as_dict())
+        emit(Done(tokens=len(tokens), prefill_s=(first[0] if first else end) - started,
+                  decode_s=end - (first[0] if first else end),
+                  sources=None if top is None else tuple(top),
+                  before_torch=prefilled is not None))
+    if job.measure:
+        emit(Measure(rank=info.rank, phase="ask", values={
+            "seconds": time.perf_counter() - started, "tokens": len(tokens),
+            "sources_seconds": ctx.sources_seconds, **info.traffic.as_dict()}))
     return ctx
 
 
-def run_serve(job: dict, info) -> None:
+def run_serve(job: ServeJob, info) -> None:
     """Keep model and shards loaded and answer questions from a local socket
     (starqa.workers.server)."""
     from starqa.workers.server import serve_group
@@ -186,10 +183,10 @@ def run_serve(job: dict, info) -> None:
     answerer, manifest = _answerer(job, info)
     query = info.roster[-1] if info.roster else None
     serve_group(job, info, answerer, manifest,
-                lambda: emit("ready", rank=info.rank, blocks=answerer.blocks,
-                             query_host=info.is_last, world=info.world_size,
-                             nodes=len(info.nodes), node=info.node,
-                             query=query.describe() if query else None))
+                lambda: emit(Ready(rank=info.rank, blocks=tuple(answerer.blocks),
+                                   query_host=info.is_last, world=info.world_size,
+                                   nodes=len(info.nodes), node=info.node,
+                                   query=query.describe() if query else None)))
 
 
 def _peak_memory(info) -> int:
@@ -220,31 +217,12 @@ def own_peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def parent_death_signal(sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A function that asks the kernel to send `sig` to the calling process when its parent
-    exits (Linux `prctl(PR_SET_PDEATHSIG)`; a no-op elsewhere), so a `kill -9` of the
-    launcher takes torchrun down, and torchrun's death its workers (issue #11, item 4).
-    libc is looked up here, so the returned function is safe as a `preexec_fn` (no dlopen
-    between fork and exec). The setting survives exec."""
-    if not sys.platform.startswith("linux"):
-        return lambda: None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    PR_SET_PDEATHSIG = 1
-
-    def set_it() -> None:
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-
-    return set_it
-
-
-def _slow(phase: str) -> None:
+def _slow(phase: str, rank: int) -> None:
     """Test-only: STARQA_SLOW=seconds makes every worker wait here, alive, before encoding
     (having created the file `$STARQA_SLOW_MARK.RANK` first, when that is set)."""
     if phase == "ingest" and (seconds := os.environ.get("STARQA_SLOW")):
         if mark := os.environ.get("STARQA_SLOW_MARK"):
-            Path(f"{mark}.{os.environ.get('RANK', 0)}").touch()
+            Path(f"{mark}.{rank}").touch()
         time.sleep(float(seconds))
 
 
@@ -260,27 +238,30 @@ def _fault(phase: str, rank: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "injected")
 
 
-def _report_lost(lost: str) -> None:
-    emit("error", rank=int(os.environ.get("RANK", 0)), kind="WorkerError", lost=True,
-         message=f"Lost {lost}: it stopped answering the group (the machine or its workers "
-                 f"died or froze, or the network failed). Nothing of this run was kept on "
-                 f"this machine; its cache is as it was before.",
-         hint="see that machine's own output for why; run the command again on every "
-              "machine once it is back")
+def _report_lost(lost: str, rank: int) -> None:
+    emit(Error(rank=rank, kind="WorkerError", lost=True,
+               message=f"Lost {lost}: it stopped answering the group (the machine or its "
+                       f"workers died or froze, or the network failed). Nothing of this run "
+                       f"was kept on this machine; its cache is as it was before.",
+               hint="see that machine's own output for why; run the command again on every "
+                    "machine once it is back"))
 
 
 def _lost(lost: str) -> None:
     """The heartbeat watchdog's verdict (dist.watch_peers, its own thread): report the lost
     machine and leave at once, whatever the main thread is waiting in. Staging folders are
     the launcher's to remove (it does, on this error)."""
+    from starqa.runtime import dist
+
     print(f"lost {lost}: no heartbeat", file=sys.stderr, flush=True)
-    _report_lost(lost)
+    _report_lost(lost, dist.env_rank())
     sys.stdout.flush()
     os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
     from starqa.runtime import dist
+    from starqa.runtime.launch import parent_death_signal
     from starqa.core import gcpause
 
     gcpause.pause()  # until the model is loaded (Answerer.from_cache settles it)
@@ -290,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != parent:  # it died before the line above
         os._exit(1)
     argv = sys.argv[1:] if argv is None else argv
-    job = json.loads(open(argv[0]).read())
-    info = dist.init(job.get("device", "auto"), on_lost=_lost)
+    job = decode_job(Path(argv[0]).read_text())
+    info = dist.init(job.device, on_lost=_lost)
     if code := run_job(job, info):
         return code
     # Done. Leave without tearing the group down: now and then gloo's threads abort the
@@ -302,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(0)
 
 
-def run_job(job: dict, info, after: Callable[[Any], None] | None = None,
+def run_job(job: Job, info, after: Callable[[Any], None] | None = None,
             prefilled=None) -> int:
     """Run the job's phase on this rank: 0, or 1 once the failure is reported (an `error`
     event, or a traceback on stderr). A torchrun rank (`main`) and a cold ask's head start
@@ -313,27 +294,29 @@ def run_job(job: dict, info, after: Callable[[Any], None] | None = None,
     from starqa.runtime import dist
 
     try:
-        if job["phase"] == "ask":
+        if isinstance(job, AskJob):
             done = run_ask(job, info, prefilled)
+        elif isinstance(job, IngestJob):
+            done = run_ingest(job, info)
         else:
-            done = {"ingest": run_ingest, "serve": run_serve}[job["phase"]](job, info)
-        emit("peak", rank=info.rank, bytes=_peak_memory(info))
+            done = run_serve(job, info)
+        emit(Peak(rank=info.rank, bytes=_peak_memory(info)))
         dist.barrier(info)  # every rank is done with the group
         if after is not None:
             after(done)
     except StarqaError as err:
-        emit("error", rank=info.rank, kind=type(err).__name__, message=str(err), hint=err.hint)
+        emit(Error(rank=info.rank, kind=type(err).__name__, message=str(err), hint=err.hint))
         return 1
     except OSError as err:
         if (known := disk_full(err, f"Worker {info.rank}")) is None:
             traceback.print_exc()
         else:
-            emit("error", rank=info.rank, kind="StarqaError", message=str(known), hint=known.hint)
+            emit(Error(rank=info.rank, kind="StarqaError", message=str(known), hint=known.hint))
         return 1
     except Exception as err:
         traceback.print_exc()
         if (lost := dist.lost_peer(info, err)) is not None:  # another machine died or left
-            _report_lost(lost)
+            _report_lost(lost, info.rank)
         return 1
     return 0
 

@@ -64,7 +64,7 @@ def _ingest(evaluator, sample: Sample, method: str, store: Path, folder: Path,
     import torch
     from safetensors.torch import load_file
 
-    from starqa.workers.encoding import encode_blocks
+    from starqa.workers.encoding import BlockSink, EncodeTask, encode_blocks
 
     ids = sample.context_ids
     n = len(ids)
@@ -79,12 +79,14 @@ def _ingest(evaluator, sample: Sample, method: str, store: Path, folder: Path,
     started = time.perf_counter()
     prepared = encoder.prepare(ids, config, blocks)
     freqs = rope(evaluator.model_path) if encoder.rotatable and not force else None
-    plan = reuse.plan(config, ids, blocks, prepared, evaluator.model_digest,
-                      str(evaluator.dtype).removeprefix("torch."), store, force=force,
+    target = reuse.BlockStore(store, evaluator.model_digest,
+                              str(evaluator.dtype).removeprefix("torch."))
+    plan = reuse.plan(config, ids, blocks, prepared, target, force=force,
                       rotate=freqs is not None)
     keep(plan, store, folder, blocks, freqs, method)
-    encode_blocks(evaluator.model, torch.tensor(ids), config, blocks, list(plan.todo), folder,
-                  evaluator.info, prepared, dtype=str(evaluator.dtype).removeprefix("torch."))
+    encode_blocks(evaluator.model, torch.tensor(ids),
+                  EncodeTask(config, blocks, list(plan.todo), prepared), evaluator.info,
+                  BlockSink(folder, dtype=str(evaluator.dtype).removeprefix("torch.")))
     if not force:
         adopt(plan, store, folder, blocks)
     parts = [(t["k"], t["v"]) for t in (load_file(str(folder / block_file(i)),

@@ -1,10 +1,12 @@
 """Long-context tasks in the manner of RULER (Hsieh et al., 2024), generated offline from a
 seed: needle in a haystack (single, multi-key, multi-value, multi-query; haystacks of
 noise sentences, of prose, or of other needles; values as numbers, words or UUIDs),
-variable tracking, common-word and frequent-word extraction, and question answering over
-the repository's `samples/`. Where the answer's place is known (a needle in one of several
-look-alike files, qa's gold file) the sample records it in `meta["source"]` (file and
-1-based line), which `starqa eval` scores the named sources against.
+variable tracking, common-word and frequent-word extraction, question answering over the
+repository's `samples/`, and questions about a real Python package's code (repo_qa, its
+questions derived by repo_qa.py). Where the answer's place is known (a needle in one of
+several look-alike files, qa's gold file, repo_qa's answer) the sample records it in
+`meta["source"]` (file and 1-based line), which `starqa eval` scores the named sources
+against.
 
 `generate(task, length, seed, tokenizer, index)` is pure: everything random comes from a
 `random.Random` seeded from (seed, task, length, index), so keys, values and depths do not
@@ -36,7 +38,7 @@ from starqa.cache import manifest
 from starqa.corpus import prompt
 from starqa.corpus import SourceFile, pack
 from starqa.core.errors import StarqaError
-from starqa.measure.evals import prose, words
+from starqa.measure.evals import prose, repo_qa, words
 
 SAMPLES_DIR = Path(__file__).resolve().parents[3] / "samples"
 
@@ -529,6 +531,41 @@ def _qa(rng: random.Random, length: int):
 
 
 # ---------------------------------------------------------------------------------------
+# questions about a real package's code
+
+
+def _repo_qa(rng: random.Random, length: int):
+    """A question about an installed package's code (repo_qa.py: $STARQA_EVAL_PACKAGE,
+    default typer) over its file, whole, and the package's other files in a seeded order,
+    a line a unit, so the last one taken is cut at a line; all in path order and packed as
+    `ingest` packs the package. Past the whole package: no draft (the sample holds it all)."""
+    package = repo_qa.load(repo_qa.package_spec())
+    asked = repo_qa.choose(package, rng, length)
+    gold = package.file(asked.file)
+    others = [f for f in package.files if f.path != gold.path]
+    rng.shuffle(others)
+    lines = [(f.path, line) for f in others for line in f.text.splitlines(keepends=True)]
+    source = {"file": gold.path, "line": asked.line}
+
+    def draft(n: int) -> _Draft | None:
+        if n > len(lines):
+            return None
+        texts: dict[str, list[str]] = {}
+        for path, line in lines[:n]:
+            texts.setdefault(path, []).append(line)
+        taken = [SourceFile(p, "".join(t), len("".join(t).encode())) for p, t in texts.items()]
+        files = sorted([gold, *(f for f in taken if f.text.strip())], key=lambda f: f.path)
+        last = lines[n - 1][0] if n else None  # cut when its next line is left out
+        cut = last if n < len(lines) and lines[n][0] == last and last in texts else None
+        elsewhere = sum(repo_qa.mentions(asked.answer, f.text) for f in files if f is not gold)
+        meta = {"package": package.about, "kind": asked.kind, "files": len(files),
+                "cut": cut, "answer_elsewhere": elsewhere, "source": source}
+        return _Draft(files, asked.text, [asked.answer], meta, None)
+
+    return draft
+
+
+# ---------------------------------------------------------------------------------------
 # the tasks
 
 # Answer budgets leave room for the preamble models put before the answer ("The special
@@ -559,6 +596,10 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("cwe", _common_words(), 96, about="the 10 most common words of a list"),
     Task("fwe", _frequent_words(), 48, about="the 3 most frequent words of a coded text"),
     Task("qa", _qa, 48, match="any", about="samples/questions.jsonl over samples/"),
+    Task("repo_qa", _repo_qa, 64,
+         about="a question derived from a real package's code (a constant's value, a "
+               "method's class, a default, a raised exception) over the package's files "
+               f"(${repo_qa.PACKAGE_VARIABLE}, default {repo_qa.DEFAULT_PACKAGE})"),
 )}
 EDIT = tuple(n for n in TASKS if n.startswith("edit_"))  # `eval --edit`'s own tasks
 GROUPS = {"niah": tuple(n for n in TASKS if n.startswith("niah")),

@@ -14,6 +14,7 @@ import hashlib
 import platform
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from starqa.core.errors import StarqaError
 from starqa.topk.indexes import TopK
 from starqa.measure.evals import edit, generators, scoring
 from starqa.measure.evals.encoded import Encoded
+from starqa.measure.lengths import length_label, parse_lengths
 from starqa.cache.manifest import write_json_atomic
 from starqa.cache.shards import shard_of
 
@@ -137,26 +139,7 @@ def parse_methods(text: str | None) -> tuple[list[str], list[str]]:
     return [scoring.REFERENCE, *(n for n in names if n != scoring.REFERENCE)], notes
 
 
-_LENGTH = re.compile(r"(\d+(?:\.\d+)?)(k?)", re.IGNORECASE)
-
-
-def parse_lengths(text: str | None) -> list[int] | None:
-    """Token counts from "1k,2k,1500" (k = 1,024), sorted; None when not given."""
-    if text is None or not text.strip():
-        return None
-    lengths = []
-    for part in (p.strip() for p in text.split(",")):
-        m = _LENGTH.fullmatch(part)
-        value = float(m[1]) * (1024 if m[2] else 1) if m else 0
-        if not m or value < 1 or value != int(value):
-            raise StarqaError(f"Bad --lengths {text!r}: {part!r} is not a length in tokens.",
-                              hint="comma-separated token counts, e.g. 1k,2k,4k or 1500 "
-                                   "(1k = 1,024 tokens)")
-        lengths.append(int(value))
-    return sorted(set(lengths))
-
-
-def fit_window(lengths: list[int] | None, window: int) -> list[int]:
+def fit_window(lengths: Sequence[int] | None, window: int) -> list[int]:
     """`lengths`, every one within the model's window; by default 1k, 2k, 4k ... up to it."""
     if lengths is None:
         doubling = [1024 << i for i in range(32) if 1024 << i <= window]
@@ -166,11 +149,7 @@ def fit_window(lengths: list[int] | None, window: int) -> list[int]:
             raise StarqaError(f"--lengths {length_label(n)} is {n:,} tokens > {window:,} the "
                               "model was trained on.",
                               hint=f"choose lengths up to {window:,} ({length_label(window)})")
-    return lengths
-
-
-def length_label(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else f"{n:,}"
+    return list(lengths)
 
 
 def method_options(name: str, opts: EvalOptions) -> dict:
@@ -272,24 +251,25 @@ class Evaluator:
         given), with exact attention or `topk`."""
         import torch
 
-        from starqa.phase2.answering import Answerer
+        from starqa.phase2.answering import Answerer, RankShare
         from starqa.topk.listlayout import mean_queries
-        from starqa.topk.retrieval import TopKShard
+        from starqa.topk import retrieval
 
         encoded = encoded or self.encode(sample, method)
         config, start, parts = encoded.config, encoded.query_position, encoded.parts
         started = time.perf_counter()
         if topk is None:
-            answerer = Answerer(self.info, self.decoder, shard_of(parts, self.dtype), start,
-                                sample.files, ids=torch.tensor(sample.context_ids))
+            answerer = Answerer(self.info, self.decoder, RankShare(
+                shard_of(parts, self.dtype), start, tuple(sample.files),
+                ids=torch.tensor(sample.context_ids)))
         else:
             toward = None
             if topk.index == "ivf":  # its lists laid out as `Answerer.from_cache` lays them
                 toward = mean_queries(self.decoder, sample.context_ids, start)
-            retriever = TopKShard.from_parts(parts, topk, len(sample.context_ids), self.dtype,
+            retriever = retrieval.from_parts(parts, topk, len(sample.context_ids), self.dtype,
                                              toward=toward)
-            answerer = Answerer(self.info, self.decoder, None, start, sample.files,
-                                retriever=retriever)
+            answerer = Answerer(self.info, self.decoder,
+                                RankShare(None, start, tuple(sample.files), retriever=retriever))
         started -= encoded.seconds  # phase1_s: the encoding, and top-k's index build
         encoded_at = time.perf_counter()
         tokens: list[int] = []

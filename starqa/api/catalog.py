@@ -1,0 +1,165 @@
+"""Contexts through the Python API: ingest a folder (Phase 1, `starqa.engine.ingest`), find,
+list and remove what the cache holds (`starqa.cache.store`), as `starqa ingest`, `list`,
+`info` and `rm` do, with `Context`: a frozen handle on one ingested context."""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from starqa import engine
+from starqa.api.errors import ShardError, StarqaError, as_not_found
+from starqa.cache import store
+from starqa.cache.manifest import Manifest
+from starqa.core.paths import contexts_dir
+
+
+@dataclass(frozen=True)
+class Context:
+    """One ingested context, as `starqa list` and `info` show it. `ref` names it in every
+    door (`--context`, an HTTP request's `model`, MCP's `context`): its name where the name
+    means this context, else its key (an older ingest of the same name)."""
+
+    name: str
+    key: str
+    ref: str
+    tokens: int  # of the packed documents
+    window: int  # the model's trained window
+    model: str
+    method: str
+    sources: tuple[str, ...]
+    files: tuple[str, ...]  # the packed files, in the context's order
+    skipped: tuple[tuple[str, str], ...]  # (path, why) of each file left out
+    created: float  # Unix time
+    folder: Path
+    cache_hit: bool | None = None  # from `ingest`: the cache had it already; else None
+
+    @classmethod
+    def of(cls, manifest: Manifest, ref: str | None = None,
+           cache_hit: bool | None = None) -> Context:
+        return cls(name=manifest.name, key=manifest.key, ref=ref or manifest.key,
+                   tokens=manifest.n_tokens, window=manifest.model.window,
+                   model=manifest.model.name, method=manifest.method.name,
+                   sources=tuple(manifest.sources), files=tuple(f.path for f in manifest.files),
+                   skipped=tuple((s.path, s.reason) for s in manifest.skipped),
+                   created=manifest.created, folder=manifest.folder, cache_hit=cache_hit)
+
+    def as_dict(self) -> dict:
+        """JSON-ready: its facts, the files and skipped files counted (not listed)."""
+        return {"name": self.name, "key": self.key, "ref": self.ref, "tokens": self.tokens,
+                "window": self.window, "model": self.model, "method": self.method,
+                "sources": list(self.sources), "files": len(self.files),
+                "skipped": len(self.skipped), "created": self.created,
+                "dir": str(self.folder), "cache_hit": self.cache_hit}
+
+
+def ingest(paths: str | os.PathLike | Sequence[str | os.PathLike], *, name: str | None = None,
+           model: str | None = None, method: str | None = None, **options) -> Context:
+    """Pack files and folders into one context and encode it (Phase 1), or find it cached:
+    `Context.cache_hit` says which. `options` are `starqa.engine.IngestOptions`' other
+    fields (block_size, include, exclude, workers, dtype, force, reserve, beyond_window,
+    device, ...), as `starqa ingest`'s options of the same names."""
+    given = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    sources = tuple(os.path.abspath(os.fspath(p)) for p in given)
+    for key in ("include", "exclude"):
+        if isinstance(options.get(key), str):
+            options[key] = (options[key],)
+        elif options.get(key) is not None:
+            options[key] = tuple(options[key])
+    if method is not None:
+        options["method"] = method
+    result = engine.ingest(engine.IngestOptions(paths=sources, name=name, model=model,
+                                                **options))
+    if result.manifest is None:  # a machine other than node 0 of a run across machines
+        raise StarqaError("This machine's part of the ingest is done; node 0 commits the "
+                          "context.", hint="read it there: api.context(NAME)")
+    return Context.of(result.manifest, _ref(result.manifest), result.cache_hit)
+
+
+def contexts() -> list[Context]:
+    """Every usable context, the most recently used first (damaged ones are left out:
+    `starqa list` names them)."""
+    good = store.list_contexts(contexts_dir())
+    keys = {m.key for m in good}
+    names = collections.Counter(m.name for m in good)
+    # a name borne once means its context (a full key aside); one borne more, its newest
+    # ingest with the same settings or none: as `store.match_context` decides
+    refs = {name: _ref_of(name) for name, n in names.items() if n > 1 or name in keys}
+    return [Context.of(m, m.name if refs.get(m.name, m.key) == m.key else m.key)
+            for m in good]
+
+
+def context(ref: Context | str | None = None) -> Context:
+    """The context `ref` names: a name, a key or a key prefix (as `--context`); None: the
+    one used last. Raises ContextNotFound when nothing matches; a StarqaError for an
+    ambiguous or empty name, a ShardError for a damaged context."""
+    manifest = find(ref)
+    return Context.of(manifest, _ref(manifest))
+
+
+def rm(*refs: Context | str) -> int:
+    """Remove contexts (damaged ones too, by key) and return the bytes freed. Every name is
+    resolved first, so a typo removes nothing; a warm group serving one is stopped."""
+    from starqa.workers import client
+
+    if not refs:
+        raise StarqaError("Name the contexts to remove.", hint="api.contexts() lists them")
+    root = contexts_dir()
+    found = [_matched(root, _key(r)) for r in refs]
+    targets = list({c.key: c for c in found}.values())
+    for target in targets:
+        client.stop_group(target.key)
+    return sum(store.remove_context(target) for target in targets)
+
+
+def find(ref: Context | str | None) -> Manifest:
+    """The manifest `ref` names (see `context`)."""
+    root = contexts_dir()
+    name = _key(ref)
+    try:
+        return store.find_context(root, name)
+    except ShardError:
+        raise
+    except StarqaError as error:
+        if _matches_any(root, name):
+            raise
+        raise as_not_found(error) from None
+
+
+def _matched(root: Path, name: str):
+    try:
+        return store.match_context(root, name)
+    except StarqaError as error:
+        if _matches_any(root, name):
+            raise
+        raise as_not_found(error) from None
+
+
+def _key(ref: Context | str | None) -> str | None:
+    return ref.key if isinstance(ref, Context) else ref
+
+
+def _matches_any(root: Path, name: str | None) -> bool:
+    """Whether any context folder (usable or damaged) answers to `name` at all: an error
+    finding one is then about that context, not its absence."""
+    good, damaged = store.scan_contexts(root)
+    if name is None:
+        return bool(good or damaged)
+    return any(c.key.startswith(name) for c in [*good, *damaged]) or \
+        any(m.name == name for m in good)
+
+
+def _ref(manifest: Manifest) -> str:
+    return manifest.name if _ref_of(manifest.name) == manifest.key else manifest.key
+
+
+def _ref_of(name: str) -> str | None:
+    """The key `name` means, or None when it means none or several."""
+    try:
+        found = store.match_context(contexts_dir(), name)
+    except StarqaError:
+        return None
+    return found.key

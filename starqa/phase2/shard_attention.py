@@ -1,0 +1,154 @@
+"""Phase 2's attention on one worker, every layer: the shard view, the own-KV buffers and the
+layer call composed, with the rows source attribution keeps (`starqa.models.decoder` calls
+it, layer by layer or every layer in one compiled call).
+
+The parts, each its own module: `shard_view.ShardView` (this worker's cached blocks, laid
+out once for the kernels), `own_kv.OwnKV` (the question's and the answer's own KV, only on
+the query host, the worker holding the last block), `layer_attention.LayerAttention` (one
+layer: shard part + own part merged by LSE, across workers by one all-gather),
+`compiled_step.CompiledStep` (a forward's layers in one call of starqa/native/_step.c) and
+`sources.AnswerRows` (the rows that picked the answer's tokens, for `key_mass`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from starqa.models.decoder import StepPlan
+from starqa.phase2 import sources
+from starqa.phase2.compiled_step import CompiledStep
+from starqa.phase2.layer_attention import LayerAttention
+from starqa.phase2.own_kv import OwnKV
+from starqa.phase2.shard_view import Shard, ShardView
+from starqa.runtime import dist
+
+if TYPE_CHECKING:  # annotations only: top-k is loaded where it is asked for
+    from starqa.topk.shard import TopKShard
+
+
+class ShardAttention:
+    """The attention of every layer for Phase 2 on one worker; an AttentionHook
+    (starqa.phase1.hooks) too, so a transformers model can drive it in tests.
+
+    shard: per layer this worker's blocks' pieces (`ShardView`), or None for no blocks;
+    head: the keys before the first document (never a source); ids: the shard's token ids
+    [N_h] (what source attribution matches the answer against); retriever: top-k attention
+    over this worker's blocks (starqa.topk.shard.TopKShard) in place of the exact shard
+    part (shard is then None: no sources are tracked). While `track` is set, it keeps the
+    last query row of every forward (the row that picks the next token) and its global LSE,
+    for `key_mass`.
+    """
+
+    def __init__(self, info: dist.DistInfo, shard: Shard | None, query_host: bool,
+                 head: int = 0, ids: torch.Tensor | None = None,
+                 retriever: TopKShard | None = None):
+        self.info = info
+        self.query_host = query_host
+        self.retriever = retriever
+        self.ids = ids
+        self.view = ShardView(shard, head)
+        self.own = OwnKV()
+        self.layer = LayerAttention(info, self.view, self.own, query_host, retriever)
+        self.step = CompiledStep(self.view, self.own, retriever)
+        self.rows = sources.AnswerRows(len(self.view.shard) if shard is not None else 0)
+        self.track = False
+        # the forward under way is the question's (the first after `begin`): top-k may
+        # attend it exactly (TopK.prefill)
+        self.question = False
+
+    @property
+    def shard(self) -> Shard | None:
+        """Per layer the pieces (k, v) [1, Hkv, T_i, D] this worker attends over."""
+        return self.view.shard
+
+    @property
+    def n_keys(self) -> int:
+        """The shard's keys."""
+        return self.view.n_keys
+
+    @property
+    def length(self) -> int:
+        """Tokens of the question and answer in the own buffers."""
+        return self.own.length
+
+    def _tracking(self) -> bool:
+        """Whether this forward's rows are kept for `key_mass`."""
+        return self.track and self.view.n_keys > 0
+
+    def begin(self, capacity: int) -> None:
+        """A new question of about `capacity` tokens (question + answer): forget the last
+        one's KV and rows. Buffers of that size are allocated once and reused by later
+        questions; they grow if a question needs more."""
+        self.question = True
+        self.own.begin(capacity)
+        self.rows.clear()
+
+    def advance(self, kept: int, picked: slice | None = None) -> None:
+        """The forward that just ran added its first `kept` tokens to the question's KV (the
+        rest, drafted tokens the model did not pick, are written over by the next); its rows
+        `picked` (default: the last) each picked a token of the answer, in order."""
+        self.question = False
+        if self.query_host:
+            self.own.advance(kept)
+        self.rows.advance(picked or slice(-1, None), keep=self._tracking())
+
+    def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
+        """query [1, Hq, M, D]; key, value [1, Hkv, M, D]: this forward's tokens. Returns the
+        attention over every worker's keys and the own ones, [1, Hq, M, D] fp32."""
+        _, q_heads, m, dim = query.shape
+        kv_heads = key.shape[1]
+        scale = dim**-0.5 if scale is None else scale
+        q, out, lse = self.layer(layer, query, key, value, scale, self.question)
+        if self._tracking():
+            # Kept, not computed, here (views, no kernels): this forward's query rows and
+            # their global LSE, rows (g, m) with m fastest; `advance` keeps those that
+            # picked a token, and key_mass() uses them once the answer is done.
+            self.rows.keep_layer(layer, q.view(kv_heads, -1, m, dim), lse.view(kv_heads, -1, m),
+                                 scale)
+        return out.view(1, q_heads, m, dim)
+
+    def compiled(self, m: int, dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+                 ) -> StepPlan | None:
+        """This forward's attention as starqa/native/_step.c's words (`decoder.Decoder.forward`'s
+        `compiled`: every layer in one call), or None where it goes layer by layer: a world
+        of more than one (a collective between the layers), not the query host, not on the
+        CPU, the shard's dtype not the model's, top-k's exact question, or no compiled
+        kernel for the attention (`CompiledStep`). The own buffers are made for every layer
+        here, at once."""
+        if self.info.world_size > 1 or not self.query_host or \
+                not self.step.offered(m, heads // kv_heads, self.question):
+            return None
+        words = self.step.words(self.own.length + m, dtype, kv_heads, dim)
+        if words is None:
+            return None
+        layers = len(self.own.buffers)
+        rows = torch.empty(layers, kv_heads, heads // kv_heads * m, dim)
+        lse = torch.empty(layers, kv_heads, heads // kv_heads * m)
+        if self._tracking():
+            self.rows.keep_forward(rows.view(layers, kv_heads, -1, m, dim),
+                                   lse.view(layers, kv_heads, -1, m), dim**-0.5)
+        return StepPlan(words, self.own.length, rows, lse)
+
+    def adopt(self, prefill) -> None:
+        """(CPU, query host) Take the question's forward that starqa.coldstart.firsttoken ran
+        before torch was imported (its `Prefill`) as if `attention` had run it: its keys and
+        values written after the question's so far, and (tracking) its folded query rows and
+        their LSE kept for `advance`, which the caller calls as after any forward."""
+        def tensor(array) -> torch.Tensor:  # bf16 bits (numpy uint16) → bf16, no copy
+            return torch.from_numpy(array).view(torch.bfloat16)
+
+        for layer, (key, value) in enumerate(zip(prefill.keys, prefill.values)):
+            self.own.append(layer, tensor(key)[None], tensor(value)[None])
+            if self._tracking():  # the decoder's scale, as `attention` got it
+                self.rows.keep_layer(layer, tensor(prefill.queries[layer]),
+                                     torch.from_numpy(prefill.lses[layer]), key.shape[-1] ** -0.5)
+
+    def key_mass(self, tokens: Sequence[int]) -> torch.Tensor:
+        """[N_h] float64: the attention each shard key received from the answer's rows that
+        emitted its own token, as a fraction of all their attention (`sources.key_mass`
+        says why this rule). `tokens`: the answer, one token per tracked row."""
+        return sources.key_mass(self.view, self.ids, self.rows, tokens)

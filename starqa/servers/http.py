@@ -1,0 +1,499 @@
+"""starqa's OpenAI-compatible HTTP server (`starqa serve --http [HOST:]PORT`): the routes an
+OpenAI client, an editor or a notebook calls, answered from cached contexts through
+`starqa.api.Service` (one warm group per context, its questions queued).
+
+    GET  /health                 {"status": "ok", "waiting", "answering", ...}, no key needed
+    GET  /v1/models              the contexts, each a model whose id is its ref (name or key)
+    GET  /v1/models/{id}
+    POST /v1/chat/completions    `model` names the context; the last user message is the
+                                 question, the turns before it its history; `stream` (SSE,
+                                 `stream_options.include_usage`), `max_tokens`, `stop`
+
+An answer's sources and timings ride in a `starqa` field next to OpenAI's (the completion's,
+or the stream's last chunk's); `usage.prompt_tokens_details.cached_tokens` is the context.
+Sampling settings (temperature, top_p, seed, ...) are accepted and unused: answers are
+greedy. System messages are accepted and unused: a context's prompt is fixed at ingest.
+Errors are OpenAI's objects, `{"error": {"message", "type", "param", "code"}}`: 400 for a
+malformed request (`context_length_exceeded` for one that does not fit the window), 401
+for a missing or wrong key, 404 `model_not_found` for an unknown context, 500 for a fault
+on this side (a damaged shard, a worker that died); in a stream that has begun, the error
+object is its last event.
+
+It listens on loopback unless told otherwise; any other address needs an API key, which
+every route but /health then checks (`Authorization: Bearer KEY`). A client that
+disconnects, while it waits its turn or while its answer streams, withdraws or cancels it.
+
+starlette on uvicorn rather than the standard library's `http.server`: uvicorn parses HTTP
+as a server facing a network must (keep-alive, chunked bodies, slow or broken clients) and
+tells the application when a client disconnects even while nothing is being written (a
+queued client, an answer in its prefill), which `http.server` learns only from a failed
+write. Both are small, pure Python dependencies of starqa (and the MCP SDK's own).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+from starqa import api
+
+MAX_BODY_BYTES = 4 << 20
+MAX_STOPS = 4  # as OpenAI's API
+UNUSED_TOOLS = ("tools", "functions")
+
+
+# ------------------------------------------------------------------------------- settings
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """Where to listen and the key clients must send (None: none)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+
+    @classmethod
+    def parse(cls, address: str, api_key: str | None = None) -> HttpSettings:
+        """`PORT`, `HOST:PORT` or `[IPv6]:PORT` (no host: 127.0.0.1); an empty key is none."""
+        host, sep, port = address.strip().rpartition(":")
+        host = host.strip("[]") if sep else "127.0.0.1"
+        if not port.isdigit() or int(port) > 65535 or not host:
+            raise api.StarqaError(f"{address!r} is not an address to listen on.",
+                                  hint="give PORT, HOST:PORT or [IPv6]:PORT, e.g. 8080 or "
+                                       "127.0.0.1:8080")
+        return cls(host, int(port), api_key or None)
+
+    def check(self) -> None:
+        """Refuse to serve beyond this machine without a key."""
+        if self.api_key is None and not loopback(self.host):
+            raise api.StarqaError(
+                f"Listening on {self.host} lets other machines in; that needs an API key.",
+                hint="pass --api-key KEY (or set STARQA_API_KEY); clients send it as "
+                     "`Authorization: Bearer KEY`. Or listen on 127.0.0.1, the default")
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` is this machine only: `localhost` or a loopback address (a host name
+    could resolve anywhere: not loopback)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ------------------------------------------------------------------------------- errors
+
+class ApiError(Exception):
+    """An OpenAI-style error answer: its status and `{"error": {...}}`."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": kind, "param": param,
+                               "code": code}}
+
+    def response(self):
+        from starlette.responses import JSONResponse
+
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body, status_code=self.status, headers=headers)
+
+
+def _invalid(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def error_of(error: api.StarqaError, finding: bool = False) -> ApiError:
+    """A StarqaError as the error an OpenAI client expects; `finding`: it came from
+    finding the context the request's `model` names."""
+    message = f"{error} (hint: {error.hint})" if error.hint else str(error)
+    if isinstance(error, api.ContextNotFound):
+        return ApiError(404, message, param="model", code="model_not_found")
+    if isinstance(error, api.ContextLengthError):
+        return ApiError(400, message, param="messages", code="context_length_exceeded")
+    if finding and not isinstance(error, api.ShardError):  # an empty or ambiguous name
+        return ApiError(400, message, param="model")
+    return ApiError(500, message, kind="server_error")
+
+
+# ------------------------------------------------------------------------------- requests
+
+@dataclass(frozen=True)
+class ChatCall:
+    """A chat completion request, checked: the context it names and the question for it."""
+
+    model: str
+    question: api.Question
+    stream: bool
+    include_usage: bool
+
+
+def parse_chat(body) -> ChatCall:
+    """The request's fields, checked (raises ApiError 400 naming the field at fault)."""
+    if not isinstance(body, dict):
+        raise _invalid("The request body must be a JSON object.")
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise _invalid("`model` must name a context (GET /v1/models lists them).", "model")
+    for name in UNUSED_TOOLS:
+        if body.get(name):
+            raise _invalid(f"`{name}` is not supported: starqa answers from a context and "
+                           "calls no tools.", name)
+    if body.get("n", 1) not in (1, None):
+        raise _invalid("`n` must be 1: answers are greedy, so every choice would be the "
+                       "same.", "n")
+    stream, options = body.get("stream") or False, body.get("stream_options") or {}
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise _invalid("`stream` must be true or false, `stream_options` an object.", "stream")
+    text, history = conversation(body.get("messages"))
+    try:
+        question = api.Question(text, model, history, _max_tokens(body), _stops(body))
+    except api.StarqaError as error:
+        raise _invalid(str(error), "messages") from None
+    return ChatCall(model, question, stream, bool(options.get("include_usage")))
+
+
+def conversation(messages) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(the question, the (question, answer) turns before it) from OpenAI's messages: the
+    last must be the user's; messages of one role in a row are joined; system and
+    developer messages are left out, as is an assistant's greeting before any question."""
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("`messages` must be a non-empty list.", "messages")
+    turns: list[list[str]] = []  # [role, text], alternating
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role in ("system", "developer"):
+            continue
+        if role not in ("user", "assistant"):
+            raise _invalid(f"messages[{i}]: the role must be user, assistant or system "
+                           f"(got {role!r}).", "messages")
+        text = _text(message.get("content"), i)
+        if turns and turns[-1][0] == role:
+            turns[-1][1] += "\n\n" + text
+        elif turns or role == "user":
+            turns.append([role, text])
+    if not turns or turns[-1][0] != "user":
+        raise _invalid("The last message must be the user's question.", "messages")
+    history = tuple((turns[i][1], turns[i + 1][1]) for i in range(0, len(turns) - 1, 2))
+    return turns[-1][1], history
+
+
+def _text(content, i: int) -> str:
+    """A message's text: a string, or a list of text parts (other parts are refused)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise _invalid(f"messages[{i}]: the content must be text (a string or text parts).",
+                   "messages")
+
+
+def _max_tokens(body: dict) -> int:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    value = body.get(name)
+    if value is None:
+        return api.DEFAULT_MAX_NEW_TOKENS
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _invalid(f"`{name}` must be a whole number of tokens, at least 1.", name)
+    return value
+
+
+def _stops(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOPS or \
+            not all(isinstance(s, str) and s for s in stops):
+        raise _invalid(f"`stop` must be a string or a list of up to {MAX_STOPS} non-empty "
+                       "strings.", "stop")
+    return tuple(stops)
+
+
+async def _body(request):
+    """The request's JSON (ApiError 413 past MAX_BODY_BYTES, 400 when not JSON)."""
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_BODY_BYTES:
+            raise ApiError(413, f"The request body is over {MAX_BODY_BYTES:,} bytes.")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise _invalid(f"We could not parse the JSON body of your request ({error}).") \
+            from None
+
+
+# ------------------------------------------------------------------------------- answers
+
+def extension(answer: api.Answer) -> dict:
+    """The `starqa` field: the answer's record without its text (sources, timings, ...)."""
+    record = answer.as_dict()
+    del record["answer"]
+    return record
+
+
+def usage(answer: api.Answer) -> dict:
+    """OpenAI's usage: the prompt is the context (cached) and the question."""
+    prompt = answer.context.tokens + answer.question_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": answer.answer_tokens,
+            "total_tokens": prompt + answer.answer_tokens,
+            "prompt_tokens_details": {"cached_tokens": answer.context.tokens}}
+
+
+def completion(ident: str, created: int, answer: api.Answer) -> dict:
+    return {"id": ident, "object": "chat.completion", "created": created,
+            "model": answer.context.ref,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
+                         "logprobs": None, "finish_reason": _finish(answer)}],
+            "usage": usage(answer), "starqa": extension(answer)}
+
+
+def _finish(answer: api.Answer) -> str:
+    return "length" if answer.finish == "length" else "stop"
+
+
+def _chunk(ident: str, created: int, model: str, delta: dict,
+           finish: str | None = None) -> dict:
+    return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                         "finish_reason": finish}]}
+
+
+def _event(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+GONE = object()  # what `_unless_gone` returns once the client has disconnected
+
+
+async def _unless_gone(request, work, *args):
+    """`await work(*args)`, or GONE once the client disconnects first (work is cancelled)."""
+    import anyio
+
+    outcome: dict = {}
+    async with anyio.create_task_group() as group:
+        async def run() -> None:
+            try:
+                outcome["value"] = await work(*args)
+            except Exception as error:  # raised below, outside the task group
+                outcome["error"] = error
+            group.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            group.cancel_scope.cancel()
+
+        group.start_soon(run)
+        group.start_soon(watch)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value", GONE)
+
+
+async def _next_piece(stream: api.Stream) -> str | None:
+    """The stream's next piece of text, None at its end (its thread waits, not the loop)."""
+    import anyio
+
+    return await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True)
+
+
+async def _result(stream: api.Stream) -> api.Answer:
+    import anyio
+
+    return await anyio.to_thread.run_sync(stream.result, abandon_on_cancel=True)
+
+
+# ------------------------------------------------------------------------------- routes
+
+class Routes:
+    """The server's routes over one `api.Service`."""
+
+    def __init__(self, service: api.Service, api_key: str | None):
+        self.service = service
+        self.api_key = api_key
+
+    def check_key(self, request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise ApiError(401, "This server needs an API key: send `Authorization: Bearer "
+                                "KEY`.", code="invalid_api_key")
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    async def health(self, request):
+        from starlette.responses import JSONResponse
+
+        return JSONResponse({"status": "ok", **self.service.health()})
+
+    async def models(self, request):
+        import anyio
+        from starlette.responses import JSONResponse
+
+        self.check_key(request)
+        found = await anyio.to_thread.run_sync(self.service.contexts)
+        return JSONResponse({"object": "list", "data": [_model(c) for c in found]})
+
+    async def model(self, request):
+        from starlette.responses import JSONResponse
+
+        self.check_key(request)
+        return JSONResponse(_model(await self._context(request.path_params["model"])))
+
+    async def _context(self, ref: str) -> api.Context:
+        import anyio
+
+        try:
+            return await anyio.to_thread.run_sync(self.service.context, ref)
+        except api.StarqaError as error:
+            raise error_of(error, finding=True) from None
+
+    async def chat(self, request):
+        from starlette.responses import Response, StreamingResponse
+
+        self.check_key(request)
+        call = parse_chat(await _body(request))
+        context = await self._context(call.model)
+        stream = self.service.stream(call.question, context)
+        try:
+            done = await _unless_gone(request, _next_piece if call.stream else _result, stream)
+        except api.StarqaError as error:
+            stream.close()
+            raise error_of(error) from None
+        if done is GONE:
+            stream.close()
+            return Response(status_code=204)  # nobody reads it
+        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if not call.stream:
+            from starlette.responses import JSONResponse
+
+            return JSONResponse(completion(ident, created, done))
+        return StreamingResponse(self._events(call, context, stream, done, (ident, created)),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _events(self, call: ChatCall, context: api.Context, stream: api.Stream,
+                      first: str | None, named: tuple[str, int]):
+        """The answer as server-sent events: a role, the pieces, the end (with the
+        `starqa` record), the usage where asked for, `[DONE]`. The client leaving cancels
+        this (starlette), which stops the answer."""
+        ident, created = named
+        try:
+            yield _event(_chunk(ident, created, context.ref, {"role": "assistant",
+                                                              "content": ""}))
+            piece = first
+            while piece is not None:
+                yield _event(_chunk(ident, created, context.ref, {"content": piece}))
+                piece = await _next_piece(stream)
+            answer = stream.result()  # complete: the pieces have ended
+            yield _event({**_chunk(ident, created, context.ref, {}, _finish(answer)),
+                          "starqa": extension(answer)})
+            if call.include_usage:
+                yield _event({"id": ident, "object": "chat.completion.chunk",
+                              "created": created, "model": context.ref, "choices": [],
+                              "usage": usage(answer)})
+            yield _event("[DONE]")
+        except api.StarqaError as error:
+            yield _event(error_of(error).body)
+        finally:
+            stream.close()
+
+
+def _model(context: api.Context) -> dict:
+    return {"id": context.ref, "object": "model", "created": int(context.created),
+            "owned_by": "starqa", "starqa": context.as_dict()}
+
+
+def app(service: api.Service, api_key: str | None = None):
+    """The ASGI application: the routes, and every error as an OpenAI error object."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.routing import Route
+
+    routes = Routes(service, api_key)
+
+    async def api_error(request, error: ApiError):
+        return error.response()
+
+    async def internal_error(request, error: Exception):  # a fault of starqa's own
+        return ApiError(500, f"internal error: {type(error).__name__}: {error}",
+                        kind="server_error").response()
+
+    async def http_error(request, error: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
+        return ApiError(error.status_code, f"{request.method} {request.url.path}: "
+                                           f"{error.detail}", code=code).response()
+
+    return Starlette(routes=[
+        Route("/health", routes.health),
+        Route("/v1/models", routes.models),
+        Route("/v1/models/{model:path}", routes.model),
+        Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+    ], exception_handlers={ApiError: api_error, HTTPException: http_error,
+                           Exception: internal_error})
+
+
+# ------------------------------------------------------------------------------- serving
+
+class HttpServer:
+    """The server, listening from the moment it is made (so a busy port is an error now,
+    and port 0 has its number); `run` serves until `stop` (or Ctrl-C)."""
+
+    def __init__(self, settings: HttpSettings, service: api.Service):
+        import uvicorn
+
+        settings.check()
+        self.settings = settings
+        self.sock = _listen(settings.host, settings.port)
+        self.server = uvicorn.Server(uvicorn.Config(
+            app(service, settings.api_key), log_config=None, log_level="warning",
+            access_log=False, lifespan="off", timeout_graceful_shutdown=5))
+
+    @property
+    def url(self) -> str:
+        """The base URL an OpenAI client is given (`.../v1`)."""
+        host, port = self.sock.getsockname()[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+    @property
+    def started(self) -> bool:
+        return self.server.started
+
+    def run(self) -> None:
+        self.server.run(sockets=[self.sock])
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        return socket.create_server(address, family=family)
+    except OSError as error:
+        raise api.StarqaError(f"Cannot listen on {host}:{port} ({error}).",
+                              hint="choose another port, or stop what listens there") from None
+
+
+def serve(address: str, api_key: str | None = None, workers: int | None = None,
+          keepalive: float = api.DEFAULT_KEEPALIVE, on_ready=None) -> None:
+    """`starqa serve --http`: serve until Ctrl-C. `on_ready(url)` once listening; the warm
+    groups it starts have `workers` workers and exit `keepalive` idle seconds after their
+    last question (they outlive the server by as much)."""
+    server = HttpServer(HttpSettings.parse(address, api_key),
+                        api.Service(api.GroupSettings(workers, keepalive)))
+    if on_ready is not None:
+        on_ready(server.url)
+    server.run()

@@ -1,0 +1,331 @@
+"""The OpenAI-compatible HTTP server (starqa.servers.http), on loopback only: requests parsed
+and refused without a model (raw HTTP, fake contexts), then the official `openai` client
+against contexts of the tiny random model: streaming with usage, stop strings, eight
+concurrent clients, an over-long prompt, and a client that disconnects mid-answer."""
+
+import contextlib
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from starqa import api
+from starqa.servers import http as door
+from tiny import make_tiny_model
+
+QUESTION = "who approved the travel budget"
+
+
+def wait_until(condition, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def serving(service: api.Service, api_key: str | None = None):
+    """The server on 127.0.0.1 and a free port, in a thread, until the block ends."""
+    server = door.HttpServer(door.HttpSettings("127.0.0.1", 0, api_key), service)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 10)
+    try:
+        yield server
+    finally:
+        server.stop()
+        thread.join(10)
+
+
+def request(server, method: str, path: str, body=None, headers=None):
+    """(status, JSON body, headers) of one raw HTTP request."""
+    host, port = server.sock.getsockname()[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                   **(headers or {})})
+    response = conn.getresponse()
+    payload = response.read()
+    conn.close()
+    return response.status, json.loads(payload) if payload else None, dict(response.headers)
+
+
+def error_of(body: dict) -> dict:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+# ------------------------------------------------------------------------ without a model
+
+@pytest.mark.parametrize("address,host,port", [
+    ("8080", "127.0.0.1", 8080), ("localhost:0", "localhost", 0),
+    ("0.0.0.0:8081", "0.0.0.0", 8081), ("[::1]:9000", "::1", 9000),
+])
+def test_addresses_are_parsed(address, host, port):
+    settings = door.HttpSettings.parse(address)
+    assert (settings.host, settings.port, settings.api_key) == (host, port, None)
+
+
+@pytest.mark.parametrize("address", ["", "host:", "8080:x", "1:99999"])
+def test_a_bad_address_is_an_error(address):
+    with pytest.raises(api.StarqaError, match="not an address"):
+        door.HttpSettings.parse(address)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.7", "::", "example.org"])
+def test_listening_beyond_loopback_needs_a_key(host, monkeypatch):
+    bound = []
+    monkeypatch.setattr(door, "_listen", lambda *a: bound.append(a))  # never listens
+    with pytest.raises(api.StarqaError, match="needs an API key") as raised:
+        door.serve(f"[{host}]:0" if ":" in host else f"{host}:0")
+    assert "--api-key" in raised.value.hint and "STARQA_API_KEY" in raised.value.hint
+    assert bound == []
+    door.HttpSettings(host, 0, "secret").check()  # with a key it may
+
+
+def test_loopback_needs_no_key():
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        door.HttpSettings(host, 0).check()
+
+
+def test_messages_become_a_question_and_its_history():
+    call = door.parse_chat({"model": "docs", "stream": True, "max_tokens": 9, "stop": "END",
+                            "stream_options": {"include_usage": True}, "temperature": 0.3,
+                            "messages": [
+                                {"role": "system", "content": "be brief"},
+                                {"role": "assistant", "content": "Hello! Ask me."},
+                                {"role": "user", "content": "first"},
+                                {"role": "assistant", "content": "one"},
+                                {"role": "user", "content": [{"type": "text", "text": "sec"},
+                                                             {"type": "text", "text": "ond"}]},
+                                {"role": "user", "content": "more"}]})
+    assert call.stream and call.include_usage and call.model == "docs"
+    q = call.question
+    assert (q.text, q.history, q.max_new_tokens, q.stop) == (
+        "second\n\nmore", (("first", "one"),), 9, ("END",))
+
+
+@pytest.mark.parametrize("body,param", [
+    ([1, 2], None),
+    ({"messages": [{"role": "user", "content": "q"}]}, "model"),
+    ({"model": "docs"}, "messages"),
+    ({"model": "docs", "messages": []}, "messages"),
+    ({"model": "docs", "messages": [{"role": "assistant", "content": "a"}]}, "messages"),
+    ({"model": "docs", "messages": [{"role": "tool", "content": "a"}]}, "messages"),
+    ({"model": "docs", "messages": [{"role": "user", "content": "  "}]}, "messages"),
+    ({"model": "docs", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages"),
+    ({"model": "docs", "messages": [{"role": "user", "content": "q"}], "max_tokens": 0},
+     "max_tokens"),
+    ({"model": "docs", "messages": [{"role": "user", "content": "q"}], "max_tokens": "9"},
+     "max_tokens"),
+    ({"model": "docs", "messages": [{"role": "user", "content": "q"}], "stop": ["a"] * 5},
+     "stop"),
+    ({"model": "docs", "messages": [{"role": "user", "content": "q"}], "n": 2}, "n"),
+    ({"model": "docs", "messages": [{"role": "user", "content": "q"}], "tools": [{}]},
+     "tools"),
+])
+def test_malformed_requests_are_400_naming_the_field(contexts, body, param):
+    with serving(api.Service()) as server:
+        status, answer, _ = request(server, "POST", "/v1/chat/completions", body)
+    assert status == 400
+    error = error_of(answer)
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_raw_http_errors_are_openai_error_objects(contexts, monkeypatch):
+    monkeypatch.setattr(door, "MAX_BODY_BYTES", 1000)
+    chat = "/v1/chat/completions"
+    with serving(api.Service()) as server:
+        status, body, _ = request(server, "POST", chat, b'{"model": "docs", "messages": [')
+        assert status == 400 and "could not parse the JSON" in error_of(body)["message"]
+        status, body, _ = request(server, "POST", chat, b"\xff\xfe")
+        assert status == 400 and error_of(body)["code"] is None
+        status, body, _ = request(server, "POST", chat, {
+            "model": "nope", "messages": [{"role": "user", "content": QUESTION}]})
+        error = error_of(body)
+        assert status == 404 and error["code"] == "model_not_found"
+        assert error["param"] == "model" and "known contexts: docs, old, repo" in error["message"]
+        status, body, _ = request(server, "POST", chat, b"x" * 1001)
+        assert status == 413 and "over 1,000 bytes" in error_of(body)["message"]
+        status, body, _ = request(server, "GET", chat)
+        assert status == 405 and error_of(body)["code"] == "method_not_allowed"
+        status, body, _ = request(server, "GET", "/v1/embeddings")
+        assert status == 404 and error_of(body)["code"] == "not_found"
+        status, body, _ = request(server, "GET", "/v1/models/nope")
+        assert status == 404 and error_of(body)["code"] == "model_not_found"
+
+
+def test_models_are_the_contexts(contexts):
+    with serving(api.Service()) as server:
+        status, body, _ = request(server, "GET", "/v1/models")
+        assert status == 200 and body["object"] == "list"
+        assert [m["id"] for m in body["data"]] == ["docs", "repo", "old"]
+        assert body["data"][1]["starqa"]["method"] == "dense"
+        assert all(m["object"] == "model" and m["owned_by"] == "starqa" for m in body["data"])
+        status, body, _ = request(server, "GET", "/v1/models/4e90")  # a key prefix
+        assert status == 200 and body["id"] == "repo"
+        status, body, _ = request(server, "GET", "/health")
+        assert status == 200 and body == {"status": "ok", "waiting": 0, "answering": 0,
+                                          "answered": 0, "cancelled": 0, "failed": 0}
+
+
+def test_an_api_key_is_checked(contexts):
+    with serving(api.Service(), api_key="s3cret") as server:
+        status, body, headers = request(server, "GET", "/v1/models")
+        assert status == 401 and error_of(body)["code"] == "invalid_api_key"
+        assert headers.get("www-authenticate") == "Bearer"
+        status, body, _ = request(server, "GET", "/v1/models",
+                                  headers={"Authorization": "Bearer wrong"})
+        assert status == 401 and error_of(body)["message"] == "Incorrect API key provided."
+        status, body, _ = request(server, "POST", "/v1/chat/completions", {"model": "docs"},
+                                  headers={"Authorization": "Basic s3cret"})
+        assert status == 401
+        status, body, _ = request(server, "GET", "/v1/models",
+                                  headers={"Authorization": "Bearer s3cret"})
+        assert status == 200 and len(body["data"]) == 3
+        assert request(server, "GET", "/health")[0] == 200  # no key needed
+
+
+def test_a_busy_port_is_an_error():
+    with serving(api.Service()) as server:
+        port = server.sock.getsockname()[1]
+        with pytest.raises(api.StarqaError, match=f"Cannot listen on 127.0.0.1:{port}"):
+            door.HttpServer(door.HttpSettings("127.0.0.1", port), api.Service())
+
+
+# ------------------------------------------------------------------- the openai client
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A context of a tiny model that never stops on its own (answers run to max_tokens)
+    with a long window, and the server over it: (server, context, an openai client)."""
+    from openai import OpenAI
+
+    from starqa.workers import client
+
+    root = tmp_path_factory.mktemp("http")
+    docs = root / "docs"
+    docs.mkdir()
+    (docs / "travel.md").write_text("the travel budget was approved by the office . " * 6)
+    (docs / "code.py").write_text("retry limit default is seven \n" * 6)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STARQA_HOME", str(root / "home"))
+        env.setenv("STARQA_MIN_COPIED", "0")
+        model = make_tiny_model(root / "never-stops", window=8192, never_stops=True)
+        context = api.ingest(docs, name="handbook", model=str(model), dtype="fp32")
+        service = api.Service(api.GroupSettings(workers=1, keepalive=120))
+        try:
+            with serving(service) as server:
+                yield server, context, OpenAI(base_url=server.url, api_key="none",
+                                              max_retries=0, timeout=300)
+        finally:
+            for group in client.running():
+                client.stop_group(group["key"])
+
+
+def health(server) -> dict:
+    return request(server, "GET", "/health")[1]
+
+
+@pytest.mark.slow
+def test_the_openai_client_streams_an_answer_and_its_usage(served):
+    server, context, openai = served
+    assert [m.id for m in openai.models.list()] == ["handbook"]
+    chunks = list(openai.chat.completions.create(
+        model="handbook", messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
+        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    end, last = chunks[-2], chunks[-1]
+    assert end.choices[0].finish_reason == "length"  # this model never stops by itself
+    record = end.model_extra["starqa"]
+    assert record["context"] == "handbook" and record["warm"] is True
+    assert record["tokens"]["answer"] == 12 and record["timings"]["total_s"] > 0
+    assert record["sources"] and record["sources"][0]["path"] in ("travel.md", "code.py")
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    question = record["tokens"]["question"]
+    assert last.usage.prompt_tokens == context.tokens + question
+    assert last.usage.prompt_tokens_details.cached_tokens == context.tokens
+    assert text.strip()
+    whole = openai.chat.completions.create(
+        model="handbook", messages=[{"role": "user", "content": QUESTION}], max_tokens=12)
+    assert whole.choices[0].message.content == text.strip()  # greedy: the same answer
+    assert whole.usage.total_tokens == context.tokens + question + 12
+    assert whole.model_extra["starqa"]["sources"] == record["sources"]
+
+
+@pytest.mark.slow
+def test_a_stop_string_ends_the_answer(served):
+    server, _, openai = served
+    ask = dict(model="handbook", messages=[{"role": "user", "content": QUESTION}],
+               max_tokens=12)
+    full = openai.chat.completions.create(**ask).choices[0].message.content
+    stop = full.split()[2]  # found as text, wherever it first appears
+    cut = openai.chat.completions.create(**ask, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == full[:full.index(stop)].strip()
+    chunks = openai.chat.completions.create(**ask, stop=stop, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed.strip() == cut.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_eight_concurrent_clients_all_get_answers(served):
+    server, _, openai = served
+    before = health(server)["answered"]
+
+    def ask(i: int) -> str:
+        return openai.chat.completions.create(
+            model="handbook", max_tokens=6,
+            messages=[{"role": "user", "content": QUESTION}]).choices[0].message.content
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert len(answers) == 8 and all(answers) and len(set(answers)) == 1  # queued, greedy
+    assert health(server)["answered"] == before + 8 and health(server)["failed"] == 0
+
+
+@pytest.mark.slow
+def test_an_over_long_prompt_is_context_length_exceeded(served):
+    import openai as sdk
+
+    _, context, openai = served
+    for stream in (False, True):
+        with pytest.raises(sdk.BadRequestError) as raised:
+            openai.chat.completions.create(
+                model="handbook", max_tokens=8192, stream=stream,
+                messages=[{"role": "user", "content": QUESTION}])
+        assert raised.value.code == "context_length_exceeded"
+        assert "8,192 the model was trained on" in raised.value.message
+    with pytest.raises(sdk.NotFoundError) as raised:
+        openai.chat.completions.create(model="nope", messages=[{"role": "user",
+                                                                "content": QUESTION}])
+    assert raised.value.code == "model_not_found"
+
+
+@pytest.mark.slow
+def test_a_client_that_disconnects_cancels_its_answer(served):
+    server, _, _ = served
+    before = health(server)
+    host, port = server.sock.getsockname()[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "handbook", "stream": True, "max_tokens": 7000,
+        "messages": [{"role": "user", "content": QUESTION}]}),
+        {"Content-Type": "application/json"})
+    sock = conn.sock
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # the answer has begun
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    # the group is told, stops within a token, and reports the answer cut short
+    wait_until(lambda: health(server)["cancelled"] == before["cancelled"] + 1)
+    assert health(server)["answering"] == 0
+    assert health(server)["answered"] == before["answered"]
+
