@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/tiny.py
 
-from fakes import QUESTION, install_home, make_context, write_docs  # noqa: E402
+from fakes import install_home, make_context, write_docs  # noqa: E402
 from tiny import make_tiny_model  # noqa: E402
 
 
@@ -80,16 +80,15 @@ def repo(tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def ingested(tmp_path_factory):
     """`docs` ingested once per session for each model and options: a function
-    (model, ask=False, **IngestOptions fields) -> a $STARQA_HOME holding that context (dtype
-    fp32 unless given, blocks encoded in this process), to be copied into a test's own
-    home (`fakes.install_home`). ask: one question answered from it there too (its
-    checksums remembered, as after a first `ask`). For tests that read, serve or damage a
-    context, never for tests of how one is encoded."""
+    (model, **IngestOptions fields) -> a $STARQA_HOME holding that context (dtype fp32
+    unless given, blocks encoded in this process), to be copied into a test's own home
+    (`fakes.install_home`). For tests that read, serve or damage a context, never for
+    tests of how one is encoded."""
     made: dict = {}
 
-    def once(model: Path, ask: bool = False, **options) -> Path:
+    def once(model: Path, **options) -> Path:
         options = {"dtype": "fp32", **options}
-        key = (str(model), ask, tuple(sorted(options.items())))
+        key = (str(model), tuple(sorted(options.items())))
         if key not in made:
             from starqa import engine
 
@@ -100,8 +99,6 @@ def ingested(tmp_path_factory):
                 patch.delenv("STARQA_MODEL", raising=False)
                 engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model),
                                                    encode_in="process", **options))
-                if ask:
-                    engine.ask(engine.AskOptions(QUESTION, max_new_tokens=2, keepalive=0))
             made[key] = base / "home"
         return made[key]
 

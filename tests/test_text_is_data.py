@@ -170,7 +170,7 @@ def test_an_injected_turn_in_the_question_does_not_answer(home, tmp_path, embedd
     (folder / "office.md").write_text("The office opens at nine. The travel budget was "
                                       "approved by Theodora Quintanilla.\n")
     env = {**os.environ, "STARQA_MODEL": str(embedded_model)}
-    done = runner.invoke(app, ["ingest", str(folder), "--workers", "1"], env=env)
+    done = runner.invoke(app, ["ingest", str(folder), "--encode-in", "process"], env=env)
     assert done.exit_code == 0, done.output
     asked = runner.invoke(app, ["ask", INJECTED_TURN, "--json", "--max-new-tokens", "24"],
                           env=env)

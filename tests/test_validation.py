@@ -4,7 +4,7 @@ the command line where users meet them; each test failed before its fix.
 A context here is a real one: the tiny model of `tiny.py` encodes it in this process
 (`--encode-in process`, no torchrun), and `ask` answers from it, so a damage that slipped
 through would answer (exit 0) instead of being named. Tests that damage it get a copy of
-one made (and asked) once per session (`conftest.ingested`).
+one ingested once per session (`conftest.ingested`), asked once before they damage it.
 """
 
 import hashlib
@@ -39,8 +39,10 @@ def ask():
 @pytest.fixture
 def context(home, docs, tiny_model, ingested) -> Path:
     """A committed context of ~190 tokens in 5 blocks, which answers: `ingest(docs,
-    tiny_model)` then `ask()` as below, copied from the session's."""
-    return install_home(ingested(tiny_model, ask=True, block_size=40), home).folder
+    tiny_model)` as below (a copy of the session's), then `ask()`."""
+    folder = install_home(ingested(tiny_model, block_size=40), home).folder
+    assert ask().exit_code == 0
+    return folder
 
 
 def edit_manifest(folder: Path, change) -> None:

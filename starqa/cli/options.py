@@ -39,7 +39,8 @@ def _seconds(value: float) -> float:
 
 Model = Annotated[Optional[str], typer.Option(
     "--model", "-m", envvar="STARQA_MODEL",
-    help="Embedded model name (smollm2-135m, qwen2.5-coder-1.5b), a local Hugging Face "
+    help="Embedded model name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a GGUF "
+    "file (./model.gguf), a model in ollama's store (ollama:NAME[:TAG]), a local Hugging Face "
     "folder, or a hub id.")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", "-w", envvar="STARQA_WORKERS", min=1,
