@@ -26,9 +26,9 @@ def starqa(*args, env=None, **kwargs):
 
 
 @pytest.fixture
-def context(home, docs, tiny_model):
-    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model), dtype="fp32",
-                                       block_size=60))
+def context(docs_context):
+    """`docs` as `ingest --dtype fp32 --block-size 60` leaves it (a copy of one ingest per
+    session): the head start reads it, how it was encoded is not the point here."""
     return store.find_context(paths.contexts_dir(), None)
 
 

@@ -411,29 +411,6 @@ def test_kept_scores_of_a_long_forward_are_not_held_after_it(tmp_path):
     assert rss() - before < 24 << 20  # the 72 MiB of kept scores returned
 
 
-@pytest.mark.slow
-@pytest.mark.simd
-@pytest.mark.parametrize("cap", ["avx2", "none"])
-def test_every_simd_path_passes_the_kernel_tests(cap):
-    """The kernels' hand-written AVX-512 and AVX2 paths and their portable C, each through
-    this file's tests, exact attention's (test_attention.py) and the decode step's
-    (test_decode_kernels.py): STARQA_SIMD caps the paths a process may take, so one CPU
-    runs every path it has (the default run above takes the widest)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    here = Path(__file__).parent
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not simd_path",
-         str(here / "test_topk_kernel.py"), str(here / "test_attention.py"),
-         str(here / "test_decode_kernels.py")],
-        env={**os.environ, "STARQA_SIMD": cap}, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and " failed" not in run.stdout
-
-
 def test_an_unknown_simd_cap_is_refused(monkeypatch):
     from starqa.native import kernels
     from starqa.core.errors import StarqaError
