@@ -1,7 +1,7 @@
 """A cold ask's first token, computed before torch is imported.
 
 A cold `ask` on one machine answers in its head start (starqa.coldstart.headstart), and `import
-torch` alone takes 0.65-1.05 s on this project's 2-core machine, more than llama.cpp's whole cold
+torch` alone takes 0.65-1.05 s on a 2-core CPU, more than llama.cpp's whole cold
 answer. Yet nothing a CPU forward of the question needs is torch's: the prepared int4 weights
 and the shard are files to map, and every kernel of the forward is starqa's own C
 (starqa/native/_int4.c, _rows.c, _attend.c, through starqa.native.kernels). So the head start runs

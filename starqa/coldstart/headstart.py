@@ -1,7 +1,7 @@
 """A cold `ask`'s worker, forked the moment the command starts.
 
 A cold ask on one machine answers as a world of one. Most of its wait for the first token is
-`import torch`: ~0.65 s of ~1 s on this project's 2-core machine, which the command used to
+`import torch`: ~0.65 s of ~1 s on a 2-core CPU, which the command used to
 start only after it had imported its own modules, parsed its arguments, read the manifest,
 checked the model and tokenized the question (~0.2 s of Python, on one core). Now the entry
 point (`starqa.__main__`) forks this process first, before anything but the standard library
