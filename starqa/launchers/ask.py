@@ -83,6 +83,8 @@ def _ask(opts: AskOptions, ui: UI, head) -> Answer:
             return _ask_warm(opts, manifest, group, ui, started)
         except client.Unreachable:  # it died without cleaning up: answer cold
             client.forget(group)
+        except _GroupLeft:  # it was exiting (stopped, idle) as it was asked: answer cold
+            pass
     question, workers, why = _question(opts, manifest, ui, started)
     if not (workers == 1 and opts.nnodes == 1):
         head = _let_go(head)  # a torchrun group answers
@@ -261,13 +263,18 @@ def _answer_here(question: Question, device: str, why: str, ui: UI) -> Answer:
     return local.answer(question, ui)
 
 
+class _GroupLeft(Exception):
+    """A warm group closed its socket before the first token: it was exiting as it was
+    asked (`starqa stop`, its keep-alive ending), so the question goes elsewhere."""
+
+
 def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started: float) -> Answer:
     """Ask a running worker group over its socket (no model load, no torch import here)."""
     from starqa.workers.client import Client
 
     conn = Client(group)
+    first = None
     try:
-        first = None
         for event in conn.ask(opts.question, (), opts.max_new_tokens, opts.beyond_window):
             if event["event"] == "token":
                 first = first or time.perf_counter()
@@ -278,6 +285,12 @@ def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started
         with contextlib.suppress(OSError):
             conn.cancel()
         raise
+    except (ConnectionResetError, BrokenPipeError) as err:
+        if first is None:
+            raise _GroupLeft from None
+        raise StarqaError(f"The warm group of {manifest.name} ended in the middle of the answer "
+                          f"({err}).", hint="ask again: a cold answer starts a new group; "
+                          "starqa ps shows the running groups") from None
     finally:
         conn.close()
     return Answer.timed(done["text"], started, first, time.perf_counter(), opts.topk,

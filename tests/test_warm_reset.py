@@ -1,0 +1,64 @@
+"""A warm group that closes its socket while it is asked: before the first token it was
+exiting (`starqa stop`, its keep-alive ending) and the question is answered elsewhere; after
+it, the answer is lost and the error says so, without a traceback."""
+
+import pytest
+
+from starqa.core.errors import StarqaError
+from starqa.launchers import ask as ask_mod
+from starqa.workers import client
+
+
+class _Resetting:
+    """A client whose group sends `tokens` tokens, then resets the connection."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def __call__(self, group):
+        return self
+
+    def ask(self, *args):
+        for i in range(self.tokens):
+            yield {"event": "token", "text": f"t{i}"}
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def close(self):
+        pass
+
+
+class _Context:
+    name = "docs"
+
+
+def _ask_warm(monkeypatch, tokens: int):
+    monkeypatch.setattr(client, "Client", _Resetting(tokens))
+    opts = ask_mod.AskOptions(question="q")
+    return ask_mod._ask_warm(opts, _Context(), {"name": "docs", "workers": 1},
+                             ask_mod.UI(), 0.0)
+
+
+def test_a_group_gone_before_its_first_token_sends_the_question_elsewhere(monkeypatch):
+    with pytest.raises(ask_mod._GroupLeft):
+        _ask_warm(monkeypatch, tokens=0)
+
+
+def test_a_group_gone_mid_answer_is_an_error_that_says_so(monkeypatch):
+    with pytest.raises(StarqaError, match="ended in the middle of the answer") as caught:
+        _ask_warm(monkeypatch, tokens=2)
+    assert "ask again" in caught.value.hint
+
+
+def test_ask_answers_cold_when_the_group_left(monkeypatch):
+    """`ask` takes the cold path (here a sentinel) instead of raising the reset."""
+    monkeypatch.setattr(ask_mod, "_checked_request", lambda opts: _Context())
+    monkeypatch.setattr(ask_mod, "_warm_group", lambda opts, manifest: {"name": "docs"})
+    monkeypatch.setattr(ask_mod, "_ask_warm", lambda *a: (_ for _ in ()).throw(
+        ask_mod._GroupLeft()))
+
+    class Cold(Exception):
+        pass
+
+    monkeypatch.setattr(ask_mod, "_question", lambda *a: (_ for _ in ()).throw(Cold()))
+    with pytest.raises(Cold):
+        ask_mod.ask(ask_mod.AskOptions(question="q"))
