@@ -171,7 +171,7 @@ def test_the_supported_architectures_are_phase_2s():
 def test_a_gguf_is_converted_once_with_its_weights_and_tokenizer(tiny_gguf, gguf_file,
                                                                  monkeypatch):
     conversions = count_calls(monkeypatch, ggufs, "convert_gguf")
-    hashes = count_calls(monkeypatch, ggufs, "_hash_file")
+    hashes = count_calls(monkeypatch, ggufs, "sha256_file")
     folder = models.resolve_model(str(gguf_file))
     digest = sha256(gguf_file)
     assert folder == models.models_dir() / f"gguf-{digest}"

@@ -13,26 +13,18 @@ committed, found and removed is `starqa.cache.store`'s.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from starqa.core.hashing import sha256_file  # noqa: F401 (shards.sha256_file for callers)
 from starqa.core.errors import ShardError
 from starqa.cache.manifest import Block, Manifest, block_file, write_json_atomic
 
 VERIFIED = ".verified.json"  # per context: {file: [size, mtime_ns, ctime_ns, sha256(, FINITE)]}
 FINITE = "finite"  # after a remembered hash: its keys and values were found free of Inf/NaN
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def save_block(folder: Path, index: int, k, v, ids, metadata: dict[str, str]) -> Path:

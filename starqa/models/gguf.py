@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from starqa.core.hashing import sha256_file
 from starqa.core.errors import StarqaError, disk_full
 from starqa.core.paths import models_dir
 from starqa.core.progress import UI
@@ -103,7 +104,7 @@ def file_sha256(path: Path, ui: UI | None = None, name: str | None = None) -> st
     except (OSError, ValueError, KeyError, AttributeError):
         pass
     with (ui or UI()).status(f"Hashing {name or path.name} ({st.st_size / 1e9:.2f} GB, once) …"):
-        digest = _hash_file(path)
+        digest = sha256_file(path)
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".", dir=memo.parent)
@@ -114,14 +115,6 @@ def file_sha256(path: Path, ui: UI | None = None, name: str | None = None) -> st
     except OSError:
         pass
     return digest
-
-
-def _hash_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as src:
-        while chunk := src.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------- checks
