@@ -206,6 +206,39 @@ def test_samples_fill_the_budget_hold_their_file_whole_and_follow_the_seed(tok, 
     assert len(seen) == 4
 
 
+def test_the_samples_of_a_seed_and_length_ask_about_one_context(tok, monkeypatch):
+    monkeypatch.delenv(repo_qa.PACKAGE_VARIABLE, raising=False)
+    samples = [generators.generate("repo_qa", 4000, 7, tok, i) for i in range(6)]
+    assert len({tuple(s.context_ids) for s in samples}) == 1  # one context ...
+    assert len({s.question for s in samples}) > 1  # ... many questions about it
+    for s in samples:  # each about a file the context holds whole
+        assert s.meta["source"]["file"] != s.meta["cut"] and s.tokens <= 4000
+    other = generators.generate("repo_qa", 4000, 8, tok, 0)
+    assert other.context_ids != samples[0].context_ids  # another seed, another context
+
+
+def test_eval_encodes_a_shared_context_once_a_method(home, long_tiny_model, tmp_path,
+                                                    monkeypatch):
+    from starqa.measure.evals import runner
+    monkeypatch.delenv(repo_qa.PACKAGE_VARIABLE, raising=False)
+    encoded = []
+    real = runner.Evaluator.encode
+
+    def counting(self, sample, method):
+        encoded.append((sample.index, method))
+        return real(self, sample, method)
+
+    monkeypatch.setattr(runner.Evaluator, "encode", counting)
+    out = tmp_path / "shared.json"
+    result = CliRunner().invoke(app, [
+        "eval", "--model", str(long_tiny_model), "--tasks", "repo_qa", "--lengths", "2k",
+        "--methods", "dense,star", "--samples", "3", "--dtype", "fp32", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert encoded == [(0, "dense"), (0, "star")]
+    samples = json.loads(out.read_text())["samples"]
+    assert len(samples) == 3 and all(set(s["results"]) == {"dense", "star"} for s in samples)
+
+
 # ---------------------------------------------------------------------------------------
 # end to end
 

@@ -81,18 +81,26 @@ class _Draft:
     # one answer occurs (alternatives, qa).
     counts: dict[str, int] | None
     before: list[SourceFile] | None = None  # edit tasks: the documents before the edit
+    # The question the fit budgets for, when not `question`: a one-context task's longest,
+    # so every sample of a seed and length gets the same context whatever it asks.
+    fit_question: str | None = None
 
 
-Builder = Callable[[random.Random, int], Callable[[int], "_Draft | None"]]
+# (rng, length) -> draft(n units), or (rng, length, context rng) for a one-context task
+Builder = Callable[..., Callable[[int], "_Draft | None"]]
 
 
 @dataclass(frozen=True)
 class Task:
     name: str
-    build: Builder  # (rng, length) -> draft(n units); draft returns None when n is impossible
+    build: Builder  # draft(n) returns None when n is impossible
     max_new_tokens: int
     match: str = "all"
     about: str = ""
+    # Every sample of a seed and length asks about one context, as a user asks many
+    # questions of one ingested repository: `build` takes a third argument, the context's
+    # rng (the same for all the samples), and the runner encodes that context once a method.
+    one_context: bool = False
 
 
 # ---------------------------------------------------------------------------------------
@@ -534,18 +542,20 @@ def _qa(rng: random.Random, length: int):
 # questions about a real package's code
 
 
-def _repo_qa(rng: random.Random, length: int):
+def _repo_qa(rng: random.Random, length: int, context_rng: random.Random):
     """A question about an installed package's code (repo_qa.py: $STARQA_EVAL_PACKAGE,
-    default typer) over its file, whole, and the package's other files in a seeded order,
-    a line a unit, so the last one taken is cut at a line; all in path order and packed as
-    `ingest` packs the package. Past the whole package: no draft (the sample holds it all)."""
+    default typer) over one context a seed and length: a file holding questions, whole, and
+    the package's other files in a seeded order, a line a unit, so the last one taken is cut
+    at a line; all in path order and packed as `ingest` packs the package. Each sample asks
+    one question of a file the context holds whole. Past the whole package: no draft (the
+    sample holds it all)."""
     package = repo_qa.load(repo_qa.package_spec())
-    asked = repo_qa.choose(package, rng, length)
-    gold = package.file(asked.file)
+    gold = package.file(repo_qa.choose(package, context_rng, length).file)
     others = [f for f in package.files if f.path != gold.path]
-    rng.shuffle(others)
+    context_rng.shuffle(others)
     lines = [(f.path, line) for f in others for line in f.text.splitlines(keepends=True)]
-    source = {"file": gold.path, "line": asked.line}
+    pick = rng.random()  # this sample's question, among those of the files held whole
+    longest = max((q.text for q in package.questions), key=len)
 
     def draft(n: int) -> _Draft | None:
         if n > len(lines):
@@ -557,10 +567,14 @@ def _repo_qa(rng: random.Random, length: int):
         files = sorted([gold, *(f for f in taken if f.text.strip())], key=lambda f: f.path)
         last = lines[n - 1][0] if n else None  # cut when its next line is left out
         cut = last if n < len(lines) and lines[n][0] == last and last in texts else None
-        elsewhere = sum(repo_qa.mentions(asked.answer, f.text) for f in files if f is not gold)
+        asked = repo_qa.choose_among(package, random.Random(pick),
+                                     {f.path for f in files if f.path != cut})
+        elsewhere = sum(repo_qa.mentions(asked.answer, f.text) for f in files
+                        if f.path != asked.file)
         meta = {"package": package.about, "kind": asked.kind, "files": len(files),
-                "cut": cut, "answer_elsewhere": elsewhere, "source": source}
-        return _Draft(files, asked.text, [asked.answer], meta, None)
+                "cut": cut, "answer_elsewhere": elsewhere,
+                "source": {"file": asked.file, "line": asked.line}}
+        return _Draft(files, asked.text, [asked.answer], meta, None, fit_question=longest)
 
     return draft
 
@@ -596,7 +610,7 @@ TASKS: dict[str, Task] = {t.name: t for t in (
     Task("cwe", _common_words(), 96, about="the 10 most common words of a list"),
     Task("fwe", _frequent_words(), 48, about="the 3 most frequent words of a coded text"),
     Task("qa", _qa, 48, match="any", about="samples/questions.jsonl over samples/"),
-    Task("repo_qa", _repo_qa, 64,
+    Task("repo_qa", _repo_qa, 64, one_context=True,
          about="a question derived from a real package's code (a constant's value, a "
                "method's class, a default, a raised exception) over the package's files "
                f"(${repo_qa.PACKAGE_VARIABLE}, default {repo_qa.DEFAULT_PACKAGE})"),
@@ -640,7 +654,9 @@ def sample_seed(seed: int, task: str, length: int, index: int) -> int:
 def generate(task: str, length: int, seed: int, tokenizer, index: int = 0) -> Sample:
     """Sample `index` of `task` for a budget of `length` tokens (context + query + answer)."""
     spec = TASKS[task]
-    draft = spec.build(random.Random(sample_seed(seed, task, length, index)), length)
+    rng = random.Random(sample_seed(seed, task, length, index))
+    draft = (spec.build(rng, length, random.Random(sample_seed(seed, task, length, -1)))
+             if spec.one_context else spec.build(rng, length))
     n, chosen, context_ids, query_ids = _fit(draft, length, tokenizer, spec)
     _check_answers(spec, chosen)
     meta = {**chosen.meta, "units": n}
@@ -672,6 +688,11 @@ def _fit(draft, length: int, tokenizer, spec: Task):
     measured: dict[int, tuple[float, _Draft | None, list[int] | None]] = {}
     query_ids: dict[str, list[int]] = {}
 
+    def asked(question: str) -> list[int]:
+        if question not in query_ids:
+            query_ids[question] = prompt.tokenize_query(tokenizer, question)
+        return query_ids[question]
+
     def cost(n: int) -> float:
         if n not in measured:
             d = draft(n)
@@ -679,9 +700,8 @@ def _fit(draft, length: int, tokenizer, spec: Task):
                 measured[n] = (math.inf, None, None)
             else:
                 ids = prompt.tokenize_context(tokenizer, pack(d.files)[0], []).ids
-                if d.question not in query_ids:
-                    query_ids[d.question] = prompt.tokenize_query(tokenizer, d.question)
-                total = len(ids) + len(query_ids[d.question]) + spec.max_new_tokens
+                total = len(ids) + len(asked(d.fit_question or d.question)) + \
+                    spec.max_new_tokens
                 measured[n] = (total, d, ids)
         return measured[n][0]
 
@@ -710,7 +730,7 @@ def _fit(draft, length: int, tokenizer, spec: Task):
         else:
             hi = mid
     _, chosen, context_ids = measured[lo]
-    return lo, chosen, context_ids, query_ids[chosen.question]
+    return lo, chosen, context_ids, asked(chosen.question)
 
 
 def _check_answers(spec: Task, d: _Draft) -> None:

@@ -148,14 +148,23 @@ def choose(package: Package, rng: random.Random, length: int) -> Question:
     limit = length * FILE_CHARS_PER_TOKEN
     sizes = {f.path: len(f.text) for f in package.files}
     fitting = [q for q in package.questions if sizes[q.file] <= limit]
-    kinds = [k for k in KINDS if any(q.kind == k for q in fitting)]
-    if not kinds:
+    if not fitting:
         smallest = min(sizes[q.file] for q in package.questions)
         raise StarqaError(f"{length:,} tokens is too short for repo_qa over {package.name}: "
                           f"the smallest file holding a question has {smallest:,} characters.",
                           hint="choose longer lengths")
-    kind = rng.choice(kinds)
-    return rng.choice([q for q in fitting if q.kind == kind])
+    return _by_kind(fitting, rng)
+
+
+def choose_among(package: Package, rng: random.Random, paths: set[str]) -> Question:
+    """A seeded question about one of the files `paths`: a kind first (each kind alike,
+    among those with such a question), then one of that kind's questions."""
+    return _by_kind([q for q in package.questions if q.file in paths], rng)
+
+
+def _by_kind(questions: list[Question], rng: random.Random) -> Question:
+    kind = rng.choice([k for k in KINDS if any(q.kind == k for q in questions)])
+    return rng.choice([q for q in questions if q.kind == kind])
 
 
 # ---------------------------------------------------------------------------------------

@@ -330,6 +330,8 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
         write_json_atomic(plan.json_path, results)
 
     progress.start(plan)
+    kept: dict[str, Encoded] = {}  # a one-context task's encodings of its context, by method
+    kept_ids: list[int] | None = None
     try:
         for length in plan.lengths:
             for task in plan.tasks:
@@ -339,6 +341,8 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
                     record = _record(sample)
                     results["samples"].append(record)
                     encoded, edited = None, {}
+                    if kept_ids != sample.context_ids:  # a one-context task's next context
+                        kept, kept_ids = {}, sample.context_ids
                     for label, method, topk in plan.variants:
                         progress.run(task, length, index, label)
                         if plan.opts.edit and method not in edited:  # full, incremental
@@ -347,7 +351,9 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
                             full, incremental, reused = edited[method]
                             encoded = full if label == method else incremental
                         elif encoded is None or encoded.config.name != method:
-                            encoded = evaluator.encode(sample, method)
+                            encoded = kept.get(method) or evaluator.encode(sample, method)
+                            if generators.TASKS[task].one_context:
+                                kept[method] = encoded
                         result = evaluator.answer(sample, method, topk, encoded)
                         if plan.opts.edit and label != method:
                             result["reuse"] = reused
