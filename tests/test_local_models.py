@@ -413,3 +413,22 @@ def test_ingest_and_ask_with_an_ollama_model(home, docs, gguf_file, tmp_path):
     digest = make_store(tmp_path / "ollama", gguf_file, "tiny", ("q4",))
     ingest_and_ask(home, docs, "ollama:tiny:q4")
     assert converted() == [f"gguf-{digest}"]
+
+
+@pytest.mark.slow
+def test_a_relative_gguf_is_recorded_whole_and_converted_again_once_deleted(
+        home, docs, gguf_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(gguf_file.parent)
+    ingested = starqa("ingest", str(docs), "--model", f"./{gguf_file.name}", "--dtype", "fp32",
+                      "--workers", "1", "--block-size", "50", home=home)
+    assert ingested.returncode == 0, ingested.stderr
+    manifest = json.loads(next((home / "contexts").glob("*/manifest.json")).read_text())
+    assert manifest["model"]["spec"] == str(gguf_file.resolve())
+    [folder] = converted()
+    shutil.rmtree(models.models_dir() / folder)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the relative path would name nothing here
+    asked = starqa("ask", QUESTION, "--json", "--max-new-tokens", "4", home=home)
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["context"] == "docs" and converted() == [folder]

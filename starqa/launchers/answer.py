@@ -194,14 +194,16 @@ def manifest_model(manifest: Manifest, spec: str | None, ui: UI | None = None) -
     if spec is not None:
         path = models.resolve_model(spec, ui)
     elif not (path / "config.json").exists():
-        if made is None and not Path(recorded.spec).expanduser().is_dir():
+        if not models.rebuildable(recorded.spec) and \
+                not Path(recorded.spec).expanduser().is_dir():
             raise StarqaError(
                 f"Context {manifest.name!r} was ingested with the model at {recorded.path}, "
                 "which is no longer there.",
                 hint=f"put the model back there, ask with --model PATH (the same model "
                      f"elsewhere), or re-ingest with another model: {manifest.rerun} "
                      "--model MODEL")
-        path = models.resolve_model(recorded.spec, ui)  # e.g. the embedded model was deleted
+        # the converted folder was deleted: fetched (embedded) or converted (GGUF) again
+        path = models.resolve_model(recorded.spec, ui)
     actual = models.fingerprint(path)
     replaced = Path(path).resolve() == Path(recorded.path).resolve()
     if actual["digest"] != recorded.digest and replaced:

@@ -259,8 +259,8 @@ def _model(spec: str | None, ui: UI) -> tuple[ModelIdentity, Any]:
     model_path = models.resolve_model(spec, ui)
     tokenizer = models.load_tokenizer(model_path)
     window = models.context_window(_config(model_path))
-    return (ModelIdentity.of(model_path, spec or models.DEFAULT_MODEL, window,
-                             models.fingerprint(model_path)), tokenizer)
+    return (ModelIdentity.of(model_path, models.recorded_spec(spec or models.DEFAULT_MODEL),
+                             window, models.fingerprint(model_path)), tokenizer)
 
 
 def _cache_dtype(dtype: str | None, device: str) -> str:
@@ -401,7 +401,7 @@ def ingest_tokens(ids: list[int], root: Path, opts: TokenIngestOptions = TokenIn
     spec = opts.model or os.environ.get("STARQA_MODEL") or models.DEFAULT_MODEL  # as resolved
     model_path = models.resolve_model(spec, ui)
     window = models.context_window(_config(model_path))
-    identity = ModelIdentity.of(model_path, spec, window,
+    identity = ModelIdentity.of(model_path, models.recorded_spec(spec), window,
                                 models.fingerprint(model_path))
     if len(ids) > window and not opts.allow_over_window:
         raise StarqaError(f"The context is {len(ids):,} tokens > {window:,} the model was "

@@ -244,6 +244,27 @@ def resolve_model(spec: str | None, ui: UI | None = None) -> Path:
         ) from e
 
 
+def recorded_spec(spec: str) -> str:
+    """`spec` as a manifest records it: a local file or folder by its absolute path, so a
+    question asked from another folder finds the same model; any other spec as given."""
+    from starqa.models import ollama
+
+    local = Path(spec).expanduser()
+    if embedded_model(spec) or ollama.is_ollama(spec) or not local.exists():
+        return spec
+    return str(local.resolve())
+
+
+def rebuildable(spec: str) -> bool:
+    """Whether `resolve_model(spec)` can make the model's folder again once it is deleted:
+    an embedded model (fetched again), ollama's model or a GGUF file (converted again)."""
+    from starqa.models import gguf, ollama
+
+    local = Path(spec).expanduser()
+    return bool(embedded_model(spec)) or ollama.is_ollama(spec) or (
+        local.is_file() and gguf.names_gguf(local))
+
+
 # ---------------------------------------------------------------------------- embedded fetch
 
 
