@@ -210,7 +210,14 @@ def test_the_samples_of_a_seed_and_length_ask_about_one_context(tok, monkeypatch
     monkeypatch.delenv(repo_qa.PACKAGE_VARIABLE, raising=False)
     samples = [generators.generate("repo_qa", 4000, 7, tok, i) for i in range(6)]
     assert len({tuple(s.context_ids) for s in samples}) == 1  # one context ...
-    assert len({s.question for s in samples}) > 1  # ... many questions about it
+    whole = {f.path for f in samples[0].files} - {samples[0].meta["cut"]}
+    held = [q for q in repo_qa.load("typer").questions if q.file in whole]
+    asked = [next(q for q in held if q.text == s.question) for s in samples]
+    n = min(len(held), len(asked))
+    assert len(set(asked[:n])) == n > 1  # ... distinct questions about it, till they run out
+    assert asked[n:] == asked[:len(asked) - n]  # (then again from the first)
+    kinds = {q.kind for q in held}
+    assert len({q.kind for q in asked[:len(kinds)]}) == len(kinds) > 1  # the kinds in turn
     for s in samples:  # each about a file the context holds whole
         assert s.meta["source"]["file"] != s.meta["cut"] and s.tokens <= 4000
     other = generators.generate("repo_qa", 4000, 8, tok, 0)

@@ -86,7 +86,7 @@ class _Draft:
     fit_question: str | None = None
 
 
-# (rng, length) -> draft(n units), or (rng, length, context rng) for a one-context task
+# (rng, length) -> draft(n units); a one-context task's: (length, context rng, index)
 Builder = Callable[..., Callable[[int], "_Draft | None"]]
 
 
@@ -98,8 +98,8 @@ class Task:
     match: str = "all"
     about: str = ""
     # Every sample of a seed and length asks about one context, as a user asks many
-    # questions of one ingested repository: `build` takes a third argument, the context's
-    # rng (the same for all the samples), and the runner encodes that context once a method.
+    # questions of one ingested repository: `build` takes (length, the context's rng, the
+    # sample's index) and the runner encodes that context once a method.
     one_context: bool = False
 
 
@@ -542,19 +542,20 @@ def _qa(rng: random.Random, length: int):
 # questions about a real package's code
 
 
-def _repo_qa(rng: random.Random, length: int, context_rng: random.Random):
+def _repo_qa(length: int, context_rng: random.Random, index: int):
     """A question about an installed package's code (repo_qa.py: $STARQA_EVAL_PACKAGE,
     default typer) over one context a seed and length: a file holding questions, whole, and
     the package's other files in a seeded order, a line a unit, so the last one taken is cut
-    at a line; all in path order and packed as `ingest` packs the package. Each sample asks
-    one question of a file the context holds whole. Past the whole package: no draft (the
-    sample holds it all)."""
+    at a line; all in path order and packed as `ingest` packs the package. Sample `index`
+    asks the index-th of the questions about the files the context holds whole, in a seeded
+    order that takes each kind in turn (repo_qa.in_turn). Past the whole package: no draft
+    (the sample holds it all)."""
     package = repo_qa.load(repo_qa.package_spec())
     gold = package.file(repo_qa.choose(package, context_rng, length).file)
     others = [f for f in package.files if f.path != gold.path]
     context_rng.shuffle(others)
     lines = [(f.path, line) for f in others for line in f.text.splitlines(keepends=True)]
-    pick = rng.random()  # this sample's question, among those of the files held whole
+    order = context_rng.random()  # of the questions, the same for every sample
     longest = max((q.text for q in package.questions), key=len)
 
     def draft(n: int) -> _Draft | None:
@@ -567,8 +568,9 @@ def _repo_qa(rng: random.Random, length: int, context_rng: random.Random):
         files = sorted([gold, *(f for f in taken if f.text.strip())], key=lambda f: f.path)
         last = lines[n - 1][0] if n else None  # cut when its next line is left out
         cut = last if n < len(lines) and lines[n][0] == last and last in texts else None
-        asked = repo_qa.choose_among(package, random.Random(pick),
-                                     {f.path for f in files if f.path != cut})
+        held = repo_qa.in_turn(package, random.Random(order),
+                               {f.path for f in files if f.path != cut})
+        asked = held[index % len(held)]
         elsewhere = sum(repo_qa.mentions(asked.answer, f.text) for f in files
                         if f.path != asked.file)
         meta = {"package": package.about, "kind": asked.kind, "files": len(files),
@@ -654,9 +656,10 @@ def sample_seed(seed: int, task: str, length: int, index: int) -> int:
 def generate(task: str, length: int, seed: int, tokenizer, index: int = 0) -> Sample:
     """Sample `index` of `task` for a budget of `length` tokens (context + query + answer)."""
     spec = TASKS[task]
-    rng = random.Random(sample_seed(seed, task, length, index))
-    draft = (spec.build(rng, length, random.Random(sample_seed(seed, task, length, -1)))
-             if spec.one_context else spec.build(rng, length))
+    if spec.one_context:
+        draft = spec.build(length, random.Random(sample_seed(seed, task, length, -1)), index)
+    else:
+        draft = spec.build(random.Random(sample_seed(seed, task, length, index)), length)
     n, chosen, context_ids, query_ids = _fit(draft, length, tokenizer, spec)
     _check_answers(spec, chosen)
     meta = {**chosen.meta, "units": n}

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import itertools
 import os
 import random
 import re
@@ -156,10 +157,18 @@ def choose(package: Package, rng: random.Random, length: int) -> Question:
     return _by_kind(fitting, rng)
 
 
-def choose_among(package: Package, rng: random.Random, paths: set[str]) -> Question:
-    """A seeded question about one of the files `paths`: a kind first (each kind alike,
-    among those with such a question), then one of that kind's questions."""
-    return _by_kind([q for q in package.questions if q.file in paths], rng)
+def in_turn(package: Package, rng: random.Random, paths: set[str]) -> list[Question]:
+    """The questions about the files `paths`, in a seeded order that takes each kind in
+    turn (the kinds in a seeded order, each kind's questions shuffled), so the first
+    questions of a one-context sample set are distinct and each kind comes alike."""
+    kinds = [k for k in KINDS if any(q.kind == k and q.file in paths
+                                     for q in package.questions)]
+    rng.shuffle(kinds)
+    lines = {k: [q for q in package.questions if q.kind == k and q.file in paths]
+             for k in kinds}
+    for line in lines.values():
+        rng.shuffle(line)
+    return [q for turn in itertools.zip_longest(*lines.values()) for q in turn if q]
 
 
 def _by_kind(questions: list[Question], rng: random.Random) -> Question:
