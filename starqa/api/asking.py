@@ -1,7 +1,8 @@
 """Questions through the Python API, as `starqa ask` and `starqa chat` answer them: `ask` and
-`stream` call `starqa.engine.ask` (a warm group's answer when one runs, else a cold one that
-leaves a group warm for `keepalive` seconds); `Chat` keeps the conversation and asks the
-context's warm group, started on its first question when none runs."""
+`stream` call `ask_with`, which is `starqa ask` itself (a warm group's answer when one runs,
+else a cold one that leaves a group warm for `keepalive` seconds); `Chat` keeps the
+conversation and asks the context's warm group, started on its first question (or when
+joined) when none runs, as the REPL of `starqa chat` does."""
 
 from __future__ import annotations
 
@@ -13,8 +14,22 @@ import starqa.api.catalog as catalog
 from starqa.api.answers import DEFAULT_MAX_NEW_TOKENS, Answer, Question
 from starqa.api.catalog import Context
 from starqa.api.errors import StarqaError
-from starqa.api.groups import GroupSettings, ask_group, classified
+from starqa.api.groups import Group, GroupSettings, ask_group, classified, start
 from starqa.api.streams import Channel, ChannelUI, Stream
+from starqa.core.progress import UI
+from starqa.topk.indexes import TopK
+from starqa.workers import client
+
+
+def ask_with(opts: engine.AskOptions, ui: UI = UI()) -> engine.Answer:
+    """`starqa ask` itself: every option (`AskOptions`), the answer's text streamed to
+    `ui.token` and the steps before it on `ui`, and the engine's whole record of the answer
+    (`AskResult`: timings, sources, weights, whether it came before torch was imported).
+    A cold answer on this machine runs on the head start that `starqa` forked as it began
+    (`starqa.coldstart.headstart`), where this process has one."""
+    from starqa.coldstart import headstart
+
+    return engine.ask(opts, ui, headstart.take())
 
 
 def stream(question: str, context: Context | str | None = None, *,
@@ -33,7 +48,7 @@ def stream(question: str, context: Context | str | None = None, *,
 
     def produce(channel: Channel) -> Answer:
         try:
-            answer = engine.ask(opts, ChannelUI(channel))
+            answer = ask_with(opts, ChannelUI(channel))
         except StarqaError as error:
             raise classified(error, catalog.find(ctx.key), asked) from None
         return answers.of_engine(answer, ctx, max_new_tokens)
@@ -54,29 +69,108 @@ def ask(question: str, context: Context | str | None = None, *,
 class Chat:
     """A conversation about one context: each question is asked with the turns before it
     (as many as fit the window, the oldest dropped first), on the context's warm group.
-    The group is started on the first question when none runs, and exits `keepalive` idle
-    seconds after the last one (as `starqa chat`'s)."""
+    The group is started on the first question (or by `join`) when none runs, and exits
+    `keepalive` idle seconds after the last one (as `starqa chat`'s); with keepalive 0, a
+    group this chat started is its own: `close` stops it. `topk`: the group answers with
+    top-k attention (`topk_settings`), and one running with other attention is an error."""
 
     def __init__(self, context: Context | str | None = None, *,
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, workers: int | None = None,
-                 keepalive: float = engine.DEFAULT_KEEPALIVE):
+                 keepalive: float = engine.DEFAULT_KEEPALIVE, topk: TopK | None = None):
         self.context = catalog.context(context)
         self.max_new_tokens = max_new_tokens
-        self._settings = GroupSettings(workers, keepalive)
+        # keep-alive 0: no group outlives the chat; the one it starts never idles out
+        self._settings = GroupSettings(workers, -1 if keepalive == 0 else keepalive, topk)
+        self._only_while_open = keepalive == 0
         self._history: list[tuple[str, str]] = []
+        self._group: dict | None = None  # the run info of the group joined last
+        self._owns_group = False  # that group is this chat's to stop (`close`)
 
     @property
     def history(self) -> tuple[tuple[str, str], ...]:
         """The (question, answer) turns so far, the oldest first."""
         return tuple(self._history)
 
+    def join(self, ui: UI = UI()) -> Group:
+        """The context's warm group, joined now: the one running, else one started (its
+        steps shown on `ui`; this waits until its workers are ready)."""
+        return self.switch(self.context, ui, keep_history=True)
+
+    def switch(self, context: Context | str, ui: UI = UI(), keep_history: bool = False) -> Group:
+        """Go on about `context` (another one, or a newer version of this one), on its warm
+        group, joined as `join` does; the conversation starts afresh unless
+        `keep_history`. A group this chat started for itself (keepalive 0) that serves
+        another context is stopped. Nothing changes when `context` cannot be found or a
+        group with other attention serves it."""
+        ctx = catalog.context(context)
+        found = client.find(ctx.key)
+        self._check_attention(found, ctx)
+        if self._owns_group and (found is None or found["key"] != self._group["key"]):
+            client.stop_group(self._group["key"])
+        self._owns_group = found is None and self._only_while_open
+        self._group = found or start(catalog.find(ctx.key), self._settings, ui)
+        self.context = ctx
+        if not keep_history:
+            self._history.clear()
+        return Group.of(self._group)
+
+    def _check_attention(self, group: dict | None, ctx: Context) -> None:
+        """A group already serving `ctx` with other attention than this chat's is an error:
+        one group serves a context at a time."""
+        wanted = self._settings.topk.as_dict() if self._settings.topk else None
+        if group is not None and group.get("topk") != wanted:
+            running = "exact" if not group.get("topk") else "top-k"
+            raise StarqaError(f"A warm group already serves {ctx.name} with {running} "
+                              "attention; one group serves a context at a time.",
+                              hint=f"stop it first (starqa stop {ctx.key}), or chat "
+                                   "with the attention it has")
+
+    def group_gone(self) -> bool:
+        """Whether the group joined last has gone since (its keep-alive ran out while the
+        chat sat idle, `starqa stop` elsewhere, it died): `join` again to go on, the
+        conversation kept. False before any is joined. A few file reads."""
+        if self._group is None:
+            return False
+        group = client.find(self.context.key)
+        return group is None or group.get("pid") != self._group.get("pid")
+
+    def reingested(self) -> Context | None:
+        """The context this chat's context's name means now, where that is a newer version
+        (re-ingested by `ingest --watch` or another ingest since): `switch` to it to go on
+        from the new shards. None where the name still means this one, or no longer means
+        one context (renamed, removed, ambiguous)."""
+        try:
+            latest = catalog.context(self.context.name)
+        except StarqaError:
+            return None
+        return latest if latest.key != self.context.key and \
+            latest.name == self.context.name else None
+
+    def status(self) -> dict:
+        """What the group joined last says of itself (`starqa ps`'s columns: `workers`,
+        `answered`, `rss_bytes` of the query host, ...); it is joined first where none is."""
+        if self._group is None:
+            self.join()
+        conn = client.Client(self._group)
+        try:
+            return conn.ping()
+        finally:
+            conn.close()
+
     def stream(self, question: str, stop: Sequence[str] = ()) -> Stream:
         """The next answer as it is generated; the turn joins the history once complete
-        (not when the stream is closed before)."""
+        (not when the stream is closed before; a stream cancelled with `cancel` completes,
+        with what came until then)."""
         asked = Question(question, self.context.key, self.history, self.max_new_tokens,
                          tuple(stop))
-        return Stream(lambda channel: ask_group(asked, self.context, self._settings, channel),
-                      asked.stop, on_answer=lambda a: self._history.append((question, a.text)))
+
+        def produce(channel: Channel) -> Answer:
+            if self._group is None or self.group_gone():
+                self.join()  # so that a group it starts is known (and its to stop)
+            return ask_group(asked, self.context, self._settings, channel)
+
+        return Stream(produce, asked.stop,
+                      on_answer=lambda a: self._history.append((question, a.text)))
 
     def ask(self, question: str, stop: Sequence[str] = ()) -> Answer:
         """The next answer, once complete."""
@@ -86,3 +180,16 @@ class Chat:
     def clear(self) -> None:
         """Forget the conversation: the next question stands alone."""
         self._history.clear()
+
+    def close(self) -> None:
+        """End the chat: a group it started for itself (keepalive 0) is stopped; any
+        other stays warm for its keep-alive."""
+        if self._owns_group:
+            client.stop_group(self._group["key"])
+            self._owns_group = False
+
+    def __enter__(self) -> Chat:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

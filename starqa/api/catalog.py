@@ -1,20 +1,28 @@
-"""Contexts through the Python API: ingest a folder (Phase 1, `starqa.engine.ingest`), find,
-list and remove what the cache holds (`starqa.cache.store`), as `starqa ingest`, `list`,
-`info` and `rm` do, with `Context`: a frozen handle on one ingested context."""
+"""Contexts through the Python API: ingest a folder (Phase 1, `starqa.engine.ingest`) and
+watch it, find, list and remove what the cache holds (`starqa.cache.store`) and account
+for its space, as `starqa ingest`, `list`, `info`, `rm` and `cache` do, with `Context`: a
+frozen handle on one ingested context.
+
+`ingest` and `rm` are the short way in; `ingest_with`, `resolved` and `remove` are the same
+steps with all their options and their whole results, for a caller that reports them as
+the command line does."""
 
 from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from starqa import engine
 from starqa.api.errors import ShardError, StarqaError, as_not_found
-from starqa.cache import store
-from starqa.cache.manifest import Manifest
-from starqa.core.paths import contexts_dir
+from starqa.cache import shards, store
+from starqa.cache.manifest import IndexSet, Manifest
+from starqa.cache.store import CacheUsage, Damaged
+from starqa.core.paths import contexts_dir, models_dir
+from starqa.core.progress import UI
+from starqa.topk import indexes
 
 
 @dataclass(frozen=True)
@@ -71,12 +79,79 @@ def ingest(paths: str | os.PathLike | Sequence[str | os.PathLike], *, name: str 
             options[key] = tuple(options[key])
     if method is not None:
         options["method"] = method
-    result = engine.ingest(engine.IngestOptions(paths=sources, name=name, model=model,
-                                                **options))
+    result = ingest_with(engine.IngestOptions(paths=sources, name=name, model=model, **options))
     if result.manifest is None:  # a machine other than node 0 of a run across machines
         raise StarqaError("This machine's part of the ingest is done; node 0 commits the "
                           "context.", hint="read it there: api.context(NAME)")
     return Context.of(result.manifest, _ref(result.manifest), result.cache_hit)
+
+
+def ingest_with(opts: engine.IngestOptions, ui: UI = UI()) -> engine.IngestResult:
+    """Phase 1 as `starqa ingest` runs it: every option (`IngestOptions`), its steps and its
+    progress on `ui`, and the whole `IngestResult` (the manifest, what a re-ingest reused,
+    the seconds) for a report. On a machine other than node 0 of a run across machines the
+    result has no manifest: node 0 commits the context. `ingest` is this, with defaults."""
+    return engine.ingest(opts, ui)
+
+
+def watch(opts: engine.IngestOptions, reingest: Callable[[], None],
+          on_error: Callable[[StarqaError], None]) -> None:
+    """Watch the sources of `opts` (`ingest --watch`) until KeyboardInterrupt: `reingest`
+    is called a moment after files stop changing, when a change touches what the ingest
+    reads (its files, the ignore files, a new file its rules take; `starqa.corpus.watch`).
+    A StarqaError it raises goes to `on_error`, and the watching goes on."""
+    from starqa.corpus import watch as watching
+
+    watching.watch(watching.Selection(opts.paths, opts.include, opts.exclude), reingest,
+                   on_error)
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What `starqa list` shows: a summary of each usable context, the most recently used
+    first, and of each damaged one (JSON-ready dicts: `store.context_summary`,
+    `store.damaged_summary`; a damaged one's has `damaged`, its problem)."""
+
+    contexts: tuple[dict, ...]
+    damaged: tuple[dict, ...]
+
+    @property
+    def latest(self) -> dict | None:
+        """The summary of the context a plain `ask` uses: the one used last, damaged or
+        not (the ask then says so); None when there is none."""
+        return max(self.contexts + self.damaged, key=lambda s: s["last_used"], default=None)
+
+
+def listing() -> Listing:
+    """Every context folder in the cache, read once, usable or damaged."""
+    good, damaged = store.scan_contexts(contexts_dir())
+    return Listing(tuple(map(store.context_summary, good)),
+                   tuple(map(store.damaged_summary, damaged)))
+
+
+def summary(manifest: Manifest) -> dict:
+    """The facts `starqa list` shows for one context (JSON-ready: its size on disk and when
+    it was used last among them)."""
+    return store.context_summary(manifest)
+
+
+def shard_present(manifest: Manifest, block: int) -> bool:
+    """Whether block `block`'s shard file is there at its recorded size (`starqa info`:
+    a quick look; nothing is read or checksummed)."""
+    try:
+        shards.verify_block(manifest, block, checksum=False)
+    except ShardError:
+        return False
+    return True
+
+
+def build_indexes(manifest: Manifest, kind: str, ui: UI = UI()) -> tuple[Manifest, IndexSet]:
+    """(Re)build the context's indexes of `kind` for top-k attention (`starqa index`: one
+    index per block, layer and KV head, beside the shards, checksummed in the manifest; a
+    damaged set is replaced whole), the build shown on `ui`; returns the manifest that
+    records them and the set built."""
+    manifest = indexes.ensure(manifest, kind, rebuild=True, on_build=ui.waiting)
+    return manifest, indexes.find_set(manifest, kind)
 
 
 def contexts() -> list[Context]:
@@ -103,20 +178,53 @@ def context(ref: Context | str | None = None) -> Context:
 def rm(*refs: Context | str) -> int:
     """Remove contexts (damaged ones too, by key) and return the bytes freed. Every name is
     resolved first, so a typo removes nothing; a warm group serving one is stopped."""
-    from starqa.workers import client
-
     if not refs:
         raise StarqaError("Name the contexts to remove.", hint="api.contexts() lists them")
+    return sum(freed for _, freed in remove(resolved(refs)))
+
+
+def resolved(refs: Sequence[Context | str]) -> list[Manifest | Damaged]:
+    """The contexts `refs` name (a damaged one by its key), each once, in their order; all
+    of them are found before anything is done, so one typo or ambiguous prefix is an error
+    before any is removed."""
     root = contexts_dir()
     found = [_matched(root, _key(r)) for r in refs]
-    targets = list({c.key: c for c in found}.values())
+    return list({c.key: c for c in found}.values())
+
+
+def all_contexts() -> list[Manifest | Damaged]:
+    """Every context in the cache, the usable ones first, then the damaged ones (`rm
+    --all`; `contexts` leaves the damaged ones out)."""
+    good, damaged = store.scan_contexts(contexts_dir())
+    return [*good, *damaged]
+
+
+def remove(targets: Sequence[Manifest | Damaged]) -> list[tuple[Manifest | Damaged, int]]:
+    """Remove `targets`, each with the bytes it freed; the warm groups serving them are
+    stopped first (they would serve nothing)."""
+    from starqa.workers import client
+
     for target in targets:
         client.stop_group(target.key)
-    return sum(store.remove_context(target) for target in targets)
+    return [(target, store.remove_context(target)) for target in targets]
+
+
+def cache_usage() -> CacheUsage:
+    """What the cache holds (`starqa cache`): the converted models' and the contexts'
+    bytes, and the folders left by interrupted work."""
+    return store.cache_usage(models_dir(), contexts_dir())
+
+
+def clean_cache(usage: CacheUsage) -> int:
+    """Delete what `usage` found left over, never a folder a process on this machine is
+    using (damaged contexts too), then the block files no context links any more; returns
+    the bytes freed (`cache --clean`)."""
+    return store.clean_leftovers(usage.leftovers, contexts_dir())
 
 
 def find(ref: Context | str | None) -> Manifest:
-    """The manifest `ref` names (see `context`)."""
+    """The whole manifest of the context `ref` names (see `context`, which raises the same
+    errors): its blocks, files, model and method, as `starqa info` shows them."""
     root = contexts_dir()
     name = _key(ref)
     try:

@@ -1,7 +1,12 @@
 """Warm worker groups through the Python API: start one for a context (or find the one that
 runs), stop it, and ask it a question with the conversation so far, over its socket
 (`starqa.workers.client`). Questions for one context can also take turns (`Turns`), first
-come first served, so that a door with many clients asks its group one at a time."""
+come first served, so that a door with many clients asks its group one at a time.
+
+The machine's groups as `starqa ps`, `stop` and `serve` see them are here too: the ones
+running (`running_groups`), the ones to stop and what became of each (`stopping`,
+`stop_groups`), a group kept in this process (`serve`), and the hand-over of a context's
+group to its new version after an ingest (`hand_over`)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import collections
 import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import starqa.api.answers as answers
@@ -18,7 +24,11 @@ from starqa.api.catalog import Context, find
 from starqa.api.errors import Stopped, StarqaError, as_too_long
 from starqa.api.streams import Channel
 from starqa.cache.manifest import Manifest
+from starqa.core.progress import UI
+from starqa.topk import indexes
+from starqa.topk.indexes import TopK
 from starqa.workers import client
+from starqa.workers.client import elsewhere, wait_started
 
 
 @dataclass(frozen=True)
@@ -39,11 +49,12 @@ class Group:
 
 @dataclass(frozen=True)
 class GroupSettings:
-    """How the groups a door starts run: workers (None: as `starqa serve` chooses) and the
-    idle seconds before one exits (<= 0: never)."""
+    """How the groups a door starts run: workers (None: as `starqa serve` chooses), the
+    idle seconds before one exits (<= 0: never) and top-k attention (None: exact)."""
 
     workers: int | None = None
     keepalive: float = engine.DEFAULT_KEEPALIVE
+    topk: TopK | None = None
 
 
 def warm(context: Context | str | None = None, *, workers: int | None = None,
@@ -58,12 +69,89 @@ def stop(context: Context | str | None = None) -> bool:
     return client.stop_group(find(context).key)
 
 
+def running_groups() -> list[dict]:
+    """Every warm group of this machine (`starqa ps`), as its run file describes it
+    (`client.running`: JSON-ready), with what the group says of itself now (questions
+    answered, the query host's memory) where it answers within 5 s; a group busy answering
+    or starting, and this machine's part of a group served from another, as their run
+    files say."""
+    groups = client.running()
+    for group in groups:
+        if not group["socket"]:  # part of a group served from another machine
+            continue
+        try:
+            conn = client.Client(group, timeout=5)
+            group.update(conn.ping())
+            conn.close()
+        except Exception:  # busy answering or starting: what the run file says
+            pass
+    return groups
+
+
+def stopping(refs: Sequence[str] | None) -> tuple[list[dict], list[str]]:
+    """What `starqa stop` ends: (the run info of the groups serving the contexts `refs`
+    names, every group for None; the keys of those among them still starting, which a
+    launcher holds and no run file names yet: `wait_started` waits for them)."""
+    groups = client.running()
+    keys = None if refs is None else {find(ref).key for ref in refs}
+    if keys is not None:
+        groups = [g for g in groups if g["key"] in keys]
+    return groups, [k for k in client.starting() if keys is None or k in keys]
+
+
+def stop_groups(groups: Sequence[dict]) -> Iterator[tuple[dict, str]]:
+    """Stop each of `groups`, yielding it with what became of it: "stopped"; "died" (it
+    had died without cleaning up: its run file and socket are removed); "elsewhere" (this
+    machine's part of a group served from another: stopped from its query host, see
+    `elsewhere`). When every one is such a part, the first's error is raised instead."""
+    parts = [g for g in groups if not g["socket"]]
+    if parts and len(parts) == len(groups):
+        raise elsewhere(parts[0])
+    for group in groups:
+        if group in parts:
+            yield group, "elsewhere"
+        else:
+            yield group, "stopped" if client.stop(group) else "died"
+
+
+def serve(opts: engine.ServeOptions, ui: UI = UI(),
+          on_ready: Callable[[dict], None] | None = None) -> None:
+    """Keep a warm group for `opts.context` in this process (`starqa serve`), until it is
+    stopped (`stop`), its keep-alive runs out or KeyboardInterrupt; `on_ready` gets its run
+    info once every worker is ready (across machines: each node's)."""
+    engine.serve(opts, ui, on_ready)
+
+
+def hand_over(result: engine.IngestResult) -> list[Group]:
+    """After an ingest that encoded (not a cache hit), the warm groups that served an
+    earlier version of the context (its name, another key) are stopped and one is started
+    for the new version with their settings (`client.follow`); returns the groups
+    replaced."""
+    m = result.manifest
+    if m is None or result.cache_hit:
+        return []
+    return [Group.of(info) for info in client.follow(m.name, m.key)]
+
+
 def _running(key: str, settings: GroupSettings) -> dict:
     """The run info of context `key`'s group (`client.running`), started if none runs."""
     group = client.find(key)
     if group is None:
-        group = client.start(key, settings.workers, settings.keepalive)
+        group = start(find(key), settings)
     return group
+
+
+def start(manifest: Manifest, settings: GroupSettings, ui: UI = UI()) -> dict:
+    """Start a warm group for `manifest`'s context in the background (`starqa serve`) and
+    return its run info once every worker is ready, the steps shown on `ui`; with top-k
+    attention, its index files are checked (built where missing) first."""
+    topk = settings.topk
+    if topk is not None:
+        with ui.status(f"Checking {topk.index} indexes"):
+            indexes.ensure(manifest, topk.index)
+    with ui.status(f"Starting workers for {manifest.name} (loading model and shards)"):
+        return client.start(manifest.key, settings.workers, settings.keepalive,
+                            attention=topk.cli_args() if topk else ())
 
 
 def _connect(key: str, settings: GroupSettings) -> tuple[dict, client.Client]:
@@ -73,7 +161,7 @@ def _connect(key: str, settings: GroupSettings) -> tuple[dict, client.Client]:
         return group, client.Client(group)
     except client.Unreachable:  # it died without cleaning up: start another
         client.forget(group)
-        group = client.start(key, settings.workers, settings.keepalive)
+        group = start(find(key), settings)
         return group, client.Client(group)
 
 

@@ -4,8 +4,9 @@ hands its text out piece by piece, then the whole `Answer`.
 The thread (the producer) and the reader share a `Channel`: a queue of pieces, then one
 answer or one error; and two flags the producer reads at every token: `closed` (the reader
 left: stop as soon as you can, nobody reads the answer) and `ending` (a stop string
-appeared: end the answer now and report it). Stop strings are found on the reader's side,
-across pieces: text that could be the start of one is held back until it is known not to be.
+appeared, or the reader cancelled: end the answer now and report it). Stop strings are
+found on the reader's side, across pieces: text that could be the start of one is held
+back until it is known not to be.
 """
 
 from __future__ import annotations
@@ -149,6 +150,13 @@ class Stream(Iterator[str]):
         if self._error is not None:
             raise self._error
         return self._answer
+
+    def cancel(self) -> None:
+        """End the answer early and keep it: a warm group stops at its next token and the
+        answer completes with what came until then (`finish` "cancelled"; its record read
+        to the end, sources and timings included). A cold answer cannot give its record
+        early: it ends with `Stopped`. Safe from a signal handler (it sets a flag)."""
+        self._channel.ending.set()
 
     def close(self) -> None:
         """Stop the answer if it is still being generated (its thread ends soon after);

@@ -1,7 +1,9 @@
-"""The `starqa` command line: thin commands over `starqa.engine`, drawn with rich.
+"""The `starqa` command line: thin commands over the Python API (`starqa.api`), drawn with
+rich; `eval` and `bench` run the measurement tools beside it (`starqa.measure`).
 
-Heavy imports (torch, transformers) happen inside the engine, so `--help` is instant.
-Every option can also come from a `STARQA_*` environment variable.
+The API, and the heavy imports (torch, transformers) inside the engine beneath it, are
+imported inside the commands, so `--help` is instant. Every option can also come from a
+`STARQA_*` environment variable.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 from starqa import methods as method_registry  # pure Python: --help stays instant
-from starqa.workers import DEFAULT_KEEPALIVE  # a constant: nothing imported
+from starqa.core import DEFAULT_KEEPALIVE  # a constant: nothing imported
 from starqa.cli.options import (AnchorSize, ApiKey, AsJson, Attention, BenchLengths, BeyondWindow,
     BlockSize, ChunkSize, ContextArg, Device, Dtype, EvalLengths, Heuristic, HttpAddress, IndexKind,
     KeepAlive, KvOnDisk, MaxNewTokens, Model, Nnodes, NodeRank, PassingSize, Positions, ProbeWindow,
@@ -115,10 +117,10 @@ def ingest(
              "handed over to the new version; Ctrl-C stops.")] = False,
 ) -> None:
     """Pack files into one context and encode it into cached KV shards (Phase 1)."""
-    from starqa import engine
+    from starqa import api
     from starqa.cli.ui import as_text
 
-    _ingest(engine.IngestOptions(
+    _ingest(api.IngestOptions(
         paths=tuple(paths), model=model, method=method, block_size=block_size,
         anchor_size=anchor_size, workers=workers, name=name, dtype=dtype,
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
@@ -136,7 +138,7 @@ def _ingest(opts, watch: bool) -> None:
     of the context handed over to the new version; then, with --watch, the watching."""
     from dataclasses import replace
 
-    from starqa import engine
+    from starqa import api
     from starqa.core.errors import StarqaError
     from starqa.cli.ui import RichUI, ingest_report
 
@@ -144,7 +146,7 @@ def _ingest(opts, watch: bool) -> None:
         raise StarqaError("--watch re-ingests on this machine; it cannot run across machines.",
                           hint="drop --nnodes, or drop --watch")
     with RichUI() as ui:
-        result = engine.ingest(opts, ui)
+        result = api.ingest_with(opts, ui)
     ingest_report(result)
     _hand_over(result)
     if watch:
@@ -153,36 +155,33 @@ def _ingest(opts, watch: bool) -> None:
 
 def _hand_over(result) -> None:
     """A warm group serving an earlier ingest of this context now serves the new one."""
-    from starqa.workers import client
+    from starqa import api
     from starqa.cli.ui import err, safe
 
     m = result.manifest
-    if m is not None and not result.cache_hit:
-        for group in client.follow(m.name, m.key):
-            err.print(f"Warm group of {safe(m.name)} ({safe(group['key'][:8])}) restarted for "
-                      f"the new version ({m.key[:8]}).")
+    for group in api.hand_over(result):
+        err.print(f"Warm group of {safe(m.name)} ({safe(group.key[:8])}) restarted for "
+                  f"the new version ({m.key[:8]}).")
 
 
 def _watch(opts, first) -> None:
-    """`ingest --watch`'s loop (starqa.corpus.watch): each re-ingest's report line, each error
-    with its hint (watching goes on); Ctrl-C (or SIGTERM) stops cleanly."""
-    from starqa import engine
-    from starqa.corpus import watch
+    """`ingest --watch`'s loop (`api.watch`): each re-ingest's report line, each error with
+    its hint (watching goes on); Ctrl-C (or SIGTERM) stops cleanly."""
+    from starqa import api
     from starqa.cli.ui import RichUI, err, print_error, safe, watch_line
 
     latest = [first.manifest]
 
     def reingest() -> None:
         with RichUI() as ui:
-            result = engine.ingest(opts, ui)
+            result = api.ingest_with(opts, ui)
         err.print(watch_line(result))
         _hand_over(result)
         latest[0] = result.manifest
 
     err.print(f"Watching {safe(', '.join(opts.paths))} for changes (Ctrl-C stops).")
     try:
-        watch.watch(watch.Selection(opts.paths, opts.include, opts.exclude), reingest,
-                    print_error)
+        api.watch(opts, reingest, print_error)
     except KeyboardInterrupt:
         m = latest[0]
         err.print(f"Stopped watching; {safe(m.name)} is {m.key[:8]}, its last committed "
@@ -223,20 +222,19 @@ def ask(
     A cold ask answers as one worker when model and shards fit in memory (a process forked
     as the command started), which then stays for --keep-alive seconds as the context's
     warm group, so the next question needs no load."""
-    from starqa import engine
-    from starqa.coldstart import headstart
+    from starqa import api
     from starqa.cli.ui import RichUI, answer_json, answer_stats, as_text
 
-    opts = engine.AskOptions(question=as_text(question), context=context, model=model,
-                             workers=workers,
-                             max_new_tokens=max_new_tokens, beyond_window=beyond_window,
-                             nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                             device=device, warm=not cold, weights=weights,
-                             keepalive=keepalive,
-                             topk=one_topk(TopKChoice(attention, top_k, top_k_schedule, index,
-                                                      kv_on_disk, top_k_prefill, top_k_tail)))
+    opts = api.AskOptions(question=as_text(question), context=context, model=model,
+                          workers=workers,
+                          max_new_tokens=max_new_tokens, beyond_window=beyond_window,
+                          nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                          device=device, warm=not cold, weights=weights,
+                          keepalive=keepalive,
+                          topk=one_topk(TopKChoice(attention, top_k, top_k_schedule, index,
+                                                   kv_on_disk, top_k_prefill, top_k_tail)))
     with RichUI(stream=not as_json) as ui:
-        answer = engine.ask(opts, ui, headstart.take())
+        answer = api.ask_with(opts, ui)
     if as_json:
         print(json.dumps(answer_json(answer), indent=1))
     else:
@@ -253,21 +251,17 @@ def list_(as_json: AsJson = False) -> None:
     `*` marks the one `ask` uses without --context."""
     import time
 
-    from starqa.core import paths
-    from starqa.cache import store
+    from starqa import api
 
-    good, damaged = store.scan_contexts(paths.contexts_dir())
-    summaries = [store.context_summary(m) for m in good]
-    damaged_rows = [store.damaged_summary(d) for d in damaged]
-    # A plain `ask` uses the latest context, damaged or not (it then says so): mark that one.
-    latest = max(summaries + damaged_rows, key=lambda s: s["last_used"], default=None)
+    found = api.listing()
+    latest = found.latest  # the one a plain `ask` uses, damaged or not: marked
     if as_json:
-        print(json.dumps([{**s, "default": s is latest} for s in summaries + damaged_rows],
+        print(json.dumps([{**s, "default": s is latest} for s in found.contexts + found.damaged],
                          indent=1))
         return
     from starqa.cli.ui import context_list
 
-    context_list(summaries, time.time(), damaged_rows, latest)
+    context_list(found.contexts, time.time(), found.damaged, latest)
 
 
 @app.command()
@@ -281,16 +275,15 @@ def info(
     Sources, the command that made it, model, method, blocks, files, skipped files, timing."""
     import time
 
-    from starqa.core import paths
-    from starqa.cache import store
+    from starqa import api
 
-    manifest = store.find_context(paths.contexts_dir(), name)
+    manifest = api.find(name)
     if as_json:
         print(json.dumps({**manifest.to_json(), "dir": str(manifest.folder)}, indent=1))
         return
     from starqa.cli.ui import context_info
 
-    context_info(manifest, store.context_summary(manifest), time.time())
+    context_info(manifest, api.summary(manifest), time.time())
 
 
 @app.command()
@@ -301,18 +294,15 @@ def rm(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask to confirm --all.")] = False,
 ) -> None:
     """Remove cached contexts and print the space freed."""
-    from starqa.core import paths
-    from starqa.cache import store
+    from starqa import api
     from starqa.core.errors import StarqaError
     from starqa.cli.ui import removed_report
 
-    root = paths.contexts_dir()
     if bool(names) == all_:
         raise StarqaError("Give the names of the contexts to remove, or --all (not both).",
                           hint="starqa list shows the names")
     if all_:
-        good, damaged = store.scan_contexts(root)
-        targets = [*good, *damaged]
+        targets = api.all_contexts()
         if not targets:
             print("No contexts to remove.")
             return
@@ -323,14 +313,9 @@ def rm(
             if not typer.confirm(f"Remove all {len(targets)} contexts?"):
                 print("Nothing removed.")
                 raise typer.Exit(1)
-    else:  # resolve every name first, so a typo or an ambiguous prefix removes nothing
-        found = (store.match_context(root, name) for name in names)
-        targets = list({c.key: c for c in found}.values())  # each context once
-    from starqa.workers import client
-
-    for context in targets:  # a warm group serving a removed context would serve nothing
-        client.stop_group(context.key)
-    removed_report([(c, store.remove_context(c)) for c in targets])
+    else:  # every name resolved first, so a typo or an ambiguous prefix removes nothing
+        targets = api.resolved(names)
+    removed_report(api.remove(targets))  # their warm groups stopped first
 
 
 @app.command()
@@ -345,16 +330,15 @@ def cache(
 
     Sizes of converted models and contexts, folders left by interrupted work, and contexts
     from an incompatible starqa."""
+    from starqa import api
     from starqa.core import paths
-    from starqa.cache import store
-    from starqa.native import kernels
 
-    usage = store.cache_usage(paths.models_dir(), paths.contexts_dir())
+    usage = api.cache_usage()
     cleaned = None
     if clean:
-        cleaned = store.clean_leftovers(usage.leftovers, paths.contexts_dir())
-        usage = store.cache_usage(paths.models_dir(), paths.contexts_dir())
-    found = kernels.require()
+        cleaned = api.clean_cache(usage)
+        usage = api.cache_usage()
+    found = api.kernels()
     if as_json:
         built = {"state": found.state, "path": found.path and str(found.path),
                  "detail": found.detail}
@@ -415,18 +399,17 @@ def serve(
         if http is not None:
             _serve_http(http, api_key, workers, keepalive)
             return
-        from starqa import engine
+        from starqa import api
         from starqa.cli.ui import RichUI
 
         with RichUI() as ui:
-            engine.serve(engine.ServeOptions(context=context, model=model, workers=workers,
-                                             keepalive=keepalive, device=device,
-                                             weights=weights,
-                                             topk=one_topk(TopKChoice(
-                                                 attention, top_k, top_k_schedule, index,
-                                                 kv_on_disk, top_k_prefill, top_k_tail)),
-                                             nnodes=nnodes, node_rank=node_rank,
-                                             rdzv_endpoint=rdzv_endpoint), ui, ready)
+            api.serve(api.ServeOptions(context=context, model=model, workers=workers,
+                                       keepalive=keepalive, device=device, weights=weights,
+                                       topk=one_topk(TopKChoice(
+                                           attention, top_k, top_k_schedule, index,
+                                           kv_on_disk, top_k_prefill, top_k_tail)),
+                                       nnodes=nnodes, node_rank=node_rank,
+                                       rdzv_endpoint=rdzv_endpoint), ui, ready)
 
 
 def _serve_http(address: str, api_key: str | None, workers: int | None,
@@ -477,19 +460,10 @@ def _sigterm_exits(code: int):
 @app.command()
 def ps(as_json: AsJson = False) -> None:
     """Show running worker groups."""
-    from starqa.workers import client
+    from starqa import api
     from starqa.cli.ui import groups_table
 
-    groups = client.running()
-    for group in groups:
-        if not group["socket"]:  # part of a group served from another machine
-            continue
-        try:
-            conn = client.Client(group, timeout=5)
-            group.update(conn.ping())
-            conn.close()
-        except Exception:  # busy answering or starting: show what the run file says
-            pass
+    groups = api.running_groups()
     if as_json:
         print(json.dumps(groups, indent=1))
     else:
@@ -502,44 +476,30 @@ def stop(
     all_: Annotated[bool, typer.Option("--all", help="Stop every running group.")] = False,
 ) -> None:
     """Stop warm worker groups."""
-    from starqa.workers import client
-    from starqa.core import paths
-    from starqa.cache import store
+    from starqa import api
     from starqa.core.errors import StarqaError
     from starqa.cli.ui import err, safe
 
-    groups = client.running()
-    if not all_:
-        if not contexts:
-            raise StarqaError("Name the contexts whose workers to stop, or pass --all.",
-                              hint="starqa ps shows them")
-        keys = {store.find_context(paths.contexts_dir(), name).key for name in contexts}
-        groups = [g for g in groups if g["key"] in keys]
+    if not all_ and not contexts:
+        raise StarqaError("Name the contexts whose workers to stop, or pass --all.",
+                          hint="starqa ps shows them")
+    groups, starting = api.stopping(None if all_ else contexts)
     # groups still loading (an ask or ingest just started one): stopped once they listen
-    if starting := [k for k in client.starting() if all_ or k in keys]:
+    if starting:
         err.print(f"Waiting for {len(starting)} group{'s' * (len(starting) > 1)} still "
                   "starting, to stop {}.".format("them" if len(starting) > 1 else "it"))
-        groups += client.wait_started(starting)
+        groups += api.wait_started(starting)
     if not groups:
         err.print("No matching worker group is running.")
-    parts = [g for g in groups if not g["socket"]]  # stopped from their query hosts
-    if parts and len(parts) == len(groups):
-        raise client.elsewhere(parts[0])
-    for group in groups:
-        if group in parts:
-            err.print(f"Not stopped here: {safe(client.elsewhere(group))}")
-            continue
-        try:
-            conn = client.Client(group, timeout=30)
-        except client.Unreachable:  # it died without cleaning up (kill -9): forget it
-            client.forget(group)
+    for group, outcome in api.stop_groups(groups):
+        if outcome == "elsewhere":  # stopped from its query host
+            err.print(f"Not stopped here: {safe(api.elsewhere(group))}")
+        elif outcome == "died":  # without cleaning up (kill -9): its files are removed
             err.print(f"{safe(group['name'])} ({safe(group['key'])}) had already died; "
                       "removed the run file and socket it left.")
-            continue
-        conn.stop()
-        conn.close()
-        err.print(f"Stopped {safe(group['name'])} ({safe(group['key'])})"
-                  + (f" on its {group['nodes']} machines." if group.get("nodes") else "."))
+        else:
+            err.print(f"Stopped {safe(group['name'])} ({safe(group['key'])})"
+                      + (f" on its {group['nodes']} machines." if group.get("nodes") else "."))
 
 
 @app.command()
@@ -577,19 +537,16 @@ def index_(
 
     One faiss index per block, layer and KV head, next to the shards, checksummed in the
     manifest; a damaged set is replaced whole."""
-    from starqa.topk import indexes
-    from starqa.core import paths
-    from starqa.cache import store
+    from starqa import api
     from starqa.core.errors import StarqaError
     from starqa.cli.ui import RichUI, err, safe
 
-    if kind not in indexes.KINDS or kind == "flat":
+    if kind not in api.INDEX_KINDS or kind == "flat":
         raise StarqaError(f"--index {kind!r} has no index files to build.",
                           hint="choose ivf or hnsw (flat searches the keys themselves)")
-    manifest = store.find_context(paths.contexts_dir(), context)
+    manifest = api.find(context)
     with RichUI(stream=False) as ui:
-        manifest = indexes.ensure(manifest, kind, rebuild=True, on_build=ui.waiting)
-    built = indexes.find_set(manifest, kind)
+        manifest, built = api.build_indexes(manifest, kind, ui)
     err.print(f"Built {len(built.files):,} {kind} indexes for {safe(manifest.name)} "
               f"({sum(f.bytes for f in built.files) / 2**20:,.1f} MiB, "
               f"{built.build_seconds:.1f} s) in {safe(manifest.folder / built.folder)}")
@@ -755,11 +712,11 @@ def _sigterm_interrupts():
 def _fetch_model(spec: str | None) -> None:
     """An embedded model fetched (first use) with its progress on screen, before a command
     whose own display would otherwise hide a minutes-long download."""
-    from starqa import models
+    from starqa import api
     from starqa.cli.ui import RichUI
 
     with RichUI(stream=False) as ui:
-        models.resolve_model(spec, ui)
+        api.fetch_model(spec, ui)
 
 
 def run() -> None:

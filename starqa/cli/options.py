@@ -23,7 +23,7 @@ from starqa.core.errors import StarqaError
 from starqa.measure import lengths
 
 if TYPE_CHECKING:
-    from starqa.topk.indexes import TopK
+    from starqa.api import TopK
 
 
 def _seconds(value: float) -> float:
@@ -208,9 +208,9 @@ def _values(text: str | None, option: str, example: str) -> list[str | None]:
 def topk_runs(choice: TopKChoice) -> tuple[TopK, ...]:
     """Every top-k setting `choice` names, each once, in the order of its values (--top-k,
     then --index, --top-k-prefill, --top-k-tail); () for exact attention. Each is checked by
-    `starqa.topk.indexes.topk_settings`: a bad value, or a top-k option with exact
-    attention, is an error naming it."""
-    from starqa.topk.indexes import topk_settings
+    `starqa.api.topk_settings`: a bad value, or a top-k option with exact attention, is an
+    error naming it."""
+    from starqa.api import topk_settings
 
     kinds = _values(choice.index, "--index", "flat,ivf")
     tails = _values(choice.tail, "--top-k-tail", "lists")
@@ -242,13 +242,14 @@ def compared(choice: TopKChoice) -> tuple[TopK, ...]:
     """`starqa bench`'s top-k runs, each beside exact on the same context: --top-k turns
     them on (bench has no --attention), every index kind unless --index names some, and
     each --kv-on-disk run comes after the same run in memory."""
-    from starqa.topk.indexes import KINDS
+    from starqa.api import INDEX_KINDS
 
     if choice.top_k is None:
         if given := choice.given():
             raise StarqaError(f"{', '.join(given)} apply to top-k runs, which --top-k asks "
                               "for.", hint="add --top-k 1%, or drop " + ", ".join(given))
         return ()
-    runs = topk_runs(replace(choice, attention="topk", index=choice.index or ",".join(KINDS)))
+    runs = topk_runs(replace(choice, attention="topk",
+                             index=choice.index or ",".join(INDEX_KINDS)))
     return tuple(dict.fromkeys(each for run in runs
                                for each in (replace(run, kv_on_disk=False), run)))

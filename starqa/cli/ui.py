@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,16 +28,10 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from starqa import methods
-from starqa.cache import shards, store
-from starqa.launchers.ask import Answer
-from starqa.corpus import valid_text
-from starqa.core.errors import ShardError
-from starqa.launchers.ingest import IngestResult
-from starqa.cache.manifest import Manifest
-from starqa.methods import MethodConfig
+from starqa import api, methods
+from starqa.api import AskResult, CacheUsage, Damaged, IngestResult, KernelStatus, Manifest
 from starqa.core.progress import UI
-from starqa.native import kernels
+from starqa.methods import MethodConfig
 
 MIN_WIDTH = 20  # columns: words stay whole on the narrowest terminal (the terminal wraps)
 
@@ -86,8 +81,8 @@ def printable(text: str, keep_newlines: bool = False) -> str:
 
 def as_text(typed: str | None) -> str | None:
     """What was typed (a question, from the command line or a pipe) as a model reads it:
-    bytes that were not UTF-8 become U+FFFD (`corpus.valid_text`)."""
-    return None if typed is None else valid_text(typed)
+    bytes that were not UTF-8 become U+FFFD (`api.valid_text`)."""
+    return None if typed is None else api.valid_text(typed)
 
 
 def safe(text) -> str:
@@ -237,10 +232,10 @@ class RichUI(UI):
 
 @functools.cache
 def kernels_warning() -> None:
-    """Where starqa's compiled kernels are missing or stale (`kernels.status`): a warning on
+    """Where starqa's compiled kernels are missing or stale (`api.kernels`): a warning on
     stderr with the fix to paste, once per process (the answers are right, only slower);
     STARQA_REQUIRE_KERNELS=1 raises the error instead."""
-    found = kernels.require()
+    found = api.kernels()
     if not found.ok:
         err.print(f"[yellow]warning:[/] {safe(found.message())}", soft_wrap=True)
         err.print(f"[yellow]hint:[/] {safe(found.hint())}", soft_wrap=True)
@@ -352,7 +347,7 @@ def _blocks_per_worker(method: MethodConfig, n_blocks: int, workers: int) -> str
                      for r in range(workers))
 
 
-def answer_stats(answer: Answer) -> None:
+def answer_stats(answer: AskResult) -> None:
     if not answer.query_host:
         err.print("The answer streams on the machine holding the last block (the last node).")
         return
@@ -375,7 +370,7 @@ def answer_stats(answer: Answer) -> None:
     print_sources(answer.sources)
 
 
-def answer_json(answer: Answer) -> dict:
+def answer_json(answer: AskResult) -> dict:
     ctx = answer.context
     return {"answer": answer.text, "context": ctx.name, "key": ctx.key,
             "method": ctx.method.as_dict(), "model": ctx.model.name,
@@ -397,7 +392,7 @@ def answer_json(answer: Answer) -> dict:
 LIST_COLUMNS = ("", "name", "key", "sources", "tokens", "method", "model", "size", "last used")
 
 
-def context_list(summaries: list[dict], now: float, damaged: list[dict] = (),
+def context_list(summaries: Sequence[dict], now: float, damaged: Sequence[dict] = (),
                  latest: dict | None = None) -> None:
     """The contexts as a table, most recently used first, then the damaged ones (named, so
     that they can be removed); `*` marks `latest`, the one a plain `ask` uses."""
@@ -475,11 +470,8 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
     blocks = _table("Blocks", ("block", "right"), ("tokens", "right"), ("range", "right"),
                     ("size", "right"), ("shard", "left"), ("files", "left"))
     for b in m.blocks:
-        try:
-            shards.verify_block(m, b.index, checksum=False)
-            state = b.file
-        except ShardError:
-            state = f"[red]{b.file} missing or wrong size[/]"
+        state = b.file if api.shard_present(m, b.index) else \
+            f"[red]{b.file} missing or wrong size[/]"
         held = [f.path for f in m.files if f.token_start < b.end and b.start < f.token_end]
         blocks.add_row(str(b.index), f"{b.end - b.start:,}",
                        f"{b.start:,}–{b.end:,}", _size(b.bytes), state,
@@ -502,18 +494,18 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
         out.print(skipped)
 
 
-def removed_report(removed: list[tuple[Manifest | store.Damaged, int]]) -> None:
+def removed_report(removed: list[tuple[Manifest | Damaged, int]]) -> None:
     """One line per removed context (damaged ones by key) with the bytes it freed, then the
     total."""
     for context, freed in removed:
-        name = "damaged context" if isinstance(context, store.Damaged) else context.name
+        name = "damaged context" if isinstance(context, Damaged) else context.name
         out.print(f"Removed {safe(name)} ({safe(context.key)}), freed {_size(freed)}")
     if len(removed) > 1:
         out.print(f"Removed {len(removed)} contexts, freed {_size(sum(f for _, f in removed))}")
 
 
-def cache_report(home: Path, usage: store.CacheUsage, cleaned: int | None,
-                 found: kernels.KernelStatus) -> None:
+def cache_report(home: Path, usage: CacheUsage, cleaned: int | None,
+                 found: KernelStatus) -> None:
     """Where the cache lives, what takes its space, leftovers of interrupted work, and
     whether the compiled kernels are here (`found`; a warning where not)."""
     kernels_warning()

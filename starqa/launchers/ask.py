@@ -40,7 +40,7 @@ class AskOptions:
     warm: bool = True  # use a running `starqa serve` group for the context when there is one
     weights: str | None = None  # Phase 2 weight format (models.WEIGHT_FORMATS); None: default
     keepalive: float = 0.0  # a cold ask leaves a warm group this long; 0: none; < 0: one
-    # that never exits on its own (the CLI's default: starqa.workers.DEFAULT_KEEPALIVE)
+    # that never exits on its own (the CLI's default: starqa.core.DEFAULT_KEEPALIVE)
     topk: TopK | None = None  # top-k attention (starqa.topk.indexes.topk_settings); None: exact
 
 

@@ -22,7 +22,7 @@ from starqa.phase2.placement import phase2_workers
 from starqa.runtime.launch import launch_of, run_workers
 from starqa.runtime.protocol import Event, Ready, ServeJob
 from starqa.topk.indexes import TopK, topk_of
-from starqa.workers import DEFAULT_KEEPALIVE
+from starqa.core import DEFAULT_KEEPALIVE
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from starqa.core import paths
+from starqa.core import DEFAULT_KEEPALIVE, paths
 from starqa.cache import store
 from starqa.core.errors import StarqaError, WorkerError
-from starqa.workers import DEFAULT_KEEPALIVE
 
 
 def run_dir() -> Path:
@@ -264,8 +263,12 @@ def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300,
 def stop_group(key: str) -> bool:
     """Stop the warm group serving context `key`, if one runs; True when one was stopped."""
     group = find(key)
-    if group is None:
-        return False
+    return group is not None and stop(group)
+
+
+def stop(group: dict) -> bool:
+    """Stop `group` (its run info, with a socket on this machine); False when it had died
+    without cleaning up (kill -9), in which case its run file and socket are removed."""
     try:
         conn = Client(group, timeout=30)
     except Unreachable:  # it died without cleaning up: nothing left to stop
