@@ -143,13 +143,17 @@ def home(tmp_path, monkeypatch):
                 client.stop_group(group["key"])
 
 
+# The embedded model the tests run: the smallest (the default, a 1.5B, is for users).
+TEST_MODEL = "smollm2-135m"
+
+
 @pytest.fixture(scope="session")
 def embedded_model() -> Path:
-    """The real embedded model, fetched and converted once into the user's cache (not the
-    per-test STARQA_HOME, so it is converted once per machine, not once per test)."""
+    """The real embedded test model, fetched and converted once into the user's cache (not
+    the per-test STARQA_HOME, so it is converted once per machine, not once per test)."""
     from starqa import models
 
-    return models.resolve_model(models.DEFAULT_MODEL)
+    return models.resolve_model(TEST_MODEL)
 
 
 @pytest.fixture

