@@ -5,6 +5,7 @@ the same rendered prompt (copies of samples/ as the context, one question).
         [--model smollm2-135m] [--tokens 7500] [--new-tokens 48] [--rounds 3]
     python benchmarks/vs_llamacpp.py --smoke [--llamacpp-python PY --gguf SMALL.gguf]
     python benchmarks/vs_llamacpp.py --first-ask [--llamacpp-python PY] [--model M] [--smoke]
+        (--model: smollm2-135m, or with --first-ask the default model)
 
 --smoke runs starqa's side on the toy model and corpus of benchmarks/toy.py (one round, a
 few hundred tokens); llama.cpp's side only where its python imports llama_cpp and a GGUF is
@@ -195,7 +196,9 @@ def main() -> None:
     parser.add_argument("--llamacpp-python", default=None,
                         help="python of a virtualenv with llama-cpp-python (see above); "
                              "required but with --smoke")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=None,
+                        help="an embedded model (default: smollm2-135m; with --first-ask, "
+                             "starqa's default model, which a new user meets)")
     parser.add_argument("--tokens", type=int, default=7500, help="context size to build")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3,
@@ -210,6 +213,10 @@ def main() -> None:
                              "model already fetched) against llama.cpp's cold path, and their "
                              "ratio; llama.cpp's side only with --llamacpp-python")
     args = parser.parse_args()
+    if args.model is None:
+        from starqa import models
+
+        args.model = models.DEFAULT_MODEL if args.first_ask else "smollm2-135m"
     if not (args.smoke or args.first_ask) and args.llamacpp_python is None:
         parser.error("--llamacpp-python is required (or --smoke, or --first-ask)")
     import compileall
