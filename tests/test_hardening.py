@@ -465,7 +465,7 @@ def warm_group(home, docs, tiny_model):
 
 @pytest.mark.slow
 def test_malformed_requests_get_an_error_and_the_group_keeps_serving(warm_group):
-    from starqa.workers import client
+    from starqa.workers import client, messages
 
     manifest, group = warm_group
     conn = client.Client(group)
@@ -479,11 +479,12 @@ def test_malformed_requests_get_an_error_and_the_group_keeps_serving(warm_group)
                     json.dumps({"op": "ask", "question": "who", "draft_tokens": "3"}).encode()):
             conn.sock.sendall(bad + b"\n")
             event = next(conn.events())
-            assert event["event"] == "error" and "Bad request" in event["message"], (bad, event)
+            assert isinstance(event, messages.Failed) and "Bad request" in event.message, \
+                (bad, event)
         done = [e for e in conn.ask("who approved the travel budget", (), 4)][-1]
-        assert done["event"] == "done" and done["token_ids"]
+        assert isinstance(done, messages.Finished) and done.token_ids
         plain = [e for e in conn.ask("who approved the travel budget", (), 4, draft_tokens=0)]
-        assert plain[-1]["token_ids"] == done["token_ids"]  # drafts never change the answer
+        assert plain[-1].token_ids == done.token_ids  # drafts never change the answer
     finally:
         conn.close()
 

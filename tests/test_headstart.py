@@ -208,7 +208,7 @@ def test_a_cold_ask_goes_on_as_the_warm_group(context):
             done = list(conn.ask(QUESTION, [("who paid?", "the company")], 4))[-1]
         finally:
             conn.close()
-        assert done["event"] == "done" and done["turns_used"] == 1 and done["token_ids"]
+        assert done.turns_used == 1 and done.token_ids
     finally:
         stopped = starqa("stop", "--all")
     assert stopped.returncode == 0, stopped.stderr

@@ -6,7 +6,7 @@ import pytest
 
 from starqa.core.errors import StarqaError
 from starqa.launchers import ask as ask_mod
-from starqa.workers import client
+from starqa.workers import client, messages
 
 
 class _Resetting:
@@ -20,7 +20,7 @@ class _Resetting:
 
     def ask(self, *args):
         for i in range(self.tokens):
-            yield {"event": "token", "text": f"t{i}"}
+            yield messages.Piece(f"t{i}")
         raise ConnectionResetError(104, "Connection reset by peer")
 
     def close(self):

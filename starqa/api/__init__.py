@@ -48,10 +48,11 @@ from starqa.engine import DEFAULT_KEEPALIVE, AskOptions, IngestOptions, IngestRe
 from starqa.engine import Answer as AskResult  # the engine's whole record; `Answer` is the API's
 from starqa.topk.indexes import KINDS as INDEX_KINDS
 from starqa.topk.indexes import TopK, topk_settings
+from starqa.workers.messages import GroupStatus
 
 __all__ = ["DEFAULT_KEEPALIVE", "DEFAULT_MAX_NEW_TOKENS", "INDEX_KINDS", "Answer", "AskOptions",
            "AskResult", "CacheUsage", "Chat", "Context", "ContextLengthError", "ContextNotFound",
-           "Damaged", "Group", "GroupSettings", "IngestOptions", "IngestResult", "KernelStatus",
+           "Damaged", "Group", "GroupSettings", "GroupStatus", "IngestOptions", "IngestResult", "KernelStatus",
            "Listing", "Manifest", "Question", "ServeOptions", "Service", "ShardError", "Source",
            "StarqaError", "Stopped", "Stream", "Timings", "TopK", "all_contexts", "ask",
            "ask_with", "build_indexes", "cache_usage", "clean_cache", "context", "contexts",

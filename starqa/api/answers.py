@@ -5,10 +5,12 @@ or from a warm group's last event (`of_group`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from starqa.api.catalog import Context
 from starqa.api.errors import StarqaError
+from starqa.workers.messages import Finished
 
 DEFAULT_MAX_NEW_TOKENS = 256  # as `starqa ask`
 
@@ -95,7 +97,7 @@ class Answer:
         return replace(self, text=text.strip(), finish="stop")
 
 
-def sources_of(found: list[dict] | None, traced: bool = True) -> tuple[Source, ...] | None:
+def sources_of(found: Sequence[dict] | None, traced: bool = True) -> tuple[Source, ...] | None:
     """Phase 2's sources (`starqa.phase2.sources.top_sources`) as `Source`s; None where
     attention traced none (top-k)."""
     if not traced:
@@ -117,12 +119,11 @@ def of_engine(answer, context: Context, max_new_tokens: int) -> Answer:
                   workers=answer.workers)
 
 
-def of_group(done: dict, context: Context, group: dict, timings: Timings,
+def of_group(done: Finished, context: Context, group: dict, timings: Timings,
              max_new_tokens: int) -> Answer:
-    """A warm group's `done` event (`starqa.workers.server`) as an API answer."""
-    n = len(done["token_ids"])
-    finish = "cancelled" if done.get("cancelled") else \
-        "length" if n >= max_new_tokens else "stop"
-    return Answer(text=done["text"], context=context, question_tokens=done["question_tokens"],
-                  answer_tokens=n, sources=sources_of(done.get("sources"), not group.get("topk")),
+    """A warm group's record of its answer (`starqa.workers.messages`) as an API answer."""
+    n = len(done.token_ids)
+    finish = "cancelled" if done.cancelled else "length" if n >= max_new_tokens else "stop"
+    return Answer(text=done.text, context=context, question_tokens=done.question_tokens,
+                  answer_tokens=n, sources=sources_of(done.sources, not group.get("topk")),
                   timings=timings, finish=finish, warm=True, workers=group["workers"])

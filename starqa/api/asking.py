@@ -19,6 +19,7 @@ from starqa.api.streams import Channel, ChannelUI, Stream
 from starqa.core.progress import UI
 from starqa.topk.indexes import TopK
 from starqa.workers import client
+from starqa.workers.messages import GroupStatus
 
 
 def ask_with(opts: engine.AskOptions, ui: UI = UI()) -> engine.Answer:
@@ -146,7 +147,7 @@ class Chat:
         return latest if latest.key != self.context.key and \
             latest.name == self.context.name else None
 
-    def status(self) -> dict:
+    def status(self) -> GroupStatus:
         """What the group joined last says of itself (`starqa ps`'s columns: `workers`,
         `answered`, `rss_bytes` of the query host, ...); it is joined first where none is."""
         if self._group is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +28,7 @@ from starqa.cache.manifest import Manifest
 from starqa.core.progress import UI
 from starqa.topk import indexes
 from starqa.topk.indexes import TopK
-from starqa.workers import client
+from starqa.workers import client, messages
 from starqa.workers.client import elsewhere, wait_started
 
 
@@ -81,7 +82,7 @@ def running_groups() -> list[dict]:
             continue
         try:
             conn = client.Client(group, timeout=5)
-            group.update(conn.ping())
+            group.update(dataclasses.asdict(conn.ping()))
             conn.close()
         except Exception:  # busy answering or starting: what the run file says
             pass
@@ -182,24 +183,25 @@ def ask_group(question: Question, context: Context, settings: GroupSettings,
             conn.close()
     end = time.perf_counter()
     timings = Timings(total_s=end - sent, first_token_s=(first - sent) if first else None,
-                      prefill_s=done["first_token_s"], decode_s=done["decode_s"],
+                      prefill_s=done.first_token_s, decode_s=done.decode_s,
                       wait_s=sent - asked)
     return answers.of_group(done, context, group, timings, question.max_new_tokens)
 
 
-def _events(conn: client.Client, question: Question, channel: Channel) -> tuple[dict, float]:
-    """The group's answer: (its `done` event, when its first token came)."""
+def _events(conn: client.Client, question: Question,
+            channel: Channel) -> tuple[messages.Finished, float]:
+    """The group's answer: (its record, when its first token came)."""
     first, cancelled = 0.0, False
     for event in conn.ask(question.text, question.history, question.max_new_tokens,
                           question.beyond_window):
         if channel.stop_wanted and not cancelled:
             conn.cancel()  # the group stops at its next token and sends its record
             cancelled = True
-        if event["event"] == "token":
+        if isinstance(event, messages.Piece):
             first = first or time.perf_counter()
             if not channel.closed.is_set():
-                channel.piece(event["text"])
-        elif event["event"] == "done":
+                channel.piece(event.text)
+        else:
             return event, first
     raise StarqaError("The warm group ended the answer without its record.")
 

@@ -208,8 +208,8 @@ class Chat:
     def print_stats(self) -> None:
         status = self.chat.status()
         self.console.print(
-            f"group: {status['workers']} workers · {status['answered']} answered · query host "
-            f"RSS {status['rss_bytes'] / 2**20:,.0f} MB · conversation: {len(self.history)} turns")
+            f"group: {status.workers} workers · {status.answered} answered · query host "
+            f"RSS {status.rss_bytes / 2**20:,.0f} MB · conversation: {len(self.history)} turns")
         if self.last:
             self.console.print(_stats_line(self.last))
 

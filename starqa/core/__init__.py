@@ -7,3 +7,8 @@ default the command line's options, the Python API and the warm groups share."""
 # does not say. Here, below everything, so that the CLI can show it in --help without
 # importing the API. The Python API's `AskOptions` leaves no group by default (keep-alive 0).
 DEFAULT_KEEPALIVE = 300.0
+
+# The most tokens Phase 2 drafts per forward that a setting (STARQA_DRAFT_TOKENS) or a warm
+# group's request may ask for (`phase2.decode.generate`); here so the socket protocol checks
+# requests without importing torch.
+MAX_DRAFT_TOKENS = 16

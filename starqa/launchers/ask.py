@@ -270,16 +270,17 @@ class _GroupLeft(Exception):
 
 def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started: float) -> Answer:
     """Ask a running worker group over its socket (no model load, no torch import here)."""
+    from starqa.workers import messages
     from starqa.workers.client import Client
 
     conn = Client(group)
     first = None
     try:
         for event in conn.ask(opts.question, (), opts.max_new_tokens, opts.beyond_window):
-            if event["event"] == "token":
+            if isinstance(event, messages.Piece):
                 first = first or time.perf_counter()
-                ui.token(event["text"])
-            elif event["event"] == "done":
+                ui.token(event.text)
+            else:
                 done = event
     except KeyboardInterrupt:  # stop the answer, leave the group warm
         with contextlib.suppress(OSError):
@@ -293,8 +294,9 @@ def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started
                           "starqa ps shows the running groups") from None
     finally:
         conn.close()
-    return Answer.timed(done["text"], started, first, time.perf_counter(), opts.topk,
-                        token_ids=done["token_ids"], context=manifest,
-                        query_tokens=done["question_tokens"], workers=group["workers"],
-                        decode_seconds=done["decode_s"], prefill_seconds=done["first_token_s"],
-                        sources=done["sources"] or [], warm=True, weights=group.get("weights"))
+    return Answer.timed(done.text, started, first, time.perf_counter(), opts.topk,
+                        token_ids=list(done.token_ids), context=manifest,
+                        query_tokens=done.question_tokens, workers=group["workers"],
+                        decode_seconds=done.decode_s, prefill_seconds=done.first_token_s,
+                        sources=list(done.sources or ()), warm=True,
+                        weights=group.get("weights"))

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from starqa.core import MAX_DRAFT_TOKENS
 from starqa.core.errors import StarqaError
 from starqa.phase2.lookup import Drafter
 from starqa.phase2.shard_attention import ShardAttention
@@ -27,7 +28,6 @@ from starqa.runtime import dist
 # torch's int4 kernel 1.8x a row's time (measured, Qwen2.5-Coder-1.5B's shapes, 2-core
 # Zen 5) where a fifth row would double it.
 DRAFT_TOKENS = 3
-MAX_DRAFT_TOKENS = 16  # the most a setting or a request may ask for
 
 
 def draft_tokens_setting(default: int = DRAFT_TOKENS) -> int:

@@ -152,7 +152,7 @@ def decode_job(text: str) -> Job:
         data = json.loads(text)
     except ValueError as err:
         raise ProtocolError(f"A worker job that is not JSON ({err}).") from None
-    return _tagged(data, "phase", JOBS, "job")
+    return decode_tagged(data, "phase", JOBS, "job")
 
 
 # ---------------------------------------------------------------------------------- events
@@ -300,7 +300,7 @@ def read_event(line: str) -> Event | None:
         data = json.loads(line[len(EVENT_PREFIX):])
     except ValueError:
         return None
-    return _tagged(data, "event", EVENTS, "event")
+    return decode_tagged(data, "event", EVENTS, "event")
 
 
 # ----------------------------------------------------------------------------------- codec
@@ -337,8 +337,8 @@ def _fields(cls: type) -> dict[str, tuple[Any, bool]]:
             for f in dataclasses.fields(cls)}
 
 
-def _tagged(data: Any, tag: str, classes: dict[str, type], what: str):
-    """The dataclass `data[tag]` names, decoded from the rest of `data`."""
+def decode_tagged(data: Any, tag: str, classes: dict[str, type], what: str):
+    """The dataclass `data[tag]` names (a key of `classes`), decoded from the rest of `data`."""
     if not isinstance(data, dict):
         raise ProtocolError(f"A {what} that is not a JSON object: {_short(data)}.")
     name = data.get(tag)

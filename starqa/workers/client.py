@@ -25,6 +25,7 @@ from pathlib import Path
 from starqa.core import DEFAULT_KEEPALIVE, paths
 from starqa.cache import store
 from starqa.core.errors import StarqaError, WorkerError
+from starqa.workers import messages
 
 
 def run_dir() -> Path:
@@ -318,39 +319,41 @@ class Client:
                 hint="starqa ps shows running groups; starqa stop ends them") from None
         self.reader = self.sock.makefile("rb")
 
-    def send(self, message: dict) -> None:
-        self.sock.sendall((json.dumps(message) + "\n").encode())
+    def send(self, request: messages.Request) -> None:
+        self.sock.sendall(messages.request_line(request))
 
-    def events(self) -> Iterator[dict]:
+    def events(self) -> Iterator[messages.Event]:
         for line in self.reader:
-            yield json.loads(line)
+            yield messages.read_event(line)
         raise WorkerError("The worker group closed the connection (did a worker die? "
                           f"see {log_path(self.info['key'])}).")
 
     def ask(self, question: str, history=(), max_new_tokens: int = 256,
-            beyond_window: bool = False, draft_tokens: int | None = None) -> Iterator[dict]:
-        """Stream events for one question: token events, then done (or error).
-        draft_tokens: per forward (decode.generate); None: the group's default."""
-        self.send({"op": "ask", "question": question, "history": [list(t) for t in history],
-                   "max_new_tokens": max_new_tokens, "beyond_window": beyond_window,
-                   **({} if draft_tokens is None else {"draft_tokens": draft_tokens})})
+            beyond_window: bool = False, draft_tokens: int | None = None,
+            ) -> Iterator[messages.Piece | messages.Finished]:
+        """Stream one answer: its pieces of text, then its record (`Finished`); a `Failed`
+        is raised as a StarqaError. draft_tokens: per forward (decode.generate); None: the
+        group's default."""
+        self.send(messages.Ask(question, tuple((q, a) for q, a in history), max_new_tokens,
+                               beyond_window, draft_tokens))
         for event in self.events():
-            if event["event"] == "error":
-                raise StarqaError(event["message"], hint=event.get("hint"))
-            yield event
-            if event["event"] == "done":
+            if isinstance(event, messages.Failed):
+                raise StarqaError(event.message, hint=event.hint)
+            if isinstance(event, (messages.Piece, messages.Finished)):
+                yield event
+            if isinstance(event, messages.Finished):
                 return
 
     def cancel(self) -> None:
-        self.send({"op": "cancel"})
+        self.send(messages.Cancel())
 
-    def ping(self) -> dict:
-        self.send({"op": "ping"})
-        return next(e for e in self.events() if e["event"] == "pong")
+    def ping(self) -> messages.GroupStatus:
+        self.send(messages.Ping())
+        return next(e for e in self.events() if isinstance(e, messages.GroupStatus))
 
     def stop(self) -> None:
-        self.send({"op": "stop"})
-        next(e for e in self.events() if e["event"] == "stopping")
+        self.send(messages.Stop())
+        next(e for e in self.events() if isinstance(e, messages.Stopping))
 
     def close(self) -> None:
         self.reader.close()

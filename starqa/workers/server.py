@@ -1,20 +1,16 @@
 """The warm worker group's front door: a Unix socket served by the query host.
 
-Runs inside the query-host worker of a `serve` group. Requests and events are JSON lines:
-
-    → {"op": "ask", "question": "...", "history": [[q, a], ...], "max_new_tokens": 256}
-      (optional "draft_tokens": 0 to decode.MAX_DRAFT_TOKENS per forward; 0: none)
-    ← {"event": "token", "text": "..."} ...  {"event": "done", "sources": [...], ...}
-    → {"op": "cancel"}   (while an answer streams: stop it, keep the session)
-    → {"op": "ping"}     ← {"event": "pong", ...}        → {"op": "stop"}: end the group
+Runs inside the query-host worker of a `serve` group. Requests and events are JSON lines,
+the typed messages of `starqa.workers.messages` (which shows them): `Ask`, `Cancel`, `Ping`,
+`Stop` in; `Piece`s then `Finished` (or `Failed`), `GroupStatus`, `Stopping` out.
 
 The socket lives in a short private folder (`paths.socket_dir`, mode 0700), itself mode
 0600: only the user who started the group can connect, and only from this machine. The
 query host tokenises the question and picks each token; the other workers receive what to
 do next by broadcast: a `Step` (answer a `Turn`, stop, or nothing), in
-`starqa.runtime.protocol`'s codec. The socket's own lines stay JSON objects read as such: any
-local client may write them, and a malformed one is answered with a `Bad request` error
-naming the problem, while the group keeps serving.
+`starqa.runtime.protocol`'s codec. Any local client may write to the socket: a malformed
+request is answered with a `Bad request` error naming the problem, while the group keeps
+serving.
 
 Files changed under a warm group: before each question the query host compares a stat
 (size, mtime, ctime, inode) of the manifest and of each shard with what it had when the
@@ -27,7 +23,6 @@ damaged shard is named then, as a cold ask names it).
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import socket
@@ -37,6 +32,7 @@ from pathlib import Path
 
 from starqa.cache.manifest import MANIFEST, Manifest
 from starqa.runtime.protocol import ServeJob, decode, encode
+from starqa.workers import messages
 
 HEARTBEAT_S = 20.0  # the other workers wait in a collective; never longer than this
 
@@ -136,64 +132,43 @@ class Server:
         while time.monotonic() < deadline:
             if self.keepalive > 0 and time.monotonic() - self.last_activity > self.keepalive:
                 return STOP
-            message = self._read(timeout=max(0.0, deadline - time.monotonic()))
-            if message is None:
+            request = self._read(timeout=max(0.0, deadline - time.monotonic()))
+            if request is None:
                 continue
             self.last_activity = time.monotonic()
-            op = message.get("op")
-            if op == "ping":
-                self._send({"event": "pong", **self.status()})
-            elif op == "stop":
-                self._send({"event": "stopping"})
+            if isinstance(request, messages.Ping):
+                self._send(self.status())
+            elif isinstance(request, messages.Stop):
+                self._send(messages.Stopping())
                 return STOP
-            elif op == "ask":
+            elif isinstance(request, messages.Ask):
                 if (changed := self._changed()) is not None:
-                    self._send({"event": "error", "message": str(changed), "hint": changed.hint})
+                    self._send(messages.Failed(str(changed), changed.hint))
                     return STOP
-                turn = self._prepare(message)
+                turn = self._prepare(request)
                 if turn is not None:
                     return Step("ask", turn)
-            elif op != "cancel":  # a late cancel after the answer ended is harmless
-                self._send({"event": "error", "message": f"unknown op {op!r}"})
+            # a late Cancel, after the answer ended, is harmless
         return NOOP
 
-    def _prepare(self, message: dict) -> Turn | None:
-        """Check the request, then tokenise the question with as many earlier turns as fit
-        the window. A malformed request gets an error event; the group keeps serving."""
+    def _prepare(self, ask: messages.Ask) -> Turn | None:
+        """The question tokenised with as many earlier turns as fit the window (None: it
+        does not fit, and the client has been told)."""
         from starqa.corpus import prompt
-        from starqa.phase2.decode import MAX_DRAFT_TOKENS
 
-        question = message.get("question", "")
-        max_new = message.get("max_new_tokens", 256)
-        history = message.get("history", [])
-        drafts = message.get("draft_tokens")
-        problem = (
-            "the question is empty" if not isinstance(question, str) or not question.strip()
-            else "max_new_tokens must be a positive integer"
-            if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1
-            else "history must be a list of [question, answer] pairs of text"
-            if not isinstance(history, list) or not all(
-                isinstance(turn, list) and len(turn) == 2 and all(isinstance(x, str) for x in turn)
-                for turn in history)
-            else f"draft_tokens must be an integer from 0 to {MAX_DRAFT_TOKENS}"
-            if drafts is not None and (not isinstance(drafts, int) or isinstance(drafts, bool)
-                                       or not 0 <= drafts <= MAX_DRAFT_TOKENS)
-            else None)
-        if problem:
-            self._send({"event": "error", "message": f"Bad request: {problem}."})
-            return None
-        history = [tuple(turn) for turn in history]
+        history = list(ask.history)
         n = self.manifest.n_tokens
         while True:
-            ids = self.tokens.ids(question, history)
-            error = prompt.room_error(n, len(ids), max_new, self.window)
-            if error is None or message.get("beyond_window"):
+            ids = self.tokens.ids(ask.question, history)
+            error = prompt.room_error(n, len(ids), ask.max_new_tokens, self.window)
+            if error is None or ask.beyond_window:
                 break
             if not history:
-                self._send({"event": "error", "message": str(error), "hint": error.hint})
+                self._send(messages.Failed(str(error), error.hint))
                 return None
             history.pop(0)  # oldest turn first
-        return Turn(tuple(ids), max_new, tuple(self.stop_ids), len(history), drafts)
+        return Turn(tuple(ids), ask.max_new_tokens, tuple(self.stop_ids), len(history),
+                    ask.draft_tokens)
 
     def answer(self, turn: Turn) -> None:
         """Answer `turn` with the other ranks, streaming its text to the client that asked."""
@@ -206,29 +181,28 @@ class Server:
         def on_token(token: int) -> None:
             first or first.append(time.perf_counter())
             if piece := stream.add(token):
-                self._send({"event": "token", "text": piece})
+                self._send(messages.Piece(piece))
 
         tokens, top = self.ctx.answer(list(turn.query_ids), turn.max_new_tokens,
                                       list(turn.stop_ids), on_token, self._cancelled,
                                       draft_tokens=turn.draft_tokens)
         if piece := stream.finish():
-            self._send({"event": "token", "text": piece})
+            self._send(messages.Piece(piece))
         if self.stop_seen:  # cut short by `starqa stop`: not an answer to pass on as one
-            self._send({"event": "error", "hint": "ask again: a new group starts",
-                        "message": "The warm group was stopped (starqa stop) while it "
-                                   "answered; the answer was cut short."})
+            self._send(messages.Failed(
+                "The warm group was stopped (starqa stop) while it answered; the answer was "
+                "cut short.", "ask again: a new group starts"))
             return
         text = stream.text
         end = time.perf_counter()
         self.answered += 1
         self.last_activity = time.monotonic()
-        self._send({"event": "done", "text": text.strip(), "token_ids": tokens,
-                    "question_tokens": len(turn.query_ids),
-                    "turns_used": turn.turns_used, "sources": top,
-                    "cancelled": self.cancel_seen,
-                    "first_token_s": (first[0] - started) if first else None,
-                    "decode_s": (end - first[0]) if first else 0.0, "total_s": end - started,
-                    "rss_bytes": _rss()})
+        self._send(messages.Finished(
+            text=text.strip(), token_ids=tuple(tokens), question_tokens=len(turn.query_ids),
+            turns_used=turn.turns_used, sources=None if top is None else tuple(top),
+            cancelled=self.cancel_seen, first_token_s=(first[0] - started) if first else None,
+            decode_s=(end - first[0]) if first else 0.0, total_s=end - started,
+            rss_bytes=_rss()))
         self.cancel_seen = False
 
     def _cancelled(self) -> bool:
@@ -244,7 +218,8 @@ class Server:
                 self.buffers[conn] = b""
             else:
                 self._receive(sock)
-        if any(_op(line) == "stop" for sock, buffer in self.buffers.items()
+        if any(messages.peek_op(line) == messages.Stop.OP
+               for sock, buffer in self.buffers.items()
                if sock is not self.conn for line in buffer.split(b"\n")[:-1]):
             self.stop_seen = True  # stop ends the answer; its line is served next
         if self.stop_seen:
@@ -253,7 +228,7 @@ class Server:
             self.cancel_seen = True
         else:  # take cancels out of its unread lines; anything else waits its turn
             *lines, partial = self.buffers[asker].split(b"\n")
-            kept = [line for line in lines if _op(line) != "cancel"]
+            kept = [line for line in lines if messages.peek_op(line) != messages.Cancel.OP]
             self.cancel_seen = self.cancel_seen or len(kept) < len(lines)
             self.buffers[asker] = b"".join(line + b"\n" for line in kept) + partial
         return self.cancel_seen
@@ -294,18 +269,19 @@ class Server:
                      f"them (naming a damaged shard); or {shards._fix(m)}")
         return None
 
-    def status(self) -> dict:
+    def status(self) -> messages.GroupStatus:
         """What a `ping` is answered with (`starqa ps` shows it)."""
-        m = self.manifest
-        return {"context": m.name, "key": m.key, "workers": self.ctx.info.world_size,
-                "tokens": m.n_tokens, "method": m.method.name,
-                "answered": self.answered, "rss_bytes": _rss(), "pid": os.getpid()}
+        manifest = self.manifest
+        return messages.GroupStatus(context=manifest.name, key=manifest.key,
+                      workers=self.ctx.info.world_size, tokens=manifest.n_tokens,
+                      method=manifest.method.name, answered=self.answered,
+                      rss_bytes=_rss(), pid=os.getpid())
 
     # -- socket plumbing ----------------------------------------------------------------
     # Several clients may be connected (a chat and an `ask` side by side); requests are
     # served one at a time, each answer streaming to the client that asked (`self.conn`).
 
-    def _read(self, timeout: float) -> dict | None:
+    def _read(self, timeout: float) -> messages.Request | None:
         """The next complete request line from any client, waiting up to `timeout`."""
         if (message := self._next_line()) is not None:
             return message
@@ -328,27 +304,24 @@ class Server:
         else:
             self._drop(sock)
 
-    def _next_line(self, only: socket.socket | None = None) -> dict | None:
+    def _next_line(self) -> messages.Request | None:
         for sock, buffer in list(self.buffers.items()):
-            if (only is not None and sock is not only) or b"\n" not in buffer:
+            if b"\n" not in buffer:
                 continue
             line, self.buffers[sock] = buffer.split(b"\n", 1)
             self.conn = sock
             try:
-                message = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                message = None
-            if isinstance(message, dict):
-                return message
-            self._send({"event": "error", "message": "Bad request: not a JSON object."})
-            return None  # answered; the next line may be a good one
+                return messages.read_request(line)
+            except messages.BadRequest as err:
+                self._send(messages.Failed(f"Bad request: {err}."))
+                return None  # answered; the next line may be a good one
         return None
 
-    def _send(self, event: dict) -> None:
+    def _send(self, event: messages.Event) -> None:
         if self.conn is None:
             return
         try:
-            self.conn.sendall((json.dumps(event) + "\n").encode())
+            self.conn.sendall(messages.event_line(event))
         except OSError:
             self._drop(self.conn)
 
@@ -364,13 +337,6 @@ class Server:
             self._drop(sock)
         self.listener.close()
         self.path.unlink(missing_ok=True)
-
-
-def _op(line: bytes) -> str | None:
-    try:
-        return json.loads(line).get("op")
-    except (ValueError, AttributeError):
-        return None
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int] | None:
