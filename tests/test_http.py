@@ -28,9 +28,9 @@ def wait_until(condition, seconds: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def serving(service: api.Service, api_key: str | None = None):
+def serving(service: api.Service, api_key: str | None = None, origins: tuple[str, ...] = ()):
     """The server on 127.0.0.1 and a free port, in a thread, until the block ends."""
-    server = door.HttpServer(door.HttpSettings("127.0.0.1", 0, api_key), service)
+    server = door.HttpServer(door.HttpSettings("127.0.0.1", 0, api_key, origins), service)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_until(lambda: server.started, 10)
@@ -42,7 +42,7 @@ def serving(service: api.Service, api_key: str | None = None):
 
 
 def request(server, method: str, path: str, body=None, headers=None):
-    """(status, JSON body, headers) of one raw HTTP request."""
+    """(status, body (JSON's, parsed), headers) of one raw HTTP request."""
     host, port = server.sock.getsockname()[:2]
     conn = http.client.HTTPConnection(host, port, timeout=60)
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
@@ -51,7 +51,9 @@ def request(server, method: str, path: str, body=None, headers=None):
     response = conn.getresponse()
     payload = response.read()
     conn.close()
-    return response.status, json.loads(payload) if payload else None, dict(response.headers)
+    parsed = json.loads(payload) if payload and "json" in response.getheader(
+        "content-type", "") else payload or None
+    return response.status, parsed, dict(response.headers)
 
 
 def error_of(body: dict) -> dict:
@@ -189,6 +191,77 @@ def test_an_api_key_is_checked(contexts):
                                   headers={"Authorization": "Bearer s3cret"})
         assert status == 200 and len(body["data"]) == 3
         assert request(server, "GET", "/health")[0] == 200  # no key needed
+
+
+def test_origins_are_checked():
+    settings = door.HttpSettings.parse("8080", None,
+                                       " https://app.example.org, http://[::1]:3000,null")
+    assert settings.origins == ("https://app.example.org", "http://[::1]:3000", "null")
+    assert door.HttpSettings.parse("8080", None, "*").origins == ("*",)
+    for bad in ("app.example.org", "https://app.example.org/", "https://a.org/chat"):
+        with pytest.raises(api.StarqaError, match="not a web page's origin") as raised:
+            door.HttpSettings.parse("8080", None, bad)
+        assert "--allow-origin https://" in raised.value.hint
+
+
+@pytest.mark.parametrize("origin, allowed", [
+    ("http://localhost:3000", True), ("http://127.0.0.1", True), ("https://[::1]:8443", True),
+    ("http://localhost.evil.org", False), ("http://127.0.0.1.evil.org", False),
+    ("https://evil.org", False), ("null", False), ("file://", False),
+])
+def test_pages_of_this_machine_are_let_in_and_no_others(origin, allowed):
+    assert door.origin_allowed(origin, ()) is allowed
+    assert door.origin_allowed(origin, ("*",))
+    assert door.origin_allowed(origin, (origin,))
+
+
+def test_a_web_page_cannot_use_the_server_unasked(contexts):
+    """A page on another site (its requests carry its Origin), or one that made its own
+    name resolve to 127.0.0.1 (DNS rebinding: its Host), is refused before any route."""
+    with serving(api.Service()) as server:
+        status, body, headers = request(server, "GET", "/v1/models",
+                                        headers={"Origin": "https://evil.org"})
+        error = error_of(body)
+        assert status == 403 and error["code"] == "forbidden_origin"
+        assert "--allow-origin https://evil.org" in error["message"]
+        assert "access-control-allow-origin" not in {h.lower() for h in headers}
+        chat = {"model": "docs", "messages": [{"role": "user", "content": QUESTION}]}
+        status, body, _ = request(server, "POST", "/v1/chat/completions", chat,
+                                  headers={"Origin": "https://evil.org",
+                                           "Content-Type": "text/plain"})
+        assert status == 403 and error_of(body)["code"] == "forbidden_origin"
+        port = server.sock.getsockname()[1]
+        status, body, _ = request(server, "GET", "/v1/models",
+                                  headers={"Host": f"evil.org:{port}"})
+        assert status == 403 and error_of(body)["code"] == "forbidden_host"
+        assert "127.0.0.1 or localhost" in error_of(body)["message"]
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "localhost"):
+            assert request(server, "GET", "/v1/models", headers={"Host": host})[0] == 200
+        # a page of this machine is let in, and may read the answer (CORS)
+        status, body, headers = request(server, "GET", "/v1/models",
+                                        headers={"Origin": "http://localhost:3000"})
+        assert status == 200 and len(body["data"]) == 3
+        assert headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
+def test_an_origin_let_in_gets_cors_and_a_key_answers_for_the_host(contexts):
+    site = "https://app.example.org"
+    with serving(api.Service(), api_key="s3cret", origins=(site,)) as server:
+        status, _, headers = request(server, "OPTIONS", "/v1/chat/completions", headers={
+            "Origin": site, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert status == 200 and headers["access-control-allow-origin"] == site
+        assert "POST" in headers["access-control-allow-methods"]
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        key = {"Authorization": "Bearer s3cret"}
+        status, body, headers = request(server, "GET", "/v1/models",
+                                        headers={"Origin": site, **key})
+        assert status == 200 and headers["access-control-allow-origin"] == site
+        assert request(server, "GET", "/v1/models", headers={"Origin": "https://other.org",
+                                                             **key})[0] == 403
+        # with a key, the name it is reached by is the network's business
+        assert request(server, "GET", "/v1/models", headers={"Host": "starqa.lan", **key})[0] \
+            == 200
 
 
 def test_a_busy_port_is_an_error():

@@ -20,11 +20,12 @@ import typer
 
 from starqa import methods as method_registry  # pure Python: --help stays instant
 from starqa.core import DEFAULT_KEEPALIVE  # a constant: nothing imported
-from starqa.cli.options import (AnchorSize, ApiKey, AsJson, Attention, BenchLengths, BeyondWindow,
-    BlockSize, ChunkSize, ContextArg, Device, Dtype, EvalLengths, Heuristic, HttpAddress, IndexKind,
-    KeepAlive, KvOnDisk, MaxNewTokens, Model, Nnodes, NodeRank, PassingSize, Positions, ProbeWindow,
-    Rdzv, SinkSize, SummaryBudget, TopKChoice, TopKOpt, TopKPrefill, TopKSchedule, TopKTail,
-    Weights, Workers, compared, method_params, one_topk, topk_runs)
+from starqa.cli.options import (AllowOrigin, AnchorSize, ApiKey, AsJson, Attention, BenchLengths,
+    BeyondWindow, BlockSize, ChunkSize, ContextArg, Device, Dtype, EvalLengths, Heuristic,
+    HttpAddress, IndexKind, KeepAlive, KvOnDisk, MaxNewTokens, Model, Nnodes, NodeRank,
+    PassingSize, Positions, ProbeWindow, Rdzv, SinkSize, SummaryBudget, TopKChoice, TopKOpt,
+    TopKPrefill, TopKSchedule, TopKTail, Weights, Workers, compared, method_params, one_topk,
+    topk_runs)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Ask questions about documents and code too long for ordinary LLM "
@@ -370,6 +371,7 @@ def serve(
     rdzv_endpoint: Rdzv = None,
     http: HttpAddress = None,
     api_key: ApiKey = None,
+    allow_origin: AllowOrigin = None,
 ) -> None:
     """Keep a worker group warm for a context; `ask` and `chat` use it while it runs (across
     machines: on the query host, the machine of the last node rank). With --http, serve every
@@ -397,7 +399,7 @@ def serve(
     # first import on, so a SIGTERM while loading exits 143 as well.
     with _sigterm_exits(143):
         if http is not None:
-            _serve_http(http, api_key, workers, keepalive)
+            _serve_http(http, api_key, workers, keepalive, allow_origin)
             return
         from starqa import api
         from starqa.cli.ui import RichUI
@@ -413,14 +415,15 @@ def serve(
 
 
 def _serve_http(address: str, api_key: str | None, workers: int | None,
-                keepalive: float) -> None:
+                keepalive: float, origins: str | None) -> None:
     """`serve --http`: the OpenAI-compatible server (starqa.servers.http) until Ctrl-C."""
     from starqa.cli.ui import err, safe
     from starqa.servers import http
 
-    http.serve(address, api_key, workers, keepalive, on_ready=lambda url: err.print(
-        f"Serving the OpenAI chat API at {safe(url)}: every context is a model "
-        "(GET /v1/models). Ctrl-C ends it."))
+    http.serve(address, api_key, workers, keepalive, origins=origins,
+               on_ready=lambda url: err.print(
+                   f"Serving the OpenAI chat API at {safe(url)}: every context is a model "
+                   "(GET /v1/models). Ctrl-C ends it."))
 
 
 @app.command("mcp")

@@ -77,6 +77,11 @@ ApiKey = Annotated[Optional[str], typer.Option(
     "--api-key", envvar="STARQA_API_KEY",
     help="With --http: the key clients must send (Authorization: Bearer KEY); needed to "
          "listen on any address but loopback.")]
+AllowOrigin = Annotated[Optional[str], typer.Option(
+    "--allow-origin", envvar="STARQA_ALLOWED_ORIGINS", metavar="ORIGINS",
+    help="With --http: the web pages whose requests are let in, with CORS headers "
+         "(comma-separated origins, e.g. https://app.example.org; * for every page); "
+         "pages served from this machine's loopback addresses always are.")]
 
 # ---------------------------------------------------------------------------------------
 # contexts and answers

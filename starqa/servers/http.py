@@ -23,6 +23,13 @@ It listens on loopback unless told otherwise; any other address needs an API key
 every route but /health then checks (`Authorization: Bearer KEY`). A client that
 disconnects, while it waits its turn or while its answer streams, withdraws or cancels it.
 
+A web page in the user's browser can send requests to a loopback server too, so `Guard`
+refuses (403) what only a page sends: a request from an origin the server was not told to
+let in (`--allow-origin`; pages served from this machine's loopback addresses are let in,
+as ollama lets them in), and, without a key, one addressed to a host name that is not this
+machine's (a page's own name made to resolve to 127.0.0.1: DNS rebinding). Origins let in
+get CORS headers (starlette's `CORSMiddleware`), so a browser app can read the answers.
+
 starlette on uvicorn rather than the standard library's `http.server`: uvicorn parses HTTP
 as a server facing a network must (keep-alive, chunked bodies, slow or broken clients) and
 tells the application when a client disconnects even while nothing is being written (a
@@ -35,6 +42,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import re
 import socket
 import time
 import uuid
@@ -43,6 +51,8 @@ from dataclasses import dataclass
 from starqa import api
 
 MAX_BODY_BYTES = 4 << 20
+# pages served from this machine's loopback addresses, any port: let in without being named
+LOOPBACK_ORIGIN = r"https?://(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?"
 MAX_STOPS = 4  # as OpenAI's API
 UNUSED_TOOLS = ("tools", "functions")
 
@@ -56,17 +66,20 @@ class HttpSettings:
     host: str = "127.0.0.1"
     port: int = 8080
     api_key: str | None = None
+    origins: tuple[str, ...] = ()  # web pages let in besides loopback's ("*": every one)
 
     @classmethod
-    def parse(cls, address: str, api_key: str | None = None) -> HttpSettings:
-        """`PORT`, `HOST:PORT` or `[IPv6]:PORT` (no host: 127.0.0.1); an empty key is none."""
+    def parse(cls, address: str, api_key: str | None = None,
+              origins: str | None = None) -> HttpSettings:
+        """`PORT`, `HOST:PORT` or `[IPv6]:PORT` (no host: 127.0.0.1); an empty key is none;
+        `origins`: comma-separated `scheme://host[:port]`, or `*`."""
         host, sep, port = address.strip().rpartition(":")
         host = host.strip("[]") if sep else "127.0.0.1"
         if not port.isdigit() or int(port) > 65535 or not host:
             raise api.StarqaError(f"{address!r} is not an address to listen on.",
                                   hint="give PORT, HOST:PORT or [IPv6]:PORT, e.g. 8080 or "
                                        "127.0.0.1:8080")
-        return cls(host, int(port), api_key or None)
+        return cls(host, int(port), api_key or None, parse_origins(origins or ""))
 
     def check(self) -> None:
         """Refuse to serve beyond this machine without a key."""
@@ -75,6 +88,20 @@ class HttpSettings:
                 f"Listening on {self.host} lets other machines in; that needs an API key.",
                 hint="pass --api-key KEY (or set STARQA_API_KEY); clients send it as "
                      "`Authorization: Bearer KEY`. Or listen on 127.0.0.1, the default")
+
+
+def parse_origins(text: str) -> tuple[str, ...]:
+    """The origins a comma-separated list names, each checked: `*`, `null`, or
+    `scheme://host[:port]` as a browser sends it (no path, no trailing slash)."""
+    origins = tuple(o.strip() for o in text.split(",") if o.strip())
+    for origin in origins:
+        if origin not in ("*", "null") and not re.fullmatch(
+                r"[a-z][a-z0-9+.-]*://[^/\s?#]+", origin):
+            raise api.StarqaError(
+                f"{origin!r} is not a web page's origin.",
+                hint="name it as the browser sends it, scheme and host (and port): "
+                     "--allow-origin https://app.example.org,http://localhost:3000")
+    return origins
 
 
 def loopback(host: str) -> bool:
@@ -122,6 +149,57 @@ def error_of(error: api.StarqaError, finding: bool = False) -> ApiError:
     if finding and not isinstance(error, api.ShardError):  # an empty or ambiguous name
         return ApiError(400, message, param="model")
     return ApiError(500, message, kind="server_error")
+
+
+# -------------------------------------------------------------------------------- guard
+
+class Guard:
+    """ASGI middleware that refuses what a web page in a browser could send unasked (see
+    the module docstring): a request from an origin not let in, and, without a key, one
+    addressed to a name that is not this machine's."""
+
+    def __init__(self, app, settings: HttpSettings):
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and (refusal := self.refusal(scope)) is not None:
+            await refusal.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> ApiError | None:
+        from starlette.datastructures import Headers
+
+        headers = Headers(scope=scope)
+        origin = headers.get("origin")
+        if origin is not None and not origin_allowed(origin, self.settings.origins):
+            return ApiError(
+                403, f"Requests from web pages at {origin} are refused: any page open in a "
+                     "browser could otherwise use this server. (hint: to let that page in, "
+                     f"serve with --allow-origin {origin})", code="forbidden_origin")
+        host = headers.get("host", "")
+        if self.settings.api_key is None and not loopback(_host_name(host)):
+            return ApiError(
+                403, f"This server answers requests addressed to this machine only, not to "
+                     f"{host!r}: a web page can give its own name this machine's address. "
+                     "(hint: address it as 127.0.0.1 or localhost; or serve with --api-key "
+                     "KEY, which clients then send)", code="forbidden_host")
+        return None
+
+
+def origin_allowed(origin: str, allowed: tuple[str, ...]) -> bool:
+    """Whether a page at `origin` may use the server: one of `allowed` (or `*` among them),
+    or a page served from this machine's loopback addresses."""
+    return "*" in allowed or origin in allowed or \
+        re.fullmatch(LOOPBACK_ORIGIN, origin) is not None
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port (`[::1]:8080` → `::1`)."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 # ------------------------------------------------------------------------------- requests
@@ -415,13 +493,16 @@ def _model(context: api.Context) -> dict:
             "owned_by": "starqa", "starqa": context.as_dict()}
 
 
-def app(service: api.Service, api_key: str | None = None):
-    """The ASGI application: the routes, and every error as an OpenAI error object."""
+def app(service: api.Service, settings: HttpSettings = HttpSettings()):
+    """The ASGI application: the routes behind the `Guard` and CORS, and every error as an
+    OpenAI error object."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.routing import Route
 
-    routes = Routes(service, api_key)
+    routes = Routes(service, settings.api_key)
 
     async def api_error(request, error: ApiError):
         return error.response()
@@ -441,7 +522,11 @@ def app(service: api.Service, api_key: str | None = None):
         Route("/v1/models/{model:path}", routes.model),
         Route("/v1/chat/completions", routes.chat, methods=["POST"]),
     ], exception_handlers={ApiError: api_error, HTTPException: http_error,
-                           Exception: internal_error})
+                           Exception: internal_error}, middleware=[
+        Middleware(Guard, settings=settings),
+        Middleware(CORSMiddleware, allow_origins=settings.origins,
+                   allow_origin_regex=LOOPBACK_ORIGIN, allow_methods=("GET", "POST"),
+                   allow_headers=("Authorization", "Content-Type"))])
 
 
 # ------------------------------------------------------------------------------- serving
@@ -457,7 +542,7 @@ class HttpServer:
         self.settings = settings
         self.sock = _listen(settings.host, settings.port)
         self.server = uvicorn.Server(uvicorn.Config(
-            app(service, settings.api_key), log_config=None, log_level="warning",
+            app(service, settings), log_config=None, log_level="warning",
             access_log=False, lifespan="off", timeout_graceful_shutdown=5))
 
     @property
@@ -488,11 +573,13 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def serve(address: str, api_key: str | None = None, workers: int | None = None,
-          keepalive: float = api.DEFAULT_KEEPALIVE, on_ready=None) -> None:
+          keepalive: float = api.DEFAULT_KEEPALIVE, on_ready=None,
+          origins: str | None = None) -> None:
     """`starqa serve --http`: serve until Ctrl-C. `on_ready(url)` once listening; the warm
     groups it starts have `workers` workers and exit `keepalive` idle seconds after their
-    last question (they outlive the server by as much)."""
-    server = HttpServer(HttpSettings.parse(address, api_key),
+    last question (they outlive the server by as much); `origins`: the web pages let in
+    besides loopback's (`parse_origins`)."""
+    server = HttpServer(HttpSettings.parse(address, api_key, origins),
                         api.Service(api.GroupSettings(workers, keepalive)))
     if on_ready is not None:
         on_ready(server.url)
