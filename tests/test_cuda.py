@@ -7,7 +7,7 @@ import torch
 
 from starqa.attention import attend, attend_fused, fold_gqa, partial_chunks
 
-from test_attention import FUSED_SHAPES, check_chunk_parts, reference
+from oracles import FUSED_SHAPES, check_chunk_parts, exact_part, reference
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -84,7 +84,6 @@ def test_cuda_topk_every_key_selected_equals_exact_partial_attention(dtype):
     the selected rows are exact attention, within twice fp32's own error against fp64;
     a small k picks exactly the best keys, as the CPU does."""
     from starqa.attention import topk
-    from test_topk import exact_part
 
     torch.manual_seed(0)
     hkv, rows, n, dim = 3, 9, 300, 64

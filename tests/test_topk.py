@@ -18,20 +18,13 @@ from starqa.topk.ivf import IvfLayer, IvfShard
 from starqa.topk.rows import Held, ResidentRows
 
 from memory import rss  # tests/memory.py (conftest puts tests/ on the path)
+from oracles import exact_part
 
 
 def folded(query, kv_heads):
     """[1, Hq, M, D] → [Hkv, G*M, D] (attention.fold_gqa without its batch dimension)."""
     _, hq, m, d = query.shape
     return query.reshape(kv_heads, hq // kv_heads * m, d)
-
-
-def exact_part(q, key, value, scale, dtype=torch.float32):
-    """attention.attend's partial over a shard, q [Hkv, R, D], in `dtype`: (out, lse)."""
-    hkv, r, d = q.shape
-    out, lse = attend(q.to(dtype)[None].reshape(1, hkv, r, d), key[None].to(dtype),
-                      value[None].to(dtype), scale)
-    return out.double(), lse.double()
 
 
 @pytest.mark.parametrize("hkv,rows,n,dim", [(1, 1, 7, 8), (2, 6, 50, 16), (3, 9, 300, 64)])
