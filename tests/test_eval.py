@@ -472,6 +472,25 @@ def test_runner_names_sources_and_scores_them(home, tiny_model, tmp_path, capsys
     assert "3/4 · 4/4 · ±1" in capsys.readouterr().out
 
 
+def test_progress_is_a_line_per_run_where_stderr_is_no_terminal(capsys):
+    """`starqa eval 2> log` (or CI) says what is done as it goes, not only at the end."""
+    import types
+
+    from starqa.cli import eval_report as report
+
+    with report.RichProgress() as progress:
+        progress.start(types.SimpleNamespace(n_runs=2))
+        progress.run("repo_qa", 30000, 0, "dense")
+        progress.done(12, True)
+        progress.run("repo_qa", 30000, 0, "star")
+        progress.done(9, False)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("repo_qa 30,000 #1 dense: correct in ")
+    assert lines[0].endswith(" s · 1/2 runs, 100% correct")
+    assert lines[1].startswith("repo_qa 30,000 #1 star: wrong in ") and "2/2 runs, 50%" in lines[1]
+
+
 @pytest.mark.parametrize("code, status, message", [(130, 130, "interrupted"), (1, 1, ""),
                                                    (0, None, ""), (None, None, "")])
 def test_main_exits_with_the_code_typer_hands_back(monkeypatch, capsys, code, status, message):

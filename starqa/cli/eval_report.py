@@ -6,6 +6,8 @@ other commands (ui.py).
 
 from __future__ import annotations
 
+import time
+
 from rich.markup import escape
 from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
@@ -35,7 +37,8 @@ def plan_report(plan: runner.Plan) -> None:
 
 
 class RichProgress(runner.Progress):
-    """A spinner while the model loads, then a bar over the runs' token budget."""
+    """A spinner while the model loads, then a bar over the runs' token budget; where
+    stderr is not a terminal (a log file, CI), a line per run done instead."""
 
     def __init__(self):
         self._status = None
@@ -43,6 +46,9 @@ class RichProgress(runner.Progress):
         self._task = None
         self._runs = 0
         self._correct = 0
+        self._lines = not err.is_terminal
+        self._total = 0
+        self._current = ("", 0.0)  # the run under way, and when it began
 
     def __enter__(self):
         return self
@@ -61,6 +67,9 @@ class RichProgress(runner.Progress):
         if self._status is not None:
             self._status.stop()
             self._status = None
+        self._total = plan.n_runs
+        if self._lines:
+            return
         self._bar = Progress(
             TextColumn("{task.description}"), BarColumn(),
             TextColumn("{task.fields[runs]}/" + f"{plan.n_runs:,} runs"),
@@ -70,14 +79,22 @@ class RichProgress(runner.Progress):
         self._task = self._bar.add_task("", total=plan.total_tokens, runs=0, acc="")
 
     def run(self, task: str, length: int, index: int, method: str) -> None:
-        self._bar.update(self._task, description=f"{task} {runner.length_label(length)} "
-                                                 f"#{index + 1} {method}")
+        what = f"{task} {runner.length_label(length)} #{index + 1} {method}"
+        self._current = (what, time.monotonic())
+        if self._bar is not None:
+            self._bar.update(self._task, description=what)
 
     def done(self, tokens: int, correct: bool) -> None:
         self._runs += 1
         self._correct += correct
-        self._bar.update(self._task, advance=tokens, runs=self._runs,
-                         acc=f"{self._correct / self._runs:.0%} correct")
+        if self._bar is not None:
+            self._bar.update(self._task, advance=tokens, runs=self._runs,
+                             acc=f"{self._correct / self._runs:.0%} correct")
+            return
+        what, began = self._current
+        err.print(f"{escape(what)}: {'correct' if correct else 'wrong'} in "
+                  f"{time.monotonic() - began:,.1f} s · {self._runs:,}/{self._total:,} runs, "
+                  f"{self._correct / self._runs:.0%} correct", soft_wrap=True)
 
 
 def sources_cell(score: dict | None) -> str:
