@@ -186,8 +186,17 @@ LONG = {
 }
 
 
+def _commands() -> set[str]:
+    """The functions `starqa.cli` registers as Typer commands, as "cli/module.py:name":
+    one parameter per option is their nature."""
+    from starqa.cli import app
+
+    return {f"{Path(info.callback.__code__.co_filename).relative_to(PACKAGE).as_posix()}:"
+            f"{info.callback.__name__}" for info in app.registered_commands}
+
+
 def _is_command(node: ast.FunctionDef) -> bool:
-    """A Typer command (`@app.command(...)`): one parameter per option is its nature."""
+    """A function decorated as a Typer command (`@app.command(...)`)."""
     return any(isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
                and d.func.attr == "command" for d in node.decorator_list)
 
@@ -224,8 +233,11 @@ def test_no_function_is_long():
     found = {f"{file.relative_to(PACKAGE).as_posix()}:{name}": (lines, params)
              for file in sorted(PACKAGE.rglob("*.py"))
              for name, lines, params in long_functions(file.read_text())}
+    commands = _commands()
+    assert "cli/answering.py:ask" in commands  # the commands were found
     over = [f"{where}: {lines} lines, {params} parameters"
-            for where, (lines, params) in found.items() if where not in LONG]
+            for where, (lines, params) in found.items()
+            if where not in LONG and where not in commands]
     assert not over, (f"over {MAX_LINES} lines or {MAX_PARAMS} parameters (split it, or group "
                       "what travels together in a frozen dataclass):\n" + "\n".join(over))
     assert not set(LONG) - set(found), f"stale exceptions: {set(LONG) - set(found)}"

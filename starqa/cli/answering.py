@@ -1,0 +1,89 @@
+"""The commands that answer: `ask` (one question) and `chat` (a conversation, drawn by
+`starqa.cli.repl`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from starqa.core import DEFAULT_KEEPALIVE  # a constant: nothing imported
+from starqa.cli.options import (Attention, BeyondWindow, ContextArg, Device, IndexKind, KeepAlive,
+    KvOnDisk, MaxNewTokens, Model, Nnodes, NodeRank, Rdzv, TopKChoice, TopKOpt, TopKPrefill,
+    TopKSchedule, TopKTail, Weights, Workers, one_topk)
+
+
+def ask(
+    question: Annotated[str, typer.Argument(help="The question to answer from the context.")],
+    context: Annotated[Optional[str], typer.Option(
+        "--context", "-c", envvar="STARQA_CONTEXT",
+        help="Context name or key (default: the one used last).")] = None,
+    model: Model = None,
+    workers: Workers = None,
+    max_new_tokens: MaxNewTokens = 256,
+    as_json: Annotated[bool, typer.Option("--json", envvar="STARQA_JSON",
+                                          help="Print one JSON object.")] = False,
+    cold: Annotated[bool, typer.Option(
+        "--cold", envvar="STARQA_COLD",
+        help="Start workers even when a warm group serves the context.")] = False,
+    beyond_window: BeyondWindow = False,
+    nnodes: Nnodes = 1,
+    node_rank: NodeRank = 0,
+    rdzv_endpoint: Rdzv = None,
+    device: Device = "auto",
+    weights: Weights = None,
+    keepalive: KeepAlive = DEFAULT_KEEPALIVE,
+    attention: Attention = "exact",
+    top_k: TopKOpt = None,
+    top_k_schedule: TopKSchedule = None,
+    index: IndexKind = None,
+    kv_on_disk: KvOnDisk = False,
+    top_k_prefill: TopKPrefill = None,
+    top_k_tail: TopKTail = None,
+) -> None:
+    """Answer a question from a cached context (Phase 2), streaming tokens.
+
+    A cold ask answers as one worker when model and shards fit in memory (a process forked
+    as the command started), which then stays for --keep-alive seconds as the context's
+    warm group, so the next question needs no load."""
+    from starqa import api
+    from starqa.cli.ui import RichUI, answer_json, answer_stats, as_text
+
+    opts = api.AskOptions(question=as_text(question), context=context, model=model,
+                          workers=workers,
+                          max_new_tokens=max_new_tokens, beyond_window=beyond_window,
+                          nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                          device=device, warm=not cold, weights=weights,
+                          keepalive=keepalive,
+                          topk=one_topk(TopKChoice(attention, top_k, top_k_schedule, index,
+                                                   kv_on_disk, top_k_prefill, top_k_tail)))
+    with RichUI(stream=not as_json) as ui:
+        answer = api.ask_with(opts, ui)
+    if as_json:
+        print(json.dumps(answer_json(answer), indent=1))
+    else:
+        answer_stats(answer)
+
+
+def chat(
+    context: ContextArg = None,
+    workers: Workers = None,
+    keepalive: KeepAlive = DEFAULT_KEEPALIVE,
+    max_new_tokens: MaxNewTokens = 256,
+    attention: Attention = "exact",
+    top_k: TopKOpt = None,
+    top_k_schedule: TopKSchedule = None,
+    index: IndexKind = None,
+    kv_on_disk: KvOnDisk = False,
+    top_k_prefill: TopKPrefill = None,
+    top_k_tail: TopKTail = None,
+) -> None:
+    """Interactive questions over a cached context, with warm workers."""
+    from starqa.cli.repl import Chat
+
+    code = Chat(context, workers, keepalive, max_new_tokens,
+                one_topk(TopKChoice(attention, top_k, top_k_schedule, index, kv_on_disk,
+                                    top_k_prefill, top_k_tail))).run()
+    if code:  # a question or command of a script failed (each said why as it did)
+        raise typer.Exit(code)
