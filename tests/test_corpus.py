@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fakes import needs_git
-from starqa import corpus as corpus_mod
+from starqa.corpus import git as corpus_git
 from starqa.corpus import FileSpan, SourceFile, collect, content_hash, line_of, pack
 from starqa.core.errors import StarqaError
 
@@ -315,7 +315,7 @@ def test_files_know_when_they_last_changed(tmp_path, monkeypatch):
     when = {f.path: f.changed for f in collect([repo]).files}
     assert when == {"old.txt": 1_600_000_000, "a.txt": 1_650_000_000,
                     "b.txt": 1_800_000_000, "new.txt": 1_800_000_100}
-    monkeypatch.setattr(corpus_mod, "GIT_HISTORY", 2)  # old.txt's commit is not read
+    monkeypatch.setattr(corpus_git, "GIT_HISTORY", 2)  # old.txt's commit is not read
     assert {f.path: f.changed for f in collect([repo]).files}["old.txt"] == 0
 
     plain = tmp_path / "plain"

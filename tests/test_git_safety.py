@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from starqa import corpus
+from starqa.corpus import selection
 from starqa.core import paths
 from starqa.cache import store
 from starqa.corpus import watch as watch_mod
@@ -418,7 +419,7 @@ def test_a_fifo_put_in_a_files_place_is_skipped_not_waited_on(home, tiny_model, 
     folder.mkdir()
     (folder / "a.md").write_text("the star answer")
     (folder / "b.md").write_text("the block query")
-    real_read = corpus._read
+    real_read = selection._read
 
     def swap_then_read(path, *args, **kw):
         if path.name == "b.md" and path.is_file():
@@ -426,7 +427,7 @@ def test_a_fifo_put_in_a_files_place_is_skipped_not_waited_on(home, tiny_model, 
             os.mkfifo(path)
         return real_read(path, *args, **kw)
 
-    monkeypatch.setattr(corpus, "_read", swap_then_read)
+    monkeypatch.setattr(selection, "_read", swap_then_read)
     got = []
     worker = threading.Thread(target=lambda: got.append(ingest(folder, tiny_model)), daemon=True)
     worker.start()
