@@ -138,9 +138,9 @@ def home(tmp_path, monkeypatch):
     from starqa.workers import client
 
     for group in client.running():
-        if group.get("socket"):
+        if group.socket:
             with contextlib.suppress(Exception):
-                client.stop_group(group["key"])
+                client.stop_group(group.key)
 
 
 # The embedded model the tests run: the smallest (the default, a 1.5B, is for users).

@@ -336,7 +336,7 @@ def test_a_cold_ask_leaves_a_warm_group(home, docs_context, keepalive):
         assert time.monotonic() < deadline, "no warm group appeared"
         time.sleep(0.2)
     try:
-        assert group["keepalive"] == keepalive and group["workers"] == 1
+        assert group.keepalive == keepalive and group.workers == 1
         warm = ask()
         assert warm.warm and warm.token_ids == cold.token_ids
         # A second group for the same context refuses to start (one group per context).

@@ -193,11 +193,11 @@ def test_a_cold_ask_goes_on_as_the_warm_group(context):
     group = client.find(context.key)  # listening before the command ended: no wait
     try:
         assert group is not None, (client.run_dir() / f"{context.key}.log").read_text()
-        assert group["keepalive"] == 60 and group["workers"] == 1
+        assert group.keepalive == 60 and group.workers == 1
         # the forked ask itself, not a `starqa serve` started after it
-        argv = open(f"/proc/{group['pid']}/cmdline").read().split("\0")
+        argv = open(f"/proc/{group.pid}/cmdline").read().split("\0")
         assert "ask" in argv and "serve" not in argv
-        assert os.getsid(group["pid"]) == group["pid"]  # out of the command's session
+        assert os.getsid(group.pid) == group.pid  # out of the command's session
         warm = starqa("ask", QUESTION, "--max-new-tokens", "4", "--json")
         assert warm.returncode == 0, warm.stderr
         assert json.loads(warm.stdout)["warm"] is True
@@ -212,7 +212,7 @@ def test_a_cold_ask_goes_on_as_the_warm_group(context):
     finally:
         stopped = starqa("stop", "--all")
     assert stopped.returncode == 0, stopped.stderr
-    assert group is None or _gone(group["pid"])
+    assert group is None or _gone(group.pid)
     assert client.find(context.key) is None
 
 

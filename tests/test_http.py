@@ -298,7 +298,7 @@ def served(tmp_path_factory):
                                               max_retries=0, timeout=300)
         finally:
             for group in client.running():
-                client.stop_group(group["key"])
+                client.stop_group(group.key)
 
 
 def health(server) -> dict:

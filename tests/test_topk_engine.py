@@ -173,7 +173,7 @@ def test_a_warm_group_answers_only_with_its_own_attention(home, docs, tiny_model
         assert time.monotonic() < deadline, "no warm group appeared"
         time.sleep(0.2)
     try:
-        assert group["topk"] == few.as_dict()
+        assert group.topk == few.as_dict()
         warm = ask(topk=few)
         assert warm.warm and warm.token_ids == cold.token_ids and warm.sources == []
         exact = ask()

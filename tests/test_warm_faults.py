@@ -202,7 +202,7 @@ def _serve(*args: str) -> subprocess.Popen:
                             stdin=subprocess.DEVNULL)
 
 
-def _wait_for_group(proc: subprocess.Popen, timeout: float = 120) -> dict:
+def _wait_for_group(proc: subprocess.Popen, timeout: float = 120):
     from starqa.workers import client
 
     deadline = time.monotonic() + timeout
@@ -229,7 +229,7 @@ def test_sigterm_ends_serve_with_143_and_cleans_up(home, docs_context):
             proc.kill()
     assert proc.returncode == 143, err
     assert "Traceback" not in err and "stopped by SIGTERM" in err
-    assert not Path(group["socket"]).exists()
+    assert not Path(group.socket).exists()
     assert not (home / "run" / f"{manifest.key}.json").exists()
     assert groups() == []
 

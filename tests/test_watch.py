@@ -140,7 +140,7 @@ def test_a_warm_group_serves_the_new_version_after_a_reingest(home, repo, tiny_m
     old = store.find_context(paths.contexts_dir(), "repo")
     group = client.start(old.key, 1, keepalive=120)
     try:
-        assert group["key"] == old.key
+        assert group.key == old.key
         with open(repo / "f6.md", "a") as fh:
             fh.write(" the answer")
         result = CliRunner().invoke(app, args)
@@ -159,5 +159,5 @@ def test_a_warm_group_serves_the_new_version_after_a_reingest(home, repo, tiny_m
         assert warm.warm and warm.context.key == new.key
         assert warm.token_ids == cold.token_ids  # the new shards, not the old ones
     finally:
-        for key in {old.key, *(g["key"] for g in client.running())}:
+        for key in {old.key, *(g.key for g in client.running())}:
             client.stop_group(key)

@@ -49,14 +49,15 @@ from starqa.engine import Answer as AskResult  # the engine's whole record; `Ans
 from starqa.topk.indexes import KINDS as INDEX_KINDS
 from starqa.topk.indexes import TopK, topk_settings
 from starqa.workers.messages import GroupStatus
+from starqa.workers.runfile import RunInfo
 
-__all__ = ["DEFAULT_KEEPALIVE", "DEFAULT_MAX_NEW_TOKENS", "INDEX_KINDS", "Answer", "AskOptions",
-           "AskResult", "CacheUsage", "Chat", "Context", "ContextLengthError", "ContextNotFound",
-           "Damaged", "Group", "GroupSettings", "GroupStatus", "IngestOptions", "IngestResult", "KernelStatus",
-           "Listing", "Manifest", "Question", "ServeOptions", "Service", "ShardError", "Source",
-           "StarqaError", "Stopped", "Stream", "Timings", "TopK", "all_contexts", "ask",
-           "ask_with", "build_indexes", "cache_usage", "clean_cache", "context", "contexts",
-           "elsewhere", "fetch_model", "find", "hand_over", "ingest", "ingest_with", "kernels",
-           "listing", "remove", "resolved", "rm", "running_groups", "serve", "shard_present",
-           "stop", "stop_groups", "stopping", "stream", "summary", "topk_settings",
-           "valid_text", "wait_started", "warm", "watch"]
+__all__ = ["Answer", "AskOptions", "AskResult", "CacheUsage", "Chat", "Context",
+           "ContextLengthError", "ContextNotFound", "DEFAULT_KEEPALIVE", "DEFAULT_MAX_NEW_TOKENS",
+           "Damaged", "Group", "GroupSettings", "GroupStatus", "INDEX_KINDS", "IngestOptions",
+           "IngestResult", "KernelStatus", "Listing", "Manifest", "Question", "RunInfo",
+           "ServeOptions", "Service", "ShardError", "Source", "StarqaError", "Stopped", "Stream",
+           "Timings", "TopK", "all_contexts", "ask", "ask_with", "build_indexes", "cache_usage",
+           "clean_cache", "context", "contexts", "elsewhere", "fetch_model", "find", "hand_over",
+           "ingest", "ingest_with", "kernels", "listing", "remove", "resolved", "rm",
+           "running_groups", "serve", "shard_present", "stop", "stop_groups", "stopping", "stream",
+           "summary", "topk_settings", "valid_text", "wait_started", "warm", "watch"]

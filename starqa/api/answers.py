@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from starqa.api.catalog import Context
 from starqa.api.errors import StarqaError
 from starqa.workers.messages import Finished
+from starqa.workers.runfile import RunInfo
 
 DEFAULT_MAX_NEW_TOKENS = 256  # as `starqa ask`
 
@@ -119,11 +120,11 @@ def of_engine(answer, context: Context, max_new_tokens: int) -> Answer:
                   workers=answer.workers)
 
 
-def of_group(done: Finished, context: Context, group: dict, timings: Timings,
+def of_group(done: Finished, context: Context, group: RunInfo, timings: Timings,
              max_new_tokens: int) -> Answer:
     """A warm group's record of its answer (`starqa.workers.messages`) as an API answer."""
     n = len(done.token_ids)
     finish = "cancelled" if done.cancelled else "length" if n >= max_new_tokens else "stop"
     return Answer(text=done.text, context=context, question_tokens=done.question_tokens,
-                  answer_tokens=n, sources=sources_of(done.sources, not group.get("topk")),
-                  timings=timings, finish=finish, warm=True, workers=group["workers"])
+                  answer_tokens=n, sources=sources_of(done.sources, not group.topk),
+                  timings=timings, finish=finish, warm=True, workers=group.workers)

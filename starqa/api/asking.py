@@ -20,6 +20,7 @@ from starqa.core.progress import UI
 from starqa.topk.indexes import TopK
 from starqa.workers import client
 from starqa.workers.messages import GroupStatus
+from starqa.workers.runfile import RunInfo
 
 
 def ask_with(opts: engine.AskOptions, ui: UI = UI()) -> engine.Answer:
@@ -84,7 +85,7 @@ class Chat:
         self._settings = GroupSettings(workers, -1 if keepalive == 0 else keepalive, topk)
         self._only_while_open = keepalive == 0
         self._history: list[tuple[str, str]] = []
-        self._group: dict | None = None  # the run info of the group joined last
+        self._group: RunInfo | None = None  # the run info of the group joined last
         self._owns_group = False  # that group is this chat's to stop (`close`)
 
     @property
@@ -106,8 +107,8 @@ class Chat:
         ctx = catalog.context(context)
         found = client.find(ctx.key)
         self._check_attention(found, ctx)
-        if self._owns_group and (found is None or found["key"] != self._group["key"]):
-            client.stop_group(self._group["key"])
+        if self._owns_group and (found is None or found.key != self._group.key):
+            client.stop_group(self._group.key)
         self._owns_group = found is None and self._only_while_open
         self._group = found or start(catalog.find(ctx.key), self._settings, ui)
         self.context = ctx
@@ -115,12 +116,12 @@ class Chat:
             self._history.clear()
         return Group.of(self._group)
 
-    def _check_attention(self, group: dict | None, ctx: Context) -> None:
+    def _check_attention(self, group: RunInfo | None, ctx: Context) -> None:
         """A group already serving `ctx` with other attention than this chat's is an error:
         one group serves a context at a time."""
         wanted = self._settings.topk.as_dict() if self._settings.topk else None
-        if group is not None and group.get("topk") != wanted:
-            running = "exact" if not group.get("topk") else "top-k"
+        if group is not None and group.topk != wanted:
+            running = "exact" if not group.topk else "top-k"
             raise StarqaError(f"A warm group already serves {ctx.name} with {running} "
                               "attention; one group serves a context at a time.",
                               hint=f"stop it first (starqa stop {ctx.key}), or chat "
@@ -133,7 +134,7 @@ class Chat:
         if self._group is None:
             return False
         group = client.find(self.context.key)
-        return group is None or group.get("pid") != self._group.get("pid")
+        return group is None or group.pid != self._group.pid
 
     def reingested(self) -> Context | None:
         """The context this chat's context's name means now, where that is a newer version
@@ -186,7 +187,7 @@ class Chat:
         """End the chat: a group it started for itself (keepalive 0) is stopped; any
         other stays warm for its keep-alive."""
         if self._owns_group:
-            client.stop_group(self._group["key"])
+            client.stop_group(self._group.key)
             self._owns_group = False
 
     def __enter__(self) -> Chat:

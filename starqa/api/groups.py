@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +27,8 @@ from starqa.cache.manifest import Manifest
 from starqa.core.progress import UI
 from starqa.topk import indexes
 from starqa.topk.indexes import TopK
-from starqa.workers import client, messages
+from starqa.workers import client, messages, runfile
+from starqa.workers.runfile import RunInfo
 from starqa.workers.client import elsewhere, wait_started
 
 
@@ -43,9 +43,9 @@ class Group:
     keepalive: float  # idle seconds before it exits; <= 0: never
 
     @classmethod
-    def of(cls, info: dict) -> Group:
-        return cls(key=info["key"], name=info["name"], workers=info["workers"],
-                   pid=info["pid"], keepalive=info["keepalive"])
+    def of(cls, info: RunInfo) -> Group:
+        return cls(key=info.key, name=info.name, workers=info.workers, pid=info.pid,
+                   keepalive=info.keepalive)
 
 
 @dataclass(frozen=True)
@@ -71,41 +71,45 @@ def stop(context: Context | str | None = None) -> bool:
 
 
 def running_groups() -> list[dict]:
-    """Every warm group of this machine (`starqa ps`), as its run file describes it
-    (`client.running`: JSON-ready), with what the group says of itself now (questions
-    answered, the query host's memory) where it answers within 5 s; a group busy answering
-    or starting, and this machine's part of a group served from another, as their run
-    files say."""
-    groups = client.running()
-    for group in groups:
-        if not group["socket"]:  # part of a group served from another machine
-            continue
+    """Every warm group of this machine (`starqa ps`), as its run file describes it, with
+    what the group says of itself now (questions answered, the query host's memory) where
+    it answers within 5 s; a group busy answering or starting, and this machine's part of a
+    group served from another, as their run files say. JSON-ready (`runfile.with_status`)."""
+    return [runfile.with_status(group, _status(group)) for group in client.running()]
+
+
+def _status(group: RunInfo) -> messages.GroupStatus | None:
+    """What `group` says of itself within 5 s; None where it does not (busy answering or
+    starting, or served from another machine)."""
+    if not group.socket:  # part of a group served from another machine
+        return None
+    try:
+        conn = client.Client(group, timeout=5)
         try:
-            conn = client.Client(group, timeout=5)
-            group.update(dataclasses.asdict(conn.ping()))
+            return conn.ping()
+        finally:
             conn.close()
-        except Exception:  # busy answering or starting: what the run file says
-            pass
-    return groups
+    except Exception:  # busy answering or starting: what the run file says
+        return None
 
 
-def stopping(refs: Sequence[str] | None) -> tuple[list[dict], list[str]]:
+def stopping(refs: Sequence[str] | None) -> tuple[list[RunInfo], list[str]]:
     """What `starqa stop` ends: (the run info of the groups serving the contexts `refs`
     names, every group for None; the keys of those among them still starting, which a
     launcher holds and no run file names yet: `wait_started` waits for them)."""
     groups = client.running()
     keys = None if refs is None else {find(ref).key for ref in refs}
     if keys is not None:
-        groups = [g for g in groups if g["key"] in keys]
+        groups = [g for g in groups if g.key in keys]
     return groups, [k for k in client.starting() if keys is None or k in keys]
 
 
-def stop_groups(groups: Sequence[dict]) -> Iterator[tuple[dict, str]]:
+def stop_groups(groups: Sequence[RunInfo]) -> Iterator[tuple[RunInfo, str]]:
     """Stop each of `groups`, yielding it with what became of it: "stopped"; "died" (it
     had died without cleaning up: its run file and socket are removed); "elsewhere" (this
     machine's part of a group served from another: stopped from its query host, see
     `elsewhere`). When every one is such a part, the first's error is raised instead."""
-    parts = [g for g in groups if not g["socket"]]
+    parts = [g for g in groups if not g.socket]
     if parts and len(parts) == len(groups):
         raise elsewhere(parts[0])
     for group in groups:
@@ -116,7 +120,7 @@ def stop_groups(groups: Sequence[dict]) -> Iterator[tuple[dict, str]]:
 
 
 def serve(opts: engine.ServeOptions, ui: UI = UI(),
-          on_ready: Callable[[dict], None] | None = None) -> None:
+          on_ready: Callable[[RunInfo], None] | None = None) -> None:
     """Keep a warm group for `opts.context` in this process (`starqa serve`), until it is
     stopped (`stop`), its keep-alive runs out or KeyboardInterrupt; `on_ready` gets its run
     info once every worker is ready (across machines: each node's)."""
@@ -134,7 +138,7 @@ def hand_over(result: engine.IngestResult) -> list[Group]:
     return [Group.of(info) for info in client.follow(m.name, m.key)]
 
 
-def _running(key: str, settings: GroupSettings) -> dict:
+def _running(key: str, settings: GroupSettings) -> RunInfo:
     """The run info of context `key`'s group (`client.running`), started if none runs."""
     group = client.find(key)
     if group is None:
@@ -142,7 +146,7 @@ def _running(key: str, settings: GroupSettings) -> dict:
     return group
 
 
-def start(manifest: Manifest, settings: GroupSettings, ui: UI = UI()) -> dict:
+def start(manifest: Manifest, settings: GroupSettings, ui: UI = UI()) -> RunInfo:
     """Start a warm group for `manifest`'s context in the background (`starqa serve`) and
     return its run info once every worker is ready, the steps shown on `ui`; with top-k
     attention, its index files are checked (built where missing) first."""
@@ -155,7 +159,7 @@ def start(manifest: Manifest, settings: GroupSettings, ui: UI = UI()) -> dict:
                             attention=topk.cli_args() if topk else ())
 
 
-def _connect(key: str, settings: GroupSettings) -> tuple[dict, client.Client]:
+def _connect(key: str, settings: GroupSettings) -> tuple[RunInfo, client.Client]:
     """A connection to context `key`'s group, started if none runs (or the one found died)."""
     group = _running(key, settings)
     try:

@@ -43,20 +43,20 @@ def serve(
     machines: on the query host, the machine of the last node rank). With --http, serve every
     context through the OpenAI chat API instead."""
 
-    def ready(info: dict) -> None:
+    def ready(info) -> None:  # an api.RunInfo
         from starqa.cli.ui import err, safe
 
         ui._stop_status()
-        name = safe(info["name"])
-        stop_it = safe(f"starqa stop {shlex.quote(info['name'])}")
-        if info.get("nodes") and not info["socket"]:
-            err.print(f"Serving node {info['node']} of {info['nodes']} for {name} "
-                      f"({info['key']}); ask and chat on the query host, "
-                      f"{safe(info['query'])}. `{stop_it}` there ends the group.")
+        name = safe(info.name)
+        stop_it = safe(f"starqa stop {shlex.quote(info.name)}")
+        if info.across and not info.socket:
+            err.print(f"Serving node {info.node} of {info.nodes} for {name} "
+                      f"({info.key}); ask and chat on the query host, "
+                      f"{safe(info.query)}. `{stop_it}` there ends the group.")
             return
-        across = f" across {info['nodes']} machines" if info.get("nodes") else ""
-        err.print(f"Serving {name} ({info['key']}) on {info['workers']} warm worker"
-                  f"{'s' * (info['workers'] > 1)}{across} ({info['weights']} weights); "
+        across = f" across {info.nodes} machines" if info.across else ""
+        err.print(f"Serving {name} ({info.key}) on {info.workers} warm worker"
+                  f"{'s' * (info.workers > 1)}{across} ({info.weights} weights); "
                   + (f"idle exit after {keepalive:.0f} s" if keepalive > 0 else "no idle exit")
                   + f". Ctrl-C or `{stop_it}` ends it.")
 
@@ -161,8 +161,8 @@ def stop(
         if outcome == "elsewhere":  # stopped from its query host
             err.print(f"Not stopped here: {safe(api.elsewhere(group))}")
         elif outcome == "died":  # without cleaning up (kill -9): its files are removed
-            err.print(f"{safe(group['name'])} ({safe(group['key'])}) had already died; "
+            err.print(f"{safe(group.name)} ({safe(group.key)}) had already died; "
                       "removed the run file and socket it left.")
         else:
-            err.print(f"Stopped {safe(group['name'])} ({safe(group['key'])})"
-                      + (f" on its {group['nodes']} machines." if group.get("nodes") else "."))
+            err.print(f"Stopped {safe(group.name)} ({safe(group.key)})"
+                      + (f" on its {group.nodes} machines." if group.across else "."))

@@ -23,6 +23,7 @@ from starqa.phase2.placement import phase2_workers
 from starqa.runtime.launch import Launch, PerRank, launch_of, run_workers
 from starqa.runtime.protocol import Done, Event, ThenServe, Token
 from starqa.topk.indexes import TopK
+from starqa.workers.runfile import RunInfo
 
 
 @dataclass(frozen=True)
@@ -124,15 +125,15 @@ def _checked_request(opts: AskOptions) -> Manifest:
     return manifest
 
 
-def _warm_group(opts: AskOptions, manifest: Manifest) -> dict | None:
+def _warm_group(opts: AskOptions, manifest: Manifest) -> RunInfo | None:
     """The run info of a warm group that answers this ask as asked, if one runs here."""
     if not (opts.warm and opts.nnodes == 1 and opts.model is None):
         return None
     from starqa.workers import client
 
     group = client.find(manifest.key)
-    if group is not None and opts.weights in (None, group.get("weights")) \
-            and group.get("topk") == (opts.topk.as_dict() if opts.topk else None):
+    if group is not None and opts.weights in (None, group.weights) \
+            and group.topk == (opts.topk.as_dict() if opts.topk else None):
         return group
     return None
 
@@ -268,7 +269,8 @@ class _GroupLeft(Exception):
     asked (`starqa stop`, its keep-alive ending), so the question goes elsewhere."""
 
 
-def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started: float) -> Answer:
+def _ask_warm(opts: AskOptions, manifest: Manifest, group: RunInfo, ui: UI,
+              started: float) -> Answer:
     """Ask a running worker group over its socket (no model load, no torch import here)."""
     from starqa.workers import messages
     from starqa.workers.client import Client
@@ -296,7 +298,7 @@ def _ask_warm(opts: AskOptions, manifest: Manifest, group: dict, ui: UI, started
         conn.close()
     return Answer.timed(done.text, started, first, time.perf_counter(), opts.topk,
                         token_ids=list(done.token_ids), context=manifest,
-                        query_tokens=done.question_tokens, workers=group["workers"],
+                        query_tokens=done.question_tokens, workers=group.workers,
                         decode_seconds=done.decode_s, prefill_seconds=done.first_token_s,
                         sources=list(done.sources or ()), warm=True,
-                        weights=group.get("weights"))
+                        weights=group.weights)

@@ -6,6 +6,7 @@ tells `ask`, `chat`, `ps` and `stop` where it listens.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starqa.cache import hosts, store
-from starqa.cache.manifest import Manifest, write_json_atomic
+from starqa.cache.manifest import Manifest
 from starqa.core import paths
 from starqa.core.errors import StarqaError
 from starqa.core.progress import UI
@@ -22,6 +23,8 @@ from starqa.phase2.placement import phase2_workers
 from starqa.runtime.launch import launch_of, run_workers
 from starqa.runtime.protocol import Event, Ready, ServeJob
 from starqa.topk.indexes import TopK, topk_of
+from starqa.workers import runfile
+from starqa.workers.runfile import RunInfo
 from starqa.core import DEFAULT_KEEPALIVE
 
 
@@ -108,19 +111,20 @@ def _announce(opts: ServeOptions, manifest: Manifest, job: ServeJob, workers: in
         ready[event.rank] = event
         if len(ready) != workers:  # this machine's workers (all, on one machine)
             return
-        info = {"key": manifest.key, "name": manifest.name, "pid": os.getpid(),
-                "workers": workers, "socket": job.socket, "started": time.time(),
-                "keepalive": opts.keepalive, "tokens": manifest.n_tokens,
-                "weights": job.weights, "method": manifest.method.name, "topk": job.topk,
-                # what client.follow restarts it with after a re-ingest
-                "requested_workers": opts.workers,
-                "attention_args": opts.topk.cli_args() if opts.topk else []}
+        info = RunInfo(key=manifest.key, name=manifest.name, pid=os.getpid(),
+                       workers=workers, socket=job.socket, started=time.time(),
+                       keepalive=opts.keepalive, tokens=manifest.n_tokens,
+                       weights=job.weights, method=manifest.method.name, topk=job.topk,
+                       # what client.follow restarts it with after a re-ingest
+                       requested_workers=opts.workers,
+                       attention_args=tuple(opts.topk.cli_args()) if opts.topk else ())
         if opts.nnodes > 1:
             first = next(iter(ready.values()))
             query = any(e.query_host for e in ready.values())
-            info |= {"workers": first.world, "node": first.node, "nodes": first.nodes,
-                     "query": first.query, "socket": job.socket if query else None}
-        write_json_atomic(run_file, info)
+            info = dataclasses.replace(info, workers=first.world, node=first.node,
+                                       nodes=first.nodes, query=first.query,
+                                       socket=job.socket if query else None)
+        runfile.write(run_file, info)
         if on_ready:
             on_ready(info)
 

@@ -2,17 +2,17 @@
 in the background, asking, cancelling, stopping. Imports nothing heavy, so a warm `ask` pays
 for no torch or transformers import.
 
-A running group is described by `$STARQA_HOME/run/<key>.json` (written by the launcher once
-every worker is ready; `paths.run_dir`: elsewhere when the cache root is read-only), which
-names its socket: a short private path whatever the root's length (`paths.socket_path`). A
-group across machines has a run file on each; only the query host's names a socket, the
-others' say which node they are (`node`, `nodes`) and where the query host is (`query`).
+A running group is described by its run file, `$STARQA_HOME/run/<key>.json` (a `RunInfo`,
+`starqa.workers.runfile`, written by the launcher once every worker is ready;
+`paths.run_dir`: elsewhere when the cache root is read-only), which names its socket: a
+short private path whatever the root's length (`paths.socket_path`). A group across
+machines has a run file on each; only the query host's names a socket, the others' say
+which node they are (`node`, `nodes`) and where the query host is (`query`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shlex
 import socket
@@ -22,10 +22,12 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from starqa.core import DEFAULT_KEEPALIVE, paths
+from starqa.core import paths
 from starqa.cache import store
 from starqa.core.errors import StarqaError, WorkerError
-from starqa.workers import messages
+from starqa.runtime.protocol import ProtocolError
+from starqa.workers import messages, runfile
+from starqa.workers.runfile import RunInfo
 
 
 def run_dir() -> Path:
@@ -62,12 +64,12 @@ def alive(pid: int) -> bool:
         return True
 
 
-def forget(info: dict) -> None:
+def forget(info: RunInfo) -> None:
     """Remove the run file and socket of a group found dead (`Unreachable`), where ours:
     only while no launcher holds the context's slot (`claim`), so never those of a group
     starting for it right now (same names)."""
     try:
-        held = claim(info["key"])
+        held = claim(info.key)
     except (StarqaError, OSError):
         return
     if held is None:
@@ -76,16 +78,16 @@ def forget(info: dict) -> None:
         _forget(info)
 
 
-def _forget(info: dict) -> None:
+def _forget(info: RunInfo) -> None:
     for folder in paths.run_dirs():
         with contextlib.suppress(OSError):
-            (folder / f"{info['key']}.json").unlink(missing_ok=True)
-    if info.get("socket"):
+            (folder / f"{info.key}.json").unlink(missing_ok=True)
+    if info.socket:
         with contextlib.suppress(OSError):
-            Path(info["socket"]).unlink(missing_ok=True)
+            Path(info.socket).unlink(missing_ok=True)
 
 
-def running() -> list[dict]:
+def running() -> list[RunInfo]:
     """Live groups, and this machine's parts of groups served from another machine (no
     socket here). Stale run files of dead launchers are removed where they can be. Reads
     only: a read-only cache root, or one with no run folder yet, has none."""
@@ -96,12 +98,11 @@ def running() -> list[dict]:
         try:
             if file.stat().st_uid != os.getuid():
                 continue  # another user's group (a shared cache), or planted: not ours
-            info = json.loads(file.read_text())
-            if not _run_file(info):
-                continue  # not a run file this starqa wrote (garbage, another version's)
-            live = alive(info["pid"]) and (info["socket"] is None
-                                           or Path(info["socket"]).exists())
-        except (OSError, ValueError, KeyError, TypeError):  # not a run file starqa wrote
+            info = runfile.read(file)
+            live = alive(info.pid) and (info.socket is None or Path(info.socket).exists())
+        except (ValueError, ProtocolError):  # not a run file this starqa wrote (garbage,
+            continue  # another version's)
+        except OSError:
             continue
         if live:
             found.append(info)
@@ -111,37 +112,22 @@ def running() -> list[dict]:
     return found
 
 
-_RUN_FIELDS = {"key": str, "name": str, "pid": int, "workers": int, "started": (int, float),
-               "keepalive": (int, float)}
-
-
-def _run_file(info) -> bool:
-    """Whether `info` has what `ps`, `stop` and `ask` read of a run file, of the right kinds."""
-    if not isinstance(info, dict) or not isinstance(info.get("socket"), (str, type(None))):
-        return False
-    if info.get("nodes") and not all(name in info for name in ("node", "nodes", "query")):
-        return False
-    return all(isinstance(info.get(name), kind) and not isinstance(info.get(name), bool)
-               for name, kind in _RUN_FIELDS.items())
-
-
-def find(key: str) -> dict | None:
+def find(key: str) -> RunInfo | None:
     """The group serving `key` from this machine (one whose socket is here), or None."""
-    return next((info for info in running() if info["key"] == key and info["socket"]), None)
+    return next((info for info in running() if info.key == key and info.socket), None)
 
 
-def part(key: str) -> dict | None:
+def part(key: str) -> RunInfo | None:
     """This machine's part of a group serving `key` from another machine, or None."""
-    return next((info for info in running() if info["key"] == key and not info["socket"]),
-                None)
+    return next((info for info in running() if info.key == key and not info.socket), None)
 
 
-def elsewhere(group: dict) -> StarqaError:
+def elsewhere(group: RunInfo) -> StarqaError:
     """The error for asking or stopping on a machine that only runs part of `group`."""
     return StarqaError(
-        f"This machine runs node {group['node']} of the warm group of {group['name']}; "
-        f"its socket is on the query host, {group['query']}.",
-        hint=f"run it on that machine (there: starqa ps; starqa stop {group['name']})")
+        f"This machine runs node {group.node} of the warm group of {group.name}; "
+        f"its socket is on the query host, {group.query}.",
+        hint=f"run it on that machine (there: starqa ps; starqa stop {group.name})")
 
 
 CLAIM_ENV = "STARQA_CLAIMED"  # "KEY:FD": the slot's lock, held by `spawn` for its child
@@ -172,7 +158,7 @@ def starting() -> list[str]:
     and no run file says they listen yet. Reads only (a shared lock probe, no file made)."""
     import fcntl
 
-    ready = {info["key"] for info in running()}
+    ready = {info.key for info in running()}
     keys = []
     for folder in paths.run_dirs():
         for lock in sorted(folder.glob("*.lock")) if folder.is_dir() else ():
@@ -188,11 +174,11 @@ def starting() -> list[str]:
     return keys
 
 
-def wait_started(keys: Sequence[str], wait_s: float = 300) -> list[dict]:
+def wait_started(keys: Sequence[str], wait_s: float = 300) -> list[RunInfo]:
     """The run info of each of `keys` once its group listens; one whose launcher gives up
     (its slot let go with no group) or that is not ready within `wait_s` is left out."""
     deadline = time.monotonic() + wait_s
-    found: dict[str, dict] = {}
+    found: dict[str, RunInfo] = {}
     pending = list(keys)
     while pending and time.monotonic() < deadline:
         for key in list(pending):
@@ -230,7 +216,7 @@ def spawn(key: str, workers: int | None, keepalive: float,
 
 
 def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300,
-          weights: str | None = None, attention: Sequence[str] = ()) -> dict:
+          weights: str | None = None, attention: Sequence[str] = ()) -> RunInfo:
     """Start `starqa serve` for context `key` in the background; returns its run info once
     every worker is ready (or raises with the tail of its log)."""
     log = run_dir() / f"{key}.log"
@@ -267,7 +253,7 @@ def stop_group(key: str) -> bool:
     return group is not None and stop(group)
 
 
-def stop(group: dict) -> bool:
+def stop(group: RunInfo) -> bool:
     """Stop `group` (its run info, with a socket on this machine); False when it had died
     without cleaning up (kill -9), in which case its run file and socket are removed."""
     try:
@@ -282,7 +268,7 @@ def stop(group: dict) -> bool:
     return True
 
 
-def follow(name: str, key: str) -> list[dict]:
+def follow(name: str, key: str) -> list[RunInfo]:
     """Hand warm groups over to a new ingest of context `name` (its new `key`): a group
     serving an earlier version (the same name, another key) is stopped, and one for `key`
     started in the background with the same settings (workers, keep-alive, weights,
@@ -290,32 +276,32 @@ def follow(name: str, key: str) -> list[dict]:
     a restart by hand. Returns the replaced groups' run info."""
     replaced = []
     for group in running():
-        if group.get("name") != name or group["key"] == key:
+        if group.name != name or group.key == key:
             continue
         try:
-            stop_group(group["key"])
+            stop_group(group.key)
         except (StarqaError, OSError):
             continue  # it went away meanwhile, or cannot be reached: nothing to hand over
         replaced.append(group)
-        spawn(key, group.get("requested_workers"), group.get("keepalive", DEFAULT_KEEPALIVE),
-              group.get("weights"), group.get("attention_args", ()))
+        spawn(key, group.requested_workers, group.keepalive, group.weights,
+              group.attention_args)
     return replaced
 
 
 class Client:
     """One connection to a group's query host."""
 
-    def __init__(self, info: dict, timeout: float = 600):
+    def __init__(self, info: RunInfo, timeout: float = 600):
         self.info = info
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
-            self.sock.connect(info["socket"])
+            self.sock.connect(info.socket)
         except OSError as err:
             self.sock.close()
             dead = isinstance(err, (ConnectionRefusedError, FileNotFoundError))
             raise (Unreachable if dead else StarqaError)(
-                f"Cannot reach the worker group of {info['name']} ({err}).",
+                f"Cannot reach the worker group of {info.name} ({err}).",
                 hint="starqa ps shows running groups; starqa stop ends them") from None
         self.reader = self.sock.makefile("rb")
 
@@ -326,7 +312,7 @@ class Client:
         for line in self.reader:
             yield messages.read_event(line)
         raise WorkerError("The worker group closed the connection (did a worker die? "
-                          f"see {log_path(self.info['key'])}).")
+                          f"see {log_path(self.info.key)}).")
 
     def ask(self, question: str, history=(), max_new_tokens: int = 256,
             beyond_window: bool = False, draft_tokens: int | None = None,
