@@ -100,10 +100,8 @@ def running() -> list[RunInfo]:
                 continue  # another user's group (a shared cache), or planted: not ours
             info = runfile.read(file)
             live = alive(info.pid) and (info.socket is None or Path(info.socket).exists())
-        except (ValueError, ProtocolError):  # not a run file this starqa wrote (garbage,
-            continue  # another version's)
-        except OSError:
-            continue
+        except (OSError, ValueError, ProtocolError):  # unreadable, or not a run file this
+            continue  # starqa wrote (garbage, another version's)
         if live:
             found.append(info)
         else:
