@@ -491,6 +491,25 @@ def test_progress_is_a_line_per_run_where_stderr_is_no_terminal(capsys):
     assert lines[1].startswith("repo_qa 30,000 #1 star: wrong in ") and "2/2 runs, 50%" in lines[1]
 
 
+def test_the_table_is_whole_where_stdout_is_no_terminal(capsys):
+    """`starqa eval > log`: every column at its full width, none cut to "…" at 80 columns."""
+    from starqa.cli import eval_report as report
+
+    methods = ["dense", "star", "pulsar", "apb"]
+    score = {"correct": 3, "accuracy": 0.375, "retention": 1.0,
+             "sources": {"n": 3, "top1": 1.0, "top3": 1.0, "line_distance": 0}}
+    report.results_table({"settings": {"methods": methods}, "summary": [
+        {"task": "repo_qa", "length": 30000, "n": 8,
+         "methods": {m: {**score, "retention": None if m == "dense" else 1.0}
+                     for m in methods}}]})
+    lines = capsys.readouterr().out.splitlines()
+    assert "…" not in "\n".join(lines)
+    assert lines[0].split() == ["task", "length", "n", "dense", "dense", "src", "star", "star",
+                                "ret", "star", "src", "pulsar", "pulsar", "ret", "pulsar",
+                                "src", "apb", "apb", "ret", "apb", "src"]
+    assert "repo_qa" in lines[1] and "30,000" in lines[1] and "3/3 · 3/3 · ±0" in lines[1]
+
+
 @pytest.mark.parametrize("code, status, message", [(130, 130, "interrupted"), (1, 1, ""),
                                                    (0, None, ""), (None, None, "")])
 def test_main_exits_with_the_code_typer_hands_back(monkeypatch, capsys, code, status, message):

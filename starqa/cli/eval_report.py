@@ -14,7 +14,7 @@ from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
 from rich.table import Table
 
 from starqa.measure.evals import runner, scoring
-from starqa.cli.ui import err, out
+from starqa.cli.ui import err, out, print_table
 
 
 def _plural(n: int, word: str) -> str:
@@ -145,7 +145,7 @@ def results_table(results: dict) -> None:
         table.add_row(row["task"], runner.length_label(row["length"]), str(row["n"]), *cells,
                       style=style)
     if results["summary"]:
-        out.print(table)
+        print_table(table)
         out.print("[dim]accuracy: samples whose prediction holds every answer · "
                   "ret: retention, accuracy / dense accuracy on the same samples[/]")
         if same:

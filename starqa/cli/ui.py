@@ -85,6 +85,20 @@ def as_text(typed: str | None) -> str | None:
     return None if typed is None else api.valid_text(typed)
 
 
+def print_table(table: Table, console: Console | None = None) -> None:
+    """`table` on `console` (stdout's by default); where that is no terminal (a log, a pipe,
+    CI), as wide as the table needs: rich would fit it to 80 columns, its cells cut to
+    "…"."""
+    console = console or out
+    if console.is_terminal:
+        console.print(table)
+        return
+    from rich.measure import Measurement
+
+    need = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    Console(file=console.file, width=max(console.width, need), highlight=False).print(table)
+
+
 def safe(text) -> str:
     """`text` as data inside rich markup: printable, and `[red]` prints as `[red]`."""
     return escape(printable(str(text)))
@@ -616,7 +630,7 @@ def groups_table(groups: list[dict]) -> None:
                       str(g["pid"]), _ago(now - g["started"]).removesuffix(" ago"),
                       str(g.get("answered", "?")), rss,
                       f"{g['keepalive']:.0f} s" if g["keepalive"] > 0 else "never")
-    out.print(table)
+    print_table(table)
 
 
 # ---------------------------------------------------------------------------------------
@@ -653,7 +667,7 @@ def _topk_table(result: dict) -> None:
     out.print()
     out.print("[bold]Phase 2: top-k attention against exact[/] (same context and workers; "
               "peak: the largest worker's max RSS; index: files on disk, built once)")
-    out.print(table)
+    print_table(table)
 
 
 def bench_notes(plan) -> None:
@@ -684,7 +698,7 @@ def bench_table(result: dict) -> None:
                       f"{p1['sent_bytes'] / mb:,.1f}", f"{row['shard_bytes'] / mb:,.1f}",
                       f"{p2['first_token_seconds']:.2f}",
                       f"{per_token * 1e3:.0f}" if per_token is not None else "–")
-    out.print(table)
+    print_table(table)
     cpu = result["environment"].get("cpu")
     if cpu:
         out.print(f"[dim]CPU: {safe(cpu['model'])} ({', '.join(cpu['flags']) or 'no avx2'})[/]")
@@ -705,4 +719,4 @@ def bench_table(result: dict) -> None:
         out.print("[bold]Critical-path FLOPs relative to star[/] (same length and workers"
                   + ("; dense: its one worker against star's slowest" if "dense/star" in names
                      else "") + ")")
-        out.print(ratios)
+        print_table(ratios)
