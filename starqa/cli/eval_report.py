@@ -46,7 +46,6 @@ class RichProgress(runner.Progress):
         self._task = None
         self._runs = 0
         self._correct = 0
-        self._lines = not err.is_terminal
         self._total = 0
         self._current = ("", 0.0)  # the run under way, and when it began
 
@@ -68,7 +67,7 @@ class RichProgress(runner.Progress):
             self._status.stop()
             self._status = None
         self._total = plan.n_runs
-        if self._lines:
+        if not err.is_terminal:  # a line per run instead (`done`)
             return
         self._bar = Progress(
             TextColumn("{task.description}"), BarColumn(),
