@@ -124,14 +124,16 @@ class StarqaWarm:
 
         self.group = client.start(key, None, keepalive=600)
         self.conn = client.Client(self.group)
-        self.weights = self.group.get("weights")
+        self.weights = self.group.weights
 
     def ask(self, new_tokens: int, draft_tokens: int | None = None) -> dict:
+        from starqa.workers import messages
+
         done = next(e for e in self.conn.ask(QUESTION, (), new_tokens, draft_tokens=draft_tokens)
-                    if e["event"] == "done")
-        return {"first_token_s": done["first_token_s"], "tokens": done["token_ids"],
-                "decode_ms_per_token": done["decode_s"] / max(len(done["token_ids"]) - 1, 1)
-                * 1e3, "text": done["text"]}
+                    if isinstance(e, messages.Finished))
+        return {"first_token_s": done.first_token_s, "tokens": list(done.token_ids),
+                "decode_ms_per_token": done.decode_s / max(len(done.token_ids) - 1, 1) * 1e3,
+                "text": done.text}
 
     def close(self) -> None:
         try:

@@ -36,7 +36,7 @@ def main() -> None:
 
     import torch
 
-    from starqa.workers import client
+    from starqa.workers import client, messages
     from starqa import engine, models
     from starqa.corpus import prompt
 
@@ -61,11 +61,12 @@ def main() -> None:
         group = client.start(manifest.key, args.workers, keepalive=0)
         conn = client.Client(group)
 
-        def ask(question: str, max_new_tokens: int) -> dict:
-            return [e for e in conn.ask(question, (), max_new_tokens) if e["event"] == "done"][0]
+        def ask(question: str, max_new_tokens: int) -> messages.Finished:
+            return next(e for e in conn.ask(question, (), max_new_tokens)
+                        if isinstance(e, messages.Finished))
 
         ask(QUESTION, 1)  # warm-up
-        warm = [ask(QUESTION, 1)["first_token_s"] for _ in range(5)]
+        warm = [ask(QUESTION, 1).first_token_s for _ in range(5)]
 
         model = models.load_model(model_path, dtype=torch.bfloat16)
         full = torch.tensor([context_ids(tokenizer, home / "corpus", manifest) +
@@ -93,9 +94,9 @@ def main() -> None:
         elapsed = time.perf_counter() - started
         print(f"\n{args.questions} consecutive warm questions (8 answer tokens each), "
               f"{elapsed / (args.questions - 1):.2f} s per question")
-        print(f"  query host RSS after question 1:   {first['rss_bytes'] / 2**20:8.1f} MB")
+        print(f"  query host RSS after question 1:   {first.rss_bytes / 2**20:8.1f} MB")
         print(f"  query host RSS after question {args.questions}: "
-              f"{last['rss_bytes'] / 2**20:8.1f} MB")
+              f"{last.rss_bytes / 2**20:8.1f} MB")
         conn.stop()
         conn.close()
     finally:
