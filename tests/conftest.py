@@ -164,7 +164,7 @@ def fake_workers(monkeypatch) -> list[dict]:
     import torch
     from safetensors.torch import load_file
 
-    from starqa.launchers import ingest as ingest_mod
+    from starqa.launchers.ingest import steps
     from starqa.cache import shards
     from starqa.runtime import protocol
 
@@ -182,7 +182,7 @@ def fake_workers(monkeypatch) -> list[dict]:
             shards.save_block(Path(job["staging"]), i, kv, kv + 1, range(start, end), {})
             on_event(protocol.Block(rank=0, index=i, tokens=end - start))
 
-    monkeypatch.setattr(ingest_mod, "run_workers", run_workers)
+    monkeypatch.setattr(steps, "run_workers", run_workers)
     return jobs
 
 

@@ -1,8 +1,9 @@
 """Bad inputs and faults from issue #11: each test failed before its fix.
 
 No model downloads and no torchrun: the tiny model of `tiny.py` where a tokenizer is needed,
-fake contexts (from test_cache_cmds) where the cache is, and `starqa.launchers.ingest._encode`
-replaced by a stand-in that commits shards the way the workers would.
+fake contexts (from test_cache_cmds) where the cache is, and Phase 1's steps
+(`starqa.launchers.ingest.flow.run_phase1`) replaced by a stand-in that commits shards the
+way the workers would.
 """
 
 import json
@@ -21,7 +22,7 @@ from typer.testing import CliRunner
 from starqa import corpus, engine
 from starqa.core import paths
 from starqa.cache import shards, store
-from starqa.launchers import ingest as ingest_mod
+from starqa.launchers.ingest import flow, steps
 from starqa.cli import app
 from starqa.core.errors import ShardError, StarqaError
 from starqa.cache.manifest import MANIFEST, ModelIdentity, block_file, read_manifest, write_manifest
@@ -311,7 +312,7 @@ def test_ingest_keeps_room_for_a_question_and_an_answer(home, tiny_model, tmp_pa
     n = _context_tokens(docs, tiny_model)
     assert n > 2048  # so that the reserve is the full 512, not a quarter of the window
     model = make_tiny_model(tmp_path / "w", window=n + 100)  # fits alone, not with 512 more
-    monkeypatch.setattr(ingest_mod, "_encode", lambda *a, **k: (_ for _ in ()).throw(Encoded()))
+    monkeypatch.setattr(flow, "run_phase1", lambda *a, **k: (_ for _ in ()).throw(Encoded()))
     opts = engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32")
     with pytest.raises(StarqaError) as error:
         engine.ingest(opts)
@@ -331,7 +332,7 @@ def test_ingest_keeps_room_for_a_question_and_an_answer(home, tiny_model, tmp_pa
 
 def test_small_windows_reserve_a_quarter(home, docs, tiny_model, monkeypatch):
     """The tiny model's 512-token window holds the 186-token docs with 128 reserved."""
-    monkeypatch.setattr(ingest_mod, "_encode", lambda *a, **k: (_ for _ in ()).throw(Encoded()))
+    monkeypatch.setattr(flow, "run_phase1", lambda *a, **k: (_ for _ in ()).throw(Encoded()))
     assert engine.default_reserve(512) == 128 and engine.default_reserve(8192) == 512
     with pytest.raises(Encoded):
         engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(tiny_model)))
@@ -679,13 +680,13 @@ def test_second_identical_ingest_waits_and_is_a_cache_hit(home, docs, tiny_model
     reuses its context instead of encoding everything again."""
     import threading
 
-    encode = ingest_mod.run_workers
+    encode = steps.run_workers
 
     def slow_workers(job, launch, on_event):
         time.sleep(1.0)  # the second ingest arrives while the first encodes
         encode(job, launch, on_event)
 
-    monkeypatch.setattr(ingest_mod, "run_workers", slow_workers)
+    monkeypatch.setattr(steps, "run_workers", slow_workers)
     results, errors = [], []
 
     def one():

@@ -18,7 +18,7 @@ from fakes import QUESTION
 from starqa import engine
 from starqa.core import tensorfile
 from starqa.core.progress import UI
-from starqa.launchers import ingest as ingest_mod
+from starqa.launchers.ingest import flow
 from starqa.models import decoder as decoder_mod
 from starqa.models.prepared import prepared_file
 from tiny import make_tiny_model
@@ -108,7 +108,7 @@ def test_a_failed_ingest_prepares_nothing(home, docs, tiny, monkeypatch):
     def fail(*args, **kwargs):
         raise Broken()
 
-    monkeypatch.setattr(ingest_mod, "_encode", fail)
+    monkeypatch.setattr(flow, "run_phase1", fail)
     with pytest.raises(Broken):
         ingest(docs, tiny)
     assert not list(tiny.glob(".starqa-phase2-*"))

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from starqa import corpus
-from starqa.launchers import ingest as ingest_mod
+from starqa.launchers.ingest import flow
 from starqa.corpus import prompt
 from starqa.cli import app
 from starqa.models import load_fast_tokenizer, load_tokenizer
@@ -100,10 +100,10 @@ def test_markers_are_text_for_the_embedded_models(embedded_model):
 
 
 def test_cache_key_names_how_text_becomes_ids(monkeypatch):
-    key = ingest_mod._cache_key("c", "m", {"name": "star"}, "bfloat16", ingest_mod.PLAN)
-    monkeypatch.setattr(ingest_mod, "TEXT", "control-tokens")
-    assert ingest_mod._cache_key("c", "m", {"name": "star"}, "bfloat16",
-                                 ingest_mod.PLAN) != key
+    key = flow._cache_key("c", "m", {"name": "star"}, "bfloat16", flow.PLAN)
+    monkeypatch.setattr(flow, "TEXT", "control-tokens")
+    assert flow._cache_key("c", "m", {"name": "star"}, "bfloat16",
+                                 flow.PLAN) != key
 
 
 # ---------------------------------------------------------------------------------------

@@ -236,9 +236,9 @@ def group(monkeypatch) -> list[int]:
         started.append(launch_spec.workers)
         raise WorkerError("stand-in group", hint="none")
 
-    from starqa.launchers import ingest as ingest_mod
+    from starqa.launchers.ingest import steps
 
-    monkeypatch.setattr(ingest_mod, "run_workers", run_workers)
+    monkeypatch.setattr(steps, "run_workers", run_workers)
     return started
 
 

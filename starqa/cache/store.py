@@ -152,10 +152,24 @@ def list_contexts(root: Path) -> list[Manifest]:
     return scan_contexts(root)[0]
 
 
+def latest_of(root: Path, paths_: tuple[str, ...], method: str | None = None,
+              model_digest: str | None = None, dtype: str | None = None) -> Manifest | None:
+    """The most recently used context of the same sources, and of the same method, model
+    and dtype where given: what a re-ingest reports its changes against (all three), and
+    lays its files out like (none)."""
+    sources = tuple(str(Path(p).resolve()) for p in paths_)
+    for manifest in list_contexts(root):
+        if manifest.sources == sources and method in (None, manifest.method.name) and \
+                model_digest in (None, manifest.model.digest) and dtype in (None, manifest.dtype):
+            return manifest
+    return None
+
+
 def match_context(root: Path, name: str | None) -> Manifest | Damaged:
     """The one context `name` means, damaged or not: a full key, else a context's exact
-    name (of re-ingests of the same sources and settings, the newest), else a key prefix; `None` means the latest used. An empty name, an ambiguous one
-    or one that matches nothing is an error that lists what there is; never a guess."""
+    name (of re-ingests of the same sources and settings, the newest), else a key prefix;
+    `None` means the latest used. An empty name, an ambiguous one or one that matches
+    nothing is an error that lists what there is; never a guess."""
     good, damaged = scan_contexts(root)
     if not good and not damaged:
         raise StarqaError("No ingested context yet.", hint="run: starqa ingest PATH")
