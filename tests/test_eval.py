@@ -246,6 +246,20 @@ def test_scoring_is_case_insensitive_substring_of_every_answer():
     assert not scoring.is_correct("anything", [])
 
 
+
+def test_a_number_is_not_found_inside_a_longer_number():
+    """repo_qa's values ("45") and RULER's needles: a longer number that contains the
+    answer is another number; words still match inside words."""
+    assert not scoring.is_correct("MAX_RETRIES = 450", ["45"])
+    assert not scoring.is_correct("it is 1450", ["45"])
+    assert not scoring.is_correct("12345678", ["1234567"])
+    assert not scoring.is_correct("1.75", ["7"])
+    assert scoring.is_correct("MAX_RETRIES = 45.", ["45"])
+    assert scoring.is_correct("timeout=45s", ["45"])
+    assert scoring.is_correct("v2 and 'x45'", ["x45"])  # a letter before: not a number's edge
+    assert scoring.is_correct("'utf-8'", ["utf-8"])
+    assert scoring.found("the needles", ["needle"]) == [True]
+
 def test_retention_and_summary():
     assert scoring.retention(0.5, 1.0) == 0.5
     assert scoring.retention(1.0, 0.5) == 2.0

@@ -1,5 +1,10 @@
 """Scoring of `starqa eval`: case-insensitive substring match, accuracy and retention.
 
+An answer is found where it occurs in the prediction in any case, except inside a longer
+number: an answer that begins (ends) with a digit must not follow (be followed by) another
+digit, so "45" is not found in "450" nor "7" in "1.75" (a number inside another is another
+number); words keep plain substring matching ("needle" is found in "needles").
+
 A prediction is correct when every expected answer occurs in it (match "all": multi-key,
 multi-value, variable tracking, word extraction) or, where the answers are alternative
 spellings of one answer (match "any": qa), when one does. Retention compares a method with
@@ -13,6 +18,7 @@ lines lie between the truth and the top source's line range when its file is rig
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Sequence
 
@@ -20,9 +26,15 @@ from starqa.methods import REFERENCE  # dense, the exact method: what retention 
 
 
 def found(prediction: str, answers: Sequence[str]) -> list[bool]:
-    """For each answer: does it occur in the prediction (case-insensitive)?"""
-    text = prediction.lower()
-    return [a.lower() in text for a in answers]
+    """For each answer: does it occur in the prediction (case-insensitive; a number not
+    inside a longer one, see the module docstring)?"""
+    return [re.search(_pattern(a), prediction, re.IGNORECASE) is not None for a in answers]
+
+
+def _pattern(answer: str) -> str:
+    before = r"(?<!\d)" if answer[:1].isdigit() else ""
+    after = r"(?!\d)" if answer[-1:].isdigit() else ""
+    return before + re.escape(answer) + after
 
 
 def is_correct(prediction: str, answers: Sequence[str], match: str = "all") -> bool:
