@@ -8,6 +8,7 @@ Each test goes through the command line, as a user meets it: `CliRunner` on the 
 
 import json
 import os
+import re
 import pty
 import select
 import shutil
@@ -321,13 +322,29 @@ def test_columns_zero_still_shows_the_error(contexts, home):
     assert "No context named 'nope'" in _run("ask", "hi", "-c", "nope", home=home, columns=0)
 
 
+LIST = "import runpy, sys; sys.argv = ['starqa', 'list']; runpy.run_module('starqa', " \
+    "run_name='__main__')"
+
+
 @pytest.mark.parametrize("columns", [0, 30, 60])
 def test_list_on_a_narrow_terminal_keeps_every_column(contexts, home, columns):
     """A split pane of 60 columns: rich dropped the `*` of the default context and the
     sources from the table (at 20, the names too); too narrow for it, a line each."""
-    shown = _run("list", home=home, columns=columns)
+    shown = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", _in_terminal(LIST, home, columns))
     assert "* docs d0c50000 /data/docs 200 tokens star 100/100 tiny-llama" in shown, shown
     assert "repo 4e900000 /data/repo" in shown, shown
+
+
+@pytest.mark.parametrize("columns", [0, 30])
+def test_list_into_a_log_is_the_whole_table(contexts, home, columns):
+    """Where stdout is no terminal (a log, a pipe) the table is printed whole, as wide as
+    it needs, whatever COLUMNS says: one row per context under its column names."""
+    shown = _run("list", home=home, columns=columns).splitlines()
+    header = next(line for line in shown if line.lstrip().startswith("name"))
+    assert header.split() == ["name", "key", "sources", "tokens", "method", "model", "size",
+                              "last", "used"], shown
+    row = next(line for line in shown if " docs " in line).split()
+    assert row[:6] == ["*", "docs", "d0c50000", "/data/docs", "200", "star"], shown
 
 
 def test_keep_alive_nan_is_refused(contexts):

@@ -438,7 +438,9 @@ def context_list(summaries: Sequence[dict], now: float, damaged: Sequence[dict] 
     need = sum(12 if header == "sources" else  # the only column that wraps
                max(len(header), *(Text.from_markup(row[i]).cell_len for row in rows))
                for i, header in enumerate(LIST_COLUMNS)) + len(LIST_COLUMNS) - 1
-    if need <= out.width:
+    if not out.is_terminal:  # a log, a pipe: whole, however wide
+        print_table(table)
+    elif need <= out.width:
         out.print(table)
     else:  # too narrow: rich would drop whole columns (the `*` first), so a line each
         for mark, *cells in rows:
