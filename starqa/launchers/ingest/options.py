@@ -101,11 +101,11 @@ class Source:
 
 @dataclass(frozen=True)
 class Mode:
-    """How `_encode` runs. measure: the workers report their numbers (bench); incremental:
-    the blocks the content-addressed store holds are linked in (or re-rotated) and only the
-    others encoded, in this process where a group would not pay for its start, and every
-    block then joins the store; lock_held: the caller holds the context's lock; hit_here:
-    across machines, this machine holds the context already."""
+    """How `steps.run_phase1` runs. measure: the workers report their numbers (bench);
+    incremental: the blocks the content-addressed store holds are linked in (or re-rotated)
+    and only the others encoded, in this process where a group would not pay for its start,
+    and every block then joins the store; lock_held: the caller holds the context's lock;
+    hit_here: across machines, this machine holds the context already."""
 
     measure: bool = False
     incremental: bool = False
