@@ -60,6 +60,27 @@ def dense_cold_first_token(model_path: Path, ids: list[int]) -> float:
     return elapsed
 
 
+def scratch_setup(args, name: str) -> tuple[Path, Path, object, Path]:
+    """(a scratch $STARQA_HOME, the model folder, its tokenizer, a corpus folder in the
+    home) for benchmark `name`_bench: with --smoke the toy model and corpus, else the model
+    asked for (from the user's cache) and copies of samples/ of about `args.tokens`."""
+    from starqa import models
+
+    if args.smoke:
+        import toy
+
+        toy.banner(f"{name}_bench")
+        home = toy.scratch(name)
+        model_path = toy.model(home)
+        return home, model_path, models.load_tokenizer(model_path), toy.corpus(home / "corpus")
+    model_path = models.resolve_model(args.model)  # from the user's cache
+    home = Path(tempfile.mkdtemp(prefix=f"starqa-{name}-"))
+    os.environ["STARQA_HOME"] = str(home)  # contexts go to a scratch cache
+    tokenizer = models.load_tokenizer(model_path)
+    build_corpus(tokenizer, args.tokens, home / "corpus")
+    return home, model_path, tokenizer, home / "corpus"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=7600)
@@ -73,21 +94,7 @@ def main() -> None:
     from starqa import engine, models
     from starqa.corpus import prompt
 
-    if args.smoke:
-        import toy
-
-        toy.banner("engine_bench")
-        home = toy.scratch("engine")
-        model_path = toy.model(home)
-        tokenizer = models.load_tokenizer(model_path)
-        corpus = toy.corpus(home / "corpus")
-    else:
-        model_path = models.resolve_model(args.model)  # from the user's cache
-        home = Path(tempfile.mkdtemp(prefix="starqa-bench-"))
-        os.environ["STARQA_HOME"] = str(home)  # contexts go to a scratch cache
-        tokenizer = models.load_tokenizer(model_path)
-        corpus = home / "corpus"
-        build_corpus(tokenizer, args.tokens, corpus)
+    home, model_path, tokenizer, corpus = scratch_setup(args, "engine")
 
     print(f"cpu cores: {os.cpu_count()}, torch {torch.__version__}, model {model_path.name}")
     star = engine.ingest(engine.IngestOptions(

@@ -13,11 +13,9 @@ import argparse
 import os
 import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
-from engine_bench import QUESTION, build_corpus, context_ids
+from engine_bench import QUESTION, context_ids, scratch_setup
 
 QUESTIONS = ["Who approved the 2026 travel budget?", "What is the default retry limit?",
              "Who is the travel coordinator?", "What is the minimum password length?",
@@ -40,23 +38,11 @@ def main() -> None:
     from starqa import engine, models
     from starqa.corpus import prompt
 
+    home, model_path, tokenizer, corpus = scratch_setup(args, "warm")
     if args.smoke:
-        import toy
-
-        toy.banner("warm_bench")
-        home = toy.scratch("warm")
-        model_path = toy.model(home)
-        tokenizer = models.load_tokenizer(model_path)
-        toy.corpus(home / "corpus")
         args.questions = min(args.questions, 5)
-    else:
-        model_path = models.resolve_model(args.model)
-        home = Path(tempfile.mkdtemp(prefix="starqa-warm-"))
-        os.environ["STARQA_HOME"] = str(home)
-        tokenizer = models.load_tokenizer(model_path)
-        build_corpus(tokenizer, args.tokens, home / "corpus")
     manifest = engine.ingest(engine.IngestOptions(
-        paths=(str(home / "corpus"),), model=str(model_path), workers=args.workers)).manifest
+        paths=(str(corpus),), model=str(model_path), workers=args.workers)).manifest
     try:
         group = client.start(manifest.key, args.workers, keepalive=0)
         conn = client.Client(group)
@@ -69,7 +55,7 @@ def main() -> None:
         warm = [ask(QUESTION, 1).first_token_s for _ in range(5)]
 
         model = models.load_model(model_path, dtype=torch.bfloat16)
-        full = torch.tensor([context_ids(tokenizer, home / "corpus", manifest) +
+        full = torch.tensor([context_ids(tokenizer, corpus, manifest) +
                              prompt.tokenize_query(tokenizer, QUESTION)])
         dense = []
         with torch.inference_mode():
