@@ -5,6 +5,7 @@ a token, unknown words one <unk> each), so lengths are measured without any real
 """
 
 import dataclasses
+import itertools
 import json
 import re
 from collections import Counter
@@ -259,6 +260,30 @@ def test_a_number_is_not_found_inside_a_longer_number():
     assert scoring.is_correct("v2 and 'x45'", ["x45"])  # a letter before: not a number's edge
     assert scoring.is_correct("'utf-8'", ["utf-8"])
     assert scoring.found("the needles", ["needle"]) == [True]
+
+
+def test_an_answer_is_settled_once_no_later_text_can_undo_it():
+    """eval stops decoding once the answers are in: a number at the very end may still
+    grow ("45" → "450"), so it is not settled until a non-digit follows."""
+    assert scoring.is_correct("MAX = 45", ["45"]) and not scoring.settled("MAX = 45", ["45"])
+    assert scoring.settled("MAX = 45.", ["45"])
+    assert scoring.settled("the needle", ["needle"])  # a word stays found
+    assert not scoring.settled("4", ["45"])
+    # "any": one answer found now and after whatever follows, not one now and another later
+    assert not scoring.settled("45", ["45", "450"], match="any")
+    assert scoring.settled("45 and", ["45", "450"], match="any")
+    # every text of up to 5 characters over "450 .": settled means correct whatever follows
+    texts = ["".join(chars) for n in range(6) for chars in itertools.product("450 .", repeat=n)]
+    answers = (["45"], ["450", "45"], ["0"], ["4.5"])
+    seen = 0
+    for text in texts:
+        for ans in answers:
+            for match in ("all", "any"):
+                if scoring.settled(text, ans, match):
+                    seen += 1
+                    for tail in ("0", "5", "4", ".", " ", "x", "05"):
+                        assert scoring.is_correct(text + tail, ans, match), (text, tail, ans)
+    assert seen > 100
 
 def test_retention_and_summary():
     assert scoring.retention(0.5, 1.0) == 0.5

@@ -281,8 +281,9 @@ class Evaluator:
             tokens.append(token)
 
         def should_stop() -> bool:
-            # Greedy decoding with a substring score: once the answers are in, they stay in.
-            answered[0] = answered[0] or bool(tokens) and scoring.is_correct(
+            # Greedy decoding: once the answers are in and no later text can undo them
+            # (a number at the very end may still grow), the score is the full answer's.
+            answered[0] = answered[0] or bool(tokens) and scoring.settled(
                 self._decode(tokens), sample.answers, sample.match)
             return answered[0]
 

@@ -38,7 +38,20 @@ def _pattern(answer: str) -> str:
 
 
 def is_correct(prediction: str, answers: Sequence[str], match: str = "all") -> bool:
-    hits = found(prediction, answers)
+    return _verdict(found(prediction, answers), match)
+
+
+def settled(prediction: str, answers: Sequence[str], match: str = "all") -> bool:
+    """Whether `prediction` is correct whatever text follows it: what lets `starqa eval`
+    stop decoding early. A word found stays found; a number found at the very end may
+    still grow into a longer one ("45" → "450"), so each answer must also be found with a
+    digit appended (then its match ends before a non-digit: a digit-led answer cannot
+    match across the appended one)."""
+    hits = zip(found(prediction, answers), found(prediction + "0", answers))
+    return _verdict([now and later for now, later in hits], match)
+
+
+def _verdict(hits: list[bool], match: str) -> bool:
     if match == "any":
         return any(hits)
     if match == "all":
