@@ -12,7 +12,6 @@ wrote.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,4 +80,4 @@ def read(path: Path) -> RunInfo:
 def with_status(info: RunInfo, status) -> dict:
     """The run file's object with what the group says of itself now (a `GroupStatus`, or
     None where it did not answer): what `starqa ps` shows of each group."""
-    return info.as_dict() | ({} if status is None else dataclasses.asdict(status))
+    return info.as_dict() | ({} if status is None else encode(status))
