@@ -110,13 +110,13 @@ def main() -> None:
                                         max_new_tokens=32))
     dense_cold = dense_cold_first_token(model_path, full)
     print(f"  cold  starqa ask (torchrun, 2 workers, load model + shards): "
-          f"{cold.first_token_seconds:6.2f} s   answer: {cold.text[:60]!r}")
+          f"{cold.timings.first_token_s:6.2f} s   answer: {cold.text[:60]!r}")
     print(f"  cold  dense forward over the full prompt (fresh process):     {dense_cold:6.2f} s"
-          f"   ratio {dense_cold / cold.first_token_seconds:.1f}x")
+          f"   ratio {dense_cold / cold.timings.first_token_s:.1f}x")
 
     session = engine.LocalAnswerer.load(star, model_path)
     session.ask(QUESTION, 1)  # warm-up
-    warm = min(session.ask(QUESTION, 1).first_token_seconds for _ in range(3))
+    warm = min(session.ask(QUESTION, 1).timings.first_token_s for _ in range(3))
     model = models.load_model(model_path, dtype=torch.bfloat16)
     with torch.inference_mode():
         ids = torch.tensor([full])

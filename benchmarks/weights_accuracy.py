@@ -40,7 +40,7 @@ def main() -> None:
     from starqa.phase1 import hooks
     from starqa import methods, models
     from starqa.cache import shards
-    from starqa.phase2.answering import Answerer, RankShare
+    from starqa.phase2.answerer import Answerer, RankShare
     from starqa.models.decoder import load_decoder
     from starqa.measure.evals import generators, runner, scoring
 

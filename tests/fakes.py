@@ -85,17 +85,20 @@ def stub_ask(pieces, monkeypatch=None):
     with `monkeypatch`."""
     from starqa import engine
     from starqa.cache import store
+    from starqa.cache.context import Context
     from starqa.core import paths
+    from starqa.phase2.answer import Answer, Source, Timings
 
     def ask(opts, ui, head=None):
         manifest = store.find_context(paths.contexts_dir(), opts.context)
         for piece in pieces:
             ui.token(piece)
-        return engine.Answer(text="".join(pieces), token_ids=list(range(len(pieces))),
-                             context=manifest, query_tokens=3, workers=1, seconds=0.1,
-                             first_token_seconds=0.05, decode_seconds=0.05,
-                             prefill_seconds=0.05,
-                             sources=[{"path": "src\x1b[2J.py", "lines": [1, 2], "share": 0.5}])
+        return Answer(text="".join(pieces), context=Context.of(manifest),
+                      token_ids=tuple(range(len(pieces))), question_tokens=3,
+                      sources=(Source("src\x1b[2J.py", 0.5, (1, 2)),),
+                      timings=Timings(total_s=0.1, first_token_s=0.05, prefill_s=0.05,
+                                      decode_s=0.05),
+                      finish="stop", warm=False, workers=1)
     if monkeypatch is not None:
         monkeypatch.setattr(engine, "ask", ask)
     return ask

@@ -21,7 +21,7 @@ def fake_answer(text: str, finish: str = "stop") -> api.Answer:
                           model="tiny", method="star", sources=("/data",), files=("a.md",),
                           skipped=(), created=0.0, folder=Path("/tmp"))
     return api.Answer(text=text, context=context, question_tokens=5,
-                      answer_tokens=len(text.split()), sources=(), finish=finish, warm=True,
+                      token_ids=tuple(range(len(text.split()))), sources=(), finish=finish, warm=True,
                       workers=1, timings=api.Timings(1.0, 0.1, 0.1, 0.9))
 
 
@@ -175,9 +175,9 @@ def test_contexts_are_listed_found_and_removed(contexts):
         api.context("nope")
     assert "docs" in raised.value.hint
     with pytest.raises(api.ContextNotFound):
-        api.rm("old", "nope")  # a typo removes nothing
+        api.remove("old", "nope")  # a typo removes nothing
     assert len(api.contexts()) == 3
-    assert api.rm("old", found[0]) >= 2 * 1600  # their shards, at least
+    assert api.remove("old", found[0]) >= 2 * 1600  # their shards, at least
     assert [c.ref for c in api.contexts()] == ["repo"]
 
 

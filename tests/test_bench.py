@@ -234,15 +234,17 @@ def test_phase2_rounds_alternate_and_report_each_kinds_median_run(monkeypatch):
 
     def ask_tokens(manifest, query_ids, opts, **_):
         calls.append(opts.topk.index if opts.topk else "exact")
-        return SimpleNamespace(token_ids=[1, 2, 3], decode_seconds=next(seconds),
-                               prefill_seconds=0.5, peak_bytes=[len(calls)], context=context)
+        return SimpleNamespace(token_ids=[1, 2, 3],
+                               timings=SimpleNamespace(decode_s=next(seconds), prefill_s=0.5),
+                               peak_bytes=[len(calls)], context=SimpleNamespace(folder=context))
 
     monkeypatch.setattr(bench.engine, "ask_tokens", ask_tokens)
     monkeypatch.setattr(bench, "find_set", lambda manifest, kind: None)
+    monkeypatch.setattr(bench, "read_manifest", lambda folder: folder)
     exact, rows, _ = bench.phase2(context, [1], 1, opts, lambda: contextlib.nullcontext(None),
                                   lambda line: None)
     assert calls == ["exact", "flat", "ivf"] * 3
-    assert exact.decode_seconds == 6  # the median of 9, 3, 6
+    assert exact.timings.decode_s == 6  # the median of 9, 3, 6
     assert [r["seconds_per_token"] * 2 for r in rows] == [5, 4]  # medians of 2, 8, 5 and 7, 1, 4
     assert [r["peak_bytes"] for r in rows] == [8, 9]  # the numbers of those same runs
     assert rows[0]["decode_vs_exact"] == 5 / 6

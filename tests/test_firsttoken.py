@@ -16,7 +16,7 @@ from starqa.native import kernels
 from starqa.core import paths
 from starqa.corpus import prompt
 from starqa.cache import store
-from starqa.phase2.answering import Answerer
+from starqa.phase2.answerer import Answerer
 from starqa.models.decoder import load_decoder
 from starqa.core.errors import ShardError
 from starqa.runtime.protocol import AskJob, Token

@@ -158,7 +158,7 @@ def test_a_cold_answer_reads_the_shard_where_it_lies(context):
     import torch
 
     from starqa.runtime import dist
-    from starqa.phase2.answering import Answerer
+    from starqa.phase2.answerer import Answerer
     from starqa.cache.shards import block_file
 
     answerer = Answerer.from_cache(context, dist.local_world("cpu"), context.model.path)

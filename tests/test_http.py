@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from starqa import api
+from starqa.api import doors
 from starqa.servers import http as door
 from tiny import make_tiny_model
 
@@ -28,7 +29,7 @@ def wait_until(condition, seconds: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def serving(service: api.Service, api_key: str | None = None, origins: tuple[str, ...] = ()):
+def serving(service: doors.Service, api_key: str | None = None, origins: tuple[str, ...] = ()):
     """The server on 127.0.0.1 and a free port, in a thread, until the block ends."""
     server = door.HttpServer(door.HttpSettings("127.0.0.1", 0, api_key, origins), service)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -132,7 +133,7 @@ def test_messages_become_a_question_and_its_history():
      "tools"),
 ])
 def test_malformed_requests_are_400_naming_the_field(contexts, body, param):
-    with serving(api.Service()) as server:
+    with serving(doors.Service()) as server:
         status, answer, _ = request(server, "POST", "/v1/chat/completions", body)
     assert status == 400
     error = error_of(answer)
@@ -142,7 +143,7 @@ def test_malformed_requests_are_400_naming_the_field(contexts, body, param):
 def test_raw_http_errors_are_openai_error_objects(contexts, monkeypatch):
     monkeypatch.setattr(door, "MAX_BODY_BYTES", 1000)
     chat = "/v1/chat/completions"
-    with serving(api.Service()) as server:
+    with serving(doors.Service()) as server:
         status, body, _ = request(server, "POST", chat, b'{"model": "docs", "messages": [')
         assert status == 400 and "could not parse the JSON" in error_of(body)["message"]
         status, body, _ = request(server, "POST", chat, b"\xff\xfe")
@@ -163,7 +164,7 @@ def test_raw_http_errors_are_openai_error_objects(contexts, monkeypatch):
 
 
 def test_models_are_the_contexts(contexts):
-    with serving(api.Service()) as server:
+    with serving(doors.Service()) as server:
         status, body, _ = request(server, "GET", "/v1/models")
         assert status == 200 and body["object"] == "list"
         assert [m["id"] for m in body["data"]] == ["docs", "repo", "old"]
@@ -177,7 +178,7 @@ def test_models_are_the_contexts(contexts):
 
 
 def test_an_api_key_is_checked(contexts):
-    with serving(api.Service(), api_key="s3cret") as server:
+    with serving(doors.Service(), api_key="s3cret") as server:
         status, body, headers = request(server, "GET", "/v1/models")
         assert status == 401 and error_of(body)["code"] == "invalid_api_key"
         assert headers.get("www-authenticate") == "Bearer"
@@ -218,7 +219,7 @@ def test_pages_of_this_machine_are_let_in_and_no_others(origin, allowed):
 def test_a_web_page_cannot_use_the_server_unasked(contexts):
     """A page on another site (its requests carry its Origin), or one that made its own
     name resolve to 127.0.0.1 (DNS rebinding: its Host), is refused before any route."""
-    with serving(api.Service()) as server:
+    with serving(doors.Service()) as server:
         status, body, headers = request(server, "GET", "/v1/models",
                                         headers={"Origin": "https://evil.org"})
         error = error_of(body)
@@ -246,7 +247,7 @@ def test_a_web_page_cannot_use_the_server_unasked(contexts):
 
 def test_an_origin_let_in_gets_cors_and_a_key_answers_for_the_host(contexts):
     site = "https://app.example.org"
-    with serving(api.Service(), api_key="s3cret", origins=(site,)) as server:
+    with serving(doors.Service(), api_key="s3cret", origins=(site,)) as server:
         status, _, headers = request(server, "OPTIONS", "/v1/chat/completions", headers={
             "Origin": site, "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization, content-type"})
@@ -265,10 +266,10 @@ def test_an_origin_let_in_gets_cors_and_a_key_answers_for_the_host(contexts):
 
 
 def test_a_busy_port_is_an_error():
-    with serving(api.Service()) as server:
+    with serving(doors.Service()) as server:
         port = server.sock.getsockname()[1]
         with pytest.raises(api.StarqaError, match=f"Cannot listen on 127.0.0.1:{port}"):
-            door.HttpServer(door.HttpSettings("127.0.0.1", port), api.Service())
+            door.HttpServer(door.HttpSettings("127.0.0.1", port), doors.Service())
 
 
 # ------------------------------------------------------------------- the openai client
@@ -291,7 +292,7 @@ def served(tmp_path_factory):
         env.setenv("STARQA_MIN_COPIED", "0")
         model = make_tiny_model(root / "never-stops", window=8192, never_stops=True)
         context = api.ingest(docs, name="handbook", model=str(model), dtype="fp32")
-        service = api.Service(api.GroupSettings(workers=1, keepalive=120))
+        service = doors.Service(doors.GroupSettings(workers=1, keepalive=120))
         try:
             with serving(service) as server:
                 yield server, context, OpenAI(base_url=server.url, api_key="none",

@@ -347,8 +347,8 @@ def _in(machine: Machine, *args: str, python: tuple[str, ...] = ("-m", "starqa")
 
 CHAT = """
 import sys
-from starqa.cli.repl import Chat
-chat = Chat(None, None, 300, 6)
+from starqa.cli.repl import Repl
+chat = Repl(None, None, 300, 6)
 chat.ask(sys.argv[1])
 print("ANSWER=" + chat.history[-1][1], file=sys.stderr)
 """

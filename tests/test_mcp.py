@@ -9,7 +9,7 @@ import sys
 import anyio
 import pytest
 
-from starqa import api
+from starqa.api import doors
 from starqa.servers import mcp as door
 
 QUESTION = "who approved the travel budget"
@@ -28,7 +28,7 @@ def test_tools_contexts_and_resources_in_process(contexts):
     from mcp import Client
 
     async def main():
-        async with Client(door.server(api.Service())) as client:
+        async with Client(door.server(doors.Service())) as client:
             tools = {t.name: t for t in (await client.list_tools()).tools}
             assert set(tools) == {"list_contexts", "ingest", "ask"}
             assert tools["ask"].input_schema["required"] == ["question"]

@@ -386,8 +386,8 @@ CHAT_PIPED = """
 import sys
 from starqa.cli import repl
 asked = []
-repl.Chat.connect = lambda self, name: setattr(self, "conn", None)
-repl.Chat.ask = lambda self, question: asked.append(question)
+repl.Repl.connect = lambda self, name: setattr(self, "conn", None)
+repl.Repl.ask = lambda self, question: asked.append(question)
 sys.argv = ["starqa", "chat"]
 from starqa.cli import main
 try:

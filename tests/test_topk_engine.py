@@ -196,7 +196,7 @@ def test_a_row_under_topk_is_the_same_alone_or_with_drafts(home, docs, tiny_mode
     from starqa.runtime import dist
     from starqa.core import paths
     from starqa.cache import store
-    from starqa.phase2.answering import Answerer
+    from starqa.phase2.answerer import Answerer
 
     ingest(docs, tiny_model, block_size=50)
     manifest = indexes.ensure(store.find_context(paths.contexts_dir(), None), kind)
@@ -231,7 +231,7 @@ def test_topk_answers_without_drafts_unless_asked(home, docs, tiny_model, monkey
     from starqa.core import paths
     from starqa.phase2 import decode
     from starqa.cache import store
-    from starqa.phase2.answering import Answerer
+    from starqa.phase2.answerer import Answerer
 
     ingest(docs, tiny_model, block_size=50)
     manifest = store.find_context(paths.contexts_dir(), None)

@@ -2,6 +2,8 @@
 exiting (`starqa stop`, its keep-alive ending) and the question is answered elsewhere; after
 it, the answer is lost and the error says so, without a traceback."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from starqa.core.errors import StarqaError
@@ -27,19 +29,17 @@ class _Resetting:
         pass
 
 
-class _Context:
-    name = "docs"
-
-
 def _ask_warm(monkeypatch, tokens: int):
+    from starqa.phase2.answer import Question
+
     monkeypatch.setattr(client, "Client", _Resetting(tokens))
-    opts = ask_mod.AskOptions(question="q")
-    return ask_mod._ask_warm(opts, _Context(), {"name": "docs", "workers": 1},
-                             ask_mod.UI(), 0.0)
+    context = SimpleNamespace(name="docs")
+    group = SimpleNamespace(name="docs", workers=1, topk=None, weights=None)
+    return client.ask_warm(group, Question("q"), context, lambda piece: None)
 
 
 def test_a_group_gone_before_its_first_token_sends_the_question_elsewhere(monkeypatch):
-    with pytest.raises(ask_mod._GroupLeft):
+    with pytest.raises(client.GroupLeft):
         _ask_warm(monkeypatch, tokens=0)
 
 
@@ -47,18 +47,21 @@ def test_a_group_gone_mid_answer_is_an_error_that_says_so(monkeypatch):
     with pytest.raises(StarqaError, match="ended in the middle of the answer") as caught:
         _ask_warm(monkeypatch, tokens=2)
     assert "ask again" in caught.value.hint
+    assert not isinstance(caught.value, client.GroupLeft)
 
 
 def test_ask_answers_cold_when_the_group_left(monkeypatch):
     """`ask` takes the cold path (here a sentinel) instead of raising the reset."""
-    monkeypatch.setattr(ask_mod, "_checked_request", lambda opts: _Context())
-    monkeypatch.setattr(ask_mod, "_warm_group", lambda opts, manifest: {"name": "docs"})
-    monkeypatch.setattr(ask_mod, "_ask_warm", lambda *a: (_ for _ in ()).throw(
-        ask_mod._GroupLeft()))
+    manifest = SimpleNamespace(name="docs", key="k" * 16)
+    monkeypatch.setattr(ask_mod, "_checked_request", lambda opts: manifest)
+    monkeypatch.setattr(client, "group_for", lambda *a: (SimpleNamespace(name="docs"), None))
+    monkeypatch.setattr(ask_mod.Context, "of", lambda m: m)
+    monkeypatch.setattr(client, "ask_warm", lambda *a: (_ for _ in ()).throw(
+        client.GroupLeft("exiting")))
 
     class Cold(Exception):
         pass
 
-    monkeypatch.setattr(ask_mod, "_question", lambda *a: (_ for _ in ()).throw(Cold()))
+    monkeypatch.setattr(ask_mod, "_query", lambda *a: (_ for _ in ()).throw(Cold()))
     with pytest.raises(Cold):
         ask_mod.ask(ask_mod.AskOptions(question="q"))

@@ -22,8 +22,8 @@ from starqa.runtime import dist
 from starqa import models
 from starqa.phase2 import decode
 from starqa.native import ops as native
-from starqa.phase2.answering import Answerer
-from starqa.launchers.ask import question_ids
+from starqa.phase2.answerer import Answerer
+from starqa.launchers.query import question_ids
 from starqa.models.decoder import load_decoder
 from starqa.cache.manifest import read_manifest
 

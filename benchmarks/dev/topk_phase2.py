@@ -48,7 +48,7 @@ def main() -> None:
           f"{bench.cpu_info()}")
     exact, rows, _ = bench.phase2(manifest, query_ids, args.workers, opts,
                                 lambda: nullcontext(engine.UI()), print)
-    exact_row = {"first_token_seconds": exact.prefill_seconds,
+    exact_row = {"first_token_seconds": exact.timings.prefill_s,
                  "seconds_per_token": bench.per_token(exact),
                  "peak_bytes": max(exact.peak_bytes)}
     print(f"    exact: first token {exact_row['first_token_seconds']:.2f} s, "

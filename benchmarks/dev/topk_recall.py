@@ -28,8 +28,8 @@ from starqa.measure import bench
 from starqa.runtime import dist
 from starqa.topk import indexes
 from starqa import models
-from starqa.phase2.answering import Answerer
-from starqa.launchers.ask import question_ids
+from starqa.phase2.answerer import Answerer
+from starqa.launchers.query import question_ids
 from starqa.cache.manifest import read_manifest
 
 QUESTIONS = ("Which function merges the partial attentions of the workers?",

@@ -2,32 +2,33 @@
 `stream` call `ask_with`, which is `starqa ask` itself (a warm group's answer when one runs,
 else a cold one that leaves a group warm for `keepalive` seconds); `Chat` keeps the
 conversation and asks the context's warm group, started on its first question (or when
-joined) when none runs, as the REPL of `starqa chat` does."""
+joined) when none runs, as the REPL of `starqa chat` does. Every path returns the one
+`Answer` record (`starqa.phase2.answer`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from starqa import engine
-import starqa.api.answers as answers
 import starqa.api.catalog as catalog
-from starqa.api.answers import DEFAULT_MAX_NEW_TOKENS, Answer, Question
-from starqa.api.catalog import Context
 from starqa.api.errors import StarqaError
-from starqa.api.groups import Group, GroupSettings, ask_group, classified, start
+from starqa.api.groups import Group, GroupSettings, ask_group, start
+from starqa.api.settings import AskSettings
 from starqa.api.streams import Channel, ChannelUI, Stream
+from starqa.cache.context import Context
 from starqa.core.progress import UI
+from starqa.phase2.answer import DEFAULT_MAX_NEW_TOKENS, Answer, Question
 from starqa.topk.indexes import TopK
 from starqa.workers import client
 from starqa.workers.messages import GroupStatus
 from starqa.workers.runfile import RunInfo
 
 
-def ask_with(opts: engine.AskOptions, ui: UI = UI()) -> engine.Answer:
+def ask_with(opts: engine.AskOptions, ui: UI = UI()) -> Answer:
     """`starqa ask` itself: every option (`AskOptions`), the answer's text streamed to
-    `ui.token` and the steps before it on `ui`, and the engine's whole record of the answer
-    (`AskResult`: timings, sources, weights, whether it came before torch was imported).
-    A cold answer on this machine runs on the head start that `starqa` forked as it began
+    `ui.token` and the steps before it on `ui`, and its `Answer`. A cold answer on this
+    machine runs on the head start that `starqa` forked as it began
     (`starqa.coldstart.headstart`), where this process has one."""
     from starqa.coldstart import headstart
 
@@ -35,36 +36,33 @@ def ask_with(opts: engine.AskOptions, ui: UI = UI()) -> engine.Answer:
 
 
 def stream(question: str, context: Context | str | None = None, *,
-           max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, workers: int | None = None,
-           keepalive: float = engine.DEFAULT_KEEPALIVE, beyond_window: bool = False,
-           device: str = "auto") -> Stream:
+           max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop: Sequence[str] = (),
+           attention: TopK | None = None, beyond_window: bool = False,
+           options: AskSettings = AskSettings()) -> Stream:
     """The answer to `question` as it is generated: iterate for its text, then `result()`
     for the `Answer`. `context`: a Context, a name, key or key prefix; None: the one used
-    last. The rest as `starqa ask`'s options (keepalive 0: no warm group is left)."""
+    last. `stop`: strings that end the answer where they first appear (left out of it);
+    `attention`: top-k attention (`topk_settings`; None: exact); `beyond_window` as
+    `starqa ask --beyond-window`; the rest in `options` (`keepalive` 0: no warm group is
+    left)."""
     ctx = catalog.context(context)
-    asked = Question(question, ctx.key, max_new_tokens=max_new_tokens,
+    asked = Question(question, ctx.key, max_new_tokens=max_new_tokens, stop=tuple(stop),
                      beyond_window=beyond_window)
-    opts = engine.AskOptions(question=question, context=ctx.key, workers=workers,
-                             max_new_tokens=max_new_tokens, beyond_window=beyond_window,
-                             device=device, keepalive=keepalive)
+    opts = options.ask_options(question, ctx.key, max_new_tokens, beyond_window, attention)
 
     def produce(channel: Channel) -> Answer:
-        try:
-            answer = ask_with(opts, ChannelUI(channel))
-        except StarqaError as error:
-            raise classified(error, catalog.find(ctx.key), asked) from None
-        return answers.of_engine(answer, ctx, max_new_tokens)
+        return dataclasses.replace(ask_with(opts, ChannelUI(channel)), context=ctx)
 
-    return Stream(produce)
+    return Stream(produce, asked.stop)
 
 
 def ask(question: str, context: Context | str | None = None, *,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, workers: int | None = None,
-        keepalive: float = engine.DEFAULT_KEEPALIVE, beyond_window: bool = False,
-        device: str = "auto") -> Answer:
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop: Sequence[str] = (),
+        attention: TopK | None = None, beyond_window: bool = False,
+        options: AskSettings = AskSettings()) -> Answer:
     """The answer to `question` (see `stream`), once it is complete."""
-    with stream(question, context, max_new_tokens=max_new_tokens, workers=workers,
-                keepalive=keepalive, beyond_window=beyond_window, device=device) as answer:
+    with stream(question, context, max_new_tokens=max_new_tokens, stop=stop,
+                attention=attention, beyond_window=beyond_window, options=options) as answer:
         return answer.result()
 
 
@@ -73,16 +71,17 @@ class Chat:
     (as many as fit the window, the oldest dropped first), on the context's warm group.
     The group is started on the first question (or by `join`) when none runs, and exits
     `keepalive` idle seconds after the last one (as `starqa chat`'s); with keepalive 0, a
-    group this chat started is its own: `close` stops it. `topk`: the group answers with
-    top-k attention (`topk_settings`), and one running with other attention is an error."""
+    group this chat started is its own: `close` stops it. `attention`: the group answers
+    with top-k attention (`topk_settings`), and one running with other attention is an
+    error."""
 
     def __init__(self, context: Context | str | None = None, *,
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, workers: int | None = None,
-                 keepalive: float = engine.DEFAULT_KEEPALIVE, topk: TopK | None = None):
+                 keepalive: float = engine.DEFAULT_KEEPALIVE, attention: TopK | None = None):
         self.context = catalog.context(context)
         self.max_new_tokens = max_new_tokens
         # keep-alive 0: no group outlives the chat; the one it starts never idles out
-        self._settings = GroupSettings(workers, -1 if keepalive == 0 else keepalive, topk)
+        self._settings = GroupSettings(workers, -1 if keepalive == 0 else keepalive, attention)
         self._only_while_open = keepalive == 0
         self._history: list[tuple[str, str]] = []
         self._group: RunInfo | None = None  # the run info of the group joined last

@@ -3,21 +3,24 @@ watch it, find, list and remove what the cache holds (`starqa.cache.store`) and 
 for its space, as `starqa ingest`, `list`, `info`, `rm` and `cache` do, with `Context`: a
 frozen handle on one ingested context.
 
-`ingest` and `rm` are the short way in; `ingest_with`, `resolved` and `remove` are the same
-steps with all their options and their whole results, for a caller that reports them as
-the command line does."""
+`ingest`, `context`, `contexts` and `remove` are the user's way in (`starqa.api`);
+`ingest_with`, `resolved` and `remove_found` are the same steps with all their options and
+their whole results, for a door that reports them as the command line does
+(`starqa.api.doors`)."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from starqa import engine
-from starqa.api.errors import ShardError, StarqaError, as_not_found
+from starqa.api.errors import ShardError, StarqaError
+from starqa.api.settings import IngestSettings
 from starqa.cache import shards, store
+from starqa.cache.context import Context
 from starqa.cache.manifest import IndexSet, Manifest
 from starqa.cache.store import CacheUsage, Damaged
 from starqa.core.paths import contexts_dir, models_dir
@@ -25,61 +28,18 @@ from starqa.core.progress import UI
 from starqa.topk import indexes
 
 
-@dataclass(frozen=True)
-class Context:
-    """One ingested context, as `starqa list` and `info` show it. `ref` names it in every
-    door (`--context`, an HTTP request's `model`, MCP's `context`): its name where the name
-    means this context, else its key (an older ingest of the same name)."""
-
-    name: str
-    key: str
-    ref: str
-    tokens: int  # of the packed documents
-    window: int  # the model's trained window
-    model: str
-    method: str
-    sources: tuple[str, ...]
-    files: tuple[str, ...]  # the packed files, in the context's order
-    skipped: tuple[tuple[str, str], ...]  # (path, why) of each file left out
-    created: float  # Unix time
-    folder: Path
-    cache_hit: bool | None = None  # from `ingest`: the cache had it already; else None
-
-    @classmethod
-    def of(cls, manifest: Manifest, ref: str | None = None,
-           cache_hit: bool | None = None) -> Context:
-        return cls(name=manifest.name, key=manifest.key, ref=ref or manifest.key,
-                   tokens=manifest.n_tokens, window=manifest.model.window,
-                   model=manifest.model.name, method=manifest.method.name,
-                   sources=tuple(manifest.sources), files=tuple(f.path for f in manifest.files),
-                   skipped=tuple((s.path, s.reason) for s in manifest.skipped),
-                   created=manifest.created, folder=manifest.folder, cache_hit=cache_hit)
-
-    def as_dict(self) -> dict:
-        """JSON-ready: its facts, the files and skipped files counted (not listed)."""
-        return {"name": self.name, "key": self.key, "ref": self.ref, "tokens": self.tokens,
-                "window": self.window, "model": self.model, "method": self.method,
-                "sources": list(self.sources), "files": len(self.files),
-                "skipped": len(self.skipped), "created": self.created,
-                "dir": str(self.folder), "cache_hit": self.cache_hit}
-
-
 def ingest(paths: str | os.PathLike | Sequence[str | os.PathLike], *, name: str | None = None,
-           model: str | None = None, method: str | None = None, **options) -> Context:
+           model: str | None = None, method: str | None = None,
+           options: IngestSettings = IngestSettings()) -> Context:
     """Pack files and folders into one context and encode it (Phase 1), or find it cached:
-    `Context.cache_hit` says which. `options` are `starqa.engine.IngestOptions`' other
-    fields (block_size, include, exclude, workers, dtype, force, reserve, beyond_window,
-    device, ...), as `starqa ingest`'s options of the same names."""
+    `Context.cache_hit` says which. `name` (default: from the paths), `model` (an embedded
+    name, a GGUF file, `ollama:NAME`, a folder; default: $STARQA_MODEL, else the default
+    model) and `method` (default: star) as `starqa ingest`'s options; the rest in
+    `options`."""
     given = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     sources = tuple(os.path.abspath(os.fspath(p)) for p in given)
-    for key in ("include", "exclude"):
-        if isinstance(options.get(key), str):
-            options[key] = (options[key],)
-        elif options.get(key) is not None:
-            options[key] = tuple(options[key])
-    if method is not None:
-        options["method"] = method
-    result = ingest_with(engine.IngestOptions(paths=sources, name=name, model=model, **options))
+    opts = options.ingest_options(sources, name, model)
+    result = ingest_with(opts if method is None else dataclasses.replace(opts, method=method))
     if result.manifest is None:  # a machine other than node 0 of a run across machines
         raise StarqaError("This machine's part of the ingest is done; node 0 commits the "
                           "context.", hint="read it there: api.context(NAME)")
@@ -175,12 +135,12 @@ def context(ref: Context | str | None = None) -> Context:
     return Context.of(manifest, _ref(manifest))
 
 
-def rm(*refs: Context | str) -> int:
+def remove(*refs: Context | str) -> int:
     """Remove contexts (damaged ones too, by key) and return the bytes freed. Every name is
     resolved first, so a typo removes nothing; a warm group serving one is stopped."""
     if not refs:
         raise StarqaError("Name the contexts to remove.", hint="api.contexts() lists them")
-    return sum(freed for _, freed in remove(resolved(refs)))
+    return sum(freed for _, freed in remove_found(resolved(refs)))
 
 
 def resolved(refs: Sequence[Context | str]) -> list[Manifest | Damaged]:
@@ -188,7 +148,7 @@ def resolved(refs: Sequence[Context | str]) -> list[Manifest | Damaged]:
     of them are found before anything is done, so one typo or ambiguous prefix is an error
     before any is removed."""
     root = contexts_dir()
-    found = [_matched(root, _key(r)) for r in refs]
+    found = [store.match_context(root, _key(r)) for r in refs]
     return list({c.key: c for c in found}.values())
 
 
@@ -199,7 +159,7 @@ def all_contexts() -> list[Manifest | Damaged]:
     return [*good, *damaged]
 
 
-def remove(targets: Sequence[Manifest | Damaged]) -> list[tuple[Manifest | Damaged, int]]:
+def remove_found(targets: Sequence[Manifest | Damaged]) -> list[tuple[Manifest | Damaged, int]]:
     """Remove `targets`, each with the bytes it freed; the warm groups serving them are
     stopped first (they would serve nothing)."""
     from starqa.workers import client
@@ -225,39 +185,11 @@ def clean_cache(usage: CacheUsage) -> int:
 def find(ref: Context | str | None) -> Manifest:
     """The whole manifest of the context `ref` names (see `context`, which raises the same
     errors): its blocks, files, model and method, as `starqa info` shows them."""
-    root = contexts_dir()
-    name = _key(ref)
-    try:
-        return store.find_context(root, name)
-    except ShardError:
-        raise
-    except StarqaError as error:
-        if _matches_any(root, name):
-            raise
-        raise as_not_found(error) from None
-
-
-def _matched(root: Path, name: str):
-    try:
-        return store.match_context(root, name)
-    except StarqaError as error:
-        if _matches_any(root, name):
-            raise
-        raise as_not_found(error) from None
+    return store.find_context(contexts_dir(), _key(ref))
 
 
 def _key(ref: Context | str | None) -> str | None:
     return ref.key if isinstance(ref, Context) else ref
-
-
-def _matches_any(root: Path, name: str | None) -> bool:
-    """Whether any context folder (usable or damaged) answers to `name` at all: an error
-    finding one is then about that context, not its absence."""
-    good, damaged = store.scan_contexts(root)
-    if name is None:
-        return bool(good or damaged)
-    return any(c.key.startswith(name) for c in [*good, *damaged]) or \
-        any(m.name == name for m in good)
 
 
 def _ref(manifest: Manifest) -> str:

@@ -17,14 +17,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import starqa.api.answers as answers
 from starqa import engine
-from starqa.api.answers import Answer, Question, Timings
-from starqa.api.catalog import Context, find
-from starqa.api.errors import Stopped, StarqaError, as_too_long
+from starqa.api.catalog import find
+from starqa.api.errors import Stopped
 from starqa.api.streams import Channel
+from starqa.cache.context import Context
 from starqa.cache.manifest import Manifest
 from starqa.core.progress import UI
+from starqa.phase2.answer import Answer, Question
 from starqa.topk import indexes
 from starqa.topk.indexes import TopK
 from starqa.workers import client, messages, runfile
@@ -159,76 +159,31 @@ def start(manifest: Manifest, settings: GroupSettings, ui: UI = UI()) -> RunInfo
                             attention=topk.cli_args() if topk else ())
 
 
-def _connect(key: str, settings: GroupSettings) -> tuple[RunInfo, client.Client]:
-    """A connection to context `key`'s group, started if none runs (or the one found died)."""
-    group = _running(key, settings)
-    try:
-        return group, client.Client(group)
-    except client.Unreachable:  # it died without cleaning up: start another
-        client.forget(group)
-        group = start(find(key), settings)
-        return group, client.Client(group)
-
-
 def ask_group(question: Question, context: Context, settings: GroupSettings,
               channel: Channel, turns: Turns | None = None) -> Answer:
-    """Answer `question` on the context's warm group, each piece into `channel`; its turn
-    taken in `turns` first, where given. A stop the reader asks for (`channel`) cancels the
-    answer there and still reads its record (sources, timings) to the end."""
+    """Answer `question` on the context's warm group (started with `settings` if none
+    runs, or if the one found died), each piece into `channel`; its turn taken in `turns`
+    first, where given. A stop the reader asks for (`channel`) cancels the answer there and
+    still reads its record (sources, timings) to the end."""
     asked = time.perf_counter()
     with turns.turn(context.key, channel) if turns else contextlib.nullcontext():
-        group, conn = _connect(context.key, settings)
+        group = _running(context.key, settings)
         try:
-            sent = time.perf_counter()
-            done, first = _events(conn, question, channel)
-        except StarqaError as error:
-            raise classified(error, find(context.key), question) from None
-        finally:
-            conn.close()
-    end = time.perf_counter()
-    timings = Timings(total_s=end - sent, first_token_s=(first - sent) if first else None,
-                      prefill_s=done.first_token_s, decode_s=done.decode_s,
-                      wait_s=sent - asked)
-    return answers.of_group(done, context, group, timings, question.max_new_tokens)
+            return client.ask_warm(group, question, context, _passing(channel),
+                                   lambda: channel.stop_wanted, asked)
+        except (client.Unreachable, client.GroupLeft):  # died, or was exiting: another
+            client.forget(group)
+            group = start(find(context.key), settings)
+            return client.ask_warm(group, question, context, _passing(channel),
+                                   lambda: channel.stop_wanted, asked)
 
 
-def _events(conn: client.Client, question: Question,
-            channel: Channel) -> tuple[messages.Finished, float]:
-    """The group's answer: (its record, when its first token came)."""
-    first, cancelled = 0.0, False
-    for event in conn.ask(question.text, question.history, question.max_new_tokens,
-                          question.beyond_window):
-        if channel.stop_wanted and not cancelled:
-            conn.cancel()  # the group stops at its next token and sends its record
-            cancelled = True
-        if isinstance(event, messages.Piece):
-            first = first or time.perf_counter()
-            if not channel.closed.is_set():
-                channel.piece(event.text)
-        else:
-            return event, first
-    raise StarqaError("The warm group ended the answer without its record.")
-
-
-def classified(error: StarqaError, manifest: Manifest, question: Question) -> StarqaError:
-    """`error`, as a ContextLengthError where the context, the question and its longest
-    answer do not fit the window (whatever said so: the group, a cold ask); the check
-    runs only once something has failed."""
-    if question.beyond_window or type(error) is not StarqaError:
-        return error  # a damaged shard, a worker's death: never about the window
-    from pathlib import Path
-
-    from starqa.corpus import prompt
-
-    try:
-        ids = prompt.QueryTokens(manifest.query_template, Path(manifest.model.path)).ids(
-            question.text)
-    except Exception:  # the model moved or cannot be read: the error says what it says
-        return error
-    if prompt.room_error(manifest.n_tokens, len(ids), question.max_new_tokens,
-                         manifest.model.window) is None:
-        return error
-    return as_too_long(error)
+def _passing(channel: Channel) -> Callable[[str], None]:
+    """Each piece into `channel` while its reader is there."""
+    def piece(text: str) -> None:
+        if not channel.closed.is_set():
+            channel.piece(text)
+    return piece
 
 
 class Turns:

@@ -5,15 +5,17 @@ served; and a tally of what it answered, for its health report."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 
 import starqa.api.catalog as catalog
-from starqa.api.answers import Answer, Question
-from starqa.api.catalog import Context
 from starqa.api.errors import Stopped
 from starqa.api.groups import GroupSettings, Turns, ask_group
+from starqa.api.settings import IngestSettings
 from starqa.api.streams import Channel, Stream
+from starqa.cache.context import Context
+from starqa.phase2.answer import Answer, Question
 
 
 class Tally:
@@ -48,11 +50,13 @@ class Service:
     def context(self, ref: str | None) -> Context:
         return catalog.context(ref)
 
-    def ingest(self, paths: str | Sequence[str], **options) -> Context:
+    def ingest(self, paths: str | Sequence[str], *, name: str | None = None,
+               model: str | None = None, method: str | None = None,
+               options: IngestSettings = IngestSettings()) -> Context:
         """As `starqa.api.ingest`, with this door's worker count unless given."""
-        if self.settings.workers is not None:
-            options.setdefault("workers", self.settings.workers)
-        return catalog.ingest(paths, **options)
+        if self.settings.workers is not None and options.workers is None:
+            options = dataclasses.replace(options, workers=self.settings.workers)
+        return catalog.ingest(paths, name=name, model=model, method=method, options=options)
 
     def stream(self, question: Question, context: Context | None = None) -> Stream:
         """The answer to `question` as it is generated (`context`: the one the question

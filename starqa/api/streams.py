@@ -11,13 +11,14 @@ back until it is known not to be.
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from starqa.api.answers import Answer
 from starqa.api.errors import Stopped
 from starqa.core.progress import UI
+from starqa.phase2.answer import Answer
 
 
 class Channel:
@@ -48,6 +49,9 @@ class ChannelUI(UI):
         if self.channel.stop_wanted:
             raise Stopped("The answer was stopped.")
         self.channel.piece(text)
+
+    def stop_wanted(self) -> bool:
+        return self.channel.stop_wanted
 
 
 class StopScan:
@@ -99,7 +103,9 @@ class Stream(Iterator[str]):
         self._answer: Answer | None = None
         self._error: BaseException | None = None
         self._on_answer = on_answer
-        threading.Thread(target=_produce, args=(produce, self._channel), daemon=True,
+        # the thread runs in this one's context: a cache root chosen by `Client(home=...)`
+        threading.Thread(target=contextvars.copy_context().run,
+                         args=(_produce, produce, self._channel), daemon=True,
                          name="starqa-answer").start()
 
     def __next__(self) -> str:

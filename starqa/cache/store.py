@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from starqa.cache import blockstore
-from starqa.core.errors import ShardError, StarqaError
+from starqa.core.errors import ContextNotFound, ShardError, StarqaError
 from starqa.cache.manifest import MANIFEST, Manifest, read_manifest, write_manifest
 from starqa.cache.shards import verify_checksums
 
@@ -172,7 +172,7 @@ def match_context(root: Path, name: str | None) -> Manifest | Damaged:
     nothing is an error that lists what there is; never a guess."""
     good, damaged = scan_contexts(root)
     if not good and not damaged:
-        raise StarqaError("No ingested context yet.", hint="run: starqa ingest PATH")
+        raise ContextNotFound("No ingested context yet.", hint="run: starqa ingest PATH")
     if name is None:
         return max([*good, *damaged], key=lambda c: c.last_used if isinstance(c, Damaged)
                    else last_used(c))
@@ -192,7 +192,7 @@ def match_context(root: Path, name: str | None) -> Manifest | Damaged:
         return matches[0]
     if not matches:
         known = ", ".join(sorted({m.name for m in good} | {d.key for d in damaged}))
-        raise StarqaError(f"No context named {name!r}.", hint=f"known contexts: {known}")
+        raise ContextNotFound(f"No context named {name!r}.", hint=f"known contexts: {known}")
     listed = "; ".join(_label(c) for c in matches)
     raise StarqaError(f"{name!r} matches {len(matches)} contexts: {listed}. Nothing was done.",
                       hint="name one by a longer key prefix (`starqa list` shows the keys)")

@@ -47,10 +47,10 @@ def ask(
     A cold ask answers as one worker when model and shards fit in memory (a process forked
     as the command started), which then stays for --keep-alive seconds as the context's
     warm group, so the next question needs no load."""
-    from starqa import api
-    from starqa.cli.ui import RichUI, answer_json, answer_stats, as_text
+    from starqa.api import doors
+    from starqa.cli.ui import RichUI, answer_stats, as_text
 
-    opts = api.AskOptions(question=as_text(question), context=context, model=model,
+    opts = doors.AskOptions(question=as_text(question), context=context, model=model,
                           workers=workers,
                           max_new_tokens=max_new_tokens, beyond_window=beyond_window,
                           nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
@@ -59,9 +59,9 @@ def ask(
                           topk=one_topk(TopKChoice(attention, top_k, top_k_schedule, index,
                                                    kv_on_disk, top_k_prefill, top_k_tail)))
     with RichUI(stream=not as_json) as ui:
-        answer = api.ask_with(opts, ui)
+        answer = doors.ask_with(opts, ui)
     if as_json:
-        print(json.dumps(answer_json(answer), indent=1))
+        print(json.dumps(answer.as_dict(), indent=1))
     else:
         answer_stats(answer)
 
@@ -80,9 +80,9 @@ def chat(
     top_k_tail: TopKTail = None,
 ) -> None:
     """Interactive questions over a cached context, with warm workers."""
-    from starqa.cli.repl import Chat
+    from starqa.cli.repl import Repl
 
-    code = Chat(context, workers, keepalive, max_new_tokens,
+    code = Repl(context, workers, keepalive, max_new_tokens,
                 one_topk(TopKChoice(attention, top_k, top_k_schedule, index, kv_on_disk,
                                     top_k_prefill, top_k_tail))).run()
     if code:  # a question or command of a script failed (each said why as it did)

@@ -100,10 +100,10 @@ def ingest(
              "handed over to the new version; Ctrl-C stops.")] = False,
 ) -> None:
     """Pack files into one context and encode it into cached KV shards (Phase 1)."""
-    from starqa import api
+    from starqa.api import doors
     from starqa.cli.ui import as_text
 
-    _ingest(api.IngestOptions(
+    _ingest(doors.IngestOptions(
         paths=tuple(paths), model=model, method=method, block_size=block_size,
         anchor_size=anchor_size, workers=workers, name=name, dtype=dtype,
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
@@ -121,7 +121,7 @@ def _ingest(opts, watch: bool) -> None:
     of the context handed over to the new version; then, with --watch, the watching."""
     from dataclasses import replace
 
-    from starqa import api
+    from starqa.api import doors
     from starqa.core.errors import StarqaError
     from starqa.cli.ui import RichUI, ingest_report
 
@@ -129,7 +129,7 @@ def _ingest(opts, watch: bool) -> None:
         raise StarqaError("--watch re-ingests on this machine; it cannot run across machines.",
                           hint="drop --nnodes, or drop --watch")
     with RichUI() as ui:
-        result = api.ingest_with(opts, ui)
+        result = doors.ingest_with(opts, ui)
     ingest_report(result)
     _hand_over(result)
     if watch:
@@ -138,33 +138,33 @@ def _ingest(opts, watch: bool) -> None:
 
 def _hand_over(result) -> None:
     """A warm group serving an earlier ingest of this context now serves the new one."""
-    from starqa import api
+    from starqa.api import doors
     from starqa.cli.ui import err, safe
 
     m = result.manifest
-    for group in api.hand_over(result):
+    for group in doors.hand_over(result):
         err.print(f"Warm group of {safe(m.name)} ({safe(group.key[:8])}) restarted for "
                   f"the new version ({m.key[:8]}).")
 
 
 def _watch(opts, first) -> None:
-    """`ingest --watch`'s loop (`api.watch`): each re-ingest's report line, each error with
+    """`ingest --watch`'s loop (`doors.watch`): each re-ingest's report line, each error with
     its hint (watching goes on); Ctrl-C (or SIGTERM) stops cleanly."""
-    from starqa import api
+    from starqa.api import doors
     from starqa.cli.ui import RichUI, err, print_error, safe, watch_line
 
     latest = [first.manifest]
 
     def reingest() -> None:
         with RichUI() as ui:
-            result = api.ingest_with(opts, ui)
+            result = doors.ingest_with(opts, ui)
         err.print(watch_line(result))
         _hand_over(result)
         latest[0] = result.manifest
 
     err.print(f"Watching {safe(', '.join(opts.paths))} for changes (Ctrl-C stops).")
     try:
-        api.watch(opts, reingest, print_error)
+        doors.watch(opts, reingest, print_error)
     except KeyboardInterrupt:
         m = latest[0]
         err.print(f"Stopped watching; {safe(m.name)} is {m.key[:8]}, its last committed "
@@ -177,9 +177,9 @@ def list_(as_json: AsJson = False) -> None:
     `*` marks the one `ask` uses without --context."""
     import time
 
-    from starqa import api
+    from starqa.api import doors
 
-    found = api.listing()
+    found = doors.listing()
     latest = found.latest  # the one a plain `ask` uses, damaged or not: marked
     if as_json:
         print(json.dumps([{**s, "default": s is latest} for s in found.contexts + found.damaged],
@@ -200,15 +200,15 @@ def info(
     Sources, the command that made it, model, method, blocks, files, skipped files, timing."""
     import time
 
-    from starqa import api
+    from starqa.api import doors
 
-    manifest = api.find(name)
+    manifest = doors.find(name)
     if as_json:
         print(json.dumps({**manifest.to_json(), "dir": str(manifest.folder)}, indent=1))
         return
     from starqa.cli.ui import context_info
 
-    context_info(manifest, api.summary(manifest), time.time())
+    context_info(manifest, doors.summary(manifest), time.time())
 
 
 def rm(
@@ -218,7 +218,7 @@ def rm(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask to confirm --all.")] = False,
 ) -> None:
     """Remove cached contexts and print the space freed."""
-    from starqa import api
+    from starqa.api import doors
     from starqa.core.errors import StarqaError
     from starqa.cli.ui import removed_report
 
@@ -226,7 +226,7 @@ def rm(
         raise StarqaError("Give the names of the contexts to remove, or --all (not both).",
                           hint="starqa list shows the names")
     if all_:
-        targets = api.all_contexts()
+        targets = doors.all_contexts()
         if not targets:
             print("No contexts to remove.")
             return
@@ -238,8 +238,8 @@ def rm(
                 print("Nothing removed.")
                 raise typer.Exit(1)
     else:  # every name resolved first, so a typo or an ambiguous prefix removes nothing
-        targets = api.resolved(names)
-    removed_report(api.remove(targets))  # their warm groups stopped first
+        targets = doors.resolved(names)
+    removed_report(doors.remove_found(targets))  # their warm groups stopped first
 
 
 def cache(
@@ -253,15 +253,15 @@ def cache(
 
     Sizes of converted models and contexts, folders left by interrupted work, and contexts
     from an incompatible starqa."""
-    from starqa import api
+    from starqa.api import doors
     from starqa.core import paths
 
-    usage = api.cache_usage()
+    usage = doors.cache_usage()
     cleaned = None
     if clean:
-        cleaned = api.clean_cache(usage)
-        usage = api.cache_usage()
-    found = api.kernels()
+        cleaned = doors.clean_cache(usage)
+        usage = doors.cache_usage()
+    found = doors.kernels()
     if as_json:
         built = {"state": found.state, "path": found.path and str(found.path),
                  "detail": found.detail}
@@ -283,16 +283,16 @@ def index_(
 
     One faiss index per block, layer and KV head, next to the shards, checksummed in the
     manifest; a damaged set is replaced whole."""
-    from starqa import api
+    from starqa.api import doors
     from starqa.core.errors import StarqaError
     from starqa.cli.ui import RichUI, err, safe
 
-    if kind not in api.INDEX_KINDS or kind == "flat":
+    if kind not in doors.INDEX_KINDS or kind == "flat":
         raise StarqaError(f"--index {kind!r} has no index files to build.",
                           hint="choose ivf or hnsw (flat searches the keys themselves)")
-    manifest = api.find(context)
+    manifest = doors.find(context)
     with RichUI(stream=False) as ui:
-        manifest, built = api.build_indexes(manifest, kind, ui)
+        manifest, built = doors.build_indexes(manifest, kind, ui)
     err.print(f"Built {len(built.files):,} {kind} indexes for {safe(manifest.name)} "
               f"({sum(f.bytes for f in built.files) / 2**20:,.1f} MiB, "
               f"{built.build_seconds:.1f} s) in {safe(manifest.folder / built.folder)}")

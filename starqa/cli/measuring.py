@@ -159,8 +159,8 @@ def _eval(opts) -> None:
 def _fetch_model(spec: str | None) -> None:
     """An embedded model fetched (first use) with its progress on screen, before a command
     whose own display would otherwise hide a minutes-long download."""
-    from starqa import api
+    from starqa.api import doors
     from starqa.cli.ui import RichUI
 
     with RichUI(stream=False) as ui:
-        api.fetch_model(spec, ui)
+        doors.fetch_model(spec, ui)

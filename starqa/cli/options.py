@@ -247,7 +247,7 @@ def compared(choice: TopKChoice) -> tuple[TopK, ...]:
     """`starqa bench`'s top-k runs, each beside exact on the same context: --top-k turns
     them on (bench has no --attention), every index kind unless --index names some, and
     each --kv-on-disk run comes after the same run in memory."""
-    from starqa.api import INDEX_KINDS
+    from starqa.api.doors import INDEX_KINDS
 
     if choice.top_k is None:
         if given := choice.given():

@@ -27,7 +27,9 @@ HELP = """\
 Enter sends; Esc then Enter adds a new line; Ctrl-C stops an answer."""
 
 
-class Chat:
+class Repl:
+    """`starqa chat`'s loop: what is typed, asked of an `api.Chat`, its answers drawn."""
+
     def __init__(self, context: str | None, workers: int | None, keepalive: float,
                  max_new_tokens: int, topk: api.TopK | None = None):
         from starqa.cli.ui import RichUI, err
@@ -36,7 +38,7 @@ class Chat:
         self.ui = RichUI(stream=False)  # the spinners of a group starting (never entered)
         # keep-alive 0: no group outlives the chat; the one it starts is stopped with it
         self.options = dict(max_new_tokens=max_new_tokens, workers=workers,
-                            keepalive=keepalive, topk=topk)
+                            keepalive=keepalive, attention=topk)
         self.chat: api.Chat | None = None  # the conversation, once connected
         self.last: api.Answer | None = None
         self.failed = False  # a question or command failed: a script's chat exits 1
@@ -137,7 +139,7 @@ class Chat:
             if self.last is None:
                 self.console.print("No answer yet.")
             else:
-                print_sources(_sources(self.last), limit=10)
+                print_sources(self.last.sources, limit=10)
         elif name == "/stats":
             self.print_stats()
         elif name == "/clear":
@@ -203,7 +205,7 @@ class Chat:
             self.console.print("[dim](stopped)[/]")
         self.last = done
         self.console.print(_stats_line(done))
-        print_sources(_sources(done), limit=3)
+        print_sources(done.sources, limit=3)
 
     def print_stats(self) -> None:
         status = self.chat.status()
@@ -212,11 +214,6 @@ class Chat:
             f"RSS {status.rss_bytes / 2**20:,.0f} MB · conversation: {len(self.history)} turns")
         if self.last:
             self.console.print(_stats_line(self.last))
-
-
-def _sources(answer: api.Answer) -> list[dict] | None:
-    """The answer's sources as `print_sources` takes them (None: not traced, top-k)."""
-    return None if answer.sources is None else [s.as_dict() for s in answer.sources]
 
 
 def _stats_line(answer: api.Answer) -> str:

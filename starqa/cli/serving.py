@@ -43,7 +43,7 @@ def serve(
     machines: on the query host, the machine of the last node rank). With --http, serve every
     context through the OpenAI chat API instead."""
 
-    def ready(info) -> None:  # an api.RunInfo
+    def ready(info) -> None:  # an doors.RunInfo
         from starqa.cli.ui import err, safe
 
         ui._stop_status()
@@ -67,11 +67,11 @@ def serve(
         if http is not None:
             _serve_http(http, api_key, workers, keepalive, allow_origin)
             return
-        from starqa import api
+        from starqa.api import doors
         from starqa.cli.ui import RichUI
 
         with RichUI() as ui:
-            api.serve(api.ServeOptions(context=context, model=model, workers=workers,
+            doors.serve(doors.ServeOptions(context=context, model=model, workers=workers,
                                        keepalive=keepalive, device=device, weights=weights,
                                        topk=one_topk(TopKChoice(
                                            attention, top_k, top_k_schedule, index,
@@ -127,10 +127,10 @@ def _sigterm_exits(code: int):
 
 def ps(as_json: AsJson = False) -> None:
     """Show running worker groups."""
-    from starqa import api
+    from starqa.api import doors
     from starqa.cli.ui import groups_table
 
-    groups = api.running_groups()
+    groups = doors.running_groups()
     if as_json:
         print(json.dumps(groups, indent=1))
     else:
@@ -142,24 +142,24 @@ def stop(
     all_: Annotated[bool, typer.Option("--all", help="Stop every running group.")] = False,
 ) -> None:
     """Stop warm worker groups."""
-    from starqa import api
+    from starqa.api import doors
     from starqa.core.errors import StarqaError
     from starqa.cli.ui import err, safe
 
     if not all_ and not contexts:
         raise StarqaError("Name the contexts whose workers to stop, or pass --all.",
                           hint="starqa ps shows them")
-    groups, starting = api.stopping(None if all_ else contexts)
+    groups, starting = doors.stopping(None if all_ else contexts)
     # groups still loading (an ask or ingest just started one): stopped once they listen
     if starting:
         err.print(f"Waiting for {len(starting)} group{'s' * (len(starting) > 1)} still "
                   "starting, to stop {}.".format("them" if len(starting) > 1 else "it"))
-        groups += api.wait_started(starting)
+        groups += doors.wait_started(starting)
     if not groups:
         err.print("No matching worker group is running.")
-    for group, outcome in api.stop_groups(groups):
+    for group, outcome in doors.stop_groups(groups):
         if outcome == "elsewhere":  # stopped from its query host
-            err.print(f"Not stopped here: {safe(api.elsewhere(group))}")
+            err.print(f"Not stopped here: {safe(doors.elsewhere(group))}")
         elif outcome == "died":  # without cleaning up (kill -9): its files are removed
             err.print(f"{safe(group.name)} ({safe(group.key)}) had already died; "
                       "removed the run file and socket it left.")

@@ -28,8 +28,9 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from starqa import api, methods
-from starqa.api import AskResult, CacheUsage, Damaged, IngestResult, KernelStatus, Manifest
+from starqa import methods
+from starqa.api import Answer, Source, doors
+from starqa.api.doors import CacheUsage, Damaged, IngestResult, KernelStatus, Manifest
 from starqa.core.progress import UI
 from starqa.methods import MethodConfig
 
@@ -81,8 +82,8 @@ def printable(text: str, keep_newlines: bool = False) -> str:
 
 def as_text(typed: str | None) -> str | None:
     """What was typed (a question, from the command line or a pipe) as a model reads it:
-    bytes that were not UTF-8 become U+FFFD (`api.valid_text`)."""
-    return None if typed is None else api.valid_text(typed)
+    bytes that were not UTF-8 become U+FFFD (`doors.valid_text`)."""
+    return None if typed is None else doors.valid_text(typed)
 
 
 def print_table(table: Table, console: Console | None = None) -> None:
@@ -246,16 +247,16 @@ class RichUI(UI):
 
 @functools.cache
 def kernels_warning() -> None:
-    """Where starqa's compiled kernels are missing or stale (`api.kernels`): a warning on
+    """Where starqa's compiled kernels are missing or stale (`doors.kernels`): a warning on
     stderr with the fix to paste, once per process (the answers are right, only slower);
     STARQA_REQUIRE_KERNELS=1 raises the error instead."""
-    found = api.kernels()
+    found = doors.kernels()
     if not found.ok:
         err.print(f"[yellow]warning:[/] {safe(found.message())}", soft_wrap=True)
         err.print(f"[yellow]hint:[/] {safe(found.hint())}", soft_wrap=True)
 
 
-def print_sources(sources: list[dict] | None, limit: int = 3) -> None:
+def print_sources(sources: Sequence[Source] | None, limit: int = 3) -> None:
     """`path:first-last (share)` for the files the answer copied from, or that none stands
     out (sources.top_sources); nothing for None (not tracked: top-k attention)."""
     if sources is None:
@@ -264,9 +265,8 @@ def print_sources(sources: list[dict] | None, limit: int = 3) -> None:
         err.print("[dim]sources: none stands out (the answer copied little from the "
                   "documents: it may come from the model's own knowledge)[/]")
         return
-    parts = [f"{s['path']}:{s['lines'][0]}" + (f"-{s['lines'][1]}" if s["lines"][1] != s["lines"][0]
-                                                 else "") + f" ({s['share']:.0%})"
-             for s in sources[:limit]]
+    parts = [f"{s.path}:{s.lines[0]}" + (f"-{s.lines[1]}" if s.lines[1] != s.lines[0] else "")
+             + f" ({s.share:.0%})" for s in sources[:limit]]
     err.print("[dim]sources: " + safe(", ".join(parts)) + "[/]")
 
 
@@ -361,42 +361,27 @@ def _blocks_per_worker(method: MethodConfig, n_blocks: int, workers: int) -> str
                      for r in range(workers))
 
 
-def answer_stats(answer: AskResult) -> None:
+def answer_stats(answer: Answer) -> None:
     if not answer.query_host:
         err.print("The answer streams on the machine holding the last block (the last node).")
         return
-    n_new = len(answer.token_ids)
-    ttft = answer.first_token_seconds
-    rate = (n_new - 1) / answer.decode_seconds if answer.decode_seconds and n_new > 1 else 0.0
-    prefill = answer.query_tokens / answer.prefill_seconds if answer.prefill_seconds else 0.0
+    n_new, t = answer.answer_tokens, answer.timings
+    rate = (n_new - 1) / t.decode_s if t.decode_s and n_new > 1 else 0.0
+    prefill = answer.question_tokens / t.prefill_s if t.prefill_s else 0.0
     workers = f"{answer.workers} {'warm ' * answer.warm}worker{'s' * (answer.workers > 1)}" + \
         (f" ({safe(answer.weights)})" if answer.weights else "") + \
         (f" · {answer.attention}" if answer.attention != "exact" else "")
-    err.print(f"[dim]{safe(answer.context.name)} · {safe(answer.context.method.name)} · "
-              f"{answer.context.n_tokens:,} cached + {answer.query_tokens} question tokens · "
-              f"{workers} · first token {ttft:.2f} s · prefill {prefill:,.0f} tok/s · "
-              f"decode {rate:.1f} tok/s ({n_new} tokens) · total {answer.seconds:.1f} s[/]"
-              if ttft is not None else f"[dim]no answer tokens ({answer.seconds:.1f} s)[/]")
-    if answer.attention != "exact":
+    err.print(f"[dim]{safe(answer.context.name)} · {safe(answer.context.method)} · "
+              f"{answer.context.tokens:,} cached + {answer.question_tokens} question tokens · "
+              f"{workers} · first token {t.first_token_s:.2f} s · prefill {prefill:,.0f} tok/s · "
+              f"decode {rate:.1f} tok/s ({n_new} tokens) · total {t.total_s:.1f} s[/]"
+              if t.first_token_s is not None else
+              f"[dim]no answer tokens ({t.total_s:.1f} s)[/]")
+    if answer.sources is None:
         err.print("[dim]Sources: not tracked with top-k attention (ask with --attention exact "
                   "to see them).[/]")
         return
     print_sources(answer.sources)
-
-
-def answer_json(answer: AskResult) -> dict:
-    ctx = answer.context
-    return {"answer": answer.text, "context": ctx.name, "key": ctx.key,
-            "method": ctx.method.as_dict(), "model": ctx.model.name,
-            "tokens": {"context": ctx.n_tokens, "question": answer.query_tokens,
-                       "answer": len(answer.token_ids)},
-            "workers": answer.workers, "warm": answer.warm, "weights": answer.weights,
-            "attention": answer.attention,
-            "sources": answer.sources if answer.attention == "exact" else None,
-            "timings": {"first_token_s": answer.first_token_seconds,
-                        "prefill_s": answer.prefill_seconds, "decode_s": answer.decode_seconds,
-                        "total_s": answer.seconds,
-                        "first_token_before_torch": answer.before_torch}}
 
 
 # ---------------------------------------------------------------------------------------
@@ -486,7 +471,7 @@ def context_info(manifest: Manifest, summary: dict, now: float) -> None:
     blocks = _table("Blocks", ("block", "right"), ("tokens", "right"), ("range", "right"),
                     ("size", "right"), ("shard", "left"), ("files", "left"))
     for b in m.blocks:
-        state = b.file if api.shard_present(m, b.index) else \
+        state = b.file if doors.shard_present(m, b.index) else \
             f"[red]{b.file} missing or wrong size[/]"
         held = [f.path for f in m.files if f.token_start < b.end and b.start < f.token_end]
         blocks.add_row(str(b.index), f"{b.end - b.start:,}",

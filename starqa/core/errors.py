@@ -15,6 +15,22 @@ class ShardError(StarqaError):
     """A cached shard is missing, corrupt, or does not match its manifest."""
 
 
+class ContextNotFound(StarqaError):
+    """No context has that name, key or key prefix (or none is ingested yet): raised by
+    the cache's lookup (`starqa.cache.store.match_context`)."""
+
+
+class ContextLengthError(StarqaError):
+    """The context, the question and the longest answer asked for do not fit the model's
+    window: raised by the one room check (`starqa.corpus.prompt.room_error`), wherever it
+    runs (the message has the numbers; the hint, the ways to make them fit)."""
+
+
+class Stopped(StarqaError):
+    """An answer's reader left (or withdrew its question) before the answer was complete:
+    there is no answer to read."""
+
+
 class WorkerError(StarqaError):
     """A torchrun worker died; the message carries the tail of its stderr."""
 

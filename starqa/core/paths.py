@@ -1,5 +1,7 @@
 """Where starqa keeps its cache: models it converted and the ingested contexts."""
 
+import contextlib
+import contextvars
 import errno
 import hashlib
 import os
@@ -9,11 +11,35 @@ from pathlib import Path
 
 from starqa.core.errors import StarqaError
 
+# A cache root set for this thread's calls (`using_home`: the API's `Client(home=...)`),
+# before $STARQA_HOME; a Stream's thread starts with its creator's.
+_HOME: contextvars.ContextVar[Path | None] = contextvars.ContextVar("starqa_home", default=None)
+
+
+@contextlib.contextmanager
+def using_home(root: str | os.PathLike):
+    """Within the block, `home()` is `root` for this thread (and the processes it starts:
+    `child_env`), whatever $STARQA_HOME says."""
+    token = _HOME.set(Path(root).expanduser().absolute())
+    try:
+        yield
+    finally:
+        _HOME.reset(token)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a process starqa starts: this one's, with $STARQA_HOME naming the
+    cache root in use where `using_home` set one, and `extra`."""
+    root = _HOME.get()
+    return {**os.environ, **({"STARQA_HOME": str(root)} if root is not None else {}), **extra}
+
 
 def home() -> Path:
     """Cache root: `$STARQA_HOME`, else `$XDG_CACHE_HOME/starqa`, else `~/.cache/starqa`.
     A root that is a file (or lies below one) is an error that names the variable."""
-    if env := os.environ.get("STARQA_HOME"):
+    if (chosen := _HOME.get()) is not None:
+        root, source = chosen, "Client(home=...)"
+    elif env := os.environ.get("STARQA_HOME"):
         root, source = Path(env).expanduser(), "STARQA_HOME"
     else:
         xdg = os.environ.get("XDG_CACHE_HOME")

@@ -26,3 +26,8 @@ class UI:
     def advance(self, tokens: int) -> None: ...
 
     def token(self, text: str) -> None: ...
+
+    def stop_wanted(self) -> bool:
+        """Whether whoever reads the answer wants it to end now (a stop string appeared, the
+        reader cancelled or left): a warm group is then told to cancel."""
+        return False

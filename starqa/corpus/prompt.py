@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from starqa.corpus import FileSpan, valid_text
-from starqa.core.errors import StarqaError
+from starqa.core.errors import ContextLengthError, StarqaError
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents provided. Be brief."
 INTRO = "Here are the documents.\n\n"
@@ -282,14 +282,14 @@ def _first_token_ending_after(ends: list[int], char: int) -> int:
     return min(lo, max(len(ends) - 1, 0))
 
 
-def room_error(n: int, m: int, max_new_tokens: int, window: int) -> StarqaError | None:
+def room_error(n: int, m: int, max_new_tokens: int, window: int) -> ContextLengthError | None:
     """The one window check of Phase 2: a context of n tokens, a question of m and up to
     `max_new_tokens` of answer must fit the model's window; None when they do, else the
     error that says how to make them fit."""
     return None if n + m + max_new_tokens <= window else over_window(n, m, max_new_tokens, window)
 
 
-def over_window(n: int, m: int, max_new_tokens: int, window: int) -> StarqaError:
+def over_window(n: int, m: int, max_new_tokens: int, window: int) -> ContextLengthError:
     """The over-window error of `ask`. Lowering --max-new-tokens is offered only when a
     lower value fits (as the value that does), never when the question alone fills the window."""
     fixes = []
@@ -299,7 +299,7 @@ def over_window(n: int, m: int, max_new_tokens: int, window: int) -> StarqaError
         fixes.append("ask a shorter question")
     fixes += ["re-ingest less (ingest's --reserve, 512 by default, keeps room to ask)",
               "pass --beyond-window to go on anyway"]
-    return StarqaError(
+    return ContextLengthError(
         f"Context {n:,} + question {m:,} + up to {max_new_tokens:,} answer tokens = "
         f"{n + m + max_new_tokens:,} tokens > {window:,} the model was trained on.",
         hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])

@@ -1,29 +1,29 @@
 """Phase 2's launcher, `starqa ask`: a cached context and a question → query tokens → an
 answer from a warm group (over its socket), from this process (a world of one, when model
 and shards fit in memory) or from a torchrun group. Every path answers through
-`starqa.phase2.answering.Answerer`; what they share is in `starqa.launchers.answer`, and
+`starqa.phase2.answerer.Answerer`; what they share is in `starqa.launchers.answer`, and
 `serve` (a group kept warm for later questions) in `starqa.launchers.serve`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
 from starqa.cache import hosts, store
+from starqa.cache.context import Context
 from starqa.cache.manifest import Manifest
 from starqa.core import paths
 from starqa.core.errors import StarqaError
 from starqa.core.progress import UI
 from starqa.corpus import prompt
-from starqa.launchers.answer import (Answer, LocalAnswerer, Question, checked_model,
-    question_ids, with_indexes)
+from starqa.launchers.local import LocalAnswerer
+from starqa.launchers.query import Query, answered, checked_model, question_ids, with_indexes
+from starqa.phase2.answer import Answer, Question, Timings
 from starqa.phase2.placement import phase2_workers
 from starqa.runtime.launch import Launch, PerRank, launch_of, run_workers
 from starqa.runtime.protocol import Done, Event, ThenServe, Token
 from starqa.topk.indexes import TopK
-from starqa.workers.runfile import RunInfo
 
 
 @dataclass(frozen=True)
@@ -76,17 +76,23 @@ def ask(opts: AskOptions, ui: UI = UI(), head=None) -> Answer:
 def _ask(opts: AskOptions, ui: UI, head) -> Answer:
     started = time.perf_counter()
     manifest = _checked_request(opts)
-    if (group := _warm_group(opts, manifest)) is not None:
+    if opts.warm and opts.nnodes == 1:
         from starqa.workers import client
 
-        head = _let_go(head)  # the group answers: no torch in this command
-        try:
-            return _ask_warm(opts, manifest, group, ui, started)
-        except client.Unreachable:  # it died without cleaning up: answer cold
-            client.forget(group)
-        except _GroupLeft:  # it was exiting (stopped, idle) as it was asked: answer cold
-            pass
-    question, workers, why = _question(opts, manifest, ui, started)
+        group, why_not = client.group_for(manifest, opts.model, opts.weights,
+                                          opts.topk.as_dict() if opts.topk else None)
+        if why_not:
+            ui.note(f"Answering cold: {why_not}.")
+        if group is not None:
+            head = _let_go(head)  # the group answers: no torch in this command
+            try:
+                return client.ask_warm(group, _question_of(opts), Context.of(manifest),
+                                       ui.token, ui.stop_wanted, started)
+            except client.Unreachable:  # it died without cleaning up: answer cold
+                client.forget(group)
+            except client.GroupLeft:  # it was exiting (stopped, idle) as it was asked
+                pass
+    query, workers, why = _query(opts, manifest, ui, started)
     if not (workers == 1 and opts.nnodes == 1):
         head = _let_go(head)  # a torchrun group answers
     keep = opts.keepalive != 0 and opts.warm and opts.nnodes == 1  # leave a warm group
@@ -94,11 +100,11 @@ def _ask(opts: AskOptions, ui: UI, head) -> Answer:
         ui.waiting(f"Loading model and shards ({why})")
         then = ThenServe(opts.keepalive, opts.workers, opts.weights,
                          opts.topk.as_dict() if opts.topk else None) if keep else None
-        answer = _answer(question, launch_of(opts, 1), ui, head=head, then_serve=then)
+        answer = _answer(query, launch_of(opts, 1), ui, head=head, then_serve=then)
     elif workers == 1 and opts.nnodes == 1:
-        answer = _answer_here(question, opts.device, why, ui)
+        answer = _answer_here(query, opts.device, why, ui)
     else:
-        answer = _answer(question, launch_of(opts, workers), ui)
+        answer = _answer(query, launch_of(opts, workers), ui)
     if keep and not (head is not None and head.serving):
         from starqa.workers import client
 
@@ -125,17 +131,10 @@ def _checked_request(opts: AskOptions) -> Manifest:
     return manifest
 
 
-def _warm_group(opts: AskOptions, manifest: Manifest) -> RunInfo | None:
-    """The run info of a warm group that answers this ask as asked, if one runs here."""
-    if not (opts.warm and opts.nnodes == 1 and opts.model is None):
-        return None
-    from starqa.workers import client
-
-    group = client.find(manifest.key)
-    if group is not None and opts.weights in (None, group.weights) \
-            and group.topk == (opts.topk.as_dict() if opts.topk else None):
-        return group
-    return None
+def _question_of(opts: AskOptions) -> Question:
+    """The question `opts` asks, as a warm group takes it."""
+    return Question(opts.question, opts.context, max_new_tokens=opts.max_new_tokens,
+                    beyond_window=opts.beyond_window)
 
 
 def _let_go(head) -> None:
@@ -144,9 +143,10 @@ def _let_go(head) -> None:
         head.close()
 
 
-def _question(opts: AskOptions, manifest: Manifest, ui: UI,
-              started: float) -> tuple[Question, int, str]:
-    """The question ready to answer cold, the workers per machine that answer it and why."""
+def _query(opts: AskOptions, manifest: Manifest, ui: UI,
+           started: float) -> tuple[Query, int, str]:
+    """The question made ready to answer cold, the workers per machine that answer it and
+    why."""
     from starqa import models
 
     with ui.status("Checking model and shards"):
@@ -162,8 +162,8 @@ def _question(opts: AskOptions, manifest: Manifest, ui: UI,
                                   opts.topk)
     weights = models.phase2_weights(opts.weights, manifest.model.spec, opts.device)
     stops = frozenset(models.stop_ids(tokenizer, model_path))
-    return (Question(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens, stops,
-                     weights, opts.topk, started), workers, why)
+    return (Query(manifest, model_path, tokenizer, query_ids, opts.max_new_tokens, stops,
+                  weights, opts.topk, started), workers, why)
 
 
 def _check_here(manifest: Manifest) -> None:
@@ -196,9 +196,9 @@ def ask_tokens(manifest: Manifest, query_ids: list[int],
     workers = phase2_workers(manifest, model_path, opts.workers, 1, opts.device, opts.topk)[0]
     stops = frozenset(models.stop_ids(tokenizer, model_path) if opts.stop else ())
     weights = models.phase2_weights(opts.weights, manifest.model.spec, opts.device)
-    question = Question(manifest, model_path, tokenizer, list(query_ids), opts.max_new_tokens,
-                        stops, weights, opts.topk, started, opts.measure)
-    return _answer(question, Launch(workers, device=opts.device), ui)
+    query = Query(manifest, model_path, tokenizer, list(query_ids), opts.max_new_tokens,
+                  stops, weights, opts.topk, started, opts.measure)
+    return _answer(query, Launch(workers, device=opts.device), ui)
 
 
 class _Heard:
@@ -226,79 +226,36 @@ class _Heard:
             self.ranks.hear(event)
 
 
-def _answer(question: Question, launch: Launch, ui: UI, head=None,
+def _answer(query: Query, launch: Launch, ui: UI, head=None,
             then_serve: ThenServe | None = None) -> Answer:
     """Run Phase 2 on a torchrun group, or on the head start (`head`: a world of one forked
     as the command started; with `then_serve`, the warm group's settings, it goes on as
     that group once it has answered), streaming tokens to `ui`."""
     workers = launch.workers
-    heard = _Heard(question.tokenizer, ui)
-    job = question.job(launch.device, then_serve)
+    heard = _Heard(query.tokenizer, ui)
+    job = query.job(launch.device, then_serve)
     if head is not None:
         head.run(job, heard.on_event)
     else:
         ui.waiting(f"Starting {workers} worker{'s' * (workers > 1)} (loading model and shards)")
         run_workers(job, launch, heard.on_event)
-    store.touch(question.manifest)
+    store.touch(query.manifest)
     if piece := heard.stream.finish():
         ui.token(piece)
     done = heard.done
-    return Answer.timed(
-        heard.stream.text, question.started, heard.first,
-        heard.end if heard.end is not None else time.perf_counter(), question.topk,
-        token_ids=heard.stream.ids, context=question.manifest,
-        query_tokens=len(question.query_ids), workers=workers * launch.nnodes,
-        query_host=launch.node_rank == launch.nnodes - 1,
-        decode_seconds=done.decode_s if done else 0.0,
-        prefill_seconds=done.prefill_s if done else None,
-        sources=list(done.sources or ()) if done else [],
-        peak_bytes=heard.ranks.peak_bytes(), measures=heard.ranks.measure_rows(),
-        weights=question.weights, before_torch=done.before_torch if done else False)
+    end = heard.end if heard.end is not None else time.perf_counter()
+    timings = Timings.since(query.started, heard.first, end, done.prefill_s if done else None,
+                            done.decode_s if done else 0.0,
+                            before_torch=done.before_torch if done else False)
+    return answered(query, heard.stream.text, heard.stream.ids, timings,
+                    done.sources if done else (), workers * launch.nnodes,
+                    query_host=launch.node_rank == launch.nnodes - 1,
+                    peak_bytes=tuple(heard.ranks.peak_bytes()),
+                    measures=tuple(heard.ranks.measure_rows()))
 
 
-def _answer_here(question: Question, device: str, why: str, ui: UI) -> Answer:
+def _answer_here(query: Query, device: str, why: str, ui: UI) -> Answer:
     """Phase 2 as a world of one in this process: no torchrun, no second Python start."""
     ui.waiting(f"Loading model and shards ({why})")
-    local = LocalAnswerer(question.manifest, question.model_path, question.weights,
-                          question.topk, device)
-    return local.answer(question, ui)
-
-
-class _GroupLeft(Exception):
-    """A warm group closed its socket before the first token: it was exiting as it was
-    asked (`starqa stop`, its keep-alive ending), so the question goes elsewhere."""
-
-
-def _ask_warm(opts: AskOptions, manifest: Manifest, group: RunInfo, ui: UI,
-              started: float) -> Answer:
-    """Ask a running worker group over its socket (no model load, no torch import here)."""
-    from starqa.workers import messages
-    from starqa.workers.client import Client
-
-    conn = Client(group)
-    first = None
-    try:
-        for event in conn.ask(opts.question, (), opts.max_new_tokens, opts.beyond_window):
-            if isinstance(event, messages.Piece):
-                first = first or time.perf_counter()
-                ui.token(event.text)
-            else:
-                done = event
-    except KeyboardInterrupt:  # stop the answer, leave the group warm
-        with contextlib.suppress(OSError):
-            conn.cancel()
-        raise
-    except (ConnectionResetError, BrokenPipeError) as err:
-        if first is None:
-            raise _GroupLeft from None
-        raise StarqaError(f"The warm group of {manifest.name} ended in the middle of the answer "
-                          f"({err}).", hint="ask again: a cold answer starts a new group; "
-                          "starqa ps shows the running groups") from None
-    finally:
-        conn.close()
-    return Answer.timed(done.text, started, first, time.perf_counter(), opts.topk,
-                        token_ids=list(done.token_ids), context=manifest,
-                        query_tokens=done.question_tokens, workers=group.workers,
-                        decode_seconds=done.decode_s, prefill_seconds=done.first_token_s,
-                        sources=list(done.sources or ()), warm=True,
-                        weights=group.weights)
+    local = LocalAnswerer(query.manifest, query.model_path, query.weights, query.topk, device)
+    return local.answer(query, ui)

@@ -18,7 +18,7 @@ from starqa.cache.manifest import Manifest
 from starqa.core import paths
 from starqa.core.errors import StarqaError
 from starqa.core.progress import UI
-from starqa.launchers.answer import checked_model, with_indexes
+from starqa.launchers.query import checked_model, with_indexes
 from starqa.phase2.placement import phase2_workers
 from starqa.runtime.launch import launch_of, run_workers
 from starqa.runtime.protocol import Event, Ready, ServeJob
@@ -136,7 +136,7 @@ def _serve_here(job: ServeJob, manifest: Manifest, why: str, ui: UI, on_ready,
     """A warm group of one worker: this process (starqa.workers.server's loop, no torchrun),
     with `answerer` if it holds the model and shard already."""
     from starqa.runtime import dist
-    from starqa.phase2.answering import Answerer
+    from starqa.phase2.answerer import Answerer
     from starqa.workers.server import serve_group
 
     if answerer is None:

@@ -27,7 +27,7 @@ from starqa.cache import store
 from starqa.core.errors import StarqaError
 from starqa.topk.indexes import TopK, find_set
 from starqa.runtime.launch import cpu_count
-from starqa.cache.manifest import Manifest, write_json_atomic
+from starqa.cache.manifest import Manifest, read_manifest, write_json_atomic
 from starqa.methods import METHODS, method_config, plan_blocks
 from starqa.measure.lengths import parse_lengths
 
@@ -283,7 +283,7 @@ def phase2(manifest: Manifest, query_ids: list[int], workers: int, opts: BenchOp
         runs[0].append(answer(None))
         for i, settings in enumerate(opts.topk, 1):
             runs[i].append(answer(settings))
-            manifest = runs[i][-1].context  # with the indexes built for it
+            manifest = read_manifest(runs[i][-1].context.folder)  # with the indexes built
     exact, rows = median_run(runs[0]), []
     for settings, found in zip(opts.topk, runs[1:]):
         rows.append(_topk_row(settings, manifest, median_run(found), exact))
@@ -327,13 +327,13 @@ def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds
             "launch_seconds": ingested.seconds, "per_worker": p1},
         "shard_bytes": shard_bytes,
         "phase2": {
-            "workers": answer.workers, "query_tokens": answer.query_tokens, "new_tokens": new,
-            "first_token_seconds": answer.prefill_seconds,
-            "cold_first_token_seconds": answer.first_token_seconds,
+            "workers": answer.workers, "query_tokens": answer.question_tokens,
+            "new_tokens": new, "first_token_seconds": answer.timings.prefill_s,
+            "cold_first_token_seconds": answer.timings.first_token_s,
             "seconds_per_token": per_token(answer),
             # source attribution after the answer (the slowest worker), inside decode_seconds
             "sources_seconds": max(w["sources_seconds"] for w in p2),
-            "decode_seconds": answer.decode_seconds,
+            "decode_seconds": answer.timings.decode_s,
             "peak_bytes": max(w["peak_bytes"] for w in p2),
             "sent_bytes": sum(w["sent_bytes"] for w in p2), "per_worker": p2},
     }
@@ -342,7 +342,7 @@ def _row(r: Run, manifest: Manifest, ingested, answer, shard_bytes: int, seconds
 def per_token(answer) -> float | None:
     """An answer's decode seconds per token after the first (None for fewer than two)."""
     new = len(answer.token_ids)
-    return answer.decode_seconds / (new - 1) if new > 1 else None
+    return answer.timings.decode_s / (new - 1) if new > 1 else None
 
 
 def _topk_row(settings: TopK, manifest: Manifest, answer, exact) -> dict:
@@ -354,7 +354,7 @@ def _topk_row(settings: TopK, manifest: Manifest, answer, exact) -> dict:
             "k": settings.keys(manifest.n_tokens),
             "index_bytes": sum(f.bytes for f in built.files) if built else 0,
             "index_build_seconds": built.build_seconds if built else 0.0,
-            "first_token_seconds": answer.prefill_seconds, "seconds_per_token": per_token_s,
+            "first_token_seconds": answer.timings.prefill_s, "seconds_per_token": per_token_s,
             "peak_bytes": peak, "same_tokens_as_exact": answer.token_ids == exact.token_ids,
             "decode_vs_exact": per_token_s / exact_per_token if per_token_s and exact_per_token
             else None,

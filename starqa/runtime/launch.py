@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from starqa.core import paths
 from starqa.core.errors import ShardError, StarqaError, WorkerError
 from starqa.runtime.protocol import Error, Event, Job, Measure, Peak, encode_job, read_event
 
@@ -126,9 +127,9 @@ def run_workers(job: Job, launch: Launch, on_event: Callable[[Event], None]) -> 
     """Run the job on a torchrun group; calls `on_event` for each event line, in order."""
     check_gpus(launch.device, launch.workers)
     threads = max(1, cpu_count() // launch.workers)  # N workers on C cores: C/N threads each
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "STARQA_THREADS": str(threads),
-           "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TRANSFORMERS_VERBOSITY": "error"}
+    env = paths.child_env(OMP_NUM_THREADS=str(threads), STARQA_THREADS=str(threads),
+                          PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false",
+                          TRANSFORMERS_VERBOSITY="error")
     # One temp folder per run holds the job file and is torchrun's TMPDIR (its
     # `torchelastic_*` folders land there): removed when the run ends, however it ends.
     run_tmp = tempfile.mkdtemp(prefix="starqa-run-")

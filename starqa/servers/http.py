@@ -1,6 +1,6 @@
 """starqa's OpenAI-compatible HTTP server (`starqa serve --http [HOST:]PORT`): the routes an
 OpenAI client, an editor or a notebook calls, answered from cached contexts through
-`starqa.api.Service` (one warm group per context, its questions queued).
+`starqa.doors.Service` (one warm group per context, its questions queued).
 
     GET  /health                 {"status": "ok", "waiting", "answering", ...}, no key needed
     GET  /v1/models              the contexts, each a model whose id is its ref (name or key)
@@ -49,6 +49,7 @@ import uuid
 from dataclasses import dataclass
 
 from starqa import api
+from starqa.api import doors
 
 MAX_BODY_BYTES = 4 << 20
 # pages served from this machine's loopback addresses, any port: let in without being named
@@ -394,9 +395,9 @@ async def _result(stream: api.Stream) -> api.Answer:
 # ------------------------------------------------------------------------------- routes
 
 class Routes:
-    """The server's routes over one `api.Service`."""
+    """The server's routes over one `doors.Service`."""
 
-    def __init__(self, service: api.Service, api_key: str | None):
+    def __init__(self, service: doors.Service, api_key: str | None):
         self.service = service
         self.api_key = api_key
 
@@ -493,7 +494,7 @@ def _model(context: api.Context) -> dict:
             "owned_by": "starqa", "starqa": context.as_dict()}
 
 
-def app(service: api.Service, settings: HttpSettings = HttpSettings()):
+def app(service: doors.Service, settings: HttpSettings = HttpSettings()):
     """The ASGI application: the routes behind the `Guard` and CORS, and every error as an
     OpenAI error object."""
     from starlette.applications import Starlette
@@ -535,7 +536,7 @@ class HttpServer:
     """The server, listening from the moment it is made (so a busy port is an error now,
     and port 0 has its number); `run` serves until `stop` (or Ctrl-C)."""
 
-    def __init__(self, settings: HttpSettings, service: api.Service):
+    def __init__(self, settings: HttpSettings, service: doors.Service):
         import uvicorn
 
         settings.check()
@@ -573,14 +574,14 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def serve(address: str, api_key: str | None = None, workers: int | None = None,
-          keepalive: float = api.DEFAULT_KEEPALIVE, on_ready=None,
+          keepalive: float = doors.DEFAULT_KEEPALIVE, on_ready=None,
           origins: str | None = None) -> None:
     """`starqa serve --http`: serve until Ctrl-C. `on_ready(url)` once listening; the warm
     groups it starts have `workers` workers and exit `keepalive` idle seconds after their
     last question (they outlive the server by as much); `origins`: the web pages let in
     besides loopback's (`parse_origins`)."""
     server = HttpServer(HttpSettings.parse(address, api_key, origins),
-                        api.Service(api.GroupSettings(workers, keepalive)))
+                        doors.Service(doors.GroupSettings(workers, keepalive)))
     if on_ready is not None:
         on_ready(server.url)
     server.run()

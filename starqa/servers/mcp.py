@@ -1,5 +1,5 @@
 """starqa's MCP server (`starqa mcp`): a coding agent's door to cached contexts, over stdio
-with the official MCP SDK, thin over `starqa.api.Service`.
+with the official MCP SDK, thin over `starqa.doors.Service`.
 
 Tools:
     list_contexts()                       the contexts, the most recently used first
@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 from starqa import api
+from starqa.api import doors
 
 URI_PREFIX = "starqa://contexts/"
 
@@ -55,9 +56,9 @@ def describe(context: api.Context) -> dict[str, Any]:
 
 
 class Tools:
-    """The tools, over one `api.Service`; blocking work runs in a thread of its own."""
+    """The tools, over one `doors.Service`; blocking work runs in a thread of its own."""
 
-    def __init__(self, service: api.Service):
+    def __init__(self, service: doors.Service):
         self.service = service
 
     async def list_contexts(self) -> list[dict[str, Any]]:
@@ -78,7 +79,8 @@ class Tools:
 
         def run() -> api.Context:
             return self.service.ingest(path, name=name, model=model, method=method,
-                                       include=include or (), exclude=exclude or ())
+                                       options=api.IngestSettings(include=include or (),
+                                                                  exclude=exclude or ()))
 
         try:
             return describe(await anyio.to_thread.run_sync(run))
@@ -107,7 +109,7 @@ class Tools:
         return answer.as_dict()
 
 
-def server(service: api.Service):
+def server(service: doors.Service):
     """The MCP server: the tools, and the contexts as resources."""
     MCPServer, ResourceSecurity, _ = _sdk()
     from mcp_types import Resource
@@ -143,11 +145,11 @@ def server(service: api.Service):
     return door
 
 
-def run(workers: int | None = None, keepalive: float = api.DEFAULT_KEEPALIVE) -> None:
+def run(workers: int | None = None, keepalive: float = doors.DEFAULT_KEEPALIVE) -> None:
     """`starqa mcp`: serve MCP over stdin and stdout until the client closes them. The
     warm groups it starts have `workers` workers and exit `keepalive` idle seconds after
     their last question."""
-    server(api.Service(api.GroupSettings(workers, keepalive))).run("stdio")
+    server(doors.Service(doors.GroupSettings(workers, keepalive))).run("stdio")
 
 
 if __name__ == "__main__":  # python -m starqa.servers.mcp: `starqa mcp` with its defaults

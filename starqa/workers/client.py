@@ -19,12 +19,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from starqa.core import paths
 from starqa.cache import store
+from starqa.cache.context import Context
+from starqa.cache.manifest import Manifest
 from starqa.core.errors import StarqaError, WorkerError
+from starqa.phase2.answer import Answer, Question, Timings, finish_of, sources_of
 from starqa.runtime.protocol import ProtocolError
 from starqa.workers import messages, runfile
 from starqa.workers.runfile import RunInfo
@@ -113,6 +116,54 @@ def running() -> list[RunInfo]:
 def find(key: str) -> RunInfo | None:
     """The group serving `key` from this machine (one whose socket is here), or None."""
     return next((info for info in running() if info.key == key and info.socket), None)
+
+
+def group_for(manifest: Manifest, model: str | None = None, weights: str | None = None,
+              topk: dict | None = None) -> tuple[RunInfo | None, str | None]:
+    """The warm group that answers a question about `manifest`'s context as asked, if one
+    runs here: (its run info, None); where one runs that cannot answer it so, (None, why);
+    (None, None) where none runs, or the question names another model (which the cold
+    path refuses, saying why). `model`: the model the question names (an embedded name,
+    `STARQA_MODEL`'s value, a folder or a GGUF file; None: the context's own), `weights`
+    (None: the group's) and `topk` (`TopK.as_dict()`; None: exact attention) as asked."""
+    group = find(manifest.key)
+    if group is None:
+        return None, None
+    if not names_model(manifest, model):  # the cold path says why: never a silent mix
+        return None, None
+    if weights not in (None, group.weights):
+        return None, (f"its warm group answers with {group.weights} weights, not {weights} "
+                      f"(starqa stop {manifest.name} ends it)")
+    if group.topk != topk:
+        running = "top-k" if group.topk else "exact"
+        return None, (f"its warm group answers with {running} attention, not as asked "
+                      f"(starqa stop {manifest.name} ends it)")
+    return group, None
+
+
+def names_model(manifest: Manifest, spec: str | None) -> bool:
+    """Whether `spec` names the model the context was made with: None, its embedded name or
+    an alias of it, the spec it was ingested with, or a path to the same folder, GGUF file
+    or a folder with the same fingerprint. Reads no weights (a folder's fingerprint is
+    cached beside them)."""
+    if spec is None or spec == manifest.model.spec:
+        return True
+    from starqa import models
+
+    recorded = manifest.model
+    asked, made = models.embedded_model(spec), models.embedded_model(recorded.spec)
+    if asked or made:
+        return bool(asked and made and asked.name == made.name)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        return False
+    same = {Path(recorded.path).resolve(), Path(recorded.spec).expanduser().resolve()}
+    if path.resolve() in same:
+        return True
+    try:
+        return path.is_dir() and models.fingerprint(path)["digest"] == recorded.digest
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def part(key: str) -> RunInfo | None:
@@ -209,8 +260,7 @@ def spawn(key: str, workers: int | None, keepalive: float,
         with open(log, "w") as fh:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh,
                                     start_new_session=True, pass_fds=(held.fileno(),),
-                                    env={**os.environ,
-                                         CLAIM_ENV: f"{key}:{held.fileno()}"})
+                                    env=paths.child_env(**{CLAIM_ENV: f"{key}:{held.fileno()}"}))
 
 
 def start(key: str, workers: int | None, keepalive: float, wait_s: float = 300,
@@ -286,6 +336,70 @@ def follow(name: str, key: str) -> list[RunInfo]:
     return replaced
 
 
+class GroupLeft(StarqaError):
+    """A warm group closed its socket before the first token: it was exiting as it was
+    asked (`starqa stop`, its keep-alive ending), so the question goes elsewhere."""
+
+
+def ask_warm(group: RunInfo, question: Question, context: Context,
+             on_piece: Callable[[str], None], stop_wanted: Callable[[], bool] = lambda: False,
+             asked: float | None = None) -> Answer:
+    """The one warm-ask loop: answer `question` on `group` over its socket (no model load,
+    no torch import here), each piece of text to `on_piece`, and return its `Answer`.
+    `stop_wanted` is read at every piece: once true, the group is told to cancel (it stops
+    at its next token and still sends its record), and no more pieces are passed on.
+    `asked`: when the question was asked (`time.perf_counter()`; default: now), which its
+    timings count from. Ctrl-C cancels the answer and leaves the group warm. Raises
+    `Unreachable` (the group died without cleaning up) and `GroupLeft` (it was exiting)
+    before any piece, so that the caller can answer elsewhere."""
+    asked = time.perf_counter() if asked is None else asked
+    conn = Client(group)
+    sent, first, cancelled, done = time.perf_counter(), None, False, None
+    try:
+        for event in conn.ask(question.text, question.history, question.max_new_tokens,
+                              question.beyond_window):
+            if not cancelled and stop_wanted():
+                conn.cancel()
+                cancelled = True
+            if isinstance(event, messages.Finished):
+                done = event
+            else:
+                first = first or time.perf_counter()
+                if not cancelled:
+                    on_piece(event.text)
+    except KeyboardInterrupt:  # stop the answer, leave the group warm
+        with contextlib.suppress(OSError):
+            conn.cancel()
+        raise
+    except (ConnectionResetError, BrokenPipeError) as err:
+        if first is None:
+            raise GroupLeft(f"The warm group of {context.name} was exiting.") from None
+        raise StarqaError(f"The warm group of {context.name} ended in the middle of the answer "
+                          f"({err}).", hint="ask again: a cold answer starts a new group; "
+                          "starqa ps shows the running groups") from None
+    finally:
+        conn.close()
+    if done is None:
+        raise StarqaError("The warm group ended the answer without its record.")
+    timings = Timings.since(asked, first, time.perf_counter(), done.first_token_s,
+                            done.decode_s, sent)
+    return Answer(text=done.text, context=context, token_ids=tuple(done.token_ids),
+                  question_tokens=done.question_tokens,
+                  sources=sources_of(done.sources, not group.topk), timings=timings,
+                  finish=finish_of(done.token_ids, question.max_new_tokens, done.cancelled),
+                  warm=True, workers=group.workers, weights=group.weights,
+                  attention=_attention(group.topk), peak_bytes=(done.rss_bytes,))
+
+
+def _attention(topk: dict | None) -> str:
+    """A group's attention as `Answer.attention` says it."""
+    if not topk:
+        return "exact"
+    from starqa.topk.indexes import TopK
+
+    return TopK(**topk).describe()
+
+
 class Client:
     """One connection to a group's query host."""
 
@@ -322,7 +436,7 @@ class Client:
                                beyond_window, draft_tokens))
         for event in self.events():
             if isinstance(event, messages.Failed):
-                raise StarqaError(event.message, hint=event.hint)
+                raise event.error()
             if isinstance(event, (messages.Piece, messages.Finished)):
                 yield event
             if isinstance(event, messages.Finished):

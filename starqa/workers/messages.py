@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Union
 
 from starqa.core import MAX_DRAFT_TOKENS
+from starqa.core.errors import ContextLengthError, StarqaError
 from starqa.runtime.protocol import ProtocolError, decode_tagged, encode
 
 
@@ -146,11 +147,25 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """The request was not answered (or the answer was cut short): why, and what to do."""
+    """The request was not answered (or the answer was cut short): why, and what to do;
+    `kind`, the error's type where a client tells it apart (`ERRORS`)."""
 
     EVENT: ClassVar[str] = "error"
     message: str
     hint: str | None = None
+    kind: str = "StarqaError"
+
+    @classmethod
+    def of(cls, error: StarqaError) -> Failed:
+        return cls(str(error), error.hint, type(error).__name__)
+
+    def error(self) -> StarqaError:
+        """The error this event reports, of its type where a client tells it apart."""
+        return ERRORS.get(self.kind, StarqaError)(self.message, hint=self.hint)
+
+
+# the errors a Failed event keeps the type of (`Failed.kind`)
+ERRORS: dict[str, type[StarqaError]] = {cls.__name__: cls for cls in (ContextLengthError,)}
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class Server:
                 return STOP
             elif isinstance(request, messages.Ask):
                 if (changed := self._changed()) is not None:
-                    self._send(messages.Failed(str(changed), changed.hint))
+                    self._send(messages.Failed.of(changed))
                     return STOP
                 turn = self._prepare(request)
                 if turn is not None:
@@ -164,7 +164,7 @@ class Server:
             if error is None or ask.beyond_window:
                 break
             if not history:
-                self._send(messages.Failed(str(error), error.hint))
+                self._send(messages.Failed.of(error))
                 return None
             history.pop(0)  # oldest turn first
         return Turn(tuple(ids), ask.max_new_tokens, tuple(self.stop_ids), len(history),

@@ -131,7 +131,7 @@ def flop_counter():
 def _answerer(job: AskJob | ServeJob, info):
     """This rank's Answerer for the job's context, once every rank has loaded its own."""
     from starqa.runtime import dist
-    from starqa.phase2.answering import Answerer
+    from starqa.phase2.answerer import Answerer
     from starqa.topk.indexes import topk_of
     from starqa.cache.manifest import read_manifest
 

@@ -3,7 +3,7 @@
 The model loads once. For each sample (generators.generate) every method encodes the
 context with Phase 1 for all of its blocks here (its registry entry's `encode_local`: what
 the workers would store) and answers the question with Phase 2 as a world of one, the query host
-attending to the whole shard (answering.Answerer: the Phase 2 path `ask` runs). Dense runs
+attending to the whole shard (answerer.Answerer: the Phase 2 path `ask` runs). Dense runs
 first on every sample: it is the reference of retention. The results go to a JSON file
 rewritten atomically after every sample, so an interrupted run keeps what it finished.
 """
@@ -251,7 +251,7 @@ class Evaluator:
         given), with exact attention or `topk`."""
         import torch
 
-        from starqa.phase2.answering import Answerer, RankShare
+        from starqa.phase2.answerer import Answerer, RankShare
         from starqa.topk.listlayout import mean_queries
         from starqa.topk import retrieval
 
