@@ -221,11 +221,12 @@ def python_examples(page: str, section: str) -> list[str]:
 @pytest.mark.slow
 def test_the_documented_examples_run(home, docs, tiny_model, monkeypatch, capsys):
     """docs/api.md's Python examples, in order, on the tiny model: ingest, ask, stream,
-    chat, contexts and warm groups, errors and rm; then what they made is checked."""
+    chat, contexts and warm groups, another cache root, errors and remove; then what they
+    made is checked."""
     monkeypatch.setenv("STARQA_MODEL", str(tiny_model))
     monkeypatch.chdir(docs.parent)
     blocks = python_examples(DOCS_PAGE.read_text(), "Python API")
-    assert len(blocks) == 6
+    assert len(blocks) == 7
     scope: dict = {}
     for block in blocks:
         exec(compile(block, str(DOCS_PAGE), "exec"), scope)
@@ -239,6 +240,25 @@ def test_the_documented_examples_run(home, docs, tiny_model, monkeypatch, capsys
     first, second = scope["first"], scope["second"]
     assert first.warm and second.warm and scope["chat"].history == ()  # cleared at the end
     assert scope["group"].workers >= 1
+    assert scope["client"].contexts() == [] and "[]" in out  # another root: none there
     assert "No context named 'no-such-context'" in out and "known contexts: handbook" in out
     assert "the model was trained on" in out and "bytes freed" in out
     assert api.contexts() == []
+
+
+@pytest.mark.slow
+def test_a_client_keeps_to_its_own_cache_root(home, docs, tiny_model, tmp_path):
+    """`Client(home=...)`: its ingest, listing, answer (a cold one in this process, its
+    stream in a thread of its own) and removal all use its root; $STARQA_HOME's is untouched."""
+    other = tmp_path / "other-root"
+    client = api.Client(home=other)
+    ctx = client.ingest(docs, model=str(tiny_model),
+                        options=api.IngestSettings(dtype="fp32", block_size=60))
+    assert ctx.folder.is_relative_to(other) and not ctx.cache_hit
+    assert api.contexts() == [] and [c.key for c in client.contexts()] == [ctx.key]
+    answer = client.ask("who approved the travel budget?", ctx,
+                        max_new_tokens=3, options=api.AskSettings(keepalive=0))
+    assert answer.context.key == ctx.key and answer.answer_tokens > 0
+    with pytest.raises(api.ContextNotFound):
+        api.context(ctx.key)  # not in $STARQA_HOME
+    assert client.remove(ctx) > 0 and client.contexts() == []

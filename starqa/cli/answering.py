@@ -22,8 +22,10 @@ def ask(
     model: Model = None,
     workers: Workers = None,
     max_new_tokens: MaxNewTokens = 256,
-    as_json: Annotated[bool, typer.Option("--json", envvar="STARQA_JSON",
-                                          help="Print one JSON object.")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", envvar="STARQA_JSON",
+        help="Print the answer's record as one JSON object (the Python API's "
+             "Answer.as_dict()).")] = False,
     cold: Annotated[bool, typer.Option(
         "--cold", envvar="STARQA_COLD",
         help="Start workers even when a warm group serves the context.")] = False,

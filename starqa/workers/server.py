@@ -91,11 +91,11 @@ class Server:
     """The query host's socket: requests in, answers streamed back to the client that
     asked (see the module docstring)."""
 
-    def __init__(self, job: ServeJob, ctx, manifest: Manifest):
+    def __init__(self, job: ServeJob, answerer, manifest: Manifest):
         from starqa.models import stop_ids
         from starqa.corpus.prompt import QueryTokens
 
-        self.ctx = ctx
+        self.answerer = answerer
         self.manifest = manifest
         self.path = Path(job.socket)
         self.keepalive = job.keepalive
@@ -183,7 +183,7 @@ class Server:
             if piece := stream.add(token):
                 self._send(messages.Piece(piece))
 
-        tokens, top = self.ctx.answer(list(turn.query_ids), turn.max_new_tokens,
+        tokens, top = self.answerer.answer(list(turn.query_ids), turn.max_new_tokens,
                                       list(turn.stop_ids), on_token, self._cancelled,
                                       draft_tokens=turn.draft_tokens)
         if piece := stream.finish():
@@ -273,7 +273,7 @@ class Server:
         """What a `ping` is answered with (`starqa ps` shows it)."""
         manifest = self.manifest
         return messages.GroupStatus(context=manifest.name, key=manifest.key,
-                      workers=self.ctx.info.world_size, tokens=manifest.n_tokens,
+                      workers=self.answerer.info.world_size, tokens=manifest.n_tokens,
                       method=manifest.method.name, answered=self.answered,
                       rss_bytes=_rss(), pid=os.getpid())
 

@@ -150,8 +150,8 @@ def run_ask(job: AskJob, info, prefilled=None):
     """Answer the job's question; returns the Answerer (model and shard, still loaded).
     prefilled: the question's forward, run by the head start before torch was imported
     (starqa.coldstart.firsttoken), which streamed the first token itself."""
-    ctx, _ = _answerer(job, info)
-    emit(Ready(rank=info.rank, blocks=tuple(ctx.blocks)))
+    answerer, _ = _answerer(job, info)
+    emit(Ready(rank=info.rank, blocks=tuple(answerer.blocks)))
     _fault("ask", info.rank)
     started = time.perf_counter() if prefilled is None else prefilled.started
     first: list[float] = [prefilled.picked] if prefilled is not None else []
@@ -160,7 +160,7 @@ def run_ask(job: AskJob, info, prefilled=None):
         first or first.append(time.perf_counter())
         emit(Token(id=token))
 
-    tokens, top = ctx.answer(list(job.query_ids), job.max_new_tokens, list(job.stop_ids),
+    tokens, top = answerer.answer(list(job.query_ids), job.max_new_tokens, list(job.stop_ids),
                              on_token if info.is_last else None, prefilled=prefilled)
     if info.is_last:
         end = time.perf_counter()
@@ -171,8 +171,8 @@ def run_ask(job: AskJob, info, prefilled=None):
     if job.measure:
         emit(Measure(rank=info.rank, phase="ask", values={
             "seconds": time.perf_counter() - started, "tokens": len(tokens),
-            "sources_seconds": ctx.sources_seconds, **info.traffic.as_dict()}))
-    return ctx
+            "sources_seconds": answerer.sources_seconds, **info.traffic.as_dict()}))
+    return answerer
 
 
 def run_serve(job: ServeJob, info) -> None:

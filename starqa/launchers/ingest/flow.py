@@ -25,7 +25,7 @@ from starqa.core import paths
 from starqa.core.errors import StarqaError
 from starqa.core.progress import UI
 from starqa.corpus import prompt
-from starqa.launchers.ingest.options import (IngestOptions, IngestResult, Mode, Source,
+from starqa.launchers.ingest.options import (IngestOptions, IngestResult, Mode, Prepared,
     TokenIngestOptions)
 from starqa.launchers.ingest.steps import run_phase1
 from starqa.methods import MethodConfig, method_config, plan_file_blocks
@@ -59,12 +59,12 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     method = _method(opts, root, model, dtype, tokens.ids, tokenizer)
     content = corpus_mod.content_hash(corpus.files)
     key = _cache_key(content, model.digest, method.as_dict(), dtype, PLAN)
-    source = Source(key, tokens, corpus, spans, model, dtype, method, content)
+    source = Prepared(key, tokens, corpus, spans, model, dtype, method, content)
     result = _cached_or_encoded(opts, root, source, tokenizer, ui, started)
     return _with_prepared_weights(result, opts, source, ui, started)
 
 
-def _with_prepared_weights(result: IngestResult, opts: IngestOptions, source: Source, ui: UI,
+def _with_prepared_weights(result: IngestResult, opts: IngestOptions, source: Prepared, ui: UI,
                            started: float) -> IngestResult:
     """`result` once Phase 2's weights are prepared beside the model, in the format and
     dtype the first `ask` will use by default ($STARQA_WEIGHTS, else the model's default for
@@ -176,7 +176,7 @@ def _method(opts: IngestOptions, root: Path, model: ModelIdentity, dtype: str, i
     return method
 
 
-def _cached_or_encoded(opts: IngestOptions, root: Path, source: Source, tokenizer, ui: UI,
+def _cached_or_encoded(opts: IngestOptions, root: Path, source: Prepared, tokenizer, ui: UI,
                        started: float) -> IngestResult:
     """The context cached already (a hit), or encoded now, under the context's lock."""
     final = root / source.key
@@ -265,7 +265,7 @@ def ingest_tokens(ids: list[int], root: Path, opts: TokenIngestOptions = TokenIn
     n = len(ids)
     lines = list(range(0, n, BENCH_LINE))
     whole = corpus_mod.SourceFile(name, "", 0)
-    source = Source(key, prompt.ContextTokens(list(ids), [(0, n)], [lines]),
+    source = Prepared(key, prompt.ContextTokens(list(ids), [(0, n)], [lines]),
                     corpus_mod.Corpus((), (whole,), ()),
                     [corpus_mod.FileSpan(name, 0, 0, 0, len(lines))], identity, dtype, config,
                     content)

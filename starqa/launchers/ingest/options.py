@@ -1,6 +1,6 @@
 """Phase 1's settings and results, as `starqa ingest` and `starqa bench` pass them: the options
 of an ingest (`IngestOptions`, `TokenIngestOptions`), what it returns (`IngestResult`), and
-what the launcher hands Phase 1's steps (`Source`, `Mode`)."""
+what the launcher hands Phase 1's steps (`Prepared`, `Mode`)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class TokenIngestOptions:
 
 
 @dataclass(frozen=True)
-class Source:
+class Prepared:
     """What an ingest encodes, as the launcher prepared it: its cache key, the token ids
     (with each file's token span and line starts), the corpus they came from and its packed
     spans, the model and the cache's dtype, the method's settings, the content's hash, the

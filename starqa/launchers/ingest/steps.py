@@ -21,7 +21,7 @@ from starqa.cache.manifest import (IngestRun, Manifest, Placement, Skipped, Sour
 from starqa.core import tensorfile
 from starqa.core.errors import StarqaError
 from starqa.core.progress import UI
-from starqa.launchers.ingest.options import IngestOptions, IngestResult, Mode, Source
+from starqa.launchers.ingest.options import IngestOptions, IngestResult, Mode, Prepared
 from starqa.launchers.ingest.workers import check_workers, workers_for
 from starqa.methods import plan_blocks
 from starqa.reingest import reuse
@@ -44,7 +44,7 @@ class Phase1Plan:
     group of `workers` per machine; the staging folder; the top-k indexes to build."""
 
     opts: IngestOptions
-    source: Source
+    source: Prepared
     mode: Mode
     final: Path  # where the context is committed
     blocks: Sequence[tuple[int, int]]
@@ -83,7 +83,7 @@ class _Heard:
     placed: Placed | Hit | None = None
 
 
-def run_phase1(opts: IngestOptions, root: Path, source: Source, started: float, ui: UI,
+def run_phase1(opts: IngestOptions, root: Path, source: Prepared, started: float, ui: UI,
             mode: Mode = Mode()) -> IngestResult:
     """Run Phase 1 and commit the shards under `root / source.key`, all or nothing: plan
     it (`_plan`), link in what the store holds, encode the rest (`_phase1`), then commit
@@ -121,7 +121,7 @@ def run_phase1(opts: IngestOptions, root: Path, source: Source, started: float, 
                         reuse=_reuse_report(plan, manifest))
 
 
-def _plan(opts: IngestOptions, root: Path, source: Source, mode: Mode) -> Phase1Plan:
+def _plan(opts: IngestOptions, root: Path, source: Prepared, mode: Mode) -> Phase1Plan:
     """What Phase 1 will do (`Phase1Plan`); makes the staging folder."""
     ids, method, model = source.tokens.ids, source.method, source.model
     blocks = source.blocks or plan_blocks(len(ids), method.block_size)

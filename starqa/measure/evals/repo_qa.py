@@ -58,7 +58,7 @@ _CLASS_NAME = re.compile(r"_*[A-Z]\w*")
 
 
 @dataclass(frozen=True)
-class Question:
+class Fact:
     kind: str  # one of KINDS
     text: str  # the question as asked
     answer: str
@@ -72,7 +72,7 @@ class Package:
     version: str | None  # its distribution's, where one is installed under that name
     folder: str
     files: tuple[SourceFile, ...]  # its .py files, sorted by path
-    questions: tuple[Question, ...]
+    questions: tuple[Fact, ...]
     digest: str  # corpus.content_hash of `files`: which source the questions are about
 
     def file(self, path: str) -> SourceFile:
@@ -143,7 +143,7 @@ def _version(name: str) -> str | None:
         return None
 
 
-def choose(package: Package, rng: random.Random, length: int) -> Question:
+def choose(package: Package, rng: random.Random, length: int) -> Fact:
     """A seeded question whose file fits `length` tokens whole: a kind first (each kind
     alike, among those with such a question), then one of that kind's questions."""
     limit = length * FILE_CHARS_PER_TOKEN
@@ -157,7 +157,7 @@ def choose(package: Package, rng: random.Random, length: int) -> Question:
     return _by_kind(fitting, rng)
 
 
-def in_turn(package: Package, rng: random.Random, paths: set[str]) -> list[Question]:
+def in_turn(package: Package, rng: random.Random, paths: set[str]) -> list[Fact]:
     """The questions about the files `paths`, in a seeded order that takes each kind in
     turn (the kinds in a seeded order, each kind's questions shuffled), so the first
     questions of a one-context sample set are distinct and each kind comes alike."""
@@ -171,7 +171,7 @@ def in_turn(package: Package, rng: random.Random, paths: set[str]) -> list[Quest
     return [q for turn in itertools.zip_longest(*lines.values()) for q in turn if q]
 
 
-def _by_kind(questions: list[Question], rng: random.Random) -> Question:
+def _by_kind(questions: list[Fact], rng: random.Random) -> Fact:
     kind = rng.choice([k for k in KINDS if any(q.kind == k for q in questions)])
     return rng.choice([q for q in questions if q.kind == kind])
 
@@ -207,7 +207,7 @@ class _Index:
         return cls(bound, defs, frozenset(classes), frozenset(raised))
 
 
-def derive(files: Sequence[SourceFile]) -> tuple[Question, ...]:
+def derive(files: Sequence[SourceFile]) -> tuple[Fact, ...]:
     """Every question about `files` (a package's .py files) with one exact answer, by kind,
     then file (a stable order); a file Python cannot parse asks nothing."""
     trees = {}
@@ -228,7 +228,7 @@ def mentions(answer: str, text: str) -> int:
     return len(re.findall(rf"(?<!\w){re.escape(answer)}(?!\w)", text, re.IGNORECASE))
 
 
-def _unambiguous(q: Question, index: _Index, own: str) -> bool:
+def _unambiguous(q: Fact, index: _Index, own: str) -> bool:
     """Whether `q` has one answer that no luck gives (module docstring); `own`: the text
     of its file."""
     answer = q.answer.lower()
@@ -256,7 +256,7 @@ def _literal(node: ast.AST | None, text: str) -> str | None:
     return None
 
 
-def _constants(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterator[Question]:
+def _constants(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterator[Fact]:
     for path, (text, tree) in trees.items():
         for node in tree.body:
             if isinstance(node, ast.Assign) and len(node.targets) == 1:
@@ -269,12 +269,12 @@ def _constants(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Itera
                     index.bound[target.id] != 1:
                 continue
             if (value := _literal(node.value, text)) is not None:
-                yield Question("constant", f"What is the value of the module constant "
+                yield Fact("constant", f"What is the value of the module constant "
                                f"`{target.id}`? Answer with the value only.", value, path,
                                node.value.lineno)
 
 
-def _methods(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterator[Question]:
+def _methods(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterator[Fact]:
     for path, (_, tree) in trees.items():
         for cls in ast.walk(tree):
             if not isinstance(cls, ast.ClassDef):
@@ -282,7 +282,7 @@ def _methods(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterato
             for node in cls.body:
                 if isinstance(node, _FUNCTIONS) and index.defs[node.name] == 1 and \
                         not (node.name.startswith("__") and node.name.endswith("__")):
-                    yield Question("method", f"Which class defines the method `{node.name}`? "
+                    yield Fact("method", f"Which class defines the method `{node.name}`? "
                                    "Answer with the class name only.", cls.name, path,
                                    node.lineno)
 
@@ -296,7 +296,7 @@ def _unique_functions(trees: dict[str, tuple[str, ast.Module]], index: _Index
                 yield path, text, node
 
 
-def _defaults(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterator[Question]:
+def _defaults(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterator[Fact]:
     for path, text, fn in _unique_functions(trees, index):
         args = fn.args
         positional = [*args.posonlyargs, *args.args]
@@ -304,18 +304,18 @@ def _defaults(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterat
                  *zip(args.kwonlyargs, args.kw_defaults)]
         for arg, default in pairs:
             if (value := _literal(default, text)) is not None:
-                yield Question("default", f"What is the default value of the `{arg.arg}` "
+                yield Fact("default", f"What is the default value of the `{arg.arg}` "
                                f"parameter of `{fn.name}`? Answer with the value only.",
                                value, path, default.lineno)
 
 
-def _raises(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterator[Question]:
+def _raises(trees: dict[str, tuple[str, ast.Module]], index: _Index) -> Iterator[Fact]:
     for path, _, fn in _unique_functions(trees, index):
         raises = [n for n in _own_nodes(fn) if isinstance(n, ast.Raise)]
         names = {_exception(r) for r in raises}
         if len(names) == 1 and None not in names:  # a bare `raise` or `raise err`: unknown
             [name] = names
-            yield Question("raises", f"Which exception does `{fn.name}` raise? Answer with "
+            yield Fact("raises", f"Which exception does `{fn.name}` raise? Answer with "
                            "the exception's name only.", name, path, raises[0].lineno)
 
 
