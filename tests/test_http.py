@@ -291,7 +291,8 @@ def served(tmp_path_factory):
         env.setenv("STARQA_HOME", str(root / "home"))
         env.setenv("STARQA_MIN_COPIED", "0")
         model = make_tiny_model(root / "never-stops", window=8192, never_stops=True)
-        context = api.ingest(docs, name="handbook", model=str(model), dtype="fp32")
+        context = api.ingest(docs, name="handbook", model=str(model),
+                             options=api.IngestSettings(dtype="fp32"))
         service = doors.Service(doors.GroupSettings(workers=1, keepalive=120))
         try:
             with serving(service) as server:
