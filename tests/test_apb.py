@@ -4,16 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from starqa.phase1 import apb, hooks
+from starqa.phase1 import apb
 from starqa import methods, phase1
 from starqa.core.errors import StarqaError
 from starqa.methods import MethodConfig, method_config, plan_blocks
-from starqa.models import load_model
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
 
 
 IDS = torch.arange(120) % 40 + 3

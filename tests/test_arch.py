@@ -28,11 +28,14 @@ QUESTION = "who approved the travel budget"
 
 @pytest.fixture(scope="module")
 def qwen_path(tmp_path_factory):
+    """A tiny Qwen2 of this module's own (not the session's `tiny_qwen`: the drafts test
+    writes its int4 prepared weights beside it)."""
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2")
 
 
 @pytest.fixture(scope="module")
-def model(qwen_path):
+def qwen_model(qwen_path):
+    """The tiny Qwen2 loaded in fp32 with starqa's attention hooks, as Phase 1 runs it."""
     return load_model(qwen_path, dtype=torch.float32, attn_implementation=hooks.register())
 
 
@@ -49,17 +52,18 @@ def reference(qwen_path):
 
 
 @pytest.fixture(scope="module")
-def tok(qwen_path):
+def qwen_tok(qwen_path):
+    """The tiny Qwen2's tokenizer (byte-level BPE, ChatML template)."""
     return load_tokenizer(qwen_path)
 
 
 @pytest.fixture(scope="module")
-def context_ids(tok):
+def context_ids(qwen_tok):
     files = [corpus.SourceFile("policy/travel.md",
                                "the travel budget was approved by the office .\n" * 5, 0),
              corpus.SourceFile("code.py", "retry limit default is seven\n" * 6, 0)]
     packed, spans = corpus.pack(files)
-    ids = prompt.tokenize_context(tok, packed, spans).ids
+    ids = prompt.tokenize_context(qwen_tok, packed, spans).ids
     assert 120 < len(ids) < 200  # several blocks of BLOCK tokens
     return torch.tensor(ids)
 
@@ -101,55 +105,55 @@ def layout(name, ids, blocks, i, cfg, vocab_size):
 # ---------------------------------------------------------------------------- the model
 
 
-def test_tiny_qwen2_is_qwen2_shaped(model, tok, qwen_path):
-    config = model.config
+def test_tiny_qwen2_is_qwen2_shaped(qwen_model, qwen_tok, qwen_path):
+    config = qwen_model.config
     assert config.model_type == "qwen2" and context_window(config) == 512
     assert (config.num_attention_heads, config.num_key_value_heads) == (6, 2)
-    attn = model.model.layers[0].self_attn
+    attn = qwen_model.model.layers[0].self_attn
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
         assert proj.bias is not None and proj.bias.abs().sum() > 0
     assert attn.o_proj.bias is None
-    stops = models.stop_ids(tok, qwen_path)
-    assert tok.convert_tokens_to_ids("<|im_end|>") in stops
-    assert tok.convert_tokens_to_ids("<|endoftext|>") in stops
+    stops = models.stop_ids(qwen_tok, qwen_path)
+    assert qwen_tok.convert_tokens_to_ids("<|im_end|>") in stops
+    assert qwen_tok.convert_tokens_to_ids("<|endoftext|>") in stops
 
 
-def test_qwen_template_split(tok):
+def test_qwen_template_split(qwen_tok):
     """Qwen's template adds its own system prompt only when none is given: starqa's goes in,
     and context + query is exactly the rendered conversation."""
     files = [corpus.SourceFile("a.md", "the star block\nthe query\n", 0)]
     packed, _ = corpus.pack(files)
-    context, offset = prompt.context_text(tok, packed)
-    full = tok.apply_chat_template(
+    context, offset = prompt.context_text(qwen_tok, packed)
+    full = qwen_tok.apply_chat_template(
         [{"role": "system", "content": prompt.SYSTEM},
          {"role": "user", "content": prompt.INTRO + packed + prompt.QUESTION + QUESTION}],
         tokenize=False, add_generation_prompt=True)
-    query = prompt.query_text(tok, QUESTION)
+    query = prompt.query_text(qwen_tok, QUESTION)
     assert context + query == full and context[offset:] == packed
     assert context.startswith("<|im_start|>system\n" + prompt.SYSTEM + "<|im_end|>\n")
     assert "You are Qwen" not in full
     assert query.endswith("<|im_end|>\n<|im_start|>assistant\n")
-    ids = prompt.tokenize_query(tok, QUESTION)
-    end, start = tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+    ids = prompt.tokenize_query(qwen_tok, QUESTION)
+    end, start = qwen_tok.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
     assert [t for t in ids if t in (end, start)] == [end, start]  # one token each
-    assert tok.decode(ids) == query
+    assert qwen_tok.decode(ids) == query
 
 
 # ---------------------------------------------------------------------------- Phase 1
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_phase1_blocks_equal_transformers_kv(name, model, reference, context_ids):
+def test_phase1_blocks_equal_transformers_kv(name, qwen_model, reference, context_ids):
     ids = context_ids
     cfg = config_for(name, len(ids))
     blocks = plan_blocks(len(ids), cfg.block_size)
     assert len(blocks) >= 4
-    out = list(encode_local(model, ids, cfg, blocks))
+    out = list(encode_local(qwen_model, ids, cfg, blocks))
     assert [i for i, _, _ in out] == list(range(len(blocks)))
     for i, k, v in out:
         start, end = blocks[i]
         assert k.shape == v.shape == (2, 2, end - start, 16)  # [L, Hkv, T, D]
-        tokens, positions = layout(name, ids, blocks, i, cfg, model.config.vocab_size)
+        tokens, positions = layout(name, ids, blocks, i, cfg, qwen_model.config.vocab_size)
         with torch.inference_mode():
             ref = reference_kv(reference, tokens, positions, end - start)
         for layer, (rk, rv) in enumerate(ref):
@@ -157,24 +161,24 @@ def test_phase1_blocks_equal_transformers_kv(name, model, reference, context_ids
             torch.testing.assert_close(v[layer], rv, rtol=1e-4, atol=1e-4)
 
 
-def test_approximate_methods_differ_from_dense(model, context_ids):
+def test_approximate_methods_differ_from_dense(qwen_model, context_ids):
     """Star and pulsar do not see the whole prefix: block 0 is exact, later blocks are not."""
     ids = context_ids
     blocks = plan_blocks(len(ids), BLOCK)
-    dense = [k for _, k, _ in encode_local(model, ids, config_for("dense", len(ids)), blocks)]
+    dense = [k for _, k, _ in encode_local(qwen_model, ids, config_for("dense", len(ids)), blocks)]
     for name in ("star", "pulsar", "apb"):
-        keys = [k for _, k, _ in encode_local(model, ids, config_for(name, len(ids)), blocks)]
+        keys = [k for _, k, _ in encode_local(qwen_model, ids, config_for(name, len(ids)), blocks)]
         torch.testing.assert_close(keys[0], dense[0])
         assert not torch.allclose(keys[-1], dense[-1], atol=1e-3)
 
 
-def test_apb_limits_are_star_and_dense(model, reference, context_ids):
+def test_apb_limits_are_star_and_dense(qwen_model, reference, context_ids):
     """apb with nothing passed is star with apb's anchor; with no anchor and every key passed
     it is dense (per-layer passing at original positions, through q/k/v biases)."""
     ids = context_ids
     blocks = plan_blocks(len(ids), BLOCK)
     star = method_config("apb", len(ids), block_size=BLOCK, anchor_size=7, params={"passing": 0})
-    for i, k, _ in encode_local(model, ids, star, blocks):
+    for i, k, _ in encode_local(qwen_model, ids, star, blocks):
         start, end = blocks[i]
         a = min(7, start)
         tokens = torch.cat([ids[:a], ids[start:end]])
@@ -184,15 +188,15 @@ def test_apb_limits_are_star_and_dense(model, reference, context_ids):
         torch.testing.assert_close(k[-1], ref[-1][0], rtol=1e-4, atol=1e-4)
     full = method_config("apb", len(ids), block_size=BLOCK, anchor_size=0,
                          params={"passing": BLOCK})
-    for (_, k, v), (_, dk, dv) in zip(encode_local(model, ids, full, blocks),
-                                      encode_local(model, ids, config_for("dense", len(ids)),
+    for (_, k, v), (_, dk, dv) in zip(encode_local(qwen_model, ids, full, blocks),
+                                      encode_local(qwen_model, ids, config_for("dense", len(ids)),
                                                    blocks)):
         torch.testing.assert_close(k, dk, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(v, dv, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_apb_on_workers_equals_blocks_in_order(workers, model, context_ids, monkeypatch):
+def test_apb_on_workers_equals_blocks_in_order(workers, qwen_model, context_ids, monkeypatch):
     """Round-robin ranks (threads) exchanging compressed KV per layer store what encoding the
     blocks in order in one process does, including an idle rank in a short last round."""
     from starqa.phase1 import apb
@@ -201,14 +205,14 @@ def test_apb_on_workers_equals_blocks_in_order(workers, model, context_ids, monk
     cfg = method_config("apb", len(ids), block_size=BLOCK, params={"passing": 5, "window": 8})
     blocks = plan_blocks(len(ids), BLOCK)
     assert len(blocks) % workers  # some rank idles in the last round
-    local = {i: (k, v) for i, k, v in encode_local(model, ids, cfg, blocks)}
+    local = {i: (k, v) for i, k, v in encode_local(qwen_model, ids, cfg, blocks)}
     world = ThreadWorld(workers)
     monkeypatch.setattr(dist, "all_gather", world.all_gather)
 
     def rank(info):
         mine = methods.get(cfg.name).assignment(len(blocks), workers, info.rank)
         assert mine == apb.assignment(len(blocks), workers, info.rank)
-        encoded = methods.get(cfg.name).encode(model, ids, cfg, blocks, mine, info)
+        encoded = methods.get(cfg.name).encode(qwen_model, ids, cfg, blocks, mine, info)
         return {i: (k, v) for i, k, v in encoded}
 
     got = {i: kv for part in run_ranks(world, rank) for i, kv in part.items()}
@@ -309,19 +313,19 @@ def greedy_reference(reference, ids, stops, max_new_tokens=8):
 def dense_kv(model, ids):
     cfg = config_for("dense", len(ids))
     return [(k, v) for _, k, v in encode_local(model, ids, cfg,
-                                                      plan_blocks(len(ids), cfg.block_size))]
+                                               plan_blocks(len(ids), cfg.block_size))]
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_dense_phase2_prefill_equals_one_forward(workers, model, decoder, reference, tok,
+def test_dense_phase2_prefill_equals_one_forward(workers, qwen_model, decoder, reference, qwen_tok,
                                                  context_ids, monkeypatch):
     """The question's forward over the sharded cache: every query row's final hidden state
     equals transformers' forward over the whole prompt."""
     ids = context_ids
-    query = torch.tensor(prompt.tokenize_query(tok, QUESTION))
+    query = torch.tensor(prompt.tokenize_query(qwen_tok, QUESTION))
     positions = torch.arange(len(ids), len(ids) + len(query))
     with torch.inference_mode():
-        hidden = on_workers(dense_kv(model, ids), workers, monkeypatch,
+        hidden = on_workers(dense_kv(qwen_model, ids), workers, monkeypatch,
                             lambda info, hook: decoder.forward(query, positions, hook.attention))
     with torch.inference_mode():
         expected = reference.model(torch.cat([ids, query])[None]).last_hidden_state[0]
@@ -330,12 +334,12 @@ def test_dense_phase2_prefill_equals_one_forward(workers, model, decoder, refere
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_dense_phase2_on_workers_equals_generate(workers, model, decoder, reference, tok,
+def test_dense_phase2_on_workers_equals_generate(workers, qwen_model, decoder, reference, qwen_tok,
                                                  qwen_path, context_ids, monkeypatch):
     ids = context_ids
-    kv = dense_kv(model, ids)
-    query = prompt.tokenize_query(tok, QUESTION)
-    stops = models.stop_ids(tok, qwen_path)
+    kv = dense_kv(qwen_model, ids)
+    query = prompt.tokenize_query(qwen_tok, QUESTION)
+    stops = models.stop_ids(qwen_tok, qwen_path)
     expected = greedy_reference(reference, ids.tolist() + query, stops)
     assert len(expected) >= 3  # the comparison covers several decode steps
     got = answer_on_workers(decoder, kv, query, len(ids), workers, stops, monkeypatch)
@@ -343,16 +347,16 @@ def test_dense_phase2_on_workers_equals_generate(workers, model, decoder, refere
 
 
 @pytest.mark.parametrize("name", ["star", "ring", "pulsar", "apb"])
-def test_phase2_on_workers_equals_one_worker(name, model, decoder, reference, tok, qwen_path,
-                                             context_ids, monkeypatch):
+def test_phase2_on_workers_equals_one_worker(name, qwen_model, decoder, reference, qwen_tok,
+                                             qwen_path, context_ids, monkeypatch):
     """The LSE merge is exact whatever the blocks hold: 3 ranks answer like a world of one;
     ring (exact) answers like transformers."""
     ids = context_ids
     cfg = config_for(name, len(ids))
     blocks = plan_blocks(len(ids), cfg.block_size)
-    kv = [(k, v) for _, k, v in encode_local(model, ids, cfg, blocks)]
-    query = prompt.tokenize_query(tok, QUESTION)
-    stops = models.stop_ids(tok, qwen_path)
+    kv = [(k, v) for _, k, v in encode_local(qwen_model, ids, cfg, blocks)]
+    query = prompt.tokenize_query(qwen_tok, QUESTION)
+    stops = models.stop_ids(qwen_tok, qwen_path)
     one = answer_on_workers(decoder, kv, query, len(ids), 1, stops, monkeypatch)
     three = answer_on_workers(decoder, kv, query, len(ids), 3, stops, monkeypatch)
     assert three == one and len(one) >= 3
@@ -361,16 +365,16 @@ def test_phase2_on_workers_equals_one_worker(name, model, decoder, reference, to
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
-def test_drafts_give_the_same_tokens_and_sources(workers, model, qwen_path, tok, context_ids,
-                                                 monkeypatch):
+def test_drafts_give_the_same_tokens_and_sources(workers, qwen_model, qwen_path, qwen_tok,
+                                                 context_ids, monkeypatch):
     """Prompt-lookup drafts (decode.generate) on int4 weights: right drafts are kept (24
     tokens in 7 forwards of 1 + 3 rows), wrong ones are dropped, and either way every rank
     gets the tokens and the per-key source mass of one token per forward, bit for bit."""
     decoder = load_decoder(qwen_path, torch.bfloat16, "int4")
     assert decoder.layers[0].qkv.format == "int4"  # rows computed alike (Linear, rowwise)
     ids = context_ids
-    kv = [(k.bfloat16(), v.bfloat16()) for k, v in dense_kv(model, ids)]
-    query = prompt.tokenize_query(tok, QUESTION)
+    kv = [(k.bfloat16(), v.bfloat16()) for k, v in dense_kv(qwen_model, ids)]
+    query = prompt.tokenize_query(qwen_tok, QUESTION)
 
     def run(drafts, lookup=None):
         def one(info, hook):

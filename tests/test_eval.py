@@ -25,11 +25,6 @@ from starqa.models import load_model, load_tokenizer
 SYNTHETIC = [t for t in generators.TASKS if t != "qa"]
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model):
-    return load_tokenizer(tiny_model)
-
-
 def same(a: generators.Sample, b: generators.Sample) -> bool:
     return (a.context_text, a.question, a.answers, a.context_ids, a.query_ids, a.meta) == \
            (b.context_text, b.question, b.answers, b.context_ids, b.query_ids, b.meta)

@@ -11,12 +11,6 @@ from typer.testing import CliRunner
 from starqa.cli import app
 from starqa.core.errors import StarqaError
 from starqa.measure.evals import edit, generators, runner
-from starqa.models import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model):
-    return load_tokenizer(tiny_model)
 
 
 @pytest.mark.parametrize("task", generators.EDIT)

@@ -11,7 +11,6 @@ from starqa.cli import app
 from starqa.core.errors import StarqaError
 from starqa.corpus import SourceFile
 from starqa.measure.evals import generators, repo_qa
-from starqa.models import load_tokenizer
 
 NET = '''\
 """Networking."""
@@ -94,11 +93,6 @@ def package(tmp_path, monkeypatch):
     folder = write_package(tmp_path / "tinypkg")
     monkeypatch.setenv(repo_qa.PACKAGE_VARIABLE, str(folder))
     return folder
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_model):
-    return load_tokenizer(tiny_model)
 
 
 # ---------------------------------------------------------------------------------------

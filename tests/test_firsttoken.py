@@ -28,7 +28,9 @@ QUESTION = "who approved the travel budget"
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model(request, tmp_path_factory):
+def int4_model(request, tmp_path_factory):
+    """A tiny model folder (Llama, then Qwen2) whose answers never stop, with its int4
+    prepared weights written beside it: the file firsttoken maps."""
     folder = make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param,
                              vocab_multiple=16, never_stops=True)
     load_decoder(folder, torch.bfloat16, "int4")  # writes the prepared file firsttoken maps
@@ -36,8 +38,8 @@ def model(request, tmp_path_factory):
 
 
 @pytest.fixture
-def context(home, docs, model):
-    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="bf16",
+def context(home, docs, int4_model):
+    engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(int4_model), dtype="bf16",
                                        block_size=60))
     return store.find_context(paths.contexts_dir(), None)
 
@@ -56,18 +58,18 @@ def bits(array: np.ndarray) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_first_token_and_kv_are_the_torch_paths_own(context, model):
+def test_first_token_and_kv_are_the_torch_paths_own(context, int4_model):
     """The forward without torch gives, bit for bit, the question's keys and values, the
     first token and the rows source attribution keeps that Phase 2's own forward gives;
     the torch path that adopts it answers the same tokens with the same sources, and does
     not stream the first token a second time."""
-    job = job_for(context, model)
+    job = job_for(context, int4_model)
     events = []
     early = firsttoken.prefill(job, events.append)
     assert early is not None and len(early.keys) == 2  # the tiny models' layers
 
     stops = set(job.stop_ids)
-    reference = Answerer.from_cache(context, dist.local_world("cpu"), model, "int4")
+    reference = Answerer.from_cache(context, dist.local_world("cpu"), int4_model, "int4")
     streamed = []
     tokens, top = reference.answer(list(job.query_ids), 8, stops, streamed.append)
     assert len(tokens) == 8 and streamed == tokens  # never_stops: a full answer
@@ -78,7 +80,7 @@ def test_first_token_and_kv_are_the_torch_paths_own(context, model):
         assert torch.equal(own_k[0, :, :m], bits(early.keys[layer]))
         assert torch.equal(own_v[0, :, :m], bits(early.values[layer]))
 
-    adopted = Answerer.from_cache(context, dist.local_world("cpu"), model, "int4")
+    adopted = Answerer.from_cache(context, dist.local_world("cpu"), int4_model, "int4")
     heard = []
     again, sources = adopted.answer(list(job.query_ids), 8, stops, heard.append,
                                     prefilled=early)
@@ -89,16 +91,16 @@ def test_first_token_and_kv_are_the_torch_paths_own(context, model):
 
 
 @pytest.mark.slow
-def test_a_stop_token_first_is_not_streamed(context, model):
+def test_a_stop_token_first_is_not_streamed(context, int4_model):
     """A first token that ends the answer is not streamed (the torch path would not stream
     it either), and the answer is empty."""
-    job = job_for(context, model)
+    job = job_for(context, int4_model)
     early = firsttoken.prefill(job, lambda event: None)
     job = replace(job, stop_ids=(early.token,))
     events = []
     early = firsttoken.prefill(job, events.append)
     assert events == [] and early.emitted == []
-    answerer = Answerer.from_cache(context, dist.local_world("cpu"), model, "int4")
+    answerer = Answerer.from_cache(context, dist.local_world("cpu"), int4_model, "int4")
     heard = []
     tokens, _ = answerer.answer(list(job.query_ids), 8, set(job.stop_ids), heard.append,
                                 prefilled=early)
@@ -106,7 +108,7 @@ def test_a_stop_token_first_is_not_streamed(context, model):
 
 
 @pytest.mark.slow
-def test_where_it_does_not_apply_nothing_is_emitted(context, model, monkeypatch, tmp_path):
+def test_where_it_does_not_apply_nothing_is_emitted(context, int4_model, monkeypatch, tmp_path):
     """Other weights, dtypes, top-k, a long question, the switch off, or no prepared file
     of this layout: None, nothing streamed, and the torch path answers as before."""
     emitted = []
@@ -114,23 +116,25 @@ def test_where_it_does_not_apply_nothing_is_emitted(context, model, monkeypatch,
     def emit(event):
         emitted.append(event)
 
-    cases = [job_for(context, model, weights="dense"), job_for(context, model, dtype="float32"),
-             job_for(context, model, topk={"k": 4}), job_for(context, model, device="cuda"),
-             job_for(context, model, question=" ".join(["the budget"] * 40)),
-             job_for(context, model, query_ids=())]
+    cases = [job_for(context, int4_model, weights="dense"),
+             job_for(context, int4_model, dtype="float32"),
+             job_for(context, int4_model, topk={"k": 4}),
+             job_for(context, int4_model, device="cuda"),
+             job_for(context, int4_model, question=" ".join(["the budget"] * 40)),
+             job_for(context, int4_model, query_ids=())]
     assert len(cases[4].query_ids) >= 64
     for job in cases:
         assert firsttoken.prefill(job, emit) is None
     monkeypatch.setenv("STARQA_FIRST_TOKEN", "0")
-    assert firsttoken.prefill(job_for(context, model), emit) is None
+    assert firsttoken.prefill(job_for(context, int4_model), emit) is None
     monkeypatch.delenv("STARQA_FIRST_TOKEN")
 
     bare = tmp_path / "bare"  # the model without its prepared file
-    shutil.copytree(model, bare, ignore=shutil.ignore_patterns(".starqa-phase2-*"))
+    shutil.copytree(int4_model, bare, ignore=shutil.ignore_patterns(".starqa-phase2-*"))
     assert firsttoken.prefill(job_for(context, bare), emit) is None
-    prepared = next(model.glob(".starqa-phase2-int4-bfloat16.safetensors"))
+    prepared = next(int4_model.glob(".starqa-phase2-int4-bfloat16.safetensors"))
     stale = tmp_path / "stale"  # a prepared file of another layout
-    shutil.copytree(model, stale)
+    shutil.copytree(int4_model, stale)
     target = stale / prepared.name
     size = int.from_bytes(target.read_bytes()[:8], "little")
     header = json.loads(target.read_bytes()[8:8 + size])
@@ -139,14 +143,14 @@ def test_where_it_does_not_apply_nothing_is_emitted(context, model, monkeypatch,
     target.write_bytes(target.read_bytes()[:8] + text + target.read_bytes()[8 + size:])
     assert firsttoken.prefill(job_for(context, stale), emit) is None
     assert emitted == []
-    assert firsttoken.prefill(job_for(context, model), emit) is not None  # and here it does
+    assert firsttoken.prefill(job_for(context, int4_model), emit) is not None  # and here it does
 
 
 @pytest.mark.slow
-def test_a_corrupt_shard_is_the_same_error_as_on_the_torch_path(context, model):
+def test_a_corrupt_shard_is_the_same_error_as_on_the_torch_path(context, int4_model):
     first = context.folder / context.blocks[0].file
     data = bytearray(first.read_bytes())
     data[-1] ^= 0xFF
     first.write_bytes(bytes(data))
     with pytest.raises(ShardError, match="fails its checksum"):
-        firsttoken.prefill(job_for(context, model), lambda event: None)
+        firsttoken.prefill(job_for(context, int4_model), lambda event: None)

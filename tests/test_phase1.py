@@ -1,18 +1,10 @@
 """Phase 1 layouts on a tiny random Llama, in fp32, in-process (no workers)."""
 
-import pytest
 import torch
 
-from starqa.phase1 import hooks
 from starqa import phase1
 from starqa.phase1.ring import _RingHook
 from starqa.methods import MethodConfig, method_config, plan_blocks
-from starqa.models import load_model
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
 
 
 def full_forward_kv(model, ids):

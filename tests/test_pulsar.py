@@ -6,11 +6,10 @@ import math
 import pytest
 import torch
 
-from starqa.phase1 import hooks, pulsar
+from starqa.phase1 import pulsar
 from starqa import phase1
 from starqa.core.errors import StarqaError
 from starqa.methods import plan_blocks
-from starqa.models import load_model
 
 
 def t(*values):
@@ -181,11 +180,6 @@ def test_bad_choices_name_the_options():
 
 
 # ---------------------------------------------------------------------------- encode
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return load_model(tiny_model, dtype=torch.float32, attn_implementation=hooks.register())
-
 
 def context(model):
     gen = torch.Generator().manual_seed(1)
