@@ -72,11 +72,19 @@ def make_context(home: Path, name: str, key: str, used: float, block_bytes=(1000
     return folder
 
 
-def starqa(*args: str, home: Path) -> subprocess.CompletedProcess:
-    """The real entry point (StarqaError → `error: ...`, exit 1) in a subprocess."""
-    env = {**os.environ, "STARQA_HOME": str(home), "COLUMNS": "200"}
+def starqa(*args: str, home: Path | None = None, env: dict | None = None,
+           input: str | None = None, timeout: float = 300,
+           columns: int = 200) -> subprocess.CompletedProcess:
+    """`python -m starqa *args`, the real entry point (StarqaError → `error: ...`, exit 1),
+    in a subprocess: its output captured as text, its exit status left to the test (never
+    raised), stdin empty unless `input` is given. It runs in this process's environment
+    (the test's $STARQA_HOME, `conftest.home`) with `env` added, $STARQA_HOME set to `home`
+    if given, and $COLUMNS to `columns` (the width its lines are laid out for)."""
+    env = {**os.environ, "COLUMNS": str(columns),
+           **({"STARQA_HOME": str(home)} if home is not None else {}), **(env or {})}
     return subprocess.run([sys.executable, "-m", "starqa", *args], env=env, capture_output=True,
-                          text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
+                          text=True, timeout=timeout, check=False, input=input,
+                          stdin=None if input is not None else subprocess.DEVNULL)
 
 
 def stub_ask(pieces, monkeypatch=None):

@@ -5,21 +5,14 @@ group that cannot answer as asked is passed over with the reason said. On the ti
 `tiny.py`, through the real `starqa` command and a real warm group."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 
+from fakes import starqa
+
 QUESTION = "who approved the travel budget"
-
-
-def starqa(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "starqa", *args], capture_output=True,
-                          text=True, timeout=120, stdin=subprocess.DEVNULL,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 
 def ask_json(*args: str, env: dict | None = None) -> dict:

@@ -23,6 +23,7 @@ from starqa.cache.manifest import read_manifest
 from starqa.methods import METHODS
 from starqa.models import load_model
 from starqa.workers.worker import flop_counter
+from fakes import starqa
 from tiny import make_tiny_model
 
 # --------------------------------------------------------------------------- dist: bytes
@@ -349,7 +350,6 @@ def test_cli_errors_are_messages_not_tracebacks(home):
                           (["--workers", "0"], "--workers must be at least 1"),
                           (["--lengths", "2k;4k"], "Bad --lengths"),
                           (["--rounds", "0"], "--rounds must be at least 1")):
-        proc = subprocess.run([sys.executable, "-m", "starqa", "bench", *args],
-                              capture_output=True, text=True)
+        proc = starqa("bench", *args)
         assert proc.returncode == 1, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -10,13 +10,8 @@ import time
 import pexpect
 import pytest
 
-from fakes import install_home
+from fakes import install_home, starqa
 from starqa import engine
-
-
-def starqa(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "starqa", *args], capture_output=True,
-                          text=True, env=env, timeout=300)
 
 
 @pytest.fixture
@@ -108,10 +103,8 @@ def test_chat_with_keep_alive_zero_leaves_no_group(warm_home):
 def test_chat_from_a_pipe_answers_every_line(home, docs_context):
     """`starqa chat < questions.txt`: every non-empty line is a question (or a command),
     answered in turn; the end of the input ends the chat and, with --keep-alive 0, its group."""
-    out = subprocess.run([sys.executable, "-m", "starqa", "chat", "--keep-alive", "0",
-                          "--max-new-tokens", "4"],
-                         input="who approved the travel budget\n\n/help\nwhat is the retry limit\n",
-                         capture_output=True, text=True, timeout=300)
+    out = starqa("chat", "--keep-alive", "0", "--max-new-tokens", "4",
+                 input="who approved the travel budget\n\n/help\nwhat is the retry limit\n")
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.strip().splitlines()) == 2  # two answers (on stdout, the rest not)
     assert out.stderr.count("first token") == 2

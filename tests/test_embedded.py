@@ -5,7 +5,7 @@ ask about samples/ share one ingest of it (`samples_home`)."""
 import pytest
 import torch
 
-from fakes import install_home
+from fakes import install_home, starqa
 from starqa import corpus, engine, models
 from starqa.native import ops as native
 from starqa.reingest import packorder
@@ -135,16 +135,11 @@ def test_cold_ask_answers_its_first_token_before_torch(samples_home):
     importing torch (starqa.coldstart.firsttoken), and the answer, its tokens and sources are those
     of the same ask without that path (STARQA_FIRST_TOKEN=0)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     def ask(**env):
-        done = subprocess.run([sys.executable, "-m", "starqa", "ask", QUESTION, "--json",
-                               "--max-new-tokens", "16", "--keep-alive", "0", "--weights",
-                               "int4"],  # (the default for the embedded model, by name)
-                              capture_output=True, text=True, timeout=300,
-                              env={**os.environ, **env})
+        done = starqa("ask", QUESTION, "--json", "--max-new-tokens", "16", "--keep-alive", "0",
+                      "--weights", "int4",  # (the default for the embedded model, by name)
+                      env=env)
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 

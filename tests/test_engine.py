@@ -17,7 +17,7 @@ from starqa.core import paths
 from starqa.cache import store
 from starqa.core.errors import ShardError, StarqaError, WorkerError
 from starqa.models import load_model, load_tokenizer
-from fakes import install_home
+from fakes import install_home, starqa
 from tiny import context_ids, make_tiny_model, reference_tokens
 
 QUESTION = "who approved the travel budget"
@@ -153,8 +153,7 @@ def test_worker_death_shows_stderr_and_keeps_previous_cache(home, docs, tiny_mod
 
 
 def test_cli_error_exit_code_and_message(home, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "starqa", "ingest", str(tmp_path / "missing")],
-                          capture_output=True, text=True)
+    proc = starqa("ingest", str(tmp_path / "missing"))
     assert proc.returncode == 1
     assert "error:" in proc.stderr and "No such file or directory" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -162,16 +161,14 @@ def test_cli_error_exit_code_and_message(home, tmp_path):
 
 @pytest.mark.slow
 def test_cli_ingest_and_ask_json(home, docs, tiny_model):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "starqa", *a], capture_output=True,
-                                    text=True)
-    ing = run("ingest", str(docs), "--model", str(tiny_model), "--dtype", "fp32",
+    ing = starqa("ingest", str(docs), "--model", str(tiny_model), "--dtype", "fp32",
               "--workers", "2", "--block-size", "50")
     assert ing.returncode == 0, ing.stderr
     assert "Ingested docs" in ing.stderr
-    hit = run("ingest", str(docs), "--model", str(tiny_model), "--dtype", "fp32",
+    hit = starqa("ingest", str(docs), "--model", str(tiny_model), "--dtype", "fp32",
               "--workers", "2", "--block-size", "50")
     assert "Cache hit" in hit.stderr
-    out = run("ask", QUESTION, "--json", "--max-new-tokens", "4")
+    out = starqa("ask", QUESTION, "--json", "--max-new-tokens", "4")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["context"] == "docs" and data["tokens"]["answer"] <= 4
@@ -213,7 +210,7 @@ def test_two_machines_on_loopback(home, docs, tiny_model):
 
 
 def test_cli_usage_error_is_not_a_traceback(home):
-    proc = subprocess.run([sys.executable, "-m", "starqa", "ask"], capture_output=True, text=True)
+    proc = starqa("ask")
     assert proc.returncode == 2
     assert "Missing argument" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -897,8 +897,7 @@ def test_killing_serve_leaves_no_group_and_ps_shows_none(home, docs, tiny_model)
     seen: dict[int, str] = {}
     try:
         deadline = time.monotonic() + 120
-        while not json.loads(subprocess.run([sys.executable, "-m", "starqa", "ps", "--json"],
-                                            env=env, capture_output=True, text=True).stdout):
+        while not json.loads(starqa("ps", "--json", env=env).stdout):
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline, "the group did not become ready"
             time.sleep(0.5)
@@ -910,8 +909,7 @@ def test_killing_serve_leaves_no_group_and_ps_shows_none(home, docs, tiny_model)
         while alive := {p: c for p, c in seen.items() if p in _processes()}:
             assert time.monotonic() < deadline, f"survived serve: {alive}"
             time.sleep(0.2)
-        ps = subprocess.run([sys.executable, "-m", "starqa", "ps", "--json"], env=env,
-                            capture_output=True, text=True)
+        ps = starqa("ps", "--json", env=env)
         assert json.loads(ps.stdout) == []
     finally:
         for pid in list(seen) + [proc.pid]:

@@ -15,14 +15,10 @@ from starqa import engine
 from starqa.coldstart import headstart
 from starqa.core import paths
 from starqa.cache import store
+from fakes import starqa
 from tiny import make_tiny_model
 
 QUESTION = "who approved the travel budget"
-
-
-def starqa(*args, env=None, **kwargs):
-    return subprocess.run([sys.executable, "-m", "starqa", *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, **(env or {})}, **kwargs)
 
 
 @pytest.fixture

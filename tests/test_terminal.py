@@ -310,16 +310,10 @@ def test_json_error_of_a_fault_of_starqa_itself(home):
 # the campaign: faults around the terminal, --json and the command line's options
 
 
-def _run(*args: str, home: Path, columns: int) -> str:
-    env = {**os.environ, "STARQA_HOME": str(home), "COLUMNS": str(columns)}
-    proc = subprocess.run([sys.executable, "-m", "starqa", *args], env=env, text=True,
-                          capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
-    return proc.stdout + proc.stderr
-
-
 def test_columns_zero_still_shows_the_error(contexts, home):
     """COLUMNS=0 (a script's environment): rich drew nothing at all, the error included."""
-    assert "No context named 'nope'" in _run("ask", "hi", "-c", "nope", home=home, columns=0)
+    shown = starqa("ask", "hi", "-c", "nope", home=home, columns=0)
+    assert "No context named 'nope'" in shown.stdout + shown.stderr
 
 
 LIST = "import runpy, sys; sys.argv = ['starqa', 'list']; runpy.run_module('starqa', " \
@@ -339,7 +333,8 @@ def test_list_on_a_narrow_terminal_keeps_every_column(contexts, home, columns):
 def test_list_into_a_log_is_the_whole_table(contexts, home, columns):
     """Where stdout is no terminal (a log, a pipe) the table is printed whole, as wide as
     it needs, whatever COLUMNS says: one row per context under its column names."""
-    shown = _run("list", home=home, columns=columns).splitlines()
+    proc = starqa("list", home=home, columns=columns)
+    shown = (proc.stdout + proc.stderr).splitlines()
     header = next(line for line in shown if line.lstrip().startswith("name"))
     assert header.split() == ["name", "key", "sources", "tokens", "method", "model", "size",
                               "last", "used"], shown

@@ -2,8 +2,6 @@
 workers, indexes built at ingest or on first use, checksummed, rebuilt; every bad input."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -11,6 +9,7 @@ from starqa import engine
 from starqa.topk import indexes
 from starqa.core.errors import ShardError, StarqaError
 from starqa.topk.indexes import TopK
+from fakes import starqa
 
 QUESTION = "who approved the travel budget"
 
@@ -108,8 +107,7 @@ def test_corrupt_index_is_caught_by_its_checksum_and_rebuilt(home, docs, tiny_mo
         ask(topk=TopK(fraction=0.5, index="ivf"))
     command = f"starqa index {manifest.key} --index ivf"
     assert command in err.value.hint
-    proc = subprocess.run([sys.executable, "-m", "starqa", *command.split()[1:]],
-                          capture_output=True, text=True)
+    proc = starqa(*command.split()[1:])
     assert proc.returncode == 0, proc.stderr
     assert not (manifest.folder / found.folder).exists()  # the damaged set is gone
     assert ask(topk=TopK(fraction=0.5, index="ivf")).token_ids == good.token_ids
@@ -141,18 +139,15 @@ def test_kv_on_disk_answers_as_in_memory(home, docs, tiny_model):
     (["--top-k-tail", "none"], "only apply to --attention topk"),
 ])
 def test_cli_bad_topk_options(home, args, says):
-    proc = subprocess.run([sys.executable, "-m", "starqa", "ask", "q", *args],
-                          capture_output=True, text=True)
+    proc = starqa("ask", "q", *args)
     assert proc.returncode == 1 and says in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
 def test_cli_ask_json_with_topk(home, docs, tiny_model):
     ingest(docs, tiny_model, method="dense", block_size=60)
-    proc = subprocess.run([sys.executable, "-m", "starqa", "ask", QUESTION, "--json",
-                           "--max-new-tokens", "3", "--attention", "topk", "--top-k", "10",
-                           "--top-k-schedule", "linear", "--index", "ivf"],
-                          capture_output=True, text=True)
+    proc = starqa("ask", QUESTION, "--json", "--max-new-tokens", "3", "--attention", "topk",
+                  "--top-k", "10", "--top-k-schedule", "linear", "--index", "ivf")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["attention"] == "top-k 10 (ivf, linear)" and data["sources"] is None

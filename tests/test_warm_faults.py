@@ -15,17 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from fakes import install_home
+from fakes import install_home, starqa
 
 QUESTION = "who approved the travel budget"
-
-
-def starqa(*args: str, input: str | None = None, timeout: float = 120,
-           env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "starqa", *args], capture_output=True,
-                          text=True, timeout=timeout, input=input,
-                          stdin=None if input is not None else subprocess.DEVNULL,
-                          env={**os.environ, "COLUMNS": "200", **(env or {})})
 
 
 def groups() -> list[dict]:
