@@ -339,6 +339,16 @@ class CacheUsage:
                               for x in self.leftovers]}
 
 
+def stale_staging(root: Path, key: str) -> list[Path]:
+    """The staging folders an ingest of context `key` on this machine left when its process
+    died (one machine's ingest: not a node's of an ingest across machines)."""
+    if not root.is_dir():
+        return []
+    found = [_leftover(path) for path in sorted(root.glob(f".staging-{key}-*"))
+             if path.is_dir() and not path.name.startswith(f".staging-{key}-n")]
+    return [x.path for x in found if x.pid is not None and not x.running]
+
+
 def find_leftovers(root: Path) -> list[Leftover]:
     """The `.staging-*`, `.trash-*` and `.old-*` folders under the contexts `root`, and the
     contexts `list_contexts` skips because their manifest cannot be read."""

@@ -24,7 +24,7 @@ from starqa.core.progress import UI
 from starqa.launchers.ingest.options import IngestOptions, IngestResult, Mode, Prepared
 from starqa.launchers.ingest.workers import check_workers, workers_for
 from starqa.methods import plan_blocks
-from starqa.reingest import reuse
+from starqa.reingest import resume, reuse
 from starqa.reingest.incremental import adopt as adopt_blocks
 from starqa.reingest.incremental import keep as keep_blocks
 from starqa.reingest.incremental import rope
@@ -111,6 +111,7 @@ def run_phase1(opts: IngestOptions, root: Path, source: Prepared, started: float
                                 measures=heard.ranks.measure_rows())
         _commit(plan, heard, encode_seconds)
     except BaseException:  # every machine drops its own staging: no half-written context
+        _keep_finished(plan, ui)
         shutil.rmtree(plan.staging, ignore_errors=True)
         raise
     manifest = read_manifest(plan.final)
@@ -119,6 +120,17 @@ def run_phase1(opts: IngestOptions, root: Path, source: Prepared, started: float
                         plan.workers * opts.nnodes, encode_seconds,
                         peak_bytes=heard.ranks.peak_bytes(), measures=heard.ranks.measure_rows(),
                         reuse=_reuse_report(plan, manifest))
+
+
+def _keep_finished(plan: Phase1Plan, ui: UI) -> None:
+    """An ingest on one machine that is interrupted (Ctrl-C, an error, a worker's death)
+    keeps the blocks it finished in the block store: the same command resumes from them."""
+    if not plan.mode.incremental or plan.multinode or not plan.staging.is_dir():
+        return
+    kept = resume.keep_finished(plan.stored, plan.store, plan.staging, plan.todo)
+    if kept:
+        ui.note(f"Kept the {kept} block{'s' * (kept > 1)} encoded before the interruption "
+                f"(of {len(plan.todo)}): the same command resumes from them.")
 
 
 def _plan(opts: IngestOptions, root: Path, source: Prepared, mode: Mode) -> Phase1Plan:
@@ -130,9 +142,15 @@ def _plan(opts: IngestOptions, root: Path, source: Prepared, mode: Mode) -> Phas
     prepared = encoder.prepare(ids, method, blocks)
     bstore = blockstore.store_dir(root)
     freqs = rope(model.path) if mode.incremental and encoder.rotatable else None
+    force = opts.force or not mode.incremental
     stored = reuse.plan(method, ids, blocks, prepared,
                         reuse.BlockStore(bstore, model.digest, source.dtype),
-                        force=opts.force or not mode.incremental, rotate=freqs is not None)
+                        force=force, rotate=freqs is not None)
+    if not force and opts.nnodes == 1 and resume.recover(root, source.key, stored, bstore):
+        # blocks of an ingest of these very inputs that crashed: planned again with them
+        stored = reuse.plan(method, ids, blocks, prepared,
+                            reuse.BlockStore(bstore, model.digest, source.dtype),
+                            force=False, rotate=freqs is not None)
     previous = store.latest_of(root, opts.paths, method.name, model.digest, source.dtype) \
         if mode.incremental else None
     todo = list(stored.todo)
