@@ -220,6 +220,78 @@ def test_crlf_and_bom_normalised(tmp_path):
     assert f.size == 13
 
 
+@pytest.mark.parametrize("under_git", [False, pytest.param(True, marks=needs_git)])
+def test_symlinks_to_outside_the_folder_are_not_followed(tmp_path, under_git):
+    """A folder holding `secret.md -> ~/.ssh/...` (here: a file beside the folder) and a
+    linked folder outside it: neither is read, both are listed as skipped with the reason;
+    a symlink to a file inside the folder is not refused for that (it is the same file as
+    its target, read once)."""
+    outside = tmp_path / "private"
+    outside.mkdir()
+    (outside / "key.md").write_text("PRIVATE KEY do not read")
+    repo = tmp_path / "r"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "docs" / "a.md").write_text("the office approved it")
+    (repo / "secret.md").symlink_to(outside / "key.md")
+    (repo / "linked").symlink_to(outside, target_is_directory=True)
+    (repo / "inside.md").symlink_to(repo / "docs" / "a.md")
+    if under_git:
+        git(repo, "init", "-q")
+        git(repo, "add", "-A")
+    found = collect([str(repo)])
+    read = {f.path for f in found.files}
+    assert "secret.md" not in read and not any(p.startswith("linked") for p in read)
+    assert not any("PRIVATE" in f.text for f in found.files)
+    assert "docs/a.md" in read
+    why = reasons(found)
+    assert "outside" not in why.get("inside.md", "")
+    assert why["secret.md"].startswith("symlink to outside the folder")
+    assert why.get("linked", why.get("linked/key.md", "")).startswith("symlink to outside")
+
+
+def _plain_tree(tmp_path: Path) -> Path:
+    root = tmp_path / "plain"
+    (root / "locked").mkdir(parents=True)
+    (root / "locked" / "secret.py").write_text("secret")
+    (root / "ok.py").write_text("ok")
+    return root
+
+
+@pytest.mark.parametrize("in_git", [False, pytest.param(True, marks=needs_git)])
+def test_unreadable_sub_folder_is_skipped_and_reported(tmp_path, monkeypatch, in_git):
+    """As root chmod cannot lock a folder, so the OS's refusal is simulated where it struck:
+    checking for the folder's .gitignore (or, in git, whether a tracked path is a file)."""
+    root = _plain_tree(tmp_path)
+    if in_git:
+        git(root, "init", "-q")
+        git(root, "add", ".")
+    real_is_file = Path.is_file
+
+    def is_file(self):
+        if self.parent.name == "locked":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    got = collect([root])
+    assert [f.path for f in got.files] == ["ok.py"]
+    where = "locked/secret.py" if in_git else "locked"  # git lists files, not folders
+    assert {s.path: s.reason for s in got.skipped} == {where: "unreadable (Permission denied)"}
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0,
+                    reason="root reads folders whatever their mode")
+def test_unreadable_sub_folder_for_real(tmp_path):
+    root = _plain_tree(tmp_path)
+    (root / "locked").chmod(0)
+    try:
+        got = collect([root])
+    finally:
+        (root / "locked").chmod(0o755)
+    assert [f.path for f in got.files] == ["ok.py"]
+    assert {s.path: s.reason for s in got.skipped} == {"locked": "unreadable (Permission denied)"}
+
+
 # ---------------------------------------------------------------- packing
 
 

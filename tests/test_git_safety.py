@@ -250,6 +250,63 @@ def test_commit_times_are_kept_without_asking_git_about_the_work_tree(tmp_path):
         assert got == {"kept.md": 1_700_000_000, "edited.md": 1_800_000_000}, fmt
 
 
+@pytest.mark.parametrize("where", ["config", "include"])
+def test_git_config_of_the_folder_runs_nothing(tmp_path, where):
+    repo = tmp_path / "r"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "a.py").write_text("tracked")
+    (repo / "b.py").write_text("untracked")
+    git(repo, "add", "a.py")
+    hook = "touch ../PWNED; echo"
+    if where == "config":
+        git(repo, "config", "core.fsmonitor", hook)
+    else:  # through an included file, which the repository itself can ship
+        (repo / "evil.cfg").write_text(f"[core]\n\tfsmonitor = {hook}\n")
+        git(repo, "config", "include.path", "../evil.cfg")
+    git(repo, "config", "core.hooksPath", str(tmp_path / "hooks"))
+    git(repo, "config", "core.pager", "touch ../PWNED; cat")
+
+    got = corpus.collect([repo])
+
+    assert not (tmp_path / "PWNED").exists()
+    expected = ["a.py", "b.py"] + (["evil.cfg"] if where == "include" else [])
+    assert [f.path for f in got.files] == expected  # git's view still decides what is read
+
+
+def test_reading_commit_times_runs_no_signature_program(tmp_path):
+    """`collect` reads the files' last commit times with `git log`, which a repository's own
+    config can make verify signatures with a program it names (log.showSignature,
+    gpg.program): never run."""
+    repo = tmp_path / "r"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "a.py").write_text("tracked")
+    git(repo, "add", "a.py")
+    tree = subprocess.run(["git", "write-tree"], cwd=repo, check=True, capture_output=True,
+                          text=True).stdout.strip()
+    signed = (f"tree {tree}\nauthor a <a@x> 1700000000 +0000\n"
+              "committer a <a@x> 1700000000 +0000\ngpgsig -----BEGIN PGP SIGNATURE-----\n \n"
+              " AAAA\n -----END PGP SIGNATURE-----\n\nsigned\n")
+    commit = subprocess.run(["git", "hash-object", "-t", "commit", "-w", "--stdin"], cwd=repo,
+                            input=signed, check=True, capture_output=True,
+                            text=True).stdout.strip()
+    git(repo, "update-ref", "HEAD", commit)
+    program = tmp_path / "gpg"
+    program.write_text(f"#!/bin/sh\ntouch {tmp_path / 'PWNED'}\nexit 1\n")
+    program.chmod(0o755)
+    git(repo, "config", "log.showSignature", "true")
+    git(repo, "config", "gpg.program", str(program))
+    subprocess.run(["git", "log", "-n1"], cwd=repo, capture_output=True)  # plain git runs it
+    assert (tmp_path / "PWNED").exists()
+    (tmp_path / "PWNED").unlink()
+
+    got = corpus.collect([repo])
+
+    assert not (tmp_path / "PWNED").exists()
+    assert [(f.path, f.changed) for f in got.files] == [("a.py", 1700000000)]
+
+
 # ---------------------------------------------------------------------------------------
 # 9. files are those under the path the user named, whatever the config says
 

@@ -605,3 +605,47 @@ def test_chat_at_a_terminal_on_a_read_only_home(home, docs_context):
     if out.returncode == 77:
         pytest.skip(f"cannot make a read-only mount here: {out.stderr.strip()}")
     assert "EXIT 0 False" in out.stdout, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# a warm group's socket: a malformed request gets an error; `rm` of its context stops it
+
+
+@pytest.mark.slow
+def test_malformed_requests_get_an_error_and_the_group_keeps_serving(served):
+    from starqa.workers import client, messages
+
+    manifest, group = served
+    conn = client.Client(group)
+    try:
+        for bad in (b"[]", b"null", b"not json",
+                    json.dumps({"op": "ask", "question": "who", "max_new_tokens": "x"}).encode(),
+                    json.dumps({"op": "ask", "question": 5}).encode(),
+                    json.dumps({"op": "ask", "question": "who", "history": [[1]]}).encode(),
+                    json.dumps({"op": "ask", "question": "who", "max_new_tokens": 0}).encode(),
+                    json.dumps({"op": "ask", "question": "who", "draft_tokens": -1}).encode(),
+                    json.dumps({"op": "ask", "question": "who", "draft_tokens": "3"}).encode()):
+            conn.sock.sendall(bad + b"\n")
+            event = next(conn.events())
+            assert isinstance(event, messages.Failed) and "Bad request" in event.message, \
+                (bad, event)
+        done = [e for e in conn.ask("who approved the travel budget", (), 4)][-1]
+        assert isinstance(done, messages.Finished) and done.token_ids
+        plain = [e for e in conn.ask("who approved the travel budget", (), 4, draft_tokens=0)]
+        assert plain[-1].token_ids == done.token_ids  # drafts never change the answer
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_rm_of_a_served_context_stops_its_group(served):
+    from starqa.workers import client
+
+    manifest, group = served
+    removed = starqa("rm", manifest.key)
+    assert removed.returncode == 0 and clean(removed), removed.stderr
+    deadline = time.monotonic() + 30
+    while client.find(manifest.key) is not None:
+        assert time.monotonic() < deadline, "the group still runs after rm"
+        time.sleep(0.2)
+    assert not manifest.folder.exists()
