@@ -255,3 +255,32 @@ def test_readme_is_short():
 def test_each_docs_page_is_short(path):
     lines = len(path.read_text().splitlines())
     assert lines <= PAGE_MAX_LINES, f"{path.name} has {lines} lines > {PAGE_MAX_LINES}"
+
+
+# ---- (5) docs/reliability.md: every promise names a test that exists ---------------------
+
+_CITED = re.compile(r"`(test_\w+\.py)::(test_\w+)`")
+_BY_HAND = "## Shown by hand only"
+
+
+def test_every_promise_names_a_test_that_exists():
+    """Each promise of docs/reliability.md (an entry `- ...` up to the next) cites
+    `tests/FILE::TEST`, and each test cited is defined there, except under its heading of
+    promises shown by hand."""
+    import ast
+
+    text = (DOCS / "reliability.md").read_text()
+    tested, by_hand = text.split(_BY_HAND, 1) if _BY_HAND in text else (text, "")
+    defined: dict[str, set[str]] = {}
+    problems = []
+    for file, test in _CITED.findall(text):
+        if file not in defined:
+            path = ROOT / "tests" / file
+            defined[file] = {node.name for node in ast.parse(path.read_text()).body
+                             if isinstance(node, ast.FunctionDef)} if path.exists() else set()
+        if test not in defined[file]:
+            problems.append(f"{file}::{test} is not a test in tests/")
+    for entry in re.split(r"^- ", tested, flags=re.M)[1:]:
+        if not _CITED.search(entry.split("\n\n")[0]):
+            problems.append(f"no test named for: {entry.splitlines()[0]}")
+    assert not problems, "\n".join(problems)
