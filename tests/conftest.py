@@ -1,7 +1,8 @@
 """The fixtures tests share: the tiny models (`tiny.py`), the `docs` corpus and its contexts
 (ingested once per session and copied into each test's own $STARQA_HOME), fake contexts and
 fake workers (`fakes.py`), and the environment every test runs in (no warm group left
-behind, sources shown on random models)."""
+behind, sources shown on random models). Plain helpers, such as `fakes.starqa` (the
+`starqa` command in a subprocess), are imported from `fakes.py` and `tiny.py`."""
 
 import contextlib
 import json
