@@ -25,7 +25,7 @@ from starqa.runtime import dist
 from starqa import models
 from starqa.phase2 import decode
 from starqa.phase2.shard_attention import ShardAttention
-from starqa.models.decoder import load_decoder
+from starqa.models.decoder_io import load_decoder
 
 
 def main() -> None:

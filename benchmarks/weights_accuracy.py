@@ -41,7 +41,7 @@ def main() -> None:
     from starqa import methods, models
     from starqa.cache import shards
     from starqa.phase2.answerer import Answerer, RankShare
-    from starqa.models.decoder import load_decoder
+    from starqa.models.decoder_io import load_decoder
     from starqa.measure.evals import generators, runner, scoring
 
     formats = [w.strip() for w in args.weights.split(",")]

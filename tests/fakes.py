@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from starqa.cache import shards
-from starqa.cache.manifest import (IngestRun, Manifest, ModelIdentity, Skipped, SourceFile,
+from starqa.cache.manifest import (IngestRun, Manifest, ModelIdentity, Skipped, PackedFile,
     block_file, read_manifest, write_manifest)
 from starqa.methods import MethodConfig
 
@@ -61,9 +61,9 @@ def make_context(home: Path, name: str, key: str, used: float, block_bytes=(1000
         content_sha256="cd" * 32, n_tokens=n, query_position=n,
         blocks=shards.hash_blocks(folder, [(100 * i, 100 * (i + 1))
                                            for i in range(len(block_bytes))]),
-        files=(SourceFile(path="a.md", token_start=0, token_end=n - 30, lines=12, bytes=400,
+        files=(PackedFile(path="a.md", token_start=0, token_end=n - 30, lines=12, bytes=400,
                           line_tokens=tuple(range(0, n - 30, 20))),
-               SourceFile(path="b.py", token_start=n - 30, token_end=n, lines=3, bytes=90,
+               PackedFile(path="b.py", token_start=n - 30, token_end=n, lines=3, bytes=90,
                           line_tokens=(n - 30, n - 20, n - 10))),
         skipped=(Skipped(path="logo.png", reason="binary"),),
         ingest=IngestRun(workers=2, encode_seconds=1.5, tokens_per_second=n / 1.5)))

@@ -262,3 +262,19 @@ def test_a_client_keeps_to_its_own_cache_root(home, docs, tiny_model, tmp_path):
     with pytest.raises(api.ContextNotFound):
         api.context(ctx.key)  # not in $STARQA_HOME
     assert client.remove(ctx) > 0 and client.contexts() == []
+
+
+@pytest.mark.slow
+def test_a_stop_string_cuts_a_cold_answer(home, docs, tiny_model):
+    """`stop` on a cold answer (no warm group): the answer is complete, cut where the stop
+    string first appears, as a warm group's is."""
+    api.ingest(docs, model=str(tiny_model), options=api.IngestSettings(dtype="fp32",
+                                                                       block_size=60))
+    cold = api.AskSettings(keepalive=0)
+    whole = api.ask("who approved the travel budget?", max_new_tokens=8, options=cold)
+    assert len(whole.text) > 4
+    stop = whole.text[2:4]
+    cut = api.ask("who approved the travel budget?", max_new_tokens=8, stop=[stop],
+                  options=cold)
+    assert not cut.warm and cut.finish == "stop"
+    assert cut.text == whole.text[:whole.text.find(stop)].strip()

@@ -15,7 +15,7 @@ from starqa.phase2.shard_attention import ShardAttention
 from starqa.runtime import dist
 from starqa.phase1 import hooks, pulsar
 from starqa.corpus import prompt
-from starqa.models.decoder import load_decoder
+from starqa.models.decoder_io import load_decoder
 from starqa.methods import method_config, plan_blocks
 from starqa.models import context_window, load_model, load_tokenizer
 from tiny import make_tiny_model
@@ -59,9 +59,9 @@ def qwen_tok(qwen_path):
 
 @pytest.fixture(scope="module")
 def context_ids(qwen_tok):
-    files = [corpus.SourceFile("policy/travel.md",
+    files = [corpus.TextFile("policy/travel.md",
                                "the travel budget was approved by the office .\n" * 5, 0),
-             corpus.SourceFile("code.py", "retry limit default is seven\n" * 6, 0)]
+             corpus.TextFile("code.py", "retry limit default is seven\n" * 6, 0)]
     packed, spans = corpus.pack(files)
     ids = prompt.tokenize_context(qwen_tok, packed, spans).ids
     assert 120 < len(ids) < 200  # several blocks of BLOCK tokens
@@ -121,7 +121,7 @@ def test_tiny_qwen2_is_qwen2_shaped(qwen_model, qwen_tok, qwen_path):
 def test_qwen_template_split(qwen_tok):
     """Qwen's template adds its own system prompt only when none is given: starqa's goes in,
     and context + query is exactly the rendered conversation."""
-    files = [corpus.SourceFile("a.md", "the star block\nthe query\n", 0)]
+    files = [corpus.TextFile("a.md", "the star block\nthe query\n", 0)]
     packed, _ = corpus.pack(files)
     context, offset = prompt.context_text(qwen_tok, packed)
     full = qwen_tok.apply_chat_template(

@@ -8,7 +8,7 @@ import pytest
 
 from fakes import needs_git
 from starqa.corpus import git as corpus_git
-from starqa.corpus import FileSpan, SourceFile, collect, content_hash, line_of, pack
+from starqa.corpus import FileSpan, TextFile, collect, content_hash, line_of, pack
 from starqa.core.errors import StarqaError
 
 
@@ -296,7 +296,7 @@ def test_unreadable_sub_folder_for_real(tmp_path):
 
 
 def test_pack_format_and_spans():
-    files = [SourceFile("a.py", "x = 1\ny = 2\n\n", 13), SourceFile("b/c.md", "# T", 3)]
+    files = [TextFile("a.py", "x = 1\ny = 2\n\n", 13), TextFile("b/c.md", "# T", 3)]
     packed, spans = pack(files)
     assert packed == (
         '<document path="a.py">\nx = 1\ny = 2\n</document>'
@@ -315,7 +315,7 @@ def test_pack_format_and_spans():
 
 
 def test_line_of():
-    packed, (a, b) = pack([SourceFile("a", "l1\nl2\nl3", 8), SourceFile("b", "only", 4)])
+    packed, (a, b) = pack([TextFile("a", "l1\nl2\nl3", 8), TextFile("b", "only", 4)])
     assert line_of(a, packed, a.text_start) == 1
     assert line_of(a, packed, packed.index("l2")) == 2
     assert line_of(a, packed, packed.index("l3") + 1) == 3
@@ -325,13 +325,13 @@ def test_line_of():
 
 
 def test_content_hash():
-    files = [SourceFile("a", "one", 3), SourceFile("b", "two", 3)]
+    files = [TextFile("a", "one", 3), TextFile("b", "two", 3)]
     h = content_hash(files)
-    assert h == content_hash([SourceFile("a", "one", 3), SourceFile("b", "two", 3)])
+    assert h == content_hash([TextFile("a", "one", 3), TextFile("b", "two", 3)])
     assert len(h) == 64
-    assert h != content_hash([SourceFile("a", "one", 3), SourceFile("b", "two!", 4)])
-    assert h != content_hash([SourceFile("a", "on", 3), SourceFile("b", "etwo", 3)])
-    assert h != content_hash([SourceFile("a", "one", 3), SourceFile("c", "two", 3)])
+    assert h != content_hash([TextFile("a", "one", 3), TextFile("b", "two!", 4)])
+    assert h != content_hash([TextFile("a", "on", 3), TextFile("b", "etwo", 3)])
+    assert h != content_hash([TextFile("a", "one", 3), TextFile("c", "two", 3)])
 
 
 def test_content_hash_from_disk(tmp_path):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from starqa.native import kernels, ops as native
-from starqa.models.decoder import INT4_GROUP, Linear, _int4_levels, _int4_pack, _int4_tiles
+from starqa.models.linear import INT4_GROUP, Linear, _int4_levels, _int4_pack, _int4_tiles
 
 from memory import mapped_pages  # tests/memory.py (conftest puts tests/ on the path)
 
@@ -258,13 +258,13 @@ def test_rope_table_is_transformers_angles(dtype):
 ])
 def test_large_tensors_ask_for_huge_pages_where_the_kernel_wants_asking(tmp_path, setting,
                                                                         before, after):
-    import starqa
+    from starqa.core import hugepages
 
     path = tmp_path / "enabled"
     if setting is not None:
         path.write_text(setting)
     environ = {} if before is None else {"THP_MEM_ALLOC_ENABLE": before}
-    starqa._huge_pages(str(path), environ)
+    hugepages.ask_for_huge_pages(str(path), environ)
     assert environ.get("THP_MEM_ALLOC_ENABLE") == after
 
 
@@ -273,11 +273,11 @@ def test_a_starqa_process_asks_before_torch_allocates():
     import subprocess
     import sys
 
-    import starqa
+    from starqa.core import hugepages
 
     wanted = "1"
     try:
-        with open(starqa.THP_SETTING) as fh:
+        with open(hugepages.THP_SETTING) as fh:
             if "[madvise]" not in fh.read():
                 wanted = None
     except OSError:

@@ -9,7 +9,7 @@ from starqa import models
 from starqa.native import ops as native
 from starqa.core import tensorfile
 from starqa.attention import attend
-from starqa.models.decoder import load_decoder
+from starqa.models.decoder_io import load_decoder
 from starqa.core.errors import StarqaError
 from starqa.models import load_model
 from tiny import make_tiny_model
@@ -117,7 +117,7 @@ def test_int4_keeps_weights_that_came_from_4_bit_blocks():
     """The embedded GGUFs hold blocks of 32 weights on 16 levels (Q4_1, Q4_K): int4 in
     groups of 32 re-quantises such a tensor without loss, so x Wᵀ through the packed kernel
     equals the dense product up to bf16 rounding."""
-    from starqa.models.decoder import Linear
+    from starqa.models.linear import Linear
 
     torch.manual_seed(0)
     n, k = 64, 128
@@ -141,7 +141,7 @@ def test_several_rows_multiply_int8_activations_by_int8_weights(fmt, monkeypatch
     path (no row leaks into another's scale), stays within 2% of the fp32 product, and for
     int4 it is closer to it than the int4 kernel; fewer rows (decode, a short question)
     keep the format's own kernel. (As where torch's int8 GEMM is fast, whatever this CPU.)"""
-    from starqa.models.decoder import INT4_GROUP, W8A8_MIN_ROWS, W8A8_MIN_ROWS_TILES, Linear
+    from starqa.models.linear import INT4_GROUP, W8A8_MIN_ROWS, W8A8_MIN_ROWS_TILES, Linear
 
     monkeypatch.setattr(native, "int8_gemm_fast", lambda: True)
     torch.manual_seed(1)
@@ -178,7 +178,7 @@ def test_several_rows_multiply_int8_activations_by_int8_weights(fmt, monkeypatch
 def test_without_a_fast_int8_gemm_every_forward_runs_the_tiles(monkeypatch):
     """Where torch's int8 GEMM is a plain loop (no AVX-512 VNNI: ~20x the tiles' time), an
     int4 Linear never runs W8A8: a prefill of any length is the tiles', row for row."""
-    from starqa.models.decoder import W8A8_MIN_ROWS_TILES, Linear
+    from starqa.models.linear import W8A8_MIN_ROWS_TILES, Linear
 
     monkeypatch.setattr(native, "int8_gemm_fast", lambda: False)
     torch.manual_seed(2)

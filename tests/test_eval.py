@@ -548,7 +548,7 @@ def test_the_table_is_whole_where_stdout_is_no_terminal(capsys):
                                                    (0, None, ""), (None, None, "")])
 def test_main_exits_with_the_code_typer_hands_back(monkeypatch, capsys, code, status, message):
     """typer without standalone mode returns typer.Exit's code, and Ctrl-C as 130."""
-    from starqa import cli
+    from starqa.cli import commands as cli
 
     monkeypatch.setattr(cli, "app", lambda standalone_mode: code)
     if status is None:
@@ -567,7 +567,7 @@ def test_main_stops_on_sigterm_inside_and_leaves_the_callers_handler(monkeypatch
     import os
     import signal
 
-    from starqa import cli
+    from starqa.cli import commands as cli
 
     def command(standalone_mode):
         os.kill(os.getpid(), signal.SIGTERM)  # raises KeyboardInterrupt here

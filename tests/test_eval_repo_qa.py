@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from starqa.cli import app
 from starqa.core.errors import StarqaError
-from starqa.corpus import SourceFile
+from starqa.corpus import TextFile
 from starqa.measure.evals import generators, repo_qa
 
 NET = '''\
@@ -133,8 +133,8 @@ def test_each_kind_its_answer_file_and_line_and_ambiguity_skipped(package):
 
 
 def test_a_file_python_cannot_parse_asks_nothing_and_mentions_are_whole_words():
-    files = [SourceFile("bad.py", "X_LIMIT = 77\ndef (:\n", 20),
-             SourceFile("good.py", "Y_LIMIT = 78\n", 13)]
+    files = [TextFile("bad.py", "X_LIMIT = 77\ndef (:\n", 20),
+             TextFile("good.py", "Y_LIMIT = 78\n", 13)]
     assert [(q.answer, q.file) for q in repo_qa.derive(files)] == [("78", "good.py")]
     assert repo_qa.mentions("78", "x = 78; y = 1978; z = 78_0; w = '78'") == 2
     assert repo_qa.mentions("dim red", "DIM RED, dim reddish") == 1

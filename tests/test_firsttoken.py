@@ -17,7 +17,7 @@ from starqa.core import paths
 from starqa.corpus import prompt
 from starqa.cache import store
 from starqa.phase2.answerer import Answerer
-from starqa.models.decoder import load_decoder
+from starqa.models.decoder_io import load_decoder
 from starqa.core.errors import ShardError
 from starqa.runtime.protocol import AskJob, Token
 from tiny import make_tiny_model

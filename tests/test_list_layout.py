@@ -6,7 +6,7 @@ import torch
 
 from starqa.topk import indexes, listlayout, retrieval
 from starqa.native import ops as native
-from starqa.models.decoder import load_decoder
+from starqa.models.decoder_io import load_decoder
 from starqa.topk.indexes import TopK
 from starqa.topk.ivf import IvfLayer
 

@@ -16,6 +16,7 @@ import torch
 from fakes import starqa
 from starqa import models
 from starqa.core.errors import StarqaError
+from starqa.core.paths import models_dir
 from starqa.models import gguf as ggufs
 from starqa.models import ollama
 from tiny import TEMPLATE, byte_bpe
@@ -142,7 +143,7 @@ def make_store(root: Path, gguf_path: Path, name: str = "tiny", tags=("latest",)
 
 def converted() -> list[str]:
     """The converted GGUF folders in the model cache."""
-    root = models.models_dir()
+    root = models_dir()
     return sorted(p.name for p in root.iterdir() if p.name.startswith("gguf-")) \
         if root.is_dir() else []
 
@@ -174,7 +175,7 @@ def test_a_gguf_is_converted_once_with_its_weights_and_tokenizer(tiny_gguf, gguf
     hashes = count_calls(monkeypatch, ggufs, "sha256_file")
     folder = models.resolve_model(str(gguf_file))
     digest = sha256(gguf_file)
-    assert folder == models.models_dir() / f"gguf-{digest}"
+    assert folder == models_dir() / f"gguf-{digest}"
     assert len(conversions) == 1 and len(hashes) == 1
     # the same weights as written (bf16), in Llama's own q/k order
     from safetensors.torch import load_file
@@ -226,7 +227,7 @@ def test_a_failed_conversion_leaves_nothing_that_is_used(gguf_file, monkeypatch)
     monkeypatch.setattr(ggufs, "convert_gguf", crash)
     with pytest.raises(OSError, match="killed"):
         models.resolve_model(str(gguf_file))
-    root = models.models_dir()
+    root = models_dir()
     assert sorted(p.name for p in root.iterdir()) == [ggufs.DIGESTS]  # no staging, no half
     monkeypatch.setattr(ggufs, "convert_gguf", real)
     folder = models.resolve_model(str(gguf_file))
@@ -235,7 +236,7 @@ def test_a_failed_conversion_leaves_nothing_that_is_used(gguf_file, monkeypatch)
 
 
 def test_a_concurrent_converter_wins(gguf_file, monkeypatch):
-    final = models.models_dir() / f"gguf-{sha256(gguf_file)}"
+    final = models_dir() / f"gguf-{sha256(gguf_file)}"
 
     def convert(gguf_dir, gguf_file, out):
         for folder in (final, out):  # another process finishes first, then this one does
@@ -246,7 +247,7 @@ def test_a_concurrent_converter_wins(gguf_file, monkeypatch):
     monkeypatch.setattr(ggufs, "convert_gguf", convert)
     assert models.resolve_model(str(gguf_file)) == final
     assert json.loads((final / "config.json").read_text())["by"] == final.name
-    assert sorted(p.name for p in models.models_dir().iterdir()) == [ggufs.DIGESTS, final.name]
+    assert sorted(p.name for p in models_dir().iterdir()) == [ggufs.DIGESTS, final.name]
 
 
 def test_an_unsupported_architecture_is_named(tmp_path, monkeypatch):
@@ -298,7 +299,7 @@ def test_a_missing_or_false_gguf(tmp_path):
 def test_an_ollama_model_is_its_gguf_blob(gguf_file, tmp_path, spec, name, tags):
     digest = make_store(tmp_path / "ollama", gguf_file, name, tags)
     folder = models.resolve_model(spec)
-    assert folder == models.models_dir() / f"gguf-{digest}"
+    assert folder == models_dir() / f"gguf-{digest}"
     expected = spec.removeprefix("ollama:") + ("" if ":" in spec[7:] else ":latest")
     assert models.fingerprint(folder)["name"] == f"ollama:{expected}"
     assert models.resolve_model(str(gguf_file)) == folder  # the same GGUF: the same model
@@ -396,7 +397,7 @@ def ingest_and_ask(home: Path, docs: Path, spec: str, said: str = "Ingested docs
 @pytest.mark.slow
 def test_ingest_and_ask_with_a_gguf_file(home, docs, gguf_file):
     first = ingest_and_ask(home, docs, str(gguf_file))
-    folder = models.models_dir() / converted()[0]
+    folder = models_dir() / converted()[0]
     made = (folder / "config.json").stat().st_mtime_ns
     manifest = json.loads(next((home / "contexts").glob("*/manifest.json")).read_text())
     assert manifest["model"]["path"] == str(folder)
@@ -425,7 +426,7 @@ def test_a_relative_gguf_is_recorded_whole_and_converted_again_once_deleted(
     manifest = json.loads(next((home / "contexts").glob("*/manifest.json")).read_text())
     assert manifest["model"]["spec"] == str(gguf_file.resolve())
     [folder] = converted()
-    shutil.rmtree(models.models_dir() / folder)
+    shutil.rmtree(models_dir() / folder)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # the relative path would name nothing here

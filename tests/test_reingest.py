@@ -19,7 +19,7 @@ from starqa.cache import blockstore, shards, store
 from starqa import engine, methods
 from starqa.reingest import packorder
 from starqa.core import paths
-from starqa.corpus import SourceFile, collect
+from starqa.corpus import TextFile, collect
 from starqa.cli import app
 from starqa.cache.manifest import read_manifest
 from starqa.methods import method_config, plan_blocks, plan_file_blocks
@@ -214,7 +214,7 @@ def test_files_go_oldest_first_and_keep_their_place_until_the_head_changes(home,
 
 
 def test_pack_order_by_age_and_keeping():
-    files = [SourceFile(p, p, 1, when) for p, when in
+    files = [TextFile(p, p, 1, when) for p, when in
              (("b", 5), ("a", 5), ("c", 1), ("d", 9))]
     assert [f.path for f in packorder.by_age(files)] == ["c", "a", "b", "d"]
     assert [f.path for f in packorder.keeping(files, ["d", "gone", "a"])] == ["d", "a", "c", "b"]
@@ -359,9 +359,9 @@ def test_a_bf16_cache_computed_in_fp32_holds_the_fp32_encoding_rounded(home, rep
     """On a CPU without bf16 matrix instructions Phase 1 runs the model in fp32 and rounds
     each block's KV to the cache's bf16 as it saves it (`models.phase1_dtype`); dense's
     incremental path reads the kept blocks back in fp32 to continue from them."""
-    from starqa import models
+    from starqa.models import devices
 
-    monkeypatch.setattr(models, "cpu_description", lambda: ("an AVX2 CPU", {"avx2", "fma"}))
+    monkeypatch.setattr(devices, "cpu_description", lambda: ("an AVX2 CPU", {"avx2", "fma"}))
 
     def ingest(dtype, **kw):
         return engine.ingest(engine.IngestOptions(
@@ -393,9 +393,9 @@ def test_a_bf16_cache_computed_in_fp32_holds_the_fp32_encoding_rounded(home, rep
 def test_workers_compute_in_the_dtype_their_launcher_chose(home, repo, tiny_model, monkeypatch):
     """The launcher chooses Phase 1's compute dtype once for its workers (the job's
     `compute_dtype`): a group's bf16 blocks are the fp32 encoding rounded, as in process."""
-    from starqa import models
+    from starqa.models import devices
 
-    monkeypatch.setattr(models, "cpu_description", lambda: ("an AVX2 CPU", {"avx2", "fma"}))
+    monkeypatch.setattr(devices, "cpu_description", lambda: ("an AVX2 CPU", {"avx2", "fma"}))
 
     def ingest(dtype, **kw):
         return engine.ingest(engine.IngestOptions(
@@ -410,7 +410,7 @@ def test_workers_compute_in_the_dtype_their_launcher_chose(home, repo, tiny_mode
         assert a["k"].dtype == torch.bfloat16
         assert torch.equal(a["k"], b["k"]) and torch.equal(a["v"], b["v"])
     computed = _kv(ingest("bf16", encode_in="process", force=True))  # the rule's own path
-    monkeypatch.setattr(models, "cpu_description", lambda: ("a CPU", {"avx2", "avx512_bf16"}))
+    monkeypatch.setattr(devices, "cpu_description", lambda: ("a CPU", {"avx2", "avx512_bf16"}))
     in_bf16 = _kv(ingest("bf16", encode_in="process", force=True))  # computed in bf16
     assert any(not torch.equal(a["k"], b["k"]) for a, b in zip(in_bf16, computed))
     assert all(torch.equal(a["k"], b["k"]) for a, b in zip(computed, rounded))

@@ -7,12 +7,12 @@ import torch
 
 from starqa.phase2 import sources
 from starqa.attention import attend, key_mass
-from starqa.cache.manifest import SourceFile
+from starqa.cache.manifest import PackedFile
 
 FILES = [  # tokens 10..20 = a.md (lines start at 12, 15, 18), 20..30 = b.md
-    SourceFile(path="a.md", token_start=10, token_end=20, lines=3, bytes=30,
+    PackedFile(path="a.md", token_start=10, token_end=20, lines=3, bytes=30,
                line_tokens=(12, 15, 18)),
-    SourceFile(path="b.md", token_start=20, token_end=30, lines=2, bytes=20, line_tokens=(21, 25)),
+    PackedFile(path="b.md", token_start=20, token_end=30, lines=2, bytes=20, line_tokens=(21, 25)),
 ]
 
 

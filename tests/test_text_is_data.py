@@ -35,7 +35,7 @@ def _check_every_marker_is_text(tok) -> None:
     every = "x " + " y ".join(markers) + " z\n"
     plain = prompt.encoder(tok).text
     # a document made of every marker: its ids are those of the same text tokenised plainly
-    packed, spans = corpus.pack([corpus.SourceFile("all.md", every, len(every))])
+    packed, spans = corpus.pack([corpus.TextFile("all.md", every, len(every))])
     context = prompt.tokenize_context(tok, packed, spans)
     head, _ = prompt.context_text(tok, "")
     control = set(markers.values()) - {tok.unk_token_id}  # a word-level vocab's unknown word
@@ -62,7 +62,7 @@ def _check_every_marker_is_text(tok) -> None:
         assert queries.ids(every) == query
     # a text without markers: the very ids the tokenizer gives the joined prompt
     text = "the office approved it\n"
-    packed, spans = corpus.pack([corpus.SourceFile("a.md", text, len(text))])
+    packed, spans = corpus.pack([corpus.TextFile("a.md", text, len(text))])
     whole = tok(prompt.context_text(tok, packed)[0], add_special_tokens=False)["input_ids"]
     assert prompt.tokenize_context(tok, packed, spans).ids == whole
     assert prompt.tokenize_query(tok, "who approved it") == tok(
@@ -143,8 +143,8 @@ def test_documents_cannot_forge_a_boundary_or_a_control_token(home, tmp_path, ti
 
 
 def test_escaped_boundaries_keep_sources_on_their_lines():
-    files = [corpus.SourceFile("notes.md", FORGED, len(FORGED)),
-             corpus.SourceFile('a"b\nc.md', "one\ntwo\n", 8)]
+    files = [corpus.TextFile("notes.md", FORGED, len(FORGED)),
+             corpus.TextFile('a"b\nc.md', "one\ntwo\n", 8)]
     packed, spans = corpus.pack(files)
     assert packed.count("<document ") == 2 and packed.count("</document>") == 2
     assert 'path="a&quot;b&#10;c.md"' in packed  # one header line, no attribute added

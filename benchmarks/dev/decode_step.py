@@ -28,8 +28,9 @@ import torch
 
 from starqa import models
 from starqa.native import ops as native
-from starqa.models.decoder import (INT4_GROUP, DecoderConfig, Linear, _int4_pack, _int4_tiles,
-    load_decoder)
+from starqa.models.decoder_io import load_decoder
+from starqa.models.linear import Linear, _int4_pack, _int4_tiles
+from starqa.models.prepared import INT4_GROUP, DecoderConfig
 
 
 def cpu_line() -> str:

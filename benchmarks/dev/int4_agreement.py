@@ -24,7 +24,7 @@ from starqa.phase2 import decode
 from starqa.native import ops as native
 from starqa.phase2.answerer import Answerer
 from starqa.launchers.query import question_ids
-from starqa.models.decoder import load_decoder
+from starqa.models.decoder_io import load_decoder
 from starqa.cache.manifest import read_manifest
 
 from decode_step import torch_layout  # benchmarks/dev/, beside this script

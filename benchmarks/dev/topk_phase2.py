@@ -20,7 +20,7 @@ from starqa.cli.options import TopKChoice, compared
 from starqa.measure import bench
 from starqa import engine, models
 from starqa.corpus import prompt
-from starqa.launchers.answer import checked_model
+from starqa.launchers.query import checked_model
 from starqa.cache.manifest import read_manifest
 
 

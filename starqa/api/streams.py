@@ -28,6 +28,7 @@ class Channel:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()  # ("piece" | "done" | "error", _)
         self.closed = threading.Event()
         self.ending = threading.Event()
+        self.cancelled = threading.Event()  # the reader cancelled (a kind of `ending`)
 
     def piece(self, text: str) -> None:
         self.queue.put(("piece", text))
@@ -39,16 +40,19 @@ class Channel:
 
 class ChannelUI(UI):
     """The engine's progress callbacks into a channel: each token a piece; a token once the
-    reader has left raises `Stopped`, which unwinds the engine's answer (a warm group's
-    connection closes, which cancels it there; a worker group is taken down)."""
+    reader has left or cancelled raises `Stopped`, which unwinds a cold answer (its worker
+    group is taken down). Once a stop string has appeared, a cold answer's pieces are
+    dropped and it runs to its end, which the reader cuts at the stop string; a warm group
+    is told to cancel at once (`stop_wanted`) and still sends its record."""
 
     def __init__(self, channel: Channel):
         self.channel = channel
 
     def token(self, text: str) -> None:
-        if self.channel.stop_wanted:
+        if self.channel.closed.is_set() or self.channel.cancelled.is_set():
             raise Stopped("The answer was stopped.")
-        self.channel.piece(text)
+        if not self.channel.ending.is_set():  # a stop string: the rest is cut from it
+            self.channel.piece(text)
 
     def stop_wanted(self) -> bool:
         return self.channel.stop_wanted
@@ -162,6 +166,7 @@ class Stream(Iterator[str]):
         answer completes with what came until then (`finish` "cancelled"; its record read
         to the end, sources and timings included). A cold answer cannot give its record
         early: it ends with `Stopped`. Safe from a signal handler (it sets a flag)."""
+        self._channel.cancelled.set()
         self._channel.ending.set()
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ Every context folder holds `manifest.json` beside its shards (see `starqa.cache.
     content_sha256, n_tokens, query_position,
     query_template  how `ask` tokenises a question without transformers (absent in older ones)
     blocks          one `Block` per shard: token range, file, size, sha256
-    files, skipped  the files packed (`SourceFile`: token span, line starts) and those left out
+    files, skipped  the files packed (`PackedFile`: token span, line starts) and those left out
     ingest          how the encoding ran (`IngestRun`)
     indexes         top-k attention's vector indexes (`IndexSet`; absent: none built)
     placement       a context made across machines without a shared file system: which
@@ -89,8 +89,9 @@ class Block:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SourceFile:
-    """A packed file: its tokens [token_start, token_end) and the token each line starts at."""
+class PackedFile:
+    """A file as the context holds it (read, it was a `corpus.TextFile`): its tokens
+    [token_start, token_end) and the token each line starts at."""
 
     path: str
     token_start: int
@@ -190,7 +191,7 @@ class Manifest:
     query_position: int
     query_template: dict | None = None
     blocks: tuple[Block, ...]
-    files: tuple[SourceFile, ...]
+    files: tuple[PackedFile, ...]
     skipped: tuple[Skipped, ...]
     ingest: IngestRun
     indexes: tuple[IndexSet, ...] = ()

@@ -142,7 +142,7 @@ def _eval(opts) -> None:
     """`starqa eval` with its options parsed: the plan on screen, the run with its progress
     (`kill` ends it as Ctrl-C does, and the JSON says so), the table and where the results
     are; an interrupted run exits 130."""
-    from starqa.cli import eval_report as report
+    import starqa.cli.eval_report as report
     from starqa.measure.evals import runner
 
     _fetch_model(opts.model)

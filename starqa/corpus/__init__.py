@@ -16,8 +16,8 @@ from starqa.corpus.git import BARE, NESTED, SUBMODULE
 from starqa.corpus.packing import content_hash, escape_body, header, line_of, pack, valid_text
 from starqa.corpus.selection import (CACHE, LOCK_FILES, NOT_UTF8_NAME, STARQAIGNORE, candidates,
     collect)
-from starqa.corpus.sources import OUTSIDE, Corpus, FileSpan, Skipped, SourceFile
+from starqa.corpus.sources import OUTSIDE, Corpus, FileSpan, Skipped, TextFile
 
 __all__ = ["BARE", "CACHE", "LOCK_FILES", "NESTED", "NOT_UTF8_NAME", "OUTSIDE", "STARQAIGNORE",
-           "SUBMODULE", "Corpus", "FileSpan", "Skipped", "SourceFile", "candidates", "collect",
+           "SUBMODULE", "Corpus", "FileSpan", "Skipped", "TextFile", "candidates", "collect",
            "content_hash", "escape_body", "header", "line_of", "pack", "valid_text"]

@@ -8,7 +8,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Sequence
 
-from starqa.corpus.sources import FileSpan, SourceFile
+from starqa.corpus.sources import FileSpan, TextFile
 
 
 _CLOSE = "\n</document>"
@@ -51,7 +51,7 @@ def escape_body(text: str) -> str:
     return _TAG.sub("&lt;", text)
 
 
-def pack(files: Sequence[SourceFile]) -> tuple[str, list[FileSpan]]:
+def pack(files: Sequence[TextFile]) -> tuple[str, list[FileSpan]]:
     """Join files as `<document path="...">` blocks separated by a blank line, with their spans."""
     blocks: list[str] = []
     spans: list[FileSpan] = []
@@ -75,7 +75,7 @@ def line_of(span: FileSpan, packed: str, char_offset: int) -> int:
     return min(packed.count("\n", span.text_start, offset) + 1, max(span.lines, 1))
 
 
-def content_hash(files: Iterable[SourceFile]) -> str:
+def content_hash(files: Iterable[TextFile]) -> str:
     """sha256 hex over every file's path and text, in order; length-prefixed so unambiguous."""
     h = hashlib.sha256(b"starqa-corpus-v1\0")
     for f in files:

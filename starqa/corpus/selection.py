@@ -19,7 +19,7 @@ import pathspec
 from starqa.core.errors import StarqaError
 import starqa.corpus.git as git
 from starqa.corpus.git import BARE
-from starqa.corpus.sources import OUTSIDE, Corpus, Skipped, SourceFile, leaves
+from starqa.corpus.sources import OUTSIDE, Corpus, Skipped, TextFile, leaves
 
 
 STARQAIGNORE = ".starqaignore"  # per-folder ignore file, gitignore syntax, top level only
@@ -180,7 +180,7 @@ def _human(n: int) -> str:
 
 
 def _read(path: Path, display: str, max_bytes: int,
-          committed: tuple[str, int] | None = None) -> SourceFile | str:
+          committed: tuple[str, int] | None = None) -> TextFile | str:
     """The file's text, or the reason it cannot be used. Oversized files are never read, and
     a file that grows while it is read is read only to the cap. `committed`: the file's blob
     id at HEAD and that commit's time, taken as its change time if its bytes are those."""
@@ -215,7 +215,7 @@ def _read(path: Path, display: str, max_bytes: int,
         blob, when = committed  # sha1 ids are 40 hex digits, sha256 ones 64
         if git.blob_id(data, "sha1" if len(blob) == 40 else "sha256") == blob:
             changed = when
-    return SourceFile(display, text, len(data), changed)
+    return TextFile(display, text, len(data), changed)
 
 
 def _labels(paths: list[Path]) -> list[str]:
@@ -343,7 +343,7 @@ def collect(paths: Sequence[str | Path], *, max_file_bytes: int = 1_000_000,
     labels = _labels(roots) if len(roots) > 1 else [""]
     inc, exc = _Globs(include), _Globs(exclude)
     cache = _cache_folder()
-    files: dict[str, SourceFile] = {}  # real path -> file
+    files: dict[str, TextFile] = {}  # real path -> file
     skipped: list[Skipped] = []
     left_out: list[str] = []  # found, but not matched by --include
     for root, label in zip(roots, labels):

@@ -1,4 +1,4 @@
-"""What a corpus is made of: the files chosen (`SourceFile`), those left out and why
+"""What a corpus is made of: the files chosen (`TextFile`), those left out and why
 (`Skipped`), the whole choice (`Corpus`) and each file's place in the packed text
 (`FileSpan`); and the rule git's walk and the plain walk share: a symlink that leaves the
 folder is not followed."""
@@ -11,7 +11,9 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
-class SourceFile:
+class TextFile:
+    """One file of the corpus as read (the context holds it as a `PackedFile`)."""
+
     path: str  # display path, forward slashes
     text: str  # UTF-8 text, LF line ends, no BOM
     size: int  # bytes on disk
@@ -30,7 +32,7 @@ class Skipped:
 @dataclass(frozen=True)
 class Corpus:
     roots: tuple[str, ...]
-    files: tuple[SourceFile, ...]  # sorted by path (`packorder` lays them out for packing)
+    files: tuple[TextFile, ...]  # sorted by path (`packorder` lays them out for packing)
     skipped: tuple[Skipped, ...]
 
 

@@ -1,8 +1,9 @@
-"""Phase 2's launcher, `starqa ask`: a cached context and a question → query tokens → an
-answer from a warm group (over its socket), from this process (a world of one, when model
-and shards fit in memory) or from a torchrun group. Every path answers through
-`starqa.phase2.answerer.Answerer`; what they share is in `starqa.launchers.answer`, and
-`serve` (a group kept warm for later questions) in `starqa.launchers.serve`.
+"""Phase 2's launcher, `starqa ask`: a cached context and a question → an `Answer` from its
+warm group (`starqa.workers.client.ask_warm`, the one warm-ask loop), or cold: the question
+made a `Query` (`starqa.launchers.query`) and answered in this process (a world of one, when
+model and shards fit in memory: `starqa.launchers.local`) or by a torchrun group. Every
+cold path answers through `starqa.phase2.answerer.Answerer`; `serve` (a group kept warm
+for later questions) is `starqa.launchers.serve`.
 """
 
 from __future__ import annotations

@@ -1,65 +1,18 @@
-"""The method registry: the Phase 1 methods starqa knows, by name, and their settings.
-
-The only place a method's name is spelled (tests/test_layout.py checks): everything that
-depends on the method asks its registry entry, `get(name).…` (see `Method` in base.py for
-what can be asked). Pure Python; the encoders import torch when they run.
+"""The Phase 1 methods starqa knows, by name, and their settings: `registry.py` names them
+(with each method's own module, the only places a method's name is spelled; tests/
+test_layout.py checks), `base.py` is the interface, `config.py` the settings every manifest
+records. Everything that depends on the method asks its registry entry, `get(name).…` (see
+`Method` in base.py for what can be asked).
 """
 
-from __future__ import annotations
-
-from starqa.core.errors import StarqaError
-from starqa.methods.apb import Apb
-from starqa.methods.base import Method
 from starqa.core.blocks import plan_blocks, plan_file_blocks, round_robin, split_contiguous
+from starqa.methods.base import Method
 from starqa.methods.config import (MAX_DEFAULT_BLOCK, MIN_BLOCK, OPTIONS, MethodConfig,
     check_block_size, check_sizes, default_block, given_settings)
-from starqa.methods.exact import Dense, Ring
-from starqa.methods.pulsar import Pulsar
-from starqa.methods.star import Star
+from starqa.methods.registry import (DEFAULT, METHODS, REFERENCE, REGISTRY, get, help_line,
+    method_config, owners)
 
 __all__ = ["MAX_DEFAULT_BLOCK", "MIN_BLOCK", "METHODS", "OPTIONS", "DEFAULT", "REFERENCE",
            "Method", "MethodConfig", "check_block_size", "get", "given_settings", "help_line",
            "method_config", "owners", "plan_blocks", "plan_file_blocks", "round_robin",
            "split_contiguous"]
-
-REGISTRY: dict[str, Method] = {m.name: m for m in (Star(), Dense(), Ring(), Pulsar(), Apb())}
-METHODS = tuple(REGISTRY)  # --method's choices
-DEFAULT = Star.name  # the paper's method: --method's default, and what bench compares with
-REFERENCE = Dense.name  # the exact reference: accuracy ceiling (eval's retention) and oracle
-
-
-def get(name: str) -> Method:
-    """The registry entry of method `name`; an unknown name is the user's error."""
-    if name not in REGISTRY:
-        raise StarqaError(f"Unknown method {name!r}.", hint=f"choose one of: {', '.join(METHODS)}")
-    return REGISTRY[name]
-
-
-def owners(setting: str) -> tuple[str, ...]:
-    """The methods a setting of `given_settings` applies to, in registry order."""
-    return tuple(m.name for m in REGISTRY.values() if setting in m.settings)
-
-
-def help_line() -> str:
-    """--method's help: every method with its line."""
-    return "; ".join(f"{m.name}{' (default)' * (m.name == DEFAULT)}: {m.help}"
-                     for m in REGISTRY.values()) + "."
-
-
-def method_config(name: str, n_tokens: int, block_size: int | None = None,
-                  anchor_size: int | None = None, params: dict | None = None) -> MethodConfig:
-    """Settings for `name` on a context of `n_tokens`, with the papers' defaults.
-
-    block = a quarter of the context (capped at 32K) unless given; the rest is the
-    method's own (`Method.config`). dense, ring: exact; blocks only split the cache into
-    shards (one file per block), and ring's workers each hold a contiguous group of them.
-    `params` holds the method-specific settings (`Method.settings`); None means not given.
-    A setting given for another method is an error.
-    """
-    method = get(name)
-    check_sizes(block_size, anchor_size)
-    for key in given_settings(anchor_size, params):
-        if name not in owners(key):
-            raise StarqaError(f"{OPTIONS.get(key, key)} only applies to --method "
-                              f"{' or '.join(owners(key))}.")
-    return method.config(block_size or default_block(n_tokens), anchor_size, params or {})

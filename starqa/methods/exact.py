@@ -20,7 +20,7 @@ class Dense(Method):
     needs_past = True
 
     def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
-        from starqa.phase1 import encode_dense
+        from starqa.phase1.dense import encode_dense
 
         return encode_dense(model, ids, blocks)
 
@@ -31,7 +31,7 @@ class Dense(Method):
                     past=None) -> Encoded:
         """Blocks todo[0].. after the stored KV of the earlier ones: the same computation,
         block by block, as a full encoding, so the same bits (tested)."""
-        from starqa.phase1 import encode_dense
+        from starqa.phase1.dense import encode_dense
 
         return encode_dense(model, ids, blocks, first=todo[0] if todo else len(blocks),
                             past=past)

@@ -1,4 +1,4 @@
-"""Star Attention's registry entry (the math: starqa.phase1.encode_star; docs/methods.md §2)."""
+"""Star Attention's registry entry (the math: starqa.phase1.star; docs/methods.md §2)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class Star(Method):
                             block_size if anchor_size is None else anchor_size)
 
     def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
-        from starqa.phase1 import encode_star
+        from starqa.phase1.star import encode_star
 
         return encode_star(model, ids, blocks, indices, config.anchor_size)
 

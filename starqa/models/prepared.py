@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starqa.core.errors import StarqaError
-from starqa.models import EMBEDDED, weights_digest
+from starqa.models.embedded import EMBEDDED
+from starqa.models.identity import weights_digest
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 INT4_GROUP = 32  # the GGUF Q4 block: re-quantising a Q4_1/Q4_K tensor in groups of 32 keeps it

@@ -22,7 +22,7 @@ from starqa.phase2 import sources
 from starqa.phase2.shard_attention import ShardAttention
 from starqa.phase2.shard_view import Shard
 from starqa.topk.indexes import TopK
-from starqa.cache.manifest import Manifest, SourceFile
+from starqa.cache.manifest import Manifest, PackedFile
 from starqa.cache.shards import load_shard
 
 if TYPE_CHECKING:  # annotations only: top-k is loaded where it is asked for
@@ -39,7 +39,7 @@ class RankShare:
 
     shard: Shard | None
     query_position: int
-    files: Sequence[SourceFile] = ()
+    files: Sequence[PackedFile] = ()
     token_start: int = 0
     blocks: Sequence[int] = ()
     ids: torch.Tensor | None = None
@@ -70,7 +70,7 @@ class Answerer:
                    weights: str = "dense", topk: TopK | None = None) -> Answerer:
         """Load the model and this rank's share of the context's blocks (checksums verified);
         with `topk`, for top-k attention (starqa.topk.retrieval) instead of exact."""
-        from starqa.models.decoder import load_decoder
+        from starqa.models.decoder_io import load_decoder
 
         # contiguous per machine, then per rank: what each machine keeps (starqa.cache.hosts)
         blocks = list(dist.split_by_host(len(manifest.blocks), info))

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from starqa.attention.copymass import matched_mass
-from starqa.cache.manifest import SourceFile
+from starqa.cache.manifest import PackedFile
 from starqa.phase2.shard_view import ShardView
 
 # key_mass holds every layer's keys (fp32) of this much of its candidates at a time: below
@@ -130,7 +130,7 @@ def key_mass(view: ShardView, ids: torch.Tensor | None, rows: AnswerRows,
     return mass / (steps * layers * kv_heads * groups)
 
 
-def line_mass(files: Sequence[SourceFile], token_start: int,
+def line_mass(files: Sequence[PackedFile], token_start: int,
               mass: torch.Tensor) -> dict[str, dict[int, float]]:
     """Mass per (file, 1-based line) for keys at positions token_start .. token_start+len(mass).
     Tokens of a document's header count towards its first line."""

@@ -6,7 +6,7 @@ the anchor, so an edit there re-encodes the whole context (and for the prefix me
 edit re-encodes every block after it). So the files that change least go first:
 
 - A first ingest lays the files out oldest first, by when each last changed
-  (`corpus.SourceFile.changed`: the last commit that touched it in a git work tree, else
+  (`corpus.TextFile.changed`: the last commit that touched it in a git work tree, else
   its mtime), ties by path. Release metadata (changelogs, PKG-INFO, version files) and the
   files someone works on now end up last.
 - A re-ingest keeps the previous version's order for every file still there, and puts new
@@ -24,16 +24,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from starqa.corpus import SourceFile
+from starqa.corpus import TextFile
 from starqa.cache.manifest import Manifest
 
 
-def by_age(files: Sequence[SourceFile]) -> tuple[SourceFile, ...]:
+def by_age(files: Sequence[TextFile]) -> tuple[TextFile, ...]:
     """Oldest change first, ties by path."""
     return tuple(sorted(files, key=lambda f: (f.changed, f.path)))
 
 
-def keeping(files: Sequence[SourceFile], previous: Sequence[str]) -> tuple[SourceFile, ...]:
+def keeping(files: Sequence[TextFile], previous: Sequence[str]) -> tuple[TextFile, ...]:
     """The files still in `previous` (paths in context order) in that order, then the new
     ones oldest first."""
     rank = {path: i for i, path in enumerate(previous)}
@@ -61,7 +61,7 @@ def head_kept(previous: Manifest, ids: Sequence[int]) -> bool:
     return list(ids[:head]) == old[:head]
 
 
-def as_packed(files: Sequence[SourceFile], manifest: Manifest) -> tuple[SourceFile, ...]:
+def as_packed(files: Sequence[TextFile], manifest: Manifest) -> tuple[TextFile, ...]:
     """`files` (e.g. `corpus.collect`'s, sorted by path) in the order `manifest` packed them:
     a reference prompt rebuilt outside `ingest` (tests, benchmarks) is then the very one."""
     by_path = {f.path: f for f in files}

@@ -22,7 +22,7 @@ import torch
 def inv_freq(model_path: Path) -> torch.Tensor | None:
     """The model's RoPE frequencies [D/2] in fp32, as transformers computes them; None for
     a model whose RoPE is not plain (its blocks are encoded again, never re-rotated)."""
-    from starqa.models.decoder import DecoderConfig
+    from starqa.models.prepared import DecoderConfig
     from starqa.core.errors import StarqaError
 
     try:

@@ -83,7 +83,7 @@ def _with_prepared_weights(result: IngestResult, opts: IngestOptions, source: Pr
         return result
     import torch
 
-    from starqa.models.decoder import prepare_weights
+    from starqa.models.decoder_io import prepare_weights
 
     begun = time.perf_counter()
     message = (f"Preparing {weights} weights for the first question (once per model; "
@@ -264,7 +264,7 @@ def ingest_tokens(ids: list[int], root: Path, opts: TokenIngestOptions = TokenIn
     # are attributed (and `bench` measures what that costs) as for ingested files.
     n = len(ids)
     lines = list(range(0, n, BENCH_LINE))
-    whole = corpus_mod.SourceFile(name, "", 0)
+    whole = corpus_mod.TextFile(name, "", 0)
     source = Prepared(key, prompt.ContextTokens(list(ids), [(0, n)], [lines]),
                     corpus_mod.Corpus((), (whole,), ()),
                     [corpus_mod.FileSpan(name, 0, 0, 0, len(lines))], identity, dtype, config,

@@ -16,7 +16,7 @@ from typing import Any
 
 from starqa import methods
 from starqa.cache import blockstore, shards, store
-from starqa.cache.manifest import (IngestRun, Manifest, Placement, Skipped, SourceFile,
+from starqa.cache.manifest import (IngestRun, Manifest, Placement, Skipped, PackedFile,
     block_file, read_manifest)
 from starqa.core import tensorfile
 from starqa.core.errors import StarqaError
@@ -277,7 +277,7 @@ def _manifest(plan: Phase1Plan, hashed, built: tuple, placed: Placed | None,
         content_sha256=source.content, n_tokens=len(ids),
         query_position=query_position(ids, source.method, plan.blocks, plan.prepared),
         query_template=source.query_template, blocks=hashed,
-        files=tuple(SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
+        files=tuple(PackedFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
                                bytes=f.size, line_tokens=tuple(lines),
                                sha256=reuse.file_sha(f.text))
                     for sp, (a, b), lines, f in zip(source.spans, tokens.file_tokens,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from starqa.cache import manifest
 from starqa.corpus import prompt
-from starqa.corpus import SourceFile, pack
+from starqa.corpus import TextFile, pack
 from starqa.core.errors import StarqaError
 from starqa.measure.evals import prose, repo_qa, words
 
@@ -58,7 +58,7 @@ class Sample:
     query_ids: list[int] = field(repr=False)
     meta: dict = field(default_factory=dict)  # depths, keys, the gold file, ...
     # The documents as a manifest lists them: what source attribution maps key mass through.
-    files: list[manifest.SourceFile] = field(default_factory=list, repr=False)
+    files: list[manifest.PackedFile] = field(default_factory=list, repr=False)
     # Edit tasks (`eval --edit`): the haystack as first ingested, before one file changed
     # into the documents above, tokenised and listed the same way; None for other tasks.
     before: Sample | None = field(default=None, repr=False)
@@ -73,14 +73,14 @@ class Sample:
 class _Draft:
     """A task's sample with `n` haystack units, before tokenisation."""
 
-    files: list[SourceFile]
+    files: list[TextFile]
     question: str
     answers: list[str]
     meta: dict
     # Exact occurrences (case-insensitive) of each answer in the documents; None: at least
     # one answer occurs (alternatives, qa).
     counts: dict[str, int] | None
-    before: list[SourceFile] | None = None  # edit tasks: the documents before the edit
+    before: list[TextFile] | None = None  # edit tasks: the documents before the edit
     # The question the fit budgets for, when not `question`: a one-context task's longest,
     # so every sample of a seed and length gets the same context whatever it asks.
     fit_question: str | None = None
@@ -175,9 +175,9 @@ def _pieces(text: str) -> list[str]:
     return [p for line in re.split(r"(?<=\n)", text) for p in re.split(r"(?<=\. )", line) if p]
 
 
-def _document(path: str, units: list[Unit]) -> list[SourceFile]:
+def _document(path: str, units: list[Unit]) -> list[TextFile]:
     text = _join(units)
-    return [SourceFile(path, text, len(text.encode()))]
+    return [TextFile(path, text, len(text.encode()))]
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def _niah_files(haystack: str) -> Builder:
                 if i == gold:
                     part = _insert(part, [(depth, ("\n", needle))])
                 text = _join(part)
-                files.append(SourceFile(name.format(i + 1), text, len(text.encode())))
+                files.append(TextFile(name.format(i + 1), text, len(text.encode())))
                 if i == gold:
                     source = {"file": files[-1].path, "line": _line_of(text, needle)}
             meta = {"haystack": haystack, "files": n_files,
@@ -343,7 +343,7 @@ def _edited_files(needle_in: str, inserted: int = 4) -> Builder:
                 path = f"notes/notes_{i + 1:02d}.md"
                 for out, units_ in ((files, new), (before, old)):
                     text = _join(units_)
-                    out.append(SourceFile(path, text, len(text.encode())))
+                    out.append(TextFile(path, text, len(text.encode())))
                 if i == gold:
                     source = {"file": path, "line": _line_of(files[-1].text, _needle(
                         "numbers", key, value))}
@@ -430,7 +430,7 @@ def _common_words(n_common: int = 10) -> Builder:
             items = common * often + rare.take(n)
             random.Random(shuffle_seed).shuffle(items)
             text = "\n".join(f"{i}. {w}" for i, w in enumerate(items, 1))
-            return _Draft([SourceFile("words.txt", text, len(text))], question, list(common),
+            return _Draft([TextFile("words.txt", text, len(text))], question, list(common),
                           {"often": often, "rare_max": math.ceil(n / len(rest))},
                           {w: often for w in common})
 
@@ -462,7 +462,7 @@ def _frequent_words(vocab: int = 100, alpha: float = 2.0, top: int = 3) -> Build
             random.Random(shuffle_seed).shuffle(items)
             lines = [" ".join(items[i:i + 12]) for i in range(0, len(items), 12)]
             text = "\n".join(lines)
-            return _Draft([SourceFile("coded_text.txt", text, len(text))], question,
+            return _Draft([TextFile("coded_text.txt", text, len(text))], question,
                           vocabulary[:top], {"counts": counts[:top + 1]},
                           dict(zip(vocabulary[:top], counts[:top])))
 
@@ -476,7 +476,7 @@ def _frequent_words(vocab: int = 100, alpha: float = 2.0, top: int = 3) -> Build
 
 
 @lru_cache(maxsize=4)
-def _samples(folder: Path) -> tuple[tuple[dict, ...], tuple[SourceFile, ...]]:
+def _samples(folder: Path) -> tuple[tuple[dict, ...], tuple[TextFile, ...]]:
     """The questions with their answers, and every document under `folder` (but the
     questions file itself), sorted by path."""
     questions_file = folder / "questions.jsonl"
@@ -491,7 +491,7 @@ def _samples(folder: Path) -> tuple[tuple[dict, ...], tuple[SourceFile, ...]]:
         if path.is_file() and path != questions_file and not any(
                 part.startswith(".") for part in path.relative_to(folder).parts):
             text = path.read_text()
-            docs.append(SourceFile(rel, text, len(text.encode())))
+            docs.append(TextFile(rel, text, len(text.encode())))
     return questions, tuple(docs)
 
 
@@ -524,11 +524,11 @@ def _qa(rng: random.Random, length: int):
     stream = _Stream(distractors())
 
     def draft(n: int) -> _Draft:
-        files: list[SourceFile] = []
+        files: list[TextFile] = []
         texts: dict[str, list[str]] = {}
         for path, piece in stream.take(n):
             texts.setdefault(path, []).append(piece)
-        files = [SourceFile(p, "".join(t).rstrip(), len("".join(t).encode()))
+        files = [TextFile(p, "".join(t).rstrip(), len("".join(t).encode()))
                  for p, t in texts.items()]
         files.insert(round(depth * len(files)), gold)
         return _Draft(files, asked["question"], list(asked["answers"]),
@@ -564,7 +564,7 @@ def _repo_qa(length: int, context_rng: random.Random, index: int):
         texts: dict[str, list[str]] = {}
         for path, line in lines[:n]:
             texts.setdefault(path, []).append(line)
-        taken = [SourceFile(p, "".join(t), len("".join(t).encode())) for p, t in texts.items()]
+        taken = [TextFile(p, "".join(t), len("".join(t).encode())) for p, t in texts.items()]
         files = sorted([gold, *(f for f in taken if f.text.strip())], key=lambda f: f.path)
         last = lines[n - 1][0] if n else None  # cut when its next line is left out
         cut = last if n < len(lines) and lines[n][0] == last and last in texts else None
@@ -673,12 +673,12 @@ def generate(task: str, length: int, seed: int, tokenizer, index: int = 0) -> Sa
                   spec.match, spec.max_new_tokens, context_ids, query_ids, meta, files, before)
 
 
-def _laid_out(documents: list[SourceFile], tokenizer
-              ) -> tuple[str, list[int], list[manifest.SourceFile]]:
+def _laid_out(documents: list[TextFile], tokenizer
+              ) -> tuple[str, list[int], list[manifest.PackedFile]]:
     """Documents packed and tokenised as `ingest` lays them out, with their manifest list."""
     context_text, spans = pack(documents)
     laid = prompt.tokenize_context(tokenizer, context_text, spans)
-    files = [manifest.SourceFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
+    files = [manifest.PackedFile(path=sp.path, token_start=a, token_end=b, lines=sp.lines,
                                  bytes=f.size, line_tokens=tuple(lines))
              for sp, (a, b), lines, f in zip(spans, laid.file_tokens, laid.line_tokens,
                                              documents)]

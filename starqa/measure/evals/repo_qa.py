@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from starqa.corpus import SourceFile, collect, content_hash
+from starqa.corpus import TextFile, collect, content_hash
 from starqa.core.errors import StarqaError
 
 PACKAGE_VARIABLE = "STARQA_EVAL_PACKAGE"
@@ -71,11 +71,11 @@ class Package:
     name: str
     version: str | None  # its distribution's, where one is installed under that name
     folder: str
-    files: tuple[SourceFile, ...]  # its .py files, sorted by path
+    files: tuple[TextFile, ...]  # its .py files, sorted by path
     questions: tuple[Fact, ...]
     digest: str  # corpus.content_hash of `files`: which source the questions are about
 
-    def file(self, path: str) -> SourceFile:
+    def file(self, path: str) -> TextFile:
         return next(f for f in self.files if f.path == path)
 
     @property
@@ -127,7 +127,7 @@ def load(spec: str) -> Package:
     corpus = collect([folder], include=["*.py"])
     # Change times dropped: installed copies differ in them, and the sample lays the files
     # out in path order (how `packorder` orders files of one age).
-    files = tuple(SourceFile(f.path, f.text, f.size) for f in corpus.files)
+    files = tuple(TextFile(f.path, f.text, f.size) for f in corpus.files)
     questions = derive(files)
     if not questions:
         raise StarqaError(f"repo_qa found no question with one exact answer in {name}'s "
@@ -207,7 +207,7 @@ class _Index:
         return cls(bound, defs, frozenset(classes), frozenset(raised))
 
 
-def derive(files: Sequence[SourceFile]) -> tuple[Fact, ...]:
+def derive(files: Sequence[TextFile]) -> tuple[Fact, ...]:
     """Every question about `files` (a package's .py files) with one exact answer, by kind,
     then file (a stable order); a file Python cannot parse asks nothing."""
     trees = {}

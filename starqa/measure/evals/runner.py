@@ -211,7 +211,7 @@ class Evaluator:
         from starqa.runtime import dist
         from starqa.phase1 import hooks
         from starqa import models
-        from starqa.models.decoder import load_decoder
+        from starqa.models.decoder_io import load_decoder
 
         self.device = torch.device(plan.device)
         self.dtype = getattr(torch, plan.dtype)
