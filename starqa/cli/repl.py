@@ -31,14 +31,14 @@ class Repl:
     """`starqa chat`'s loop: what is typed, asked of an `api.Chat`, its answers drawn."""
 
     def __init__(self, context: str | None, workers: int | None, keepalive: float,
-                 max_new_tokens: int, topk: api.TopK | None = None):
+                 max_new_tokens: int, attention: api.TopK | None = None):
         from starqa.cli.ui import RichUI, err
 
         self.console = err
         self.ui = RichUI(stream=False)  # the spinners of a group starting (never entered)
         # keep-alive 0: no group outlives the chat; the one it starts is stopped with it
         self.options = dict(max_new_tokens=max_new_tokens, workers=workers,
-                            keepalive=keepalive, attention=topk)
+                            keepalive=keepalive, attention=attention)
         self.chat: api.Chat | None = None  # the conversation, once connected
         self.last: api.Answer | None = None
         self.failed = False  # a question or command failed: a script's chat exits 1
