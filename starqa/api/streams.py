@@ -41,9 +41,10 @@ class Channel:
 class ChannelUI(UI):
     """The engine's progress callbacks into a channel: each token a piece; a token once the
     reader has left or cancelled raises `Stopped`, which unwinds a cold answer (its worker
-    group is taken down). Once a stop string has appeared, a cold answer's pieces are
-    dropped and it runs to its end, which the reader cuts at the stop string; a warm group
-    is told to cancel at once (`stop_wanted`) and still sends its record."""
+    group is taken down). Once a stop string has appeared (`stop_wanted`), a warm group is
+    told to cancel and still sends its record, a cold answer in this process ends at its
+    next token, and one on a worker group runs to its end with its pieces dropped: the
+    reader cuts the record's text at the stop string."""
 
     def __init__(self, channel: Channel):
         self.channel = channel

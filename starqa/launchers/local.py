@@ -59,8 +59,9 @@ class LocalAnswerer:
                                  time.perf_counter()))
 
     def answer(self, query: Query, ui: UI = UI(), loaded: float | None = None) -> Answer:
-        """Answer `query`, streaming its text to `ui`. `loaded`: when the model and
-        shards were ready (the prefill counts from then; default: now)."""
+        """Answer `query`, streaming its text to `ui`, until it ends or `ui.stop_wanted()`
+        (a stop string appeared). `loaded`: when the model and shards were ready (the prefill
+        counts from then; default: now)."""
         from starqa.workers.worker import own_peak_rss
 
         stream = prompt.TextStream(query.tokenizer)
@@ -73,7 +74,7 @@ class LocalAnswerer:
 
         loaded = time.perf_counter() if loaded is None else loaded
         tokens, top = self.answerer.answer(query.query_ids, query.max_new_tokens,
-                                           set(query.stops), on_token)
+                                           set(query.stops), on_token, ui.stop_wanted)
         end = time.perf_counter()
         store.touch(query.manifest)
         if piece := stream.finish():
