@@ -37,7 +37,7 @@ def test_ring_in_one_process_runs_ring_and_equals_dense(model, monkeypatch):
     dense = list(phase1.encode_dense(model, IDS, blocks))
     hooks_made = []
     monkeypatch.setattr(ring, "_RingHook", lambda *a: hooks_made.append(1) or _RingHook(*a))
-    monkeypatch.setattr(phase1, "encode_dense", None)  # ring must not fall back to dense
+    monkeypatch.setattr(phase1.dense, "encode_dense", None)  # ring must not fall back to dense
     config = method_config("ring", len(IDS), block_size=30)
     got = list(methods.get("ring").encode_local(model, IDS, config, blocks))
     assert hooks_made == [1]  # one forward over the whole chunk
