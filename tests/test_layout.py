@@ -51,16 +51,35 @@ def test_init_files_only_re_export():
     job."""
     offenders = []
     for file in sorted(PACKAGE.rglob("__init__.py")):
+        names = [["__all__"]] + ([["__version__"]] if file.parent == PACKAGE else [])
         body = ast.parse(file.read_text()).body
         for node in body[1:] if body and isinstance(body[0], ast.Expr) else body:
             kept = isinstance(node, (ast.Import, ast.ImportFrom)) or (
-                isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets]
-                in (["__all__"], ["__version__"]))
+                isinstance(node, ast.Assign)
+                and [getattr(t, "id", None) for t in node.targets] in names)
             if not kept:
                 offenders.append(f"{file.relative_to(PACKAGE)}:{node.lineno}")
     assert len(list(PACKAGE.rglob("__init__.py"))) > 15  # the walk found the packages
     assert not offenders, "code in __init__.py (move it to a module named by its job):\n" + \
         "\n".join(offenders)
+
+
+def test_init_files_export_what_they_import():
+    """What an `__init__.py` imports by name it re-exports: `__all__` lists exactly those
+    names (an import for its effect, `import starqa.core.hugepages`, binds none)."""
+    wrong = []
+    for file in sorted(PACKAGE.rglob("__init__.py")):
+        body = ast.parse(file.read_text()).body
+        imported = {a.asname or a.name for node in body if isinstance(node, ast.ImportFrom)
+                    for a in node.names} - {"annotations"}
+        listed = {name for node in body if isinstance(node, ast.Assign)
+                  and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+                  for name in ast.literal_eval(node.value)}
+        if imported != listed:
+            wrong.append(f"{file.relative_to(PACKAGE)}: imported, not in __all__: "
+                         f"{sorted(imported - listed)}; in __all__, not imported: "
+                         f"{sorted(listed - imported)}")
+    assert not wrong, "__all__ against the imports:\n" + "\n".join(wrong)
 
 
 def test_only_the_display_modules_draw():

@@ -12,7 +12,7 @@ from starqa.methods.config import (MAX_DEFAULT_BLOCK, MIN_BLOCK, OPTIONS, Method
 from starqa.methods.registry import (DEFAULT, METHODS, REFERENCE, REGISTRY, get, help_line,
     method_config, owners)
 
-__all__ = ["MAX_DEFAULT_BLOCK", "MIN_BLOCK", "METHODS", "OPTIONS", "DEFAULT", "REFERENCE",
-           "Method", "MethodConfig", "check_block_size", "get", "given_settings", "help_line",
-           "method_config", "owners", "plan_blocks", "plan_file_blocks", "round_robin",
-           "split_contiguous"]
+__all__ = ["DEFAULT", "MAX_DEFAULT_BLOCK", "METHODS", "MIN_BLOCK", "OPTIONS", "REFERENCE",
+           "REGISTRY", "Method", "MethodConfig", "check_block_size", "check_sizes",
+           "default_block", "get", "given_settings", "help_line", "method_config", "owners",
+           "plan_blocks", "plan_file_blocks", "round_robin", "split_contiguous"]
