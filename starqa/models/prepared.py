@@ -1,7 +1,7 @@
 """The model as Phase 2 runs it, without torch: its shape (`DecoderConfig`), the prepared
 weights file beside it (name and stamp) and which kernel multiplies how many rows.
 
-starqa.models.decoder builds and loads the prepared file with torch; starqa.coldstart.firsttoken
+starqa.models.decoder_io builds and loads the prepared file with torch; starqa.coldstart.firsttoken
 maps it with numpy, before torch is imported. Both read these, so they agree on what a file holds.
 """
 

@@ -297,19 +297,19 @@ def simd_paths() -> SimdPaths | None:
 @functools.cache
 def int4_path() -> int:
     """Which fast path `starqa_int4_mm` runs here: 2 AVX-512 VNNI, 1 AVX2, 0 none (not
-    built, or neither: starqa.models.decoder then keeps int4 weights in torch's packed format)."""
+    built, or neither: starqa.models.linear then keeps int4 weights in torch's packed format)."""
     found = library()
     return 0 if found is None else int(found.starqa_int4_fast())
 
 
 def int4_fast() -> bool:
-    """Whether `starqa_int4_mm` runs a fast path here (`int4_path`), so starqa.models.decoder
+    """Whether `starqa_int4_mm` runs a fast path here (`int4_path`), so starqa.models.linear
     keeps int4 weights in its tiles."""
     return int4_path() > 0
 
 
 def int8_gemm_fast() -> bool:
-    """Whether torch's int8 GEMM (`torch._int_mm`, the W8A8 prefill of starqa.models.decoder)
+    """Whether torch's int8 GEMM (`torch._int_mm`, the W8A8 prefill of starqa.models.linear)
     runs a fast kernel here: where the CPU has AVX-512 VNNI. Without it torch 2.13 runs a
     plain loop, ~20x slower than the int4 tiles' AVX2 path (2-core Zen 3, 22 rows times
     17920x1536: 199 ms against 10.5), so prefills stay on the tiles."""

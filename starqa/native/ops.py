@@ -5,7 +5,7 @@ layer's steps on either side of its attention; starqa/native/_step.c: every laye
 forward), built by `pip install` where a C compiler is found and bound through ctypes by
 starqa.native.kernels, whose mirrors of _kernels.h's structs carry each call's arguments.
 Without them, `available()` is False and starqa.attention, starqa.topk and
-starqa.models.decoder fall back to torch's and numpy's code."""
+starqa.models (linear, decoder) fall back to torch's and numpy's code."""
 
 from __future__ import annotations
 
