@@ -69,6 +69,9 @@ def run() -> None:
 
 
 def main() -> None:
+    """Runs the command line: its exit code, Ctrl-C and SIGTERM as 130, a `StarqaError` or a
+    full or read-only disk as a message and a hint (a JSON object too under --json),
+    anything else as an unexpected error."""
     from starqa.core.errors import StarqaError, disk_full
 
     as_json = wants_json(sys.argv[1:])

@@ -54,6 +54,8 @@ LINEARS = ("qkv", "out", "gate_up", "down")
 
 @dataclass
 class Layer:
+    """One decoder layer's weights: RMSNorm scales, q/k/v fused, out, gate/up fused, down."""
+
     attn_norm: torch.Tensor
     qkv: Linear
     out: Linear

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 
 def load_tokenizer(path: Path) -> Any:
+    """transformers' AutoTokenizer for the model folder `path` (its warnings quiet)."""
     from transformers import AutoTokenizer
 
     with _quiet_transformers():
@@ -58,6 +59,8 @@ def stop_ids(tokenizer, model_path: Path) -> set[int]:
 
 
 def json_field(path: Path, field: str) -> Any:
+    """`field` of the JSON object in `path`; None where the file is missing, not JSON or
+    not an object."""
     try:
         return json.loads(Path(path).read_text()).get(field)
     except (OSError, ValueError, AttributeError):
@@ -77,6 +80,9 @@ def load_fast_tokenizer(path: Path) -> Any:
 
 
 class FastTokenizer:
+    """A plain `tokenizers.Tokenizer` with the calls starqa makes of transformers' (encode
+    without special tokens, decode, token_to_id)."""
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
@@ -91,6 +97,8 @@ class FastTokenizer:
 
 
 def context_window(config: Any) -> int:
+    """The window a model was trained for (`max_position_embeddings` of its text config);
+    a config without one is an error."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(text_config, "max_position_embeddings", None)
     if not isinstance(window, int):
