@@ -29,7 +29,14 @@ def test_registry_lists_every_method_once():
 
 def test_settings_belong_to_their_methods():
     assert methods.owners("anchor") == ("star", "apb")
-    assert methods.owners("sink") == methods.owners("positions") == ("pulsar",)
+    assert methods.owners("sink") == ("pulsar",)
+    assert methods.owners("positions") == ("star", "pulsar")
+    # star records contiguous positions only: sparse contexts keep the keys they had
+    assert method_config("star", 100, params={"positions": "sparse"}).params == {}
+    assert method_config("star", 100, params={"positions": "contiguous"}).params == {
+        "positions": "contiguous"}
+    with pytest.raises(StarqaError, match="Unknown --positions 'middle' for star"):
+        method_config("star", 100, params={"positions": "middle"})
     assert methods.owners("passing") == methods.owners("question") == ("apb",)
     assert methods.owners("nothing") == ()
     with pytest.raises(StarqaError, match="--probe-window only applies to --method apb"):

@@ -43,19 +43,24 @@ def test_ingest_keeps_room_for_a_question_and_an_answer(home, tiny_model, tmp_pa
     assert n > 2048  # so that the reserve is the full 512, not a quarter of the window
     model = make_tiny_model(tmp_path / "w", window=n + 100)  # fits alone, not with 512 more
     monkeypatch.setattr(flow, "run_phase1", lambda *a, **k: (_ for _ in ()).throw(Encoded()))
-    opts = engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32")
+    # dense keeps every position (star would move its blocks within the window: test_planner)
+    opts = engine.IngestOptions(paths=(str(docs),), model=str(model), dtype="fp32",
+                                method="dense")
     with pytest.raises(StarqaError) as error:
         engine.ingest(opts)
     assert f"{n:,} tokens + 512 reserved for a question and an answer = {n + 512:,} tokens > " \
-           f"{n + 100:,} the model was trained on" in str(error.value)
+           f"{n + 100:,} the model was trained on, and --method dense places positions past " \
+           "it" in str(error.value)
     hint = error.value.hint
     assert "--reserve 100 or lower" in hint and "--beyond-window" in hint
+    assert hint.startswith("leave --method dense out")
     assert "--model qwen2.5-coder-1.5b: 32,768 tokens" in hint
     assert hint.count("use a model with a longer window") == 1  # one fix, every such model
 
     with pytest.raises(Encoded):  # a smaller reserve lets it through, from the option ...
         engine.ingest(replace(opts, reserve=100))
-    result = runner.invoke(app, ["ingest", str(docs), "--model", str(model)],  # ... or the env
+    result = runner.invoke(app, ["ingest", str(docs), "--model", str(model),  # ... or the env
+                                 "--method", "dense"],
                            env={"STARQA_RESERVE": "64"})
     assert isinstance(result.exception, Encoded), result.output
 

@@ -6,6 +6,8 @@ Every context folder holds `manifest.json` beside its shards (see `starqa.cache.
     model           the model's identity (`ModelIdentity`: path, spec, window, fingerprint)
     reserve         tokens `ingest` kept free to ask (absent in older manifests)
     dtype, method   the cache's dtype and the method's settings (`methods.MethodConfig`)
+    kv              the KV's precision (`KV_KINDS`): "float", in `dtype` (absent in older
+                    manifests: the same), or "int8", rows with fp32 scales (`cache.shards`)
     content_sha256, n_tokens, query_position,
     query_template  how `ask` tokenises a question without transformers (absent in older ones)
     blocks          one `Block` per shard: token range, file, size, sha256
@@ -42,6 +44,18 @@ MANIFEST = "manifest.json"
 FORMAT = 4  # 2: files carry line_tokens (sources); 3: query_position; 4: blocks hold token ids
 
 _NOT_JSON = {"json": False}  # field metadata: not written to (or read from) the file
+
+
+# A cache's KV precision: "float", in the cache's dtype; "int8", each row of D keys or values
+# int8 with an fp32 scale (starqa.attention.kvint8): about half the bytes
+KV_KINDS = ("float", "int8")
+
+
+def kv_tag(dtype: str, kv: str) -> str:
+    """What cache keys and block addresses hash for a cache's dtype and KV precision: the
+    dtype alone for float KV (the keys of every context made before int8 KV), else
+    "dtype+kv", so blocks of two precisions never share a name."""
+    return dtype if kv == "float" else f"{dtype}+{kv}"
 
 
 def block_file(index: int) -> str:
@@ -185,6 +199,7 @@ class Manifest:
     model: ModelIdentity
     reserve: int | None = None
     dtype: str
+    kv: str = "float"
     method: MethodConfig
     content_sha256: str
     n_tokens: int
@@ -204,10 +219,11 @@ class Manifest:
 
     @property
     def past_window(self) -> bool:
-        """Built with `--beyond-window`: the context leaves less than its reserve (older
-        manifests: not one token) of the model's window for a question and an answer, so
-        only `ask --beyond-window` answers from it."""
-        return self.n_tokens + max(self.reserve or 0, 1) > self.model.window
+        """Built with `--beyond-window`: the question's positions start where they leave less
+        than the reserve (older manifests: not one token) of the model's window for a
+        question and an answer, so only `ask --beyond-window` answers from it. (A context
+        encoded at contiguous positions may hold many windows of tokens, and not be past.)"""
+        return self.query_position + max(self.reserve or 0, 1) > self.model.window
 
     @property
     def local_blocks(self) -> tuple[int, ...]:
@@ -226,9 +242,15 @@ class Manifest:
         """The manifest as `manifest.json` holds it (without its folder)."""
         data = {"format": FORMAT, **_to_json(self)}
         for key in self.absent | {"placement"}:  # placement: only where there is one
-            if data.get(key) is None:
+            if data.get(key) is None or data[key] == _default_json(key):
                 data.pop(key, None)
         return data
+
+
+def _default_json(name: str) -> Any:
+    """A Manifest field's default as JSON (MISSING where it has none)."""
+    found = next(f for f in fields(Manifest) if f.name == name)
+    return MISSING if found.default is MISSING else _to_json(found.default)
 
 
 # ---------------------------------------------------------------------------------------
@@ -361,6 +383,8 @@ def _check_numbers(manifest: Manifest) -> None:
         if not 0 <= file.token_start <= file.token_end <= n or any(
                 not file.token_start <= t <= file.token_end for t in file.line_tokens):
             raise _Damage(f"files[{i}] ({file.path!r}) lies outside tokens 0-{n}")
+    if manifest.kv not in KV_KINDS:
+        raise _Damage(f"its kv {manifest.kv!r} is not one of {', '.join(KV_KINDS)}")
     if (manifest.reserve or 0) < 0 or manifest.model.window < 1:
         raise _Damage(f"its reserve {manifest.reserve} or window {manifest.model.window} "
                       "is impossible")

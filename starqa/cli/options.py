@@ -122,7 +122,10 @@ SummaryBudget = Annotated[Optional[float], typer.Option(
 ChunkSize = Annotated[Optional[int], typer.Option(
     envvar="STARQA_CHUNK_SIZE", help="pulsar: tokens per scored chunk (default 32).")]
 Positions = Annotated[Optional[str], typer.Option(
-    envvar="STARQA_POSITIONS", help="pulsar: sparse (default: original positions) or contiguous.")]
+    envvar="STARQA_POSITIONS",
+    help="star, pulsar: sparse (original positions; star's default within the window) or "
+         "contiguous (each block's positions right after its anchor or sink; star's default "
+         "past the window).")]
 PassingSize = Annotated[Optional[int], typer.Option(
     envvar="STARQA_PASSING_SIZE",
     help="apb: compressed tokens each block passes on, per layer and KV head "

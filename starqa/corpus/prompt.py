@@ -283,9 +283,10 @@ def _first_token_ending_after(ends: list[int], char: int) -> int:
 
 
 def room_error(n: int, m: int, max_new_tokens: int, window: int) -> ContextLengthError | None:
-    """The one window check of Phase 2: a context of n tokens, a question of m and up to
-    `max_new_tokens` of answer must fit the model's window; None when they do, else the
-    error that says how to make them fit."""
+    """The one window check of Phase 2: a context whose question starts at position n (after
+    its n tokens, or fewer at contiguous positions: `Manifest.query_position`), a question of
+    m and up to `max_new_tokens` of answer must fit the model's window; None when they do,
+    else the error that says how to make them fit."""
     return None if n + m + max_new_tokens <= window else over_window(n, m, max_new_tokens, window)
 
 

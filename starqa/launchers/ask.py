@@ -156,7 +156,7 @@ def _query(opts: AskOptions, manifest: Manifest, ui: UI,
     if opts.nnodes == 1:  # no group to fetch blocks kept on other machines from
         _check_here(manifest)
     manifest = with_indexes(manifest, opts.topk, ui)
-    n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
+    n, m, window = manifest.query_position, len(query_ids), manifest.model.window
     if not opts.beyond_window and (error := prompt.room_error(n, m, opts.max_new_tokens, window)):
         raise error
     workers, why = phase2_workers(manifest, model_path, opts.workers, opts.nnodes, opts.device,
@@ -189,7 +189,7 @@ def ask_tokens(manifest: Manifest, query_ids: list[int],
     started = time.perf_counter()
     model_path = checked_model(manifest, None)
     tokenizer = models.load_tokenizer(model_path)
-    n, m, window = manifest.n_tokens, len(query_ids), manifest.model.window
+    n, m, window = manifest.query_position, len(query_ids), manifest.model.window
     if not opts.allow_over_window and (
             error := prompt.room_error(n, m, opts.max_new_tokens, window)):
         raise error

@@ -42,6 +42,9 @@ class Method:
     # encode_todo needs the stored KV of the blocks before the first one to encode (dense,
     # ring: exact causal attention continues from it).
     needs_past: bool = False
+    # With contiguous positions (`--positions contiguous`) every position a block or the
+    # question meets lies within one assembled block: contexts longer than any window fit.
+    fits_any_window: bool = False
 
     # ------------------------------------------------------------------- settings
 
@@ -80,6 +83,11 @@ class Method:
         """What the launcher computes once, before the workers start, for every worker and
         for `query_position`: JSON-able (it travels in the job). Nothing by default."""
         return {}
+
+    def position_free(self, config: MethodConfig) -> bool:
+        """Whether a block's KV is the same wherever the block lies (its positions do not
+        depend on its offset): a block that only moved is then reused as it is."""
+        return False
 
     def query_position(self, ids: Sequence[int], config: MethodConfig, blocks: Blocks,
                        prepared: dict | None = None) -> int:

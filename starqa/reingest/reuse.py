@@ -80,10 +80,14 @@ def plan(config: MethodConfig, ids, blocks, prepared: dict | None, store: BlockS
                 known[i], stems[i] = sha, candidate
                 break
         else:
+            if encoder.position_free(config) and (same := _anywhere(folder, addr)):
+                reused.append(i)  # its KV is the same at any offset: kept as it is
+                known[i], stems[i] = same
+                continue
             moved = sorted((abs(start - offset), offset, stored) for offset, stored
                            in blockstore.offsets(folder, addr)
                            if abs(start - offset) <= config.block_size) \
-                if rotate and encoder.rotatable else []
+                if rotate and encoder.rotatable and not encoder.position_free(config) else []
             source = next(((offset, stored) for _, offset, stored in moved
                            if blockstore.checked_sha(folder, stored)), None)
             if source is None:
@@ -92,6 +96,14 @@ def plan(config: MethodConfig, ids, blocks, prepared: dict | None, store: BlockS
                 rotated.append((i, source[1], start - source[0]))
                 stems[i] = blockstore.stem(addr, start, rotated=True)
     return Plan(tuple(stems), tuple(reused), tuple(rotated), tuple(todo), known)
+
+
+def _anywhere(folder: Path, addr: str) -> tuple[str, str] | None:
+    """(checksum, stem) of an exactly encoded, intact file of `addr` at any offset."""
+    for _, stored in blockstore.offsets(folder, addr):
+        if sha := blockstore.checked_sha(folder, stored):
+            return sha, stored
+    return None
 
 
 # ---------------------------------------------------------------------------------------

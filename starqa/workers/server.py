@@ -157,7 +157,7 @@ class Server:
         from starqa.corpus import prompt
 
         history = list(ask.history)
-        n = self.manifest.n_tokens
+        n = self.manifest.query_position  # the positions the context takes
         while True:
             ids = self.tokens.ids(ask.question, history)
             error = prompt.room_error(n, len(ids), ask.max_new_tokens, self.window)

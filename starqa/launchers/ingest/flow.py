@@ -15,18 +15,19 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from starqa import corpus as corpus_mod
 from starqa import methods
 from starqa.cache import shards, store
-from starqa.cache.manifest import FORMAT, ModelIdentity, read_manifest
+from starqa.cache.manifest import FORMAT, KV_KINDS, ModelIdentity, kv_tag, read_manifest
 from starqa.core import paths
 from starqa.core.errors import StarqaError
 from starqa.core.progress import UI
 from starqa.corpus import prompt
 from starqa.launchers.ingest.options import (IngestOptions, IngestResult, Mode, Prepared,
     TokenIngestOptions)
+from starqa.launchers.ingest.planner import plan as plan_ingest
 from starqa.launchers.ingest.steps import run_phase1
 from starqa.methods import MethodConfig, method_config, plan_file_blocks
 from starqa.reingest import packorder, reuse
@@ -51,15 +52,16 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
         corpus = corpus_mod.collect(opts.paths, max_file_bytes=opts.max_file_bytes,
                                     include=opts.include, exclude=opts.exclude)
     with ui.status("Resolving model"):
-        model, tokenizer = _model(opts.model, ui)
+        model, tokenizer, per_token = _model(opts.model, ui)
     dtype = _cache_dtype(opts.dtype, opts.device)
     root = paths.contexts_dir()
     corpus, tokens, spans = _tokenised(opts, root, corpus, tokenizer, ui)
-    opts = _checked(opts, len(tokens.ids), model.window)
+    opts = _planned(_checked(opts, len(tokens.ids), model.window), len(tokens.ids),
+                    model.window, per_token(dtype), ui)
     method = _method(opts, root, model, dtype, tokens.ids, tokenizer)
     content = corpus_mod.content_hash(corpus.files)
-    key = _cache_key(content, model.digest, method.as_dict(), dtype, PLAN)
-    source = Prepared(key, tokens, corpus, spans, model, dtype, method, content)
+    key = _cache_key(content, model.digest, method.as_dict(), kv_tag(dtype, _kv(opts)), PLAN)
+    source = Prepared(key, tokens, corpus, spans, model, dtype, method, content, kv=opts.kv)
     result = _cached_or_encoded(opts, root, source, tokenizer, ui, started)
     return _with_prepared_weights(result, opts, source, ui, started)
 
@@ -98,15 +100,43 @@ def _with_prepared_weights(result: IngestResult, opts: IngestOptions, source: Pr
     return replace(result, seconds=end - started, prepare_seconds=end - begun)
 
 
-def _model(spec: str | None, ui: UI) -> tuple[ModelIdentity, Any]:
-    """The model `spec` names (None: the default), resolved, and its tokenizer."""
+def _model(spec: str | None, ui: UI) -> tuple[ModelIdentity, Any, Callable[[str], int | None]]:
+    """The model `spec` names (None: the default), resolved; its tokenizer; and the bytes of
+    KV a token takes in a cache of a given dtype (None where the config does not say)."""
     from starqa import models
 
     model_path = models.resolve_model(spec, ui)
     tokenizer = models.load_tokenizer(model_path)
-    window = models.context_window(_config(model_path))
+    config = _config(model_path)
+    window = models.context_window(config)
     return (ModelIdentity.of(model_path, models.recorded_spec(spec or models.DEFAULT_MODEL),
-                             window, models.fingerprint(model_path)), tokenizer)
+                             window, models.fingerprint(model_path)), tokenizer,
+            lambda dtype: _kv_per_token(config, dtype))
+
+
+def _kv_per_token(config, dtype: str) -> int | None:
+    """Bytes of keys and values one token takes in the cache: layers × KV heads × head size
+    × 2 × the dtype's bytes (Qwen2.5-Coder-1.5B in bf16: 28 × 2 × 128 × 2 × 2 = 28,672)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, heads = getattr(text, "num_hidden_layers", None), getattr(text, "num_attention_heads", None)
+    hidden = getattr(text, "hidden_size", None)
+    if not (layers and heads and hidden):
+        return None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    itemsize = {"float32": 4, "float64": 8}.get(dtype, 2)
+    return layers * kv_heads * head_dim * 2 * itemsize
+
+
+def _planned(opts: IngestOptions, n: int, window: int, per_token: int | None,
+             ui: UI) -> IngestOptions:
+    """`opts` as the planner fits them to the window (`planner.plan`), its line said."""
+    from starqa.models.devices import available_memory
+
+    choice = plan_ingest(opts, n, window, per_token, available_memory())
+    if choice.line:
+        ui.note(choice.line)
+    return choice.opts
 
 
 def _cache_dtype(dtype: str | None, device: str) -> str:
@@ -138,8 +168,8 @@ def _tokenised(opts: IngestOptions, root: Path, corpus: corpus_mod.Corpus, token
 
 
 def _checked(opts: IngestOptions, n: int, window: int) -> IngestOptions:
-    """`opts` with its reserve resolved, once the index asked for, the reserve and the
-    context's `n` tokens are checked against the model's `window`."""
+    """`opts` with its reserve resolved, once the index asked for and the reserve are
+    checked against the model's `window` (the context's `n` tokens: `planner.plan`)."""
     if opts.index is not None and opts.index not in ("ivf", "hnsw"):
         raise StarqaError(f"--index {opts.index!r} is not an index to build.",
                           hint="choose ivf or hnsw (flat top-k searches the keys themselves "
@@ -153,8 +183,6 @@ def _checked(opts: IngestOptions, n: int, window: int) -> IngestOptions:
             "window: it keeps room for a question and an answer beside the context.",
             hint=f"pass --reserve {default_reserve(window):,} (the default here) or another "
                  f"number below {window:,}")
-    if n + opts.reserve > window and not opts.beyond_window:
-        raise _no_room(n, opts.reserve, window)
     return opts
 
 
@@ -211,28 +239,6 @@ def default_reserve(window: int) -> int:
     """Tokens `ingest` keeps free for a question and its answer: 512 (a question and a short
     answer), but never more than a quarter of a small window."""
     return min(512, window // 4)
-
-
-MIN_ROOM = 64  # tokens: the least room worth offering for a question and its answer
-
-
-def _no_room(n: int, reserve: int, window: int) -> StarqaError:
-    """The over-window error of `ingest`: a context that fills the window leaves no room to
-    ask (issue #11, item 13), so the numbers include the reserve, and the way out names an
-    embedded model whose window would hold it."""
-    from starqa.models import EMBEDDED
-
-    need = f"{n:,} tokens" + (f" + {reserve:,} reserved for a question and an answer = "
-                              f"{n + reserve:,} tokens" if reserve else "")
-    fixes = ["ingest fewer files (--exclude, a sub-folder)"]
-    if reserve and window - n >= MIN_ROOM:  # less room than that holds no real question
-        fixes.append(f"reserve less (--reserve {window - n:,} or lower; now {reserve:,})")
-    if longer := [f"--model {m.name}: {m.window:,} tokens" for m in EMBEDDED
-                  if m.window >= n + reserve]:
-        fixes.append(f"use a model with a longer window ({' or '.join(longer)})")
-    fixes.append("pass --beyond-window to go on anyway")
-    return StarqaError(f"The context is {need} > {window:,} the model was trained on.",
-                       hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
 
 
 def ingest_tokens(ids: list[int], root: Path, opts: TokenIngestOptions = TokenIngestOptions(),
@@ -314,7 +320,15 @@ def _reusable(folder: Path, plan: str | None = None) -> bool:
     except StarqaError:
         return False
     return _cache_key(manifest.content_sha256, manifest.model.digest,
-                      manifest.method.as_dict(), manifest.dtype, plan) == folder.name
+                      manifest.method.as_dict(), kv_tag(manifest.dtype, manifest.kv),
+                      plan) == folder.name
+
+
+def _kv(opts: IngestOptions) -> str:
+    """--kv, checked."""
+    if opts.kv not in KV_KINDS:
+        raise StarqaError(f"Unknown --kv {opts.kv!r}.", hint=f"choose one of: {', '.join(KV_KINDS)}")
+    return opts.kv
 
 
 def _config(model_path: Path):

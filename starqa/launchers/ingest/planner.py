@@ -1,0 +1,140 @@
+"""What `ingest` chooses for a context, and the one line that says it: how its positions fit
+the model's window, and where its KV lives. Pure: numbers in, settings and a line out
+(tests/test_planner.py holds the choices for given lengths, windows and memory).
+
+A context that fits the window with its reserve is encoded as asked. One that does not is,
+by default, encoded by Star Attention with contiguous positions (docs/methods.md, "Past the
+window"): each block right after its anchor, so that every position a block or a question
+meets stays within the window the model was trained on, whatever the context's length. The
+blocks are then sized so that anchor + block + reserve fit the window. `--beyond-window`
+keeps the positions as they are (plain extrapolation, which the planner never picks: it
+answers worse, docs/results.md); settings a user gave that cannot fit are refused with the
+sizes that would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from starqa import methods
+from starqa.core.errors import StarqaError
+from starqa.launchers.ingest.options import IngestOptions
+
+GRID = 256  # block sizes past the window are multiples of this (stable under small edits)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The options an ingest runs with once planned, and the line that says what was chosen
+    and why (None: nothing to say, the context fits as asked)."""
+
+    opts: IngestOptions
+    line: str | None
+
+
+def plan(opts: IngestOptions, n: int, window: int, kv_bytes_per_token: int | None = None,
+         memory: int | None = None) -> Choice:
+    """The plan for `n` tokens on a model of `window` tokens, `opts.reserve` resolved.
+
+    kv_bytes_per_token: the KV one token takes in the cache (None: unknown); memory: bytes
+    available to hold it (None: unknown). Raises StarqaError where the settings given
+    cannot fit the window (the sizes that would, in the hint).
+    """
+    reserve = opts.reserve or 0
+    kv = _kv_words(n, kv_bytes_per_token, memory)
+    if n + reserve <= window:
+        return Choice(opts, None)
+    over = f"{n:,} tokens + {reserve:,} reserved > the {window:,}-token window"
+    if opts.beyond_window:
+        return Choice(opts, f"Plan: {over}: positions past the window, as asked "
+                            f"(--beyond-window: the model extrapolates){kv}.")
+    given = opts.method_params or {}
+    fits = methods.get(opts.method).fits_any_window
+    if not fits or given.get("positions") == "sparse":
+        asked = "--positions sparse" if fits else f"--method {opts.method}"
+        raise _cannot(n, reserve, window, f"{asked} places positions past it", f"leave {asked} "
+                      f"out ({methods.DEFAULT} with contiguous positions stays within the "
+                      "window)")
+    if (window - reserve) // 2 < methods.MIN_BLOCK:
+        raise _cannot(n, reserve, window, f"a window this small holds no block of "
+                      f"{methods.MIN_BLOCK} tokens beside an anchor as long")
+    block, anchor = fitted_sizes(n, window - reserve, opts.block_size, opts.anchor_size)
+    chosen = replace(opts, block_size=block, anchor_size=anchor,
+                     method_params={**given, "positions": "contiguous"})
+    return Choice(chosen, f"Plan: {over}: {opts.method} blocks of {block:,} tokens, each after a "
+                          f"{anchor:,}-token anchor at contiguous positions, so no position "
+                          f"leaves the window{kv}.")
+
+
+def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | None
+                 ) -> tuple[int, int]:
+    """(block, anchor) with anchor + block ≤ `room` (the window less the reserve): the
+    given sizes when they fit, else the paper's anchor = block, each at most half the room
+    (on a grid of `GRID`) and at most the default block for `n` tokens."""
+    if block_size is not None and anchor_size is not None:
+        if block_size + anchor_size > room:
+            raise StarqaError(
+                f"--block-size {block_size:,} + --anchor-size {anchor_size:,} = "
+                f"{block_size + anchor_size:,} tokens do not fit the {room:,} the window "
+                "leaves beside the reserve: a block and its anchor must.",
+                hint=f"leave both out for sizes that fit, or pass sizes that add up to "
+                     f"{room:,} or less (e.g. --block-size {room // 2:,} --anchor-size "
+                     f"{room - room // 2:,})")
+        return block_size, anchor_size
+    if block_size is not None:
+        anchor = min(block_size, room - block_size)
+        if anchor < 1:
+            raise StarqaError(
+                f"--block-size {block_size:,} leaves no room for an anchor in the {room:,} "
+                "tokens the window leaves beside the reserve.",
+                hint=f"pass --block-size {room // 2:,} or less, or leave it out")
+        return block_size, anchor
+    if anchor_size is not None:
+        block = min(methods.default_block(n), room - anchor_size)
+        if block < methods.MIN_BLOCK:
+            raise StarqaError(
+                f"--anchor-size {anchor_size:,} leaves blocks of {max(block, 0):,} tokens in "
+                f"the {room:,} the window leaves beside the reserve.",
+                hint=f"pass --anchor-size {room // 2:,} or less, or leave it out")
+        return block, anchor_size
+    half = max(room // 2 // GRID * GRID, min(room // 2, 2 * GRID))
+    block = min(methods.default_block(n), half)
+    return block, block
+
+
+MIN_ROOM = 64  # tokens: the least room worth offering for a question and its answer
+
+
+def _cannot(n: int, reserve: int, window: int, why: str, fix: str | None = None
+            ) -> StarqaError:
+    """The over-window error: the numbers with the reserve (a context that fills the window
+    leaves no room to ask), why no plan fits, and the ways out, among them an embedded model
+    whose window holds the context."""
+    from starqa.models import EMBEDDED
+
+    need = f"{n:,} tokens" + (f" + {reserve:,} reserved for a question and an answer = "
+                              f"{n + reserve:,} tokens" if reserve else "")
+    fixes = [fix] if fix else []
+    fixes.append("ingest fewer files (--exclude, a sub-folder)")
+    if reserve and window - n >= MIN_ROOM:  # less room than that holds no real question
+        fixes.append(f"reserve less (--reserve {window - n:,} or lower; now {reserve:,})")
+    if longer := [f"--model {m.name}: {m.window:,} tokens" for m in EMBEDDED
+                  if m.window >= n + reserve]:
+        fixes.append(f"use a model with a longer window ({' or '.join(longer)})")
+    fixes.append("pass --beyond-window to go on anyway")
+    return StarqaError(f"The context is {need} > {window:,} the model was trained on, and "
+                       f"{why}.", hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
+
+
+def _kv_words(n: int, per_token: int | None, memory: int | None) -> str:
+    """'; KV 10.7 GB, held in memory' — where the KV lives, for the plan's line."""
+    if not per_token:
+        return ""
+    size = n * per_token
+    where = ("held in memory" if memory is None or size <= memory // 2 else
+             "more than half the memory available: ask reads it from disk as it attends")
+    return f"; KV {_gb(size)}, {where}"
+
+
+def _gb(size: int) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e8 else f"{size / 1e6:.0f} MB"

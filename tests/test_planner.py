@@ -1,0 +1,131 @@
+"""What `ingest` plans for a context past the model's window (star blocks at contiguous
+positions, sized to the window), the line that says it, and what those blocks are: each an
+ordinary forward of [anchor ‖ block] at positions 0..a+len−1, reused as it is after it moves."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from starqa import engine, methods
+from starqa.core.errors import StarqaError
+from starqa.launchers.ingest import planner
+from starqa.launchers.ingest.options import IngestOptions
+from starqa.methods import method_config, plan_blocks
+from tiny import make_tiny_model
+
+QWEN_KV = 28 * 2 * 128 * 2 * 2  # Qwen2.5-Coder-1.5B's bytes of bf16 KV per token: 28,672
+GIB = 1 << 30
+
+
+def opts(**kw) -> IngestOptions:
+    return IngestOptions(paths=("repo",), reserve=512, **kw)
+
+
+@pytest.mark.parametrize("n, block", [(100_579, 16_128), (374_303, 16_128),
+                                      (1_000_000, 16_128), (40_000, 10_240)])
+def test_past_the_window_star_blocks_fit_it(n, block):
+    """click (100K), rich (374K), a million tokens: blocks of at most half of what the
+    window leaves beside the reserve (on a grid of 256), the anchor as long, positions
+    contiguous; a context just past the window keeps the paper's quarter of it."""
+    choice = planner.plan(opts(), n, 32_768, QWEN_KV, 22 * GIB)
+    assert choice.opts.method_params == {"positions": "contiguous"}
+    assert (choice.opts.block_size, choice.opts.anchor_size) == (block, block)
+    assert block + block + 512 <= 32_768
+    assert choice.line.startswith(f"Plan: {n:,} tokens + 512 reserved > the 32,768-token "
+                                  f"window: star blocks of {block:,} tokens")
+    config = method_config("star", n, choice.opts.block_size, choice.opts.anchor_size,
+                           choice.opts.method_params)
+    query = methods.get("star").query_position(range(n), config, plan_blocks(n, block))
+    assert query + 512 <= 32_768  # the question and its answer stay within the window too
+
+
+def test_the_line_says_where_the_kv_lives():
+    """374K tokens of bf16 KV (10.7 GB) fit 22 GiB's half; with 16 GiB, ask reads from disk."""
+    assert "KV 10.7 GB, held in memory" in planner.plan(opts(), 374_303, 32_768, QWEN_KV,
+                                                        22 * GIB).line
+    assert "ask reads it from disk" in planner.plan(opts(), 374_303, 32_768, QWEN_KV,
+                                                    16 * GIB).line
+
+
+def test_within_the_window_nothing_changes():
+    given = opts(block_size=4096)
+    assert planner.plan(given, 32_768 - 512, 32_768, QWEN_KV, GIB) == planner.Choice(given, None)
+
+
+def test_given_sizes_are_kept_or_refused_with_sizes_that_fit():
+    choice = planner.plan(opts(block_size=8192), 200_000, 32_768)
+    assert (choice.opts.block_size, choice.opts.anchor_size) == (8192, 8192)
+    choice = planner.plan(opts(anchor_size=2048), 200_000, 32_768)
+    assert (choice.opts.block_size, choice.opts.anchor_size) == (30_208, 2048)  # the room
+    with pytest.raises(StarqaError, match="do not fit the 32,256") as error:
+        planner.plan(opts(block_size=20_000, anchor_size=20_000), 200_000, 32_768)
+    assert "--block-size 16,128 --anchor-size 16,128" in error.value.hint
+
+
+def test_settings_that_keep_positions_past_the_window_are_refused():
+    for given, asked in ((opts(method="dense"), "--method dense"),
+                         (opts(method_params={"positions": "sparse"}), "--positions sparse")):
+        with pytest.raises(StarqaError, match=f"{asked} places positions past it") as error:
+            planner.plan(given, 100_000, 32_768)
+        assert error.value.hint.startswith(f"leave {asked} out")
+    with pytest.raises(StarqaError, match="holds no block"):  # a window too small for blocks
+        planner.plan(replace(opts(), reserve=16), 200, 64)
+
+
+def test_beyond_window_extrapolates_as_asked():
+    choice = planner.plan(opts(beyond_window=True), 100_000, 32_768)
+    assert choice.opts == opts(beyond_window=True) and "extrapolates" in choice.line
+
+
+def test_a_contiguous_block_is_a_forward_of_anchor_and_block_from_position_zero(model):
+    """Block 2 after a 10-token anchor equals a causal forward of exactly [c[:10] ‖ c_2] at
+    positions 0..10+len−1, so its keys sit where block 1's would: no position past them."""
+    ids = torch.arange(100) % 40 + 3
+    blocks = plan_blocks(len(ids), 25)
+    config = method_config("star", 100, 25, 10, {"positions": "contiguous"})
+    [(_, k, v)] = [x for x in methods.get("star").encode_local(model, ids, config, blocks)
+                   if x[0] == 2]
+    start, end = blocks[2]
+    out = model(torch.cat([ids[:10], ids[start:end]])[None], use_cache=True)
+    for layer, cached in enumerate(out.past_key_values.layers):
+        torch.testing.assert_close(k[layer], cached.keys[0][:, 10:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v[layer], cached.values[0][:, 10:], rtol=1e-5, atol=1e-5)
+    assert methods.get("star").query_position(ids, config, blocks) == 10 + 25
+
+
+def test_default_ingest_past_the_window_plans_and_answers(home, docs, tmp_path, capsys):
+    """The ~200-token docs on a 160-token window: planned, encoded, asked, within it."""
+    small = make_tiny_model(tmp_path / "small", window=160)
+    result = engine.ingest(IngestOptions(paths=(str(docs),), model=str(small), dtype="fp32",
+                                         encode_in="process"))
+    manifest = result.manifest
+    assert manifest.n_tokens > 160 and manifest.method.params == {"positions": "contiguous"}
+    assert manifest.query_position + manifest.reserve <= 160 and not manifest.past_window
+    answer = engine.ask(engine.AskOptions(question="who approved the travel budget",
+                                          max_new_tokens=4, model=str(small), warm=False))
+    assert answer.answer_tokens >= 1
+
+
+def test_a_moved_contiguous_block_is_reused_as_it_is(home, repo, tmp_path):
+    """An edit that lengthens f5 moves every later block; at contiguous positions their KV
+    is the same wherever they lie, so each is linked in as it is (never re-rotated) and the
+    context equals one encoded afresh, bit for bit."""
+    from safetensors.torch import load_file
+
+    small = make_tiny_model(tmp_path / "small", window=160)
+    run = dict(paths=(str(repo),), model=str(small), dtype="fp32", encode_in="process",
+               block_size=40)
+    first = engine.ingest(IngestOptions(**run)).manifest
+    assert first.method.params == {"positions": "contiguous"} and first.n_tokens > 160
+    (repo / "f5.md").write_text((repo / "f5.md").read_text() + " the answer")
+    result = engine.ingest(IngestOptions(**run))
+    assert result.reuse.reused > 0 and result.reuse.rotated == 0
+    moved = [b for b in result.manifest.blocks if b.sha256 in {o.sha256 for o in first.blocks}
+             and b.start not in {o.start for o in first.blocks}]
+    assert moved  # kept where they now lie, not where they were encoded
+    kv = [load_file(str(result.manifest.folder / b.file)) for b in result.manifest.blocks]
+    fresh = engine.ingest(IngestOptions(**run, force=True)).manifest
+    for got, b in zip(kv, fresh.blocks):
+        want = load_file(str(fresh.folder / b.file))
+        assert torch.equal(got["k"], want["k"]) and torch.equal(got["v"], want["v"])
