@@ -347,10 +347,10 @@ def test_lengths_parse_and_fit_the_window():
         with pytest.raises(StarqaError, match="Bad --lengths") as err:
             runner.parse_lengths(bad)
         assert err.value.hint.startswith("--lengths 1k,2k,4k  # ")  # pasted, it works
-    assert runner.fit_window(None, 8192) == [1024, 2048, 4096, 8192]
-    assert runner.fit_window(None, 512) == [512]
-    with pytest.raises(StarqaError, match=r"16k is 16,384 tokens > 8,192 the model was trained"):
-        runner.fit_window([1024, 16384], 8192)
+    assert runner.fit_window(None, 8192) == ([1024, 2048, 4096, 8192], [])
+    assert runner.fit_window(None, 512) == ([512], [])
+    lengths, [note] = runner.fit_window([1024, 16384], 8192)  # past the window: said
+    assert lengths == [1024, 16384] and note.startswith("16k past the 8,192-token window")
 
 
 def test_top_k_lists_run_every_combination():
@@ -378,7 +378,6 @@ def test_methods_dense_first_and_always():
 @pytest.mark.parametrize("args, message", [
     (["--tasks", "niah_single_1,bogus"], "Unknown task 'bogus'"),
     (["--lengths", "1k,2q"], "Bad --lengths '1k,2q': '2q' is not a length"),
-    (["--lengths", "1k"], "1k is 1,024 tokens > 512 the model was trained on"),
     (["--methods", "dense,warp"], "Unknown method 'warp'"),
     (["--methods", "dense", "--anchor-size", "8"], "--anchor-size only applies to star"),
     (["--heuristic", "nope"], "Unknown --heuristic 'nope'"),
@@ -392,6 +391,22 @@ def test_cli_errors_are_clear(home, tiny_model, args, message):
 
 # ---------------------------------------------------------------------------------------
 # the runner on the tiny model
+
+
+def test_lengths_past_the_window_run_as_ingest_plans_them(home, tiny_model, tmp_path):
+    """800 tokens on the 512-token window: star at contiguous positions, its blocks sized to
+    the window (the question within it), dense extrapolating; a note says so."""
+    opts = runner.EvalOptions(model=str(tiny_model), methods="dense,star", tasks="vt",
+                              lengths="800", samples=1, dtype="fp32",
+                              json_path=str(tmp_path / "eval.json"))
+    plan = runner.plan(opts)
+    assert any("800 past the 512-token window: star at contiguous positions" in note
+               for note in plan.notes)
+    [sample] = runner.run(plan)["samples"]
+    star, dense = sample["results"]["star"], sample["results"]["dense"]
+    assert star["method"]["params"] == {"positions": "contiguous"}
+    assert star["method"]["block_size"] + star["method"]["anchor_size"] <= 512 - 128
+    assert star["query_position"] + 128 <= 512 < dense["query_position"]
 
 
 def test_runner_writes_json_and_dense_equals_plain_generate(home, tiny_model, tmp_path):

@@ -11,3 +11,9 @@ DEFAULT_KEEPALIVE = 300.0
 # group's request may ask for (`phase2.decode.generate`); here so the socket protocol checks
 # requests without importing torch.
 MAX_DRAFT_TOKENS = 16
+
+
+def default_reserve(window: int) -> int:
+    """Tokens `ingest` keeps free for a question and its answer: 512 (a question and a short
+    answer), but never more than a quarter of a small window."""
+    return min(512, window // 4)

@@ -65,6 +65,45 @@ def default_block(n_tokens: int) -> int:
     return min(-(-quarter // step) * step, MAX_DEFAULT_BLOCK)
 
 
+GRID = 256  # block sizes fitted to a window are multiples of this (stable under small edits)
+
+
+def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | None
+                 ) -> tuple[int, int]:
+    """(block, anchor) with anchor + block ≤ `room` (the window less the reserve): the
+    given sizes when they fit, else the paper's anchor = block, each at most half the room
+    (on a grid of `GRID`) and at most the default block for `n` tokens."""
+    if block_size is not None and anchor_size is not None:
+        if block_size + anchor_size > room:
+            raise StarqaError(
+                f"--block-size {block_size:,} + --anchor-size {anchor_size:,} = "
+                f"{block_size + anchor_size:,} tokens do not fit the {room:,} the window "
+                "leaves beside the reserve: a block and its anchor must.",
+                hint=f"leave both out for sizes that fit, or pass sizes that add up to "
+                     f"{room:,} or less (e.g. --block-size {room // 2:,} --anchor-size "
+                     f"{room - room // 2:,})")
+        return block_size, anchor_size
+    if block_size is not None:
+        anchor = min(block_size, room - block_size)
+        if anchor < 1:
+            raise StarqaError(
+                f"--block-size {block_size:,} leaves no room for an anchor in the {room:,} "
+                "tokens the window leaves beside the reserve.",
+                hint=f"pass --block-size {room // 2:,} or less, or leave it out")
+        return block_size, anchor
+    if anchor_size is not None:
+        block = min(default_block(n), room - anchor_size)
+        if block < MIN_BLOCK:
+            raise StarqaError(
+                f"--anchor-size {anchor_size:,} leaves blocks of {max(block, 0):,} tokens in "
+                f"the {room:,} the window leaves beside the reserve.",
+                hint=f"pass --anchor-size {room // 2:,} or less, or leave it out")
+        return block, anchor_size
+    half = max(room // 2 // GRID * GRID, min(room // 2, 2 * GRID))
+    block = min(default_block(n), half)
+    return block, block
+
+
 def chosen(defaults: dict, given: dict) -> dict:
     """`defaults` overridden by the settings of `given` that are set and are among them."""
     return {**defaults, **{k: v for k, v in given.items() if v is not None and k in defaults}}

@@ -22,6 +22,7 @@ from starqa import methods
 from starqa.cache import shards, store
 from starqa.cache.manifest import FORMAT, KV_KINDS, ModelIdentity, kv_tag, read_manifest
 from starqa.core import paths
+from starqa.core.defaults import default_reserve
 from starqa.core.errors import StarqaError
 from starqa.core.progress import UI
 from starqa.corpus import prompt
@@ -233,12 +234,6 @@ def _cached_or_encoded(opts: IngestOptions, root: Path, source: Prepared, tokeni
     if opts.index:  # a hit without the indexes asked for: built now (they take the lock)
         manifest = indexes.ensure(manifest, opts.index, on_build=ui.waiting)
     return IngestResult(manifest, source.corpus, True, time.perf_counter() - started)
-
-
-def default_reserve(window: int) -> int:
-    """Tokens `ingest` keeps free for a question and its answer: 512 (a question and a short
-    answer), but never more than a quarter of a small window."""
-    return min(512, window // 4)
 
 
 def ingest_tokens(ids: list[int], root: Path, opts: TokenIngestOptions = TokenIngestOptions(),

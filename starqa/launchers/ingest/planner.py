@@ -20,9 +20,6 @@ from starqa import methods
 from starqa.core.errors import StarqaError
 from starqa.launchers.ingest.options import IngestOptions
 
-GRID = 256  # block sizes past the window are multiples of this (stable under small edits)
-
-
 @dataclass(frozen=True)
 class Choice:
     """The options an ingest runs with once planned, and the line that says what was chosen
@@ -58,48 +55,12 @@ def plan(opts: IngestOptions, n: int, window: int, kv_bytes_per_token: int | Non
     if (window - reserve) // 2 < methods.MIN_BLOCK:
         raise _cannot(n, reserve, window, f"a window this small holds no block of "
                       f"{methods.MIN_BLOCK} tokens beside an anchor as long")
-    block, anchor = fitted_sizes(n, window - reserve, opts.block_size, opts.anchor_size)
+    block, anchor = methods.fitted_sizes(n, window - reserve, opts.block_size, opts.anchor_size)
     chosen = replace(opts, block_size=block, anchor_size=anchor,
                      method_params={**given, "positions": "contiguous"})
     return Choice(chosen, f"Plan: {over}: {opts.method} blocks of {block:,} tokens, each after a "
                           f"{anchor:,}-token anchor at contiguous positions, so no position "
                           f"leaves the window{kv}.")
-
-
-def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | None
-                 ) -> tuple[int, int]:
-    """(block, anchor) with anchor + block ≤ `room` (the window less the reserve): the
-    given sizes when they fit, else the paper's anchor = block, each at most half the room
-    (on a grid of `GRID`) and at most the default block for `n` tokens."""
-    if block_size is not None and anchor_size is not None:
-        if block_size + anchor_size > room:
-            raise StarqaError(
-                f"--block-size {block_size:,} + --anchor-size {anchor_size:,} = "
-                f"{block_size + anchor_size:,} tokens do not fit the {room:,} the window "
-                "leaves beside the reserve: a block and its anchor must.",
-                hint=f"leave both out for sizes that fit, or pass sizes that add up to "
-                     f"{room:,} or less (e.g. --block-size {room // 2:,} --anchor-size "
-                     f"{room - room // 2:,})")
-        return block_size, anchor_size
-    if block_size is not None:
-        anchor = min(block_size, room - block_size)
-        if anchor < 1:
-            raise StarqaError(
-                f"--block-size {block_size:,} leaves no room for an anchor in the {room:,} "
-                "tokens the window leaves beside the reserve.",
-                hint=f"pass --block-size {room // 2:,} or less, or leave it out")
-        return block_size, anchor
-    if anchor_size is not None:
-        block = min(methods.default_block(n), room - anchor_size)
-        if block < methods.MIN_BLOCK:
-            raise StarqaError(
-                f"--anchor-size {anchor_size:,} leaves blocks of {max(block, 0):,} tokens in "
-                f"the {room:,} the window leaves beside the reserve.",
-                hint=f"pass --anchor-size {room // 2:,} or less, or leave it out")
-        return block, anchor_size
-    half = max(room // 2 // GRID * GRID, min(room // 2, 2 * GRID))
-    block = min(methods.default_block(n), half)
-    return block, block
 
 
 MIN_ROOM = 64  # tokens: the least room worth offering for a question and its answer

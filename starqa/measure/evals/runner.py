@@ -20,6 +20,7 @@ from pathlib import Path
 
 from starqa import methods as methods_mod
 from starqa.core import gcpause, paths
+from starqa.core.defaults import default_reserve
 from starqa.core.errors import StarqaError
 from starqa.topk.indexes import TopK
 from starqa.measure.evals import edit, generators, scoring
@@ -139,17 +140,34 @@ def parse_methods(text: str | None) -> tuple[list[str], list[str]]:
     return [scoring.REFERENCE, *(n for n in names if n != scoring.REFERENCE)], notes
 
 
-def fit_window(lengths: Sequence[int] | None, window: int) -> list[int]:
-    """`lengths`, every one within the model's window; by default 1k, 2k, 4k ... up to it."""
+def fit_window(lengths: Sequence[int] | None, window: int) -> tuple[list[int], list[str]]:
+    """(`lengths`, by default 1k, 2k, 4k ... up to the model's window; a note for those past
+    it, where each method runs as `ingest` would plan it: star at contiguous positions
+    within the window, the others extrapolating past it, a baseline `ingest` never picks)."""
     if lengths is None:
         doubling = [1024 << i for i in range(32) if 1024 << i <= window]
-        return doubling or [window]
-    for n in lengths:
-        if n > window:
-            raise StarqaError(f"--lengths {length_label(n)} is {n:,} tokens > {window:,} the "
-                              "model was trained on.",
-                              hint=f"choose lengths up to {window:,} ({length_label(window)})")
-    return list(lengths)
+        return doubling or [window], []
+    past = [length_label(n) for n in lengths if n + default_reserve(window) > window]
+    notes = [f"{', '.join(past)} past the {window:,}-token window: "
+             f"{', '.join(m.name for m in methods_mod.REGISTRY.values() if m.fits_any_window)} "
+             "at contiguous positions within it (as ingest plans it; --positions sparse: "
+             "extrapolating), the other methods extrapolating"] if past else []
+    return list(lengths), notes
+
+
+def fitted_options(name: str, options: dict, n: int, window: int) -> dict:
+    """`method_options` for a context of `n` tokens as `ingest` plans it on a `window`:
+    past it, a method that fits any window at contiguous positions, blocks and anchor sized
+    to it (`methods.fitted_sizes`), unless sparse positions were asked for."""
+    reserve = default_reserve(window)
+    params = options["params"]
+    if n + reserve <= window or not methods_mod.get(name).fits_any_window \
+            or params.get("positions") == "sparse":
+        return options
+    block, anchor = methods_mod.fitted_sizes(n, window - reserve, options["block_size"],
+                                             options["anchor_size"])
+    return {"block_size": block, "anchor_size": anchor,
+            "params": {**params, "positions": "contiguous"}}
 
 
 def method_options(name: str, opts: EvalOptions) -> dict:
@@ -186,7 +204,8 @@ def plan(opts: EvalOptions) -> Plan:
     dtype = str(models.parse_dtype(opts.dtype, device)).removeprefix("torch.")
     model_path = models.resolve_model(opts.model)
     window = models.context_window(AutoConfig.from_pretrained(model_path))
-    lengths = fit_window(requested, window)
+    lengths, past = fit_window(requested, window)
+    notes += past
     fingerprint = models.fingerprint(model_path)
     if opts.json_path:
         json_path = Path(opts.json_path).expanduser().resolve()
@@ -225,6 +244,7 @@ class Evaluator:
         self.info = dist.local_world(self.device)
         self.options = {m: method_options(m, plan.opts) for m in plan.methods}
         self.model_path = plan.model_path
+        self.window = plan.window
         self.model_digest = plan.fingerprint["digest"]  # block addresses (eval --edit)
         gcpause.settle()  # started (see starqa.core.gcpause)
 
@@ -233,7 +253,8 @@ class Evaluator:
         import torch
 
         n = len(sample.context_ids)
-        config = methods_mod.method_config(method, n, **self.options[method])
+        config = methods_mod.method_config(
+            method, n, **fitted_options(method, self.options[method], n, self.window))
         encoder = methods_mod.get(method)
         blocks = methods_mod.plan_blocks(n, config.block_size)
         started = time.perf_counter()
