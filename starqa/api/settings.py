@@ -22,8 +22,9 @@ class IngestSettings:
     default), the workers (None: as many as pay), the cache's dtype, the files taken
     (`include`/`exclude`: gitignore-style patterns, a string or several), the tokens kept
     free to ask (`reserve`), a fresh encoding even when cached (`force`), a context past the
-    model's window (`beyond_window`), the device, the largest file read, and the top-k
-    indexes to build too (`index`)."""
+    model's window (`beyond_window`), the device, the largest file read, the top-k
+    indexes to build too (`index`) and the KV's precision (`kv`: "float", the cache's
+    dtype, or "int8": rows with fp32 scales, about half the bytes)."""
 
     block_size: int | None = None
     anchor_size: int | None = None
@@ -37,6 +38,7 @@ class IngestSettings:
     device: str = "auto"
     max_file_bytes: int = 1_000_000
     index: str | None = None
+    kv: str = "float"
 
     def ingest_options(self, paths: tuple[str, ...], name: str | None,
                        model: str | None) -> IngestOptions:
@@ -47,7 +49,7 @@ class IngestSettings:
                              exclude=_patterns(self.exclude), reserve=self.reserve,
                              force=self.force, beyond_window=self.beyond_window,
                              device=self.device, max_file_bytes=self.max_file_bytes,
-                             index=self.index)
+                             index=self.index, kv=self.kv)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from starqa.attention.kvint8 import attend_int8_parts, is_int8
 from starqa.native import ops as native
 
 # Scores are materialised for this many query rows at a time: [B, Hkv, G*rows, N] fp32.
@@ -149,11 +150,14 @@ def partial_parts(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Ten
                   scale: float, own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`partial_rows` over the keys of several buffers (key, value) [Hkv, N_i, D] in order,
     as if they were one (the own keys, if any, are the last `own` of them all): a shard's
-    blocks read where they lie, then the question's own keys. One kernel call; without the
-    compiled kernel, `attend_gemm` over their concatenation."""
-    if all(native.supports(key, value) for key, value in parts) and \
-            len({key.dtype for key, _ in parts}) <= 1 and native.available():
-        return native.attend(q, parts, scale, own)
+    blocks read where they lie, then the question's own keys. A buffer may be int8 rows
+    (`kvint8.Int8Rows`: int8 KV), the own keys then all in the last buffer. One kernel
+    call; without the compiled kernel, `attend_gemm` over their concatenation (int8 rows:
+    `kvint8.attend_int8_parts`, a chunk of keys dequantised at a time)."""
+    if _native_fits(parts) and not (own and is_int8(parts[-1][0])):
+        return native.attend(q, [_native_part(*part) for part in parts], scale, own)
+    if any(is_int8(key) for key, _ in parts):
+        return attend_int8_parts(q, parts, scale, own)
     if len(parts) == 1:
         return attend_gemm(q, *parts[0], scale, own)
     return attend_gemm(q, torch.cat([key for key, _ in parts], dim=1),
@@ -168,10 +172,9 @@ class Pieces:
 
     def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]]):
         self.parts = list(parts)
-        fits = native.available() and len({key.dtype for key, _ in self.parts}) <= 1 and \
-            all(native.supports(key, value) for key, value in self.parts)
         # the compiled kernel's table (None: torch's code), read by starqa/native/_step.c too
-        self.layout = native.Layout(self.parts) if fits else None
+        self.layout = native.Layout([_native_part(*part) for part in self.parts]) \
+            if _native_fits(self.parts) else None
 
     def attend(self, q: torch.Tensor, key: torch.Tensor | None = None,
                value: torch.Tensor | None = None, scale: float = 1.0, own: int = 0
@@ -184,6 +187,24 @@ class Pieces:
             return layout.attend(q, key, value, scale, own)
         return partial_parts(q, self.parts + ([(key, value)] if key is not None else []),
                              scale, own)
+
+
+def _native_fits(parts: Sequence[tuple]) -> bool:
+    """Whether the compiled kernel takes these buffers (key, value): float ones of one dtype
+    that `native.supports` takes, and int8 rows that `native.supports_int8` takes."""
+    floats = [(key, value) for key, value in parts if not is_int8(key)]
+    return native.available() and len({key.dtype for key, _ in floats}) <= 1 and \
+        all(native.supports(key, value) for key, value in floats) and \
+        all(native.supports_int8(key.data, key.scale, value.data, value.scale)
+            for key, value in parts if is_int8(key))
+
+
+def _native_part(key, value) -> tuple:
+    """A buffer as `native.Layout` takes it: (key, value), or int8 rows (data, data, key
+    scales, value scales)."""
+    if is_int8(key):
+        return key.data, value.data, key.scale, value.scale
+    return key, value
 
 
 def attend_gemm(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

@@ -1,7 +1,9 @@
 """The shard files: one safetensors file per block, written, hashed, verified and loaded.
 
     <context>/block_00000.safetensors   k, v: [L, Hkv, T, D] contiguous, RoPE applied;
-                                        ids: [T] int32, the block's token ids (sources)
+                                        ids: [T] int32, the block's token ids (sources);
+                                        int8 KV (`Manifest.kv`): k, v int8 and their rows'
+                                        scales k_scale, v_scale: [L, Hkv, T] fp32
     <context>/.verified.json            {file: [size, mtime_ns, ctime_ns, sha256(, "finite")]}
 
 A block's size and sha256 are recorded in the manifest (`starqa.cache.manifest.Block`); every
@@ -23,13 +25,17 @@ from starqa.core.hashing import sha256_file  # noqa: F401 (shards.sha256_file fo
 from starqa.core.errors import ShardError
 from starqa.cache.manifest import Block, Manifest, block_file, write_json_atomic
 
+SCALES = {"k": "k_scale", "v": "v_scale"}  # int8 KV: each int8 tensor's row scales
+
 VERIFIED = ".verified.json"  # per context: {file: [size, mtime_ns, ctime_ns, sha256(, FINITE)]}
 FINITE = "finite"  # after a remembered hash: its keys and values were found free of Inf/NaN
 
 
-def save_block(folder: Path, index: int, k, v, ids, metadata: dict[str, str]) -> Path:
-    """Write one block's KV ([L, Hkv, T, D] each) and token ids ([T]) as safetensors;
-    returns the file."""
+def save_block(folder: Path, index: int, k, v, ids, metadata: dict[str, str],
+               kv: str = "float") -> Path:
+    """Write one block's KV ([L, Hkv, T, D] each) and token ids ([T]) as safetensors, the
+    KV as it is (kv "float") or as int8 rows with their scales (kv "int8",
+    `attention.kvint8.quantize_rows`); returns the file."""
     import torch
     from safetensors.torch import save_file
 
@@ -43,15 +49,69 @@ def save_block(folder: Path, index: int, k, v, ids, metadata: dict[str, str]) ->
                  "it too, the model's weights are damaged: fetch or convert the model again")
     path = folder / block_file(index)
     tmp = path.with_name(path.name + ".tmp")
+    tensors = {"k": k.contiguous(), "v": v.contiguous()}
+    if kv == "int8":
+        tensors = quantized(tensors)
     try:
-        save_file({"k": k.contiguous(), "v": v.contiguous(),
-                   "ids": torch.as_tensor(ids, dtype=torch.int32).contiguous()},
+        save_file({**tensors, "ids": torch.as_tensor(ids, dtype=torch.int32).contiguous()},
                   str(tmp), metadata=metadata)
     except Exception as err:  # safetensors says a failed write in words (SafetensorError)
         tmp.unlink(missing_ok=True)
         raise write_error(err, tmp) from err
     os.replace(tmp, path)
     return path
+
+
+def quantized(tensors: dict, names=("k", "v")) -> dict:
+    """A block's float `names` ("k", "v": [L, Hkv, T, D]) as int8 rows and their scales
+    [L, Hkv, T] fp32 (`SCALES`), the other tensors as they are."""
+    from starqa.attention.kvint8 import quantize_rows
+
+    out = dict(tensors)
+    for name in names:
+        rows = quantize_rows(tensors[name])
+        out[name], out[SCALES[name]] = rows.data.contiguous(), rows.scale.contiguous()
+    return out
+
+
+def dequantized(tensors: dict, dtype=None) -> dict:
+    """A block's tensors (as loaded) with int8 "k" and "v" turned back into floats of
+    `dtype` (default fp32) and their scales dropped; a float block's as they are."""
+    from starqa.attention.kvint8 import Int8Rows
+
+    if SCALES["k"] not in tensors:
+        return tensors
+    import torch
+
+    out = {name: t for name, t in tensors.items() if name not in SCALES.values()}
+    for name, scale in SCALES.items():
+        out[name] = Int8Rows(tensors[name], tensors[scale]).to(dtype or torch.float32)
+    return out
+
+
+def kv_rows(tensors: dict, dtype):
+    """A loaded block's (k, v): float tensors as they are, int8 ones as `Int8Rows` standing
+    for `dtype` (what Phase 2 reads in place)."""
+    from starqa.attention.kvint8 import Int8Rows
+
+    if SCALES["k"] not in tensors:
+        return tensors["k"], tensors["v"]
+    return tuple(Int8Rows(tensors[name], tensors[scale], dtype)
+                 for name, scale in SCALES.items())
+
+
+def read_keys(path: Path):
+    """A block file's keys [L, Hkv, T, D] as floats (int8 keys dequantised, fp32): what top-k's
+    indexes are built from."""
+    import torch
+
+    from starqa.attention.kvint8 import Int8Rows
+    from starqa.core import tensorfile
+
+    k = tensorfile.read_tensor(path, "k")
+    if k.dtype != torch.int8:
+        return k
+    return Int8Rows(k, tensorfile.read_tensor(path, SCALES["k"])).float()
 
 
 def write_error(err: Exception, path: Path) -> Exception:
@@ -75,7 +135,8 @@ def read_blocks(folder: Path, indices, device="cpu"):
     from safetensors.torch import load_file
 
     k, v = _concatenated([(t["k"], t["v"]) for t in (
-        load_file(str(folder / block_file(i)), device=str(device)) for i in indices)])
+        dequantized(load_file(str(folder / block_file(i)), device=str(device)))
+        for i in indices)])
     return [(k[layer][None], v[layer][None]) for layer in range(k.shape[0])]
 
 
@@ -187,25 +248,31 @@ def verify_present(manifest: Manifest) -> None:
         verify_block(manifest, index, checksum=False)
 
 
-def load_block(manifest: Manifest, index: int, device="cpu", verified: bool = False):
-    """(k, v, ids) of block `index`: k, v [L, Hkv, T, D] on `device`, ids [T] int64 on the
-    CPU, checksum-verified (unless `verified`: the caller just did, with `verify_checksums`)."""
+def load_block(manifest: Manifest, index: int, device="cpu", verified: bool = False,
+               dtype=None):
+    """(k, v, ids) of block `index`: k, v [L, Hkv, T, D] on `device` (int8 KV: `Int8Rows`
+    standing for `dtype`, default the manifest's), ids [T] int64 on the CPU,
+    checksum-verified (unless `verified`: the caller just did, with `verify_checksums`)."""
+    import torch
     from safetensors.torch import load_file
 
     path = verify_block(manifest, index, checksum=not verified)
     tensors = load_file(str(path), device=str(device))
-    return tensors["k"], tensors["v"], tensors["ids"].long().cpu()
+    k, v = kv_rows(tensors, dtype or getattr(torch, manifest.dtype))
+    return k, v, tensors["ids"].long().cpu()
 
 
 def check_header(manifest: Manifest, index: int, layout: tuple | None = None) -> tuple:
     """Block `index`'s file holds what its manifest entry says, from its header alone (no
-    data read): k and v of one float dtype and shape [L, Hkv, T, D], T the block's tokens,
-    ids [T] of integers, every tensor's bytes inside the file; and (`layout`: the previous
+    data read): k and v of one float dtype (or int8, with their fp32 row scales [L, Hkv, T])
+    and shape [L, Hkv, T, D], T the block's tokens, ids [T] of integers, every tensor's bytes inside the file; and (`layout`: the previous
     block's (L, Hkv, D, dtype)) the layout of the context's other blocks. Returns this
     block's layout; ShardError naming the shard as damaged otherwise (a header edited with
     its checksum updated would otherwise reach torch as a shape error, or answer garbage)."""
     path = manifest.folder / manifest.blocks[index].file
     problem, found = _header_problem(path, manifest.blocks[index])
+    if problem is None and (found[3] == "I8") != (manifest.kv == "int8"):
+        problem = f"its keys are {found[3]}, its manifest's KV {manifest.kv}"
     if problem is None and layout is not None and found != layout:
         problem = (f"its layout (layers, KV heads, head size, dtype) is {_layout(found)}, "
                    f"the other blocks' {_layout(layout)}")
@@ -231,8 +298,12 @@ def _header_problem(path: Path, block: Block) -> tuple[str | None, tuple]:
         return "its header does not name tensors k, v and ids", ()
     rows = block.end - block.start
     size = path.stat().st_size
-    for name in ("k", "v", "ids"):
-        entry = found[name]
+    quantized = isinstance(found["k"], dict) and found["k"].get("dtype") == "I8"
+    names = ("k", "v", "ids", *SCALES.values()) if quantized else ("k", "v", "ids")
+    for name in names:
+        entry = found.get(name)
+        if not isinstance(entry, dict):
+            return f"its int8 keys come without {name!r}", ()
         shape, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
                 and dtype in tensorfile._DTYPES and isinstance(offsets, list)
@@ -249,8 +320,12 @@ def _header_problem(path: Path, block: Block) -> tuple[str | None, tuple]:
                 f"for the {rows} tokens {block.start}-{block.end} of block {block.index}"), ()
     if v["shape"] != k["shape"] or v["dtype"] != k["dtype"]:
         return f"its values are {v['shape']} {v['dtype']}, its keys {k['shape']} {k['dtype']}", ()
-    if k["dtype"] not in ("BF16", "F16", "F32", "F64"):
-        return f"its keys are {k['dtype']}, not floats", ()
+    if k["dtype"] not in ("BF16", "F16", "F32", "F64", "I8"):
+        return f"its keys are {k['dtype']}, not floats or int8 rows", ()
+    for name in SCALES.values() if quantized else ():
+        if found[name]["shape"] != k["shape"][:3] or found[name]["dtype"] != "F32":
+            return (f"its {name} is {found[name]['shape']} {found[name]['dtype']}, not "
+                    f"{k['shape'][:3]} F32 (a scale per int8 row)"), ()
     if ids["shape"] != [rows] or ids["dtype"] not in ("I32", "I64"):
         return f"its token ids are {ids['shape']} {ids['dtype']}, not [{rows}] integers", ()
     return None, (k["shape"][0], k["shape"][1], k["shape"][3], k["dtype"])
@@ -292,7 +367,9 @@ def load_shard(manifest: Manifest, indices, device="cpu", dtype=None):
     is copied (a cold ask spent 0.03 s copying 4.7K tokens, 0.3 s at 32K, before its first
     token), the pages come from the page cache as attention first reads them, and every
     process on the machine shares them. Converted to another `dtype`, or on another device
-    (one piece per layer there, what CUDA's fused kernel takes), they are copies."""
+    (one piece per layer there, what CUDA's fused kernel takes), they are copies. int8 KV
+    (`Manifest.kv`) stays int8: each key and value is an `attention.kvint8.Int8Rows`
+    standing for `dtype`, attended without a dequantised copy."""
     import torch
 
     from starqa.core import tensorfile
@@ -304,8 +381,11 @@ def load_shard(manifest: Manifest, indices, device="cpu", dtype=None):
         parts = [load_block(manifest, i, device=device, verified=True) for i in indices]
         return shard_of(parts, dtype), torch.cat([p[2] for p in parts])
     mapped = [tensorfile.map_all(manifest.folder / block_file(i))[0] for i in indices]
-    dtype = dtype or mapped[0]["k"].dtype
-    blocks = [(t["k"].to(dtype), t["v"].to(dtype)) for t in mapped]  # (no copy if its own)
+    if SCALES["k"] in mapped[0]:  # int8 rows, read where they lie
+        blocks = [kv_rows(t, dtype or getattr(torch, manifest.dtype)) for t in mapped]
+    else:
+        dtype = dtype or mapped[0]["k"].dtype
+        blocks = [(t["k"].to(dtype), t["v"].to(dtype)) for t in mapped]  # (no copy if its own)
     ids = torch.cat([t["ids"].long() for t in mapped])
     return [[(k[layer][None], v[layer][None]) for k, v in blocks]
             for layer in range(blocks[0][0].shape[0])], ids
@@ -323,9 +403,16 @@ def shard_of(parts, dtype=None):
 
 
 def _concatenated(parts, dtype=None):
-    """Blocks' (k, v, ...), each [L, Hkv, T_i, D], as k, v [L, Hkv, N, D] in `dtype`."""
+    """Blocks' (k, v, ...), each [L, Hkv, T_i, D], as k, v [L, Hkv, N, D] in `dtype`;
+    int8 rows (`Int8Rows`) stay int8, standing for `dtype`."""
     import torch
 
+    from starqa.attention.kvint8 import Int8Rows, is_int8
+
+    if is_int8(parts[0][0]):
+        return tuple(Int8Rows(torch.cat([p[i].data for p in parts], dim=2),
+                              torch.cat([p[i].scale for p in parts], dim=2),
+                              dtype or parts[0][i].dtype) for i in (0, 1))
     k = torch.cat([p[0] for p in parts], dim=2)
     v = torch.cat([p[1] for p in parts], dim=2)
     return (k, v) if dtype is None else (k.to(dtype), v.to(dtype))

@@ -62,6 +62,11 @@ def ingest(
         envvar="STARQA_NAME", callback=_name,
         help="Context name (default: the first path's name).")] = None,
     dtype: Dtype = None,
+    kv: Annotated[str, typer.Option(
+        "--kv", envvar="STARQA_KV",
+        help="The KV's precision, on disk and in Phase 2: float (the cache's dtype) or int8 "
+             "(each key and value row int8 with an fp32 scale: about half the bytes).")
+                  ] = "float",
     max_file_size: Annotated[int, typer.Option(
         envvar="STARQA_MAX_FILE_SIZE", help="Skip files larger than this many bytes.")] = 1_000_000,
     include: Annotated[Optional[list[str]], typer.Option(
@@ -109,7 +114,7 @@ def ingest(
         max_file_bytes=max_file_size, include=tuple(include or ()), exclude=tuple(exclude or ()),
         beyond_window=beyond_window, reserve=reserve, force=force, nnodes=nnodes, index=index,
         node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, device=device, encode_in=encode_in,
-        oversubscribe=oversubscribe,
+        oversubscribe=oversubscribe, kv=kv,
         command=_rerunnable("starqa " + shlex.join(a for a in sys.argv[1:] if a != "--watch")),
         method_params={**method_params(sink_size, heuristic, summary_budget, chunk_size,
                                        positions, passing_size, probe_window),

@@ -152,6 +152,11 @@ def _shard_tables(manifest: Manifest, config: DecoderConfig) -> list[kernels.Key
         buffers = []
         for block in blocks:
             k, v = block["k"][layer], block["v"][layer]  # [Hkv, T, D]
+            if k.dtype == np.int8 and v.dtype == np.int8:  # int8 KV: rows and their scales
+                buffers.append((k.ctypes.data, v.ctypes.data, k.shape[1], k.strides[0],
+                                v.strides[0], block["k_scale"][layer].ctypes.data,
+                                block["v_scale"][layer].ctypes.data))
+                continue
             if k.dtype != np.uint16 or v.dtype != np.uint16:
                 raise ValueError("a shard that is not bf16")
             buffers.append((k.ctypes.data, v.ctypes.data, k.shape[1], k.strides[0] // 2,

@@ -8,6 +8,10 @@
    apart: a slice of a longer buffer is read in place) and returns, per row, the attention
    output and the LSE that starqa.attention.merge combines across shards and workers.
 
+   int8 KV (starqa.attention.kvint8): a piece may hold int8 rows, each with its fp32 scale
+   s. A block of them is widened to fp32 and multiplied by its rows' scales as it is read
+   (q . (s k) = s (q . k); the output sums p s_v v), so the rest of the pass is the same.
+
    Why starqa has its own kernel: a decode step has only R = G rows per KV head (G query
    heads share one KV head), so attention is a pass over the shard that should run at
    memory speed. torch's CPU flash kernel spends most of such a step in the fixed costs of
@@ -37,15 +41,31 @@
 #define TASK_KEYS 512 /* keys per task */
 #define MAX_DIM 256
 
+/* What a piece's rows hold: fp32, bf16, or int8 with an fp32 scale per row. */
+enum { KIND_F32 = 0, KIND_BF16 = 1, KIND_I8 = 2 };
+
+static inline size_t kind_size(int kind) { return kind == KIND_I8 ? 1 : kind == KIND_BF16 ? 2 : 4; }
+
 #include "_kernels.h"
 #include "_simd.h"
 
 /* Rows j0 .. j0 + jn of keys or values (D each, rows row_bytes apart) in fp32: bf16 rows
-   widened into `block`, fp32 rows used where they lie. */
-static inline const float *fp32_rows(const char *src, int bf16, int64_t j0, int64_t jn,
-                                     int64_t d, size_t row_bytes, float *block) {
+   widened into `block`, int8 rows widened and scaled (scales[j]: row j's), fp32 rows used
+   where they lie. */
+static inline const float *fp32_rows(const char *src, int kind, const float *scales,
+                                     int64_t j0, int64_t jn, int64_t d, size_t row_bytes,
+                                     float *block) {
     src += (size_t)j0 * row_bytes;
-    if (!bf16) return (const float *)src;
+    if (kind == KIND_F32) return (const float *)src;
+    if (kind == KIND_I8) {
+        const int8_t *x = (const int8_t *)src;
+        for (int64_t j = 0; j < jn; j++) {
+            const float s = scales[j0 + j];
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) block[j * d + i] = s * (float)x[j * d + i];
+        }
+        return block;
+    }
     const uint16_t *h = (const uint16_t *)src;
 #pragma omp simd
     for (int64_t i = 0; i < jn * d; i++) {
@@ -93,13 +113,13 @@ static inline void softmax_block(int64_t rows, int64_t jn, int64_t d, float s[][
    q [R, D], over its keys [a, b); each row's running max m, sum l and unnormalised output
    acc [rows, D], at r - r0. */
 #define TASK_ARGS                                                                          \
-    const float *q, int64_t d, const char *k, const char *v, int bf16, int64_t a, int64_t b, \
-        int64_t n, int64_t own, int64_t r0, int64_t rows, float scale, float *m, float *l,   \
-        float *acc
-#define TASK_PASS q, d, k, v, bf16, a, b, n, own, r0, rows, scale, m, l, acc
+    const float *q, int64_t d, const char *k, const char *v, int kind, const float *ks,       \
+        const float *vs, int64_t a, int64_t b, int64_t n, int64_t own, int64_t r0,            \
+        int64_t rows, float scale, float *m, float *l, float *acc
+#define TASK_PASS q, d, k, v, kind, ks, vs, a, b, n, own, r0, rows, scale, m, l, acc
 
 static void task_start(TASK_ARGS, int64_t *limit) {
-    (void)q, (void)k, (void)v, (void)bf16, (void)a, (void)b, (void)scale;
+    (void)q, (void)k, (void)v, (void)kind, (void)ks, (void)vs, (void)a, (void)b, (void)scale;
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -110,14 +130,14 @@ static void task_start(TASK_ARGS, int64_t *limit) {
 
 /* Any D: plain loops the compiler vectorises. */
 SIMD_CLONED(static, void, task_any, (TASK_ARGS), (TASK_PASS)) {
-    const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);
+    const size_t row_bytes = (size_t)d * kind_size(kind);
     float s[ROWS][BLOCK];
     float block[BLOCK * MAX_DIM]; /* this block's keys, then its values, in fp32 */
     int64_t limit[ROWS];
     task_start(TASK_PASS, limit);
     for (int64_t j0 = a; j0 < b; j0 += BLOCK) {
         int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;
-        const float *keys = fp32_rows(k, bf16, j0, jn, d, row_bytes, block);
+        const float *keys = fp32_rows(k, kind, ks, j0, jn, d, row_bytes, block);
         for (int64_t r = 0; r < rows; r++) {
             const float *qr = q + (r0 + r) * d;
             for (int64_t j = 0; j < jn; j++) {
@@ -129,7 +149,7 @@ SIMD_CLONED(static, void, task_any, (TASK_ARGS), (TASK_PASS)) {
             }
         }
         softmax_block(rows, jn, d, s, m, l, acc);
-        const float *values = fp32_rows(v, bf16, j0, jn, d, row_bytes, block);
+        const float *values = fp32_rows(v, kind, vs, j0, jn, d, row_bytes, block);
         for (int64_t r = 0; r < rows; r++) {
             float *ar = acc + r * d;
             for (int64_t j = 0; j < jn; j++) {
@@ -143,16 +163,27 @@ SIMD_CLONED(static, void, task_any, (TASK_ARGS), (TASK_PASS)) {
 
 #ifdef STARQA_X86
 /* Rows j0 .. j0 + jn (nc * 16 elements each, rows row_bytes apart) widened into `block`
-   [jn][nc * 16] fp32, the next block's rows fetched into the cache meanwhile. */
-AVX512 static inline void widen_rows(const char *src, int bf16, int64_t j0, int64_t jn,
-                                     int nc, size_t row_bytes, float *block) {
-    const size_t esize = bf16 ? 2 : 4;
+   [jn][nc * 16] fp32 (int8 rows times their scales), the next block's rows fetched into
+   the cache meanwhile. */
+AVX512 static inline void widen_rows(const char *src, int kind, const float *scales,
+                                     int64_t j0, int64_t jn, int nc, size_t row_bytes,
+                                     float *block) {
+    const size_t esize = kind_size(kind);
     for (int64_t j = 0; j < jn; j++) {
         const char *row = src + (size_t)(j0 + j) * row_bytes;
         for (size_t x = 0; x < row_bytes; x += 64)
             _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);
+        if (kind == KIND_I8) {
+            const __m512 s = _mm512_set1_ps(scales[j0 + j]);
+            for (int c = 0; c < nc; c++) {
+                __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c * 16)));
+                _mm512_store_ps(block + (j * nc + c) * 16, _mm512_mul_ps(s, _mm512_cvtepi32_ps(wide)));
+            }
+            continue;
+        }
         for (int c = 0; c < nc; c++)
-            _mm512_store_ps(block + (j * nc + c) * 16, load16(row + c * 16 * esize, bf16));
+            _mm512_store_ps(block + (j * nc + c) * 16,
+                            load16(row + c * 16 * esize, kind == KIND_BF16));
     }
 }
 
@@ -212,14 +243,14 @@ AVX512 static inline void softmax_block16(int64_t rows, int64_t jn, int64_t d,
    transposed reduction, each output row in registers over the block. */
 #define TASK_AVX512(NC)                                                                    \
     AVX512 static void task_avx512_##NC(TASK_ARGS) {                                      \
-        const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);                               \
+        const size_t row_bytes = (size_t)d * kind_size(kind);                              \
         float s[ROWS][BLOCK] __attribute__((aligned(64)));                                 \
         float block[BLOCK * 16 * NC] __attribute__((aligned(64)));                         \
         int64_t limit[ROWS];                                                               \
         task_start(TASK_PASS, limit);                                                      \
         for (int64_t j0 = a; j0 < b; j0 += BLOCK) {                                        \
             int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;                                  \
-            widen_rows(k, bf16, j0, jn, NC, row_bytes, block); /* the block's keys */       \
+            widen_rows(k, kind, ks, j0, jn, NC, row_bytes, block); /* the block's keys */  \
             for (int64_t j = jn; j < (jn + 15) / 16 * 16; j++) /* pad to 16 keys */        \
                 for (int c = 0; c < NC; c++)                                               \
                     _mm512_store_ps(block + (j * NC + c) * 16, _mm512_setzero_ps());       \
@@ -241,7 +272,7 @@ AVX512 static inline void softmax_block16(int64_t rows, int64_t jn, int64_t d,
                     s[r][j] = -INFINITY; /* keys after the row's causal limit */           \
             }                                                                              \
             softmax_block16(rows, jn, d, s, m, l, acc);                                    \
-            widen_rows(v, bf16, j0, jn, NC, row_bytes, block); /* and its values */         \
+            widen_rows(v, kind, vs, j0, jn, NC, row_bytes, block); /* and its values */    \
             /* even and odd keys into separate sums: 2 * NC chains of FMAs per row, so    \
                both FMA units stay busy; with D 64 two rows share each value load (with D  \
                128 their sums would not fit in the registers). A row's sums are the same  \
@@ -289,16 +320,25 @@ TASK_AVX512(4)
 TASK_AVX512(8)
 
 /* The same for CPUs with AVX2 but not AVX-512, 8 lanes: rows j0 .. j0 + jn widened into
-   `block` [jn][nc * 8] fp32, the next block's rows fetched meanwhile. */
-AVX2 static inline void widen_rows8(const char *src, int bf16, int64_t j0, int64_t jn, int nc,
-                                    size_t row_bytes, float *block) {
-    const size_t esize = bf16 ? 2 : 4;
+   `block` [jn][nc * 8] fp32 (int8 rows times their scales), the next block's rows fetched
+   meanwhile. */
+AVX2 static inline void widen_rows8(const char *src, int kind, const float *scales, int64_t j0,
+                                    int64_t jn, int nc, size_t row_bytes, float *block) {
+    const size_t esize = kind_size(kind);
     for (int64_t j = 0; j < jn; j++) {
         const char *row = src + (size_t)(j0 + j) * row_bytes;
         for (size_t x = 0; x < row_bytes; x += 64)
             _mm_prefetch(row + BLOCK * row_bytes + x, _MM_HINT_T0);
+        if (kind == KIND_I8) {
+            const __m256 s = _mm256_set1_ps(scales[j0 + j]);
+            for (int c = 0; c < nc; c++) {
+                __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + c * 8)));
+                _mm256_store_ps(block + (j * nc + c) * 8, _mm256_mul_ps(s, _mm256_cvtepi32_ps(wide)));
+            }
+            continue;
+        }
         for (int c = 0; c < nc; c++)
-            _mm256_store_ps(block + (j * nc + c) * 8, load8(row + c * 8 * esize, bf16));
+            _mm256_store_ps(block + (j * nc + c) * 8, load8(row + c * 8 * esize, kind == KIND_BF16));
     }
 }
 
@@ -363,7 +403,7 @@ AVX2 static inline void softmax_block8(int64_t rows, int64_t jn, int64_t d, floa
 #define TASK_AVX2(NC)                                                                      \
     AVX2 static void task_avx2_##NC(TASK_ARGS) {                                          \
         enum { HALF = NC < 8 ? NC : 8 }; /* ymm of a row's sums per pass */               \
-        const size_t row_bytes = (size_t)d * (bf16 ? 2 : 4);                               \
+        const size_t row_bytes = (size_t)d * kind_size(kind);                              \
         float s[ROWS][BLOCK] __attribute__((aligned(64)));                                 \
         float block[BLOCK * 8 * NC] __attribute__((aligned(64)));                          \
         int64_t limit[ROWS];                                                               \
@@ -371,7 +411,7 @@ AVX2 static inline void softmax_block8(int64_t rows, int64_t jn, int64_t d, floa
         for (int64_t j0 = a; j0 < b; j0 += BLOCK) {                                        \
             int64_t jn = b - j0 < BLOCK ? b - j0 : BLOCK;                                  \
             const int64_t jp = (jn + 7) / 8 * 8;                                           \
-            widen_rows8(k, bf16, j0, jn, NC, row_bytes, block); /* the block's keys */      \
+            widen_rows8(k, kind, ks, j0, jn, NC, row_bytes, block); /* the block's keys */ \
             for (int64_t j = jn; j < jp; j++) /* pad to 8 keys */                          \
                 for (int c = 0; c < NC; c++)                                               \
                     _mm256_store_ps(block + (j * NC + c) * 8, _mm256_setzero_ps());        \
@@ -385,7 +425,7 @@ AVX2 static inline void softmax_block8(int64_t rows, int64_t jn, int64_t d, floa
                 for (int64_t j = jn; j < jp; j++) s[r][j] = -INFINITY; /* the padding */   \
             }                                                                              \
             softmax_block8(rows, jn, d, s, m, l, acc);                                     \
-            widen_rows8(v, bf16, j0, jn, NC, row_bytes, block); /* and its values */        \
+            widen_rows8(v, kind, vs, j0, jn, NC, row_bytes, block); /* and its values */   \
             for (int64_t r = 0; r < rows; r++)                                             \
                 for (int c0 = 0; c0 < NC; c0 += HALF) {                                    \
                     float *ar = acc + r * d + c0 * 8;                                      \
@@ -444,6 +484,7 @@ int starqa_attend(const starqa_attend_args *args) {
     const int64_t pieces = args->table.pieces, *starts = args->table.starts;
     const int64_t *k_addr = args->table.keys, *v_addr = args->table.values;
     const int64_t *k_strides = args->table.key_strides, *v_strides = args->table.value_strides;
+    const int64_t *k_scales = args->table.key_scales, *v_scales = args->table.value_scales;
     const float *q = args->queries.q, scale = args->result.scale;
     const int64_t heads = args->queries.heads, rows = args->queries.rows, d = args->queries.d;
     const int64_t own = args->own;
@@ -457,6 +498,7 @@ int starqa_attend(const starqa_attend_args *args) {
     int64_t spans = 0;
     for (int64_t p = 0; p < pieces; p++) {
         if (starts[p + 1] < starts[p]) return 1;
+        if (k_scales[p] && (!v_scales[p] || k_strides[p] % d || v_strides[p] % d)) return 1;
         spans += (starts[p + 1] - starts[p] + TASK_KEYS - 1) / TASK_KEYS;
     }
     int64_t listed = spans ? spans : 1; /* no keys: one empty span (output 0, LSE -inf) */
@@ -471,7 +513,6 @@ int starqa_attend(const starqa_attend_args *args) {
     spans = listed;
     int64_t groups = (rows + ROWS - 1) / ROWS;
     int64_t tasks = heads * spans * groups;
-    size_t esize = bf16 ? 2 : 4;
     float *state = malloc((size_t)tasks * ROWS * (size_t)(d + 2) * sizeof(float));
     if (!state) {
         free(span_of);
@@ -486,13 +527,20 @@ int starqa_attend(const starqa_attend_args *args) {
         float *m = state + (size_t)t * ROWS * (d + 2), *l = m + ROWS, *acc = l + ROWS;
         /* the piece's keys and values of head h; positions relative to its first key, so
            the causal limit (n - own + ...) moves by its start too */
+        const int quant = pieces && k_scales[sp.piece]; /* int8 rows with their scales */
+        const int kind = quant ? KIND_I8 : bf16 ? KIND_BF16 : KIND_F32;
+        const size_t es = kind_size(kind);
         const char *k = pieces ? (const char *)(intptr_t)k_addr[sp.piece] +
-                                     (size_t)(h * k_strides[sp.piece]) * esize : NULL;
+                                     (size_t)(h * k_strides[sp.piece]) * es : NULL;
         const char *v = pieces ? (const char *)(intptr_t)v_addr[sp.piece] +
-                                     (size_t)(h * v_strides[sp.piece]) * esize : NULL;
+                                     (size_t)(h * v_strides[sp.piece]) * es : NULL;
+        const float *ks = quant ? (const float *)(intptr_t)k_scales[sp.piece] +
+                                      h * (k_strides[sp.piece] / d) : NULL;
+        const float *vs = quant ? (const float *)(intptr_t)v_scales[sp.piece] +
+                                      h * (v_strides[sp.piece] / d) : NULL;
         int64_t first = pieces ? starts[sp.piece] : 0;
-        task(q + h * rows * d, d, k, v, bf16, sp.a, sp.b, n - first, own, r0, rn, scale, m, l,
-             acc);
+        task(q + h * rows * d, d, k, v, kind, ks, vs, sp.a, sp.b, n - first, own, r0, rn, scale,
+             m, l, acc);
     }
     free(span_of);
     /* merge each row's spans (starqa.attention.merge's rule) */

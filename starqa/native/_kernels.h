@@ -41,8 +41,11 @@ typedef struct {
 /* Key and value buffers in order, `pieces` of them (kernels.KeyTable lays them out once):
    piece p holds positions starts[p] .. starts[p + 1] - 1 (starts[0] = 0), its keys at
    address keys[p] and values at values[p], [H, >= its length, D], heads key_strides[p] and
-   value_strides[p] elements apart. Arrays of int64 (addresses as integers); _step.c writes
-   the question's own buffer into the slot after the laid-out ones. */
+   value_strides[p] elements apart, bf16 or fp32 (the `bf16` flag); or, where key_scales[p]
+   is not 0, int8 rows (int8 KV), each row with an fp32 scale: key_scales[p] and
+   value_scales[p] [H, >= its length], laid out as the rows (heads key_strides[p] / D
+   apart). Arrays of int64 (addresses as integers); _step.c writes the question's own
+   buffer (float) into the slot after the laid-out ones. */
 typedef struct {
     int bf16;
     int64_t pieces;
@@ -51,6 +54,8 @@ typedef struct {
     int64_t *values;
     int64_t *key_strides;
     int64_t *value_strides;
+    int64_t *key_scales;
+    int64_t *value_scales;
 } starqa_key_table;
 
 /* starqa_attend: the rows over the table's keys; own = M > 0: the last M keys are the M

@@ -71,6 +71,7 @@ static int attend(const starqa_step_model *mw, const starqa_step_attention *aw,
         table.values[pieces] = (int64_t)(intptr_t)aw->own_v;
         table.key_strides[pieces] = aw->capacity * d;
         table.value_strides[pieces] = aw->capacity * d;
+        table.key_scales[pieces] = table.value_scales[pieces] = 0; /* float keys */
         table.pieces = pieces + 1;
         table.bf16 = mw->bf16;
         const starqa_attend_args args = {table, queries, m, result, threads};

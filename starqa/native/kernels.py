@@ -43,7 +43,8 @@ class starqa_outputs(ctypes.Structure):
 
 class starqa_key_table(ctypes.Structure):
     _fields_ = [("bf16", _INT), ("pieces", _I64), ("starts", _PTR), ("keys", _PTR),
-                ("values", _PTR), ("key_strides", _PTR), ("value_strides", _PTR)]
+                ("values", _PTR), ("key_strides", _PTR), ("value_strides", _PTR),
+                ("key_scales", _PTR), ("value_scales", _PTR)]
 
 
 class starqa_attend_args(ctypes.Structure):
@@ -336,14 +337,17 @@ class KeyTable:
     (that cost ~25 µs a layer with a shard of five blocks: 0.7 ms of SmolLM2's 12 ms decode
     step).
 
-    A buffer is (key address, value address, keys, key head stride, value head stride),
-    strides in elements; its heads hold `keys` rows of D contiguous elements each."""
+    A buffer is (key address, value address, keys, key head stride, value head stride[,
+    key scales' address, value scales' address]), strides in elements; its heads hold
+    `keys` rows of D contiguous elements each. With scales (not 0), its rows are int8 with
+    an fp32 scale each, laid out as the rows: [H, >= keys], a head stride / D apart."""
 
-    def __init__(self, buffers: Sequence[tuple[int, int, int, int, int]], keep=()):
+    def __init__(self, buffers: Sequence[tuple[int, ...]], keep=()):
         self._keep = keep  # what the addresses point into, kept alive with the table
         self.count = count = len(buffers) + 1
-        # starts (count + 1), then key and value addresses and key and value head strides
-        self._arrays = (ctypes.c_int64 * (5 * count + 1))()
+        # starts (count + 1), then key and value addresses, key and value head strides, and
+        # key and value scales' addresses
+        self._arrays = (ctypes.c_int64 * (7 * count + 1))()
         self.keys = 0  # the laid-out buffers' keys, and where the changing one starts
         for index, buffer in enumerate(buffers):
             self._set(index, *buffer)
@@ -353,20 +357,22 @@ class KeyTable:
         # the slot after the laid-out buffers is filled by each call (`attend`, and
         # starqa/native/_step.c)
         self.table = starqa_key_table(0, count - 1, base,
-                                      *(base + (k * count + 1) * size for k in range(1, 5)))
+                                      *(base + (k * count + 1) * size for k in range(1, 7)))
         self.address = ctypes.addressof(self.table)
 
     def _set(self, index: int, key: int, value: int, keys: int, key_stride: int,
-             value_stride: int) -> None:
+             value_stride: int, key_scales: int = 0, value_scales: int = 0) -> None:
         arrays, count = self._arrays, self.count
         arrays[index + 1] = self.keys + keys  # (arrays[index] is self.keys already)
         arrays[count + 1 + index] = key
         arrays[2 * count + 1 + index] = value
         arrays[3 * count + 1 + index] = key_stride
         arrays[4 * count + 1 + index] = value_stride
+        arrays[5 * count + 1 + index] = key_scales
+        arrays[6 * count + 1 + index] = value_scales
 
     def attend(self, bf16: bool, queries: starqa_queries, result: starqa_outputs,
-               own_buffer: tuple[int, int, int, int, int] | None = None, own: int = 0,
+               own_buffer: tuple[int, ...] | None = None, own: int = 0,
                threads: int = 1) -> int:
         """`starqa_attend` (starqa/native/_attend.c) of fp32 `queries` [heads, rows, dim]
         over the laid-out buffers, then `own_buffer` if given (`own` of its keys the

@@ -44,27 +44,46 @@ def supports(key: torch.Tensor, value: torch.Tensor | None = None) -> bool:
                             and value.dtype == key.dtype) and available())
 
 
-def attend(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float,
+def supports_int8(*rows: torch.Tensor) -> bool:
+    """Whether `attend` takes int8 rows like these: pairs (data, scale), data int8 [H, N, D]
+    on the CPU, rows contiguous, D at most 256, and scale fp32 [H, N] laid out as its rows
+    (contiguous, heads a data head stride / D apart); every pair of one shape."""
+    pairs = list(zip(rows[::2], rows[1::2]))
+    return available() and all(
+        data.device.type == "cpu" and data.dtype == torch.int8 and data.dim() == 3
+        and data.stride(-1) == 1 and data.stride(-2) == data.shape[-1]
+        and data.shape[-1] <= 256 and data.shape == pairs[0][0].shape
+        and scale.dtype == torch.float32 and scale.shape == data.shape[:2]
+        and scale.stride(-1) == 1 and scale.stride(0) * data.shape[-1] == data.stride(0)
+        for data, scale in pairs)
+
+
+def attend(q: torch.Tensor, parts: Sequence[tuple[torch.Tensor, ...]], scale: float,
            own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel behind starqa.attention.partial_parts (see there): q [H, R, D] over the
     keys of `parts`, buffers (key, value) [H, N_i, D] as `supports` says (heads may lie any
-    distance apart), one dtype, in order: as one buffer of their N = sum N_i keys, read
+    distance apart), one float dtype, or int8 rows (key, value, key scales, value scales)
+    as `supports_int8` says, in order: as one buffer of their N = sum N_i keys, read
     where each lies. Returns out [H, R, D] and lse [H, R], both fp32."""
-    if not parts:
-        return Layout([]).attend(q, None, None, scale, own)
+    if not parts or len(parts[-1]) > 2:  # the changing slot holds float keys only
+        if own:
+            raise ValueError(f"attention kernel: {own} own keys in int8 rows")
+        return Layout(parts).attend(q, None, None, scale)
     return Layout(parts[:-1]).attend(q, *parts[-1], scale, own)
 
 
 class Layout:
     """Buffers for `attend` laid out once (a shard's blocks, which never change), with a
     slot after them for one that changes at every call (the question's own KV): a
-    `kernels.KeyTable` over the tensors."""
+    `kernels.KeyTable` over the tensors. A part is (key, value), or int8 rows (key, value,
+    key scales, value scales); `dtype` is the float parts' (None: none, any)."""
 
-    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, ...]]):
         self.parts = list(parts)  # (kept alive while the table points at them)
-        self._table = kernels.KeyTable([_buffer(key, value) for key, value in self.parts])
+        self._table = kernels.KeyTable([_buffer(*part) for part in self.parts])
         self.keys = self._table.keys
-        self.dtype = self.parts[0][0].dtype if self.parts else None
+        floats = [part[0].dtype for part in self.parts if len(part) == 2]
+        self.dtype = floats[0] if floats else None
 
     def attend(self, q: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                scale: float, own: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +99,7 @@ class Layout:
             kernels.starqa_outputs(scale, out.data_ptr(), lse.data_ptr()),
             None if key is None else _buffer(key, value), own, torch.get_num_threads())
         if code:
-            shapes = [tuple(k.shape) for k, _ in self.parts] + \
+            shapes = [tuple(part[0].shape) for part in self.parts] + \
                 ([tuple(key.shape)] if key is not None else [])
             _check(code, f"attention kernel: impossible shapes q {tuple(q.shape)}, keys "
                          f"{shapes}, own {own}")
@@ -93,9 +112,12 @@ class Layout:
         return (self._table.address,)
 
 
-def _buffer(key: torch.Tensor, value: torch.Tensor) -> tuple[int, int, int, int, int]:
-    """(key, value) [H, N, D] as a `kernels.KeyTable` buffer."""
-    return key.data_ptr(), value.data_ptr(), key.shape[1], key.stride(0), value.stride(0)
+def _buffer(key: torch.Tensor, value: torch.Tensor, key_scale: torch.Tensor | None = None,
+            value_scale: torch.Tensor | None = None) -> tuple[int, ...]:
+    """(key, value) [H, N, D] (int8: with their scales [H, N]) as a `kernels.KeyTable`
+    buffer."""
+    return (key.data_ptr(), value.data_ptr(), key.shape[1], key.stride(0), value.stride(0),
+            _address(key_scale) or 0, _address(value_scale) or 0)
 
 
 def _address(x: torch.Tensor | None) -> int | None:

@@ -15,6 +15,7 @@ import torch
 
 from starqa.attention import Pieces, attend, fold_result, fused_available, partial_chunks
 from starqa.attention.copymass import GatherPlan, gather_rows
+from starqa.attention.kvint8 import attend_int8, cat_rows, is_int8
 from starqa.native import ops as native
 
 SLOT = 128  # shard keys per fused kernel call on CUDA (attention.partial_chunks)
@@ -29,16 +30,19 @@ class ShardView:
     shard: per layer the pieces (k, v), each [1, Hkv, T_i, D], that hold this worker's
     blocks in order, in the compute dtype (`starqa.cache.shards.load_shard`: on the CPU a
     piece per block, memory-mapped where it lies; elsewhere one), or None for no blocks (a
-    worker without blocks, or top-k attention, which holds its own). head: the keys before
-    the first document (template, system prompt), which are never a source.
+    worker without blocks, or top-k attention, which holds its own); int8 KV: each k and v
+    an `attention.kvint8.Int8Rows` standing for the compute dtype, attended without a
+    dequantised copy. head: the keys before the first document (template, system prompt),
+    which are never a source.
     """
 
     def __init__(self, shard: Shard | None, head: int = 0):
         self.cpu = shard is not None and shard[0][0][0].device.type == "cpu"
         if shard is not None and not self.cpu:  # the fused kernels take one buffer a layer
             shard = [pieces if len(pieces) == 1 else
-                     [tuple(torch.cat([p[i] for p in pieces], dim=2) for i in (0, 1))]
+                     [tuple(cat_rows([p[i] for p in pieces], dim=2) for i in (0, 1))]
                      for pieces in shard]
+        self.int8 = shard is not None and is_int8(shard[0][0][0])
         self.shard = shard
         # (CPU) each layer's pieces as the kernel reads them, laid out once
         self.pieces = [Pieces([(k[0], v[0]) for k, v in layer]) for layer in shard] \
@@ -49,7 +53,7 @@ class ShardView:
             self.starts.append(self.starts[-1] + k.shape[2])
         self.n_keys = self.starts[-1]
         self.head = min(head, self.n_keys)
-        self.fused = shard is not None and fused_available(shard[0][0][0])
+        self.fused = shard is not None and not self.int8 and fused_available(shard[0][0][0])
 
     def dtype(self, layer: int) -> torch.dtype:
         """The dtype the shard's keys of `layer` are held in (the shard part's compute
@@ -64,7 +68,8 @@ class ShardView:
         [1, Hkv, R = G*M, D] (`fold_gqa`). On the CPU one kernel call over the blocks'
         pieces and, given `own` (the question's KV so far (k, v) [1, Hkv, N, D], its last M
         this forward's, seen causally), over those too; elsewhere the shard alone: a fused
-        call per SLOT keys (the head its own part), or one exact part."""
+        call per SLOT keys (the head its own part), or one exact part (int8 KV: dequantised
+        a chunk at a time, `kvint8.attend_int8`)."""
         if self.cpu:
             if own is None:
                 out, lse = self.pieces[layer].attend(q[0], scale=scale)
@@ -75,6 +80,10 @@ class ShardView:
             return [out[None]], [lse[None]]
         if self.fused:
             return partial_chunks(q, *self.shard[layer][0], scale, SLOT, self.head)
+        if self.int8:
+            key, value = self.shard[layer][0]
+            out, lse = attend_int8(q[0], key[0], value[0], scale)
+            return [out[None]], [lse[None]]
         # no fused kernel here: one exact part
         out, lse = fold_result(*attend(query, *self.shard[layer][0], scale), q.shape[1])
         return [out], [lse]
@@ -120,7 +129,7 @@ class ShardView:
         lie evenly spaced in one buffer (a block file's keys [L, Hkv, T, D], as `load_shard`
         maps them), so attribution gathers a piece's keys of all layers in one op; else
         None. Found once (the shard never changes)."""
-        if self.shard is None or len(self.shard) < 2:
+        if self.shard is None or len(self.shard) < 2 or self.int8:  # int8: a layer at a time
             return None
         views = []
         for index in range(len(self.shard[0])):

@@ -48,13 +48,19 @@ def rerotate(k: torch.Tensor, delta: int, freqs: torch.Tensor) -> torch.Tensor:
 def rerotate_file(source: Path, target: Path, delta: int, freqs: torch.Tensor,
                   metadata: dict[str, str]) -> None:
     """Block file `source` written to `target` with its keys moved by `delta` positions
-    (values and any other tensors as they are), atomically."""
+    (values and any other tensors as they are; int8 keys requantised), atomically."""
     import os
 
     from safetensors.torch import load_file, save_file
 
+    from starqa.cache.shards import SCALES, dequantized, quantized
+
     tensors = load_file(str(source))
-    tensors["k"] = rerotate(tensors["k"], delta, freqs).contiguous()
+    if SCALES["k"] in tensors:  # int8 KV: keys dequantised, rotated, quantised again
+        tensors.update(quantized({"k": rerotate(dequantized(tensors)["k"], delta, freqs)},
+                                 names=("k",)))
+    else:
+        tensors["k"] = rerotate(tensors["k"], delta, freqs).contiguous()
     tmp = target.with_name(target.name + ".tmp")
     try:
         save_file(tensors, str(tmp), metadata=metadata)

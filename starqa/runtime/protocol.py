@@ -86,6 +86,7 @@ class IngestJob:
     across: bool = False  # machines that keep their own blocks (starqa.cache.hosts)
     hit: bool = False  # this machine holds the context already (across machines)
     device: str = "auto"
+    kv: str = "float"  # the KV's precision as saved (starqa.cache.manifest.KV_KINDS)
 
 
 @dataclass(frozen=True)

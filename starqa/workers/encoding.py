@@ -31,14 +31,16 @@ class EncodeTask:
 class BlockSink:
     """Where encoded blocks go: the staging `folder`, rounded to the cache's `dtype`
     (torch's name; None: as computed) as they are saved; with `index`, top-k attention's
-    indexes of each block too (starqa.topk.indexes). on_block(index, tokens) is called after
-    each block is written, on_index(seconds) after each block's indexes."""
+    indexes of each block too (starqa.topk.indexes), built from the float keys; kv: the KV's
+    precision as saved (starqa.cache.manifest.KV_KINDS). on_block(index, tokens) is called
+    after each block is written, on_index(seconds) after each block's indexes."""
 
     folder: Path
     dtype: str | None = None
     index: IndexJob | None = None
     on_block: Callable[[int, int], None] = lambda index, tokens: None
     on_index: Callable[[float], None] = lambda seconds: None
+    kv: str = "float"
 
 
 def encode_blocks(model, ids, task: EncodeTask, info, sink: BlockSink) -> None:
@@ -65,7 +67,8 @@ def encode_blocks(model, ids, task: EncodeTask, info, sink: BlockSink) -> None:
             k, v = k.to(store), v.to(store)
         start, end = blocks[i]
         shards.save_block(sink.folder, i, k.cpu(), v.cpu(), ids[start:end], {
-            "index": str(i), "start": str(start), "end": str(end), "method": method.name})
+            "index": str(i), "start": str(start), "end": str(end), "method": method.name},
+            kv=sink.kv)
         if sink.index is not None:
             from starqa.topk import indexes
 

@@ -80,7 +80,8 @@ def run_ingest(job: IngestJob, info) -> None:
     sink = BlockSink(folder, job.dtype, job.index,
                      lambda index, tokens: emit(Block(rank=info.rank, index=index,
                                                       tokens=tokens)),
-                     lambda seconds: emit(IndexBuilt(rank=info.rank, seconds=seconds)))
+                     lambda seconds: emit(IndexBuilt(rank=info.rank, seconds=seconds)),
+                     kv=job.kv)
     with counter:
         encode_blocks(model, ids, task, info, sink)
     if job.measure:

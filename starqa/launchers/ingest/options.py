@@ -45,6 +45,9 @@ class IngestOptions:
     # Start the --workers asked for even past this machine's CPU cores or memory
     # (`check_workers`).
     oversubscribe: bool = False
+    # The KV's precision on disk and in Phase 2 (`cache.manifest.KV_KINDS`): "float", in the
+    # cache's dtype, or "int8", rows with fp32 scales (about half the bytes)
+    kv: str = "float"
 
 
 @dataclass
@@ -85,7 +88,8 @@ class Prepared:
     """What an ingest encodes, as the launcher prepared it: its cache key, the token ids
     (with each file's token span and line starts), the corpus they came from and its packed
     spans, the model and the cache's dtype, the method's settings, the content's hash, the
-    query template the manifest records, and the block plan (None: fixed-size blocks)."""
+    query template the manifest records, the block plan (None: fixed-size blocks) and the
+    KV's precision."""
 
     key: str
     tokens: prompt.ContextTokens
@@ -97,6 +101,7 @@ class Prepared:
     content: str
     query_template: dict | None = None
     blocks: Sequence[tuple[int, int]] | None = None
+    kv: str = "float"  # the KV's precision (`cache.manifest.KV_KINDS`)
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,7 @@ from typing import Any
 from starqa import methods
 from starqa.cache import blockstore, shards, store
 from starqa.cache.manifest import (IngestRun, Manifest, Placement, Skipped, PackedFile,
-    block_file, read_manifest)
-from starqa.core import tensorfile
+    block_file, kv_tag, read_manifest)
 from starqa.core.errors import StarqaError
 from starqa.core.progress import UI
 from starqa.launchers.ingest.options import IngestOptions, IngestResult, Mode, Prepared
@@ -143,13 +142,13 @@ def _plan(opts: IngestOptions, root: Path, source: Prepared, mode: Mode) -> Phas
     bstore = blockstore.store_dir(root)
     freqs = rope(model.path) if mode.incremental and encoder.rotatable else None
     force = opts.force or not mode.incremental
-    stored = reuse.plan(method, ids, blocks, prepared,
-                        reuse.BlockStore(bstore, model.digest, source.dtype),
+    tag = kv_tag(source.dtype, source.kv)  # int8 blocks' addresses differ from float ones
+    stored = reuse.plan(method, ids, blocks, prepared, reuse.BlockStore(bstore, model.digest, tag),
                         force=force, rotate=freqs is not None)
     if not force and opts.nnodes == 1 and resume.recover(root, source.key, stored, bstore):
         # blocks of an ingest of these very inputs that crashed: planned again with them
         stored = reuse.plan(method, ids, blocks, prepared,
-                            reuse.BlockStore(bstore, model.digest, source.dtype),
+                            reuse.BlockStore(bstore, model.digest, tag),
                             force=False, rotate=freqs is not None)
     previous = store.latest_of(root, opts.paths, method.name, model.digest, source.dtype) \
         if mode.incremental else None
@@ -199,7 +198,7 @@ def _encode_here(plan: Phase1Plan, ui: UI, heard: _Heard) -> None:
                       EncodeTask(source.method, plan.blocks, plan.todo, plan.prepared),
                       BlockSink(plan.staging, source.dtype, plan.index,
                                 lambda index, tokens: ui.advance(tokens),
-                                heard.index_seconds.append), on_ready)
+                                heard.index_seconds.append, kv=source.kv), on_ready)
 
 
 def _encode_on_group(plan: Phase1Plan, ui: UI, heard: _Heard) -> None:
@@ -217,7 +216,7 @@ def _encode_on_group(plan: Phase1Plan, ui: UI, heard: _Heard) -> None:
                     todo=tuple(plan.todo), staging=str(plan.staging),
                     tokens_file=str(tokens_file), measure=plan.mode.measure,
                     prepared=plan.prepared, index=plan.index, across=plan.multinode,
-                    hit=plan.mode.hit_here)
+                    hit=plan.mode.hit_here, kv=source.kv)
 
     def on_event(event: Event) -> None:
         if isinstance(event, Ready):
@@ -256,7 +255,7 @@ def _commit(plan: Phase1Plan, heard: _Heard, encode_seconds: float) -> None:
         for i in (i for i in range(len(plan.blocks)) if i not in encoded):
             heard.index_seconds.append(indexes.write_block(
                 folder, plan.index.kind, i,
-                tensorfile.read_tensor(plan.staging / block_file(i), "k")))
+                shards.read_keys(plan.staging / block_file(i))))
         built = (indexes.hash_set(plan.staging, plan.index.folder, plan.index.kind,
                                   len(plan.blocks), sum(heard.index_seconds)),)
     store.commit(plan.staging, plan.final, _manifest(plan, hashed, built, heard.placed,
@@ -273,7 +272,8 @@ def _manifest(plan: Phase1Plan, hashed, built: tuple, placed: Placed | None,
     return Manifest(
         key=source.key, name=opts.name or _default_name(opts.paths), created=time.time(),
         sources=sources, command=opts.command or "starqa ingest " + shlex.join(sources),
-        model=source.model, reserve=opts.reserve, dtype=source.dtype, method=source.method,
+        model=source.model, reserve=opts.reserve, dtype=source.dtype, kv=source.kv,
+        method=source.method,
         content_sha256=source.content, n_tokens=len(ids),
         query_position=query_position(ids, source.method, plan.blocks, plan.prepared),
         query_template=source.query_template, blocks=hashed,
