@@ -307,3 +307,19 @@ def test_unknown_kv_is_refused(home, docs, tiny_model):
 
     with pytest.raises(StarqaError, match="Unknown --kv 'int4'"):
         _ingest(docs, tiny_model, kv="int4")
+
+
+@pytest.mark.parametrize("index", ["flat", "ivf"])
+def test_topk_over_an_int8_context_dequantises_at_load(home, docs, tiny_model, index):
+    """Top-k attention holds its own copy of the keys: over an int8 context it dequantises
+    the blocks as they load (docs/topk.md), and with every key picked answers as exact
+    attention over the same int8 context does."""
+    from starqa import engine
+    from starqa.topk.indexes import TopK
+
+    _ingest(docs, tiny_model, name="q", kv="int8")
+    ask = lambda **kw: engine.ask(engine.AskOptions(  # noqa: E731
+        question="who approved the travel budget", context="q", max_new_tokens=4, **kw))
+    exact = ask()
+    every = ask(topk=TopK(count=10_000, index=index))
+    assert every.token_ids == exact.token_ids

@@ -99,5 +99,23 @@ def from_cache(manifest: Manifest, blocks: Sequence[int], settings: TopK,
     lays its lists out by those of the worker's first block's ids, else as built."""
     if not blocks:
         return None
+    if manifest.kv == "int8":
+        return _dequantized(manifest, blocks, settings, dtype, device, mean_queries)
     files = loading.BlockFiles.of(manifest, blocks, dtype, device)
     return shard_class(settings).of_cache(files.held(settings), files, mean_queries)
+
+
+def _dequantized(manifest: Manifest, blocks: Sequence[int], settings: TopK,
+                 dtype: torch.dtype, device: torch.device,
+                 mean_queries: loading.MeanQueries | None) -> TopKShard:
+    """`from_cache` for a context of int8 KV (`Manifest.kv`): top-k holds its own copy of
+    the keys and values, so the blocks are dequantised into `dtype` as they load (checksums
+    verified first) and taken as blocks in memory (`from_parts`): ivf's and hnsw's indexes
+    are built here, and --kv-on-disk keeps nothing on disk (docs/topk.md)."""
+    from starqa.cache.shards import load_block, verify_checksums
+
+    verify_checksums(manifest, blocks, contents=True)
+    loaded = [load_block(manifest, i, device=device, verified=True, dtype=dtype) for i in blocks]
+    parts = [(k.to(device, dtype), v.to(device, dtype)) for k, v, _ in loaded]
+    toward = mean_queries(loaded[0][2]) if mean_queries is not None else None
+    return from_parts(parts, settings, manifest.n_tokens, dtype, blocks[0] == 0, toward)
