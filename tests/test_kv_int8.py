@@ -206,9 +206,9 @@ def test_block_file_holds_int8_rows_and_loads_as_them(tmp_path):
 def _ingest(docs, model, **kw):
     from starqa import engine
 
+    kw = {"dtype": "fp32", **kw}
     return engine.ingest(engine.IngestOptions(paths=(str(docs),), model=str(model),
-                                              dtype="fp32", block_size=60,
-                                              encode_in="process", **kw))
+                                              block_size=60, encode_in="process", **kw))
 
 
 def test_ingest_int8_answers_as_float(home, docs, tiny_model):
@@ -323,3 +323,28 @@ def test_topk_over_an_int8_context_dequantises_at_load(home, docs, tiny_model, i
     exact = ask()
     every = ask(topk=TopK(count=10_000, index=index))
     assert every.token_ids == exact.token_ids
+
+
+def test_int8_context_through_the_compiled_step(home, docs, tiny_model, monkeypatch):
+    """bf16 caches and int4 weights on the CPU: every layer of a forward runs in one call of
+    starqa/native/_step.c, whose exact attention reads the shard's int8 rows and the own
+    keys (bf16) in one table; the answer is the float context's."""
+    from starqa import engine
+    from starqa.phase2 import compiled_step
+
+    if not native.available():
+        pytest.skip("starqa's kernel is not built here")
+    made = []
+    original = compiled_step.CompiledStep._make
+    monkeypatch.setattr(compiled_step.CompiledStep, "_make",
+                        lambda self, *a: made.append(self.view.int8) or original(self, *a))
+    answers = {}
+    for kv in ("float", "int8"):
+        _ingest(docs, tiny_model, name=kv, kv=kv, dtype="bf16")
+        answers[kv] = engine.ask(engine.AskOptions(
+            question="who approved the travel budget", context=kv, max_new_tokens=6,
+            weights="int4", device="cpu"))
+    assert answers["int8"].weights == "int4"
+    assert answers["int8"].token_ids == answers["float"].token_ids
+    if native.int4_fast():
+        assert True in made and False in made  # the step ran over both
