@@ -2,6 +2,7 @@
 positions, sized to the window), the line that says it, and what those blocks are: each an
 ordinary forward of [anchor ‖ block] at positions 0..a+len−1, reused as it is after it moves."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -129,3 +130,45 @@ def test_a_moved_contiguous_block_is_reused_as_it_is(home, repo, tmp_path):
     for got, b in zip(kv, fresh.blocks):
         want = load_file(str(fresh.folder / b.file))
         assert torch.equal(got["k"], want["k"]) and torch.equal(got["v"], want["v"])
+
+
+def test_context_bias_is_the_overlap_of_keys_on_positions():
+    assert methods.context_bias(16_384, 7_680) == pytest.approx(math.log(7_680 / 16_384))
+    assert methods.context_bias(4_000, 4_000) == methods.context_bias(0, 0) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["exact", "topk"])
+def test_the_bias_scales_the_context_mass_exactly(kind):
+    """Phase 2 with a context bias b equals softmax over [s·q·K_ctx + b ‖ s·q·K_own (causal)]
+    computed in fp64: the context's mass scaled by e^b, the own keys' kept (top-k with k
+    covering every key is exact too)."""
+    from starqa.phase2.shard_attention import ShardAttention
+    from starqa.runtime import dist
+    from starqa.topk import retrieval
+    from starqa.topk.indexes import TopK
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, n, m, bias = 4, 2, 16, 96, 3, math.log(0.25)
+    k, v = torch.randn(1, kv_heads, n, dim), torch.randn(1, kv_heads, n, dim)
+    q = torch.randn(1, heads, m, dim)
+    own_k, own_v = torch.randn(1, kv_heads, m, dim), torch.randn(1, kv_heads, m, dim)
+    shard = [[(k[:, :, :40], v[:, :, :40]), (k[:, :, 40:], v[:, :, 40:])]]
+    if kind == "exact":
+        hook = ShardAttention(dist.local_world(), shard, query_host=True, context_bias=bias)
+    else:
+        retriever = retrieval.from_parts([(k[0][None], v[0][None])], TopK(count=n), n,
+                                         torch.float32)
+        hook = ShardAttention(dist.local_world(), None, query_host=True, retriever=retriever,
+                              context_bias=bias)
+    hook.begin(8)
+    got = hook.attention(0, q, own_k, own_v, dim**-0.5)
+
+    g = heads // kv_heads
+    keys = torch.cat([k, own_k], 2).repeat_interleave(g, 1).double()
+    values = torch.cat([v, own_v], 2).repeat_interleave(g, 1).double()
+    scores = q.double() @ keys.transpose(-1, -2) * dim**-0.5
+    scores[..., :n] += bias
+    scores[..., n:] += torch.triu(torch.full((m, m), -math.inf), 1).double()
+    want = torch.softmax(scores, -1) @ values
+    error = (got.double() - want).abs().max() / want.abs().max()
+    assert error < 1e-5

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from starqa.core.errors import ShardError, StarqaError
-from starqa.methods import MethodConfig
+from starqa.methods import MethodConfig, context_bias
 
 MANIFEST = "manifest.json"
 FORMAT = 4  # 2: files carry line_tokens (sources); 3: query_position; 4: blocks hold token ids
@@ -224,6 +224,12 @@ class Manifest:
         question and an answer, so only `ask --beyond-window` answers from it. (A context
         encoded at contiguous positions may hold many windows of tokens, and not be past.)"""
         return self.query_position + max(self.reserve or 0, 1) > self.model.window
+
+    @property
+    def context_bias(self) -> float:
+        """What Phase 2 adds to the context keys' scores: log(query_position / n_tokens)
+        where the blocks share positions (`methods.context_bias`), else 0."""
+        return context_bias(self.n_tokens, self.query_position)
 
     @property
     def local_blocks(self) -> tuple[int, ...]:

@@ -19,7 +19,8 @@ token and the rows kept for source attribution are the very ones the torch path 
 (tests/test_firsttoken.py compares them bit for bit). It applies where that forward is the
 one Phase 2 runs: a world of one on the CPU, bf16, int4 weights in starqa's tiles (AVX-512
 VNNI), exact attention, a question of fewer than W8A8_MIN_ROWS_TILES tokens (longer ones
-run W8A8, torch's int8 GEMM) and a prepared file already written. Elsewhere `prefill`
+run W8A8, torch's int8 GEMM), a prepared file already written and a context whose blocks
+do not share positions (no `Manifest.context_bias`). Elsewhere `prefill`
 returns None and the torch path answers from the start, as before. STARQA_FIRST_TOKEN=0
 turns it off.
 """
@@ -108,6 +109,8 @@ def prefill(job: Job, emit: Callable[[Event], None], threads: int | None = None
     if not applies(job):
         return None
     manifest = read_manifest(Path(job.context_dir))
+    if manifest.context_bias:  # its kernel call takes shard and own keys at one scale
+        return None
     model = _load_model(Path(job.model_path))
     if model is None:
         return None

@@ -34,8 +34,9 @@ class RankShare:
     """This rank's share of a context, what its `Answerer` answers over: the shard of its
     contiguous blocks (`ShardView`'s layout; None for none, or under top-k attention) or
     top-k attention over them (`retriever`, starqa.topk.shard.TopKShard), the question's
-    position, and what source attribution needs (without them, no sources): the files the
-    context covers, the position of the shard's first key and the shard's token ids."""
+    position, what source attribution needs (without them, no sources): the files the
+    context covers, the position of the shard's first key and the shard's token ids; and the
+    context keys' score bias."""
 
     shard: Shard | None
     query_position: int
@@ -44,6 +45,9 @@ class RankShare:
     blocks: Sequence[int] = ()
     ids: torch.Tensor | None = None
     retriever: TopKShard | None = None
+    # added to every context key's score: the context's mass scaled where its blocks share
+    # positions (`Manifest.context_bias`, docs/methods.md §2); 0 elsewhere
+    context_bias: float = 0.0
 
     def head(self) -> int:
         """The shard's keys before the first document (template, system prompt): no
@@ -63,7 +67,8 @@ class Answerer:
         self.query_position = share.query_position
         self.sources_seconds = 0.0
         self.hook = ShardAttention(info, share.shard, query_host=info.is_last,
-                                   head=share.head(), ids=share.ids, retriever=share.retriever)
+                                   head=share.head(), ids=share.ids, retriever=share.retriever,
+                                   context_bias=share.context_bias)
 
     @classmethod
     def from_cache(cls, manifest: Manifest, info: dist.DistInfo, model_path: Path,
@@ -92,7 +97,8 @@ class Answerer:
         start = manifest.blocks[blocks[0]].start if blocks else 0
         gcpause.settle()  # started: what is alive now lives as long as the process
         return cls(info, decoder, RankShare(shard, manifest.query_position, tuple(manifest.files),
-                                            start, tuple(blocks), ids, retriever))
+                                            start, tuple(blocks), ids, retriever,
+                                            manifest.context_bias))
 
     def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
                on_token: Callable[[int], None] | None = None,

@@ -37,21 +37,23 @@ class ShardAttention:
     head: the keys before the first document (never a source); ids: the shard's token ids
     [N_h] (what source attribution matches the answer against); retriever: top-k attention
     over this worker's blocks (starqa.topk.shard.TopKShard) in place of the exact shard
-    part (shard is then None: no sources are tracked). While `track` is set, it keeps the
+    part (shard is then None: no sources are tracked); context_bias: added to every shard
+    key's score (`LayerAttention`). While `track` is set, it keeps the
     last query row of every forward (the row that picks the next token) and its global LSE,
     for `key_mass`.
     """
 
     def __init__(self, info: dist.DistInfo, shard: Shard | None, query_host: bool,
                  head: int = 0, ids: torch.Tensor | None = None,
-                 retriever: TopKShard | None = None):
+                 retriever: TopKShard | None = None, context_bias: float = 0.0):
         self.info = info
         self.query_host = query_host
         self.retriever = retriever
         self.ids = ids
         self.view = ShardView(shard, head)
         self.own = OwnKV()
-        self.layer = LayerAttention(info, self.view, self.own, query_host, retriever)
+        self.layer = LayerAttention(info, self.view, self.own, query_host, retriever,
+                                    context_bias)
         self.step = CompiledStep(self.view, self.own, retriever)
         self.rows = sources.AnswerRows(len(self.view.shard) if shard is not None else 0)
         self.track = False
@@ -115,11 +117,11 @@ class ShardAttention:
                  ) -> StepPlan | None:
         """This forward's attention as starqa/native/_step.c's words (`decoder.Decoder.forward`'s
         `compiled`: every layer in one call), or None where it goes layer by layer: a world
-        of more than one (a collective between the layers), not the query host, not on the
-        CPU, the shard's dtype not the model's, top-k's exact question, or no compiled
+        of more than one (a collective between the layers), not the query host, a context
+        bias (its call takes shard and own keys at one scale), not on the CPU, the shard's dtype not the model's, top-k's exact question, or no compiled
         kernel for the attention (`CompiledStep`). The own buffers are made for every layer
         here, at once."""
-        if self.info.world_size > 1 or not self.query_host or \
+        if self.info.world_size > 1 or not self.query_host or self.layer.context_bias or \
                 not self.step.offered(m, heads // kv_heads, self.question):
             return None
         words = self.step.words(self.own.length + m, dtype, kv_heads, dim)

@@ -278,11 +278,12 @@ class Evaluator:
 
         encoded = encoded or self.encode(sample, method)
         config, start, parts = encoded.config, encoded.query_position, encoded.parts
+        bias = methods_mod.context_bias(len(sample.context_ids), start)  # as the manifest's
         started = time.perf_counter()
         if topk is None:
             answerer = Answerer(self.info, self.decoder, RankShare(
                 shard_of(parts, self.dtype), start, tuple(sample.files),
-                ids=torch.tensor(sample.context_ids)))
+                ids=torch.tensor(sample.context_ids), context_bias=bias))
         else:
             toward = None
             if topk.index == "ivf":  # its lists laid out as `Answerer.from_cache` lays them
@@ -290,7 +291,8 @@ class Evaluator:
             retriever = retrieval.from_parts(parts, topk, len(sample.context_ids), self.dtype,
                                              toward=toward)
             answerer = Answerer(self.info, self.decoder,
-                                RankShare(None, start, tuple(sample.files), retriever=retriever))
+                                RankShare(None, start, tuple(sample.files), retriever=retriever,
+                                          context_bias=bias))
         started -= encoded.seconds  # phase1_s: the encoding, and top-k's index build
         encoded_at = time.perf_counter()
         tokens: list[int] = []
