@@ -597,3 +597,22 @@ def test_main_stops_on_sigterm_inside_and_leaves_the_callers_handler(monkeypatch
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, mine)
+
+
+def test_kv_int8_runs_beside_float_with_retention_against_it(home, tiny_model, tmp_path):
+    """--kv int8: each method also answers over its rows quantised as ingest stores them;
+    its retention is against the same method over float KV, whose tokens it keeps here."""
+    opts = runner.EvalOptions(model=str(tiny_model), methods="star", tasks="vt", lengths="300",
+                              samples=1, dtype="fp32", json_path=str(tmp_path / "e.json"),
+                              kv=("int8",))
+    plan = runner.plan(opts)
+    assert plan.labels == ["dense", "dense int8", "star", "star int8"]
+    assert plan.references == {"dense int8": "dense", "star int8": "star"}
+    results = runner.run(plan)
+    [sample] = results["samples"]
+    for m in ("dense", "star"):  # a random model's near-ties may flip: the first tokens agree
+        assert sample["results"][f"{m} int8"]["token_ids"][:3] == \
+            sample["results"][m]["token_ids"][:3]
+    assert set(results["summary"][0]["methods"]) == set(plan.labels)
+    with pytest.raises(StarqaError, match="Unknown --kv 'float'"):
+        runner.plan(dataclasses.replace(opts, kv=("float",)))

@@ -122,6 +122,10 @@ def eval_(
         help="Measure incremental re-ingest: a haystack of files is ingested, one file "
              "changes, and each method answers from an incremental re-ingest (\"star incr\") "
              "and a full one; tasks edit_changed, edit_unchanged (group: edit).")] = False,
+    kv: Annotated[Optional[str], typer.Option(
+        "--kv", envvar="STARQA_EVAL_KV",
+        help="Also run each method over this KV precision (int8: as `ingest --kv int8` "
+             "stores it), its retention against the same method over float KV.")] = None,
 ) -> None:
     """Measure each method's accuracy, and its retention of dense accuracy, on generated
     long-context tasks (RULER-style: needles, variable tracking, word extraction, and
@@ -134,7 +138,8 @@ def eval_(
         model=model, methods=methods, tasks=tasks, lengths=lengths, samples=samples, seed=seed,
         json_path=json_path, dtype=dtype, device=device, weights=weights, block_size=block_size,
         anchor_size=anchor_size, command="starqa " + shlex.join(sys.argv[1:]), topk=topk,
-        edit=edit, method_params=method_params(sink_size, heuristic, summary_budget, chunk_size,
+        edit=edit, kv=tuple(p.strip() for p in kv.split(",") if p.strip()) if kv else (),
+        method_params=method_params(sink_size, heuristic, summary_budget, chunk_size,
                                                positions, passing_size, probe_window)))
 
 

@@ -26,7 +26,7 @@ from starqa.topk.indexes import TopK
 from starqa.measure.evals import edit, generators, scoring
 from starqa.measure.evals.encoded import Encoded
 from starqa.measure.lengths import length_label, parse_lengths
-from starqa.cache.manifest import write_json_atomic
+from starqa.cache.manifest import KV_KINDS, write_json_atomic
 from starqa.cache.shards import shard_of
 
 FORMAT = "starqa-eval/1"
@@ -65,6 +65,7 @@ class EvalOptions:
     command: str | None = None  # how the user ran it, recorded in the JSON
     topk: tuple[TopK, ...] = ()  # top-k attention settings, each also run after exact
     edit: bool = False  # the edit tasks: each method re-ingests incrementally and in full
+    kv: tuple[str, ...] = ()  # KV precisions besides float each method also runs ("int8")
 
 
 @dataclass
@@ -86,23 +87,34 @@ class Plan:
         return len(self.tasks) * len(self.lengths) * self.opts.samples
 
     @property
-    def variants(self) -> list[tuple[str, str, TopK | None]]:
-        """(label, method, top-k settings) of every run of a sample: each method with exact
-        attention (label: the method), then with each top-k setting ("dense topk 1%"), all
-        on the method's one Phase 1 encoding. With --edit: each method's full re-ingest
-        (label: the method), then its incremental one ("star incr")."""
+    def variants(self) -> list[tuple[str, str, TopK | None, str]]:
+        """(label, method, top-k settings, KV precision) of every run of a sample: each
+        method with exact attention (label: the method), then with each top-k setting
+        ("dense topk 1%"), then over each other KV precision ("star int8"), all on the
+        method's one Phase 1 encoding. With --edit: each method's full re-ingest (label: the
+        method), then its incremental one ("star incr")."""
         runs = []
         for m in self.methods:
-            runs.append((m, m, None))
-            runs += [(topk_label(m, t), m, t) for t in self.opts.topk]
+            runs.append((m, m, None, KV_FLOAT))
+            runs += [(topk_label(m, t), m, t, KV_FLOAT) for t in self.opts.topk]
+            runs += [(f"{m} {kv}", m, None, kv) for kv in self.opts.kv]
             if self.opts.edit:
-                runs.append((edit.label(m), m, None))
+                runs.append((edit.label(m), m, None, KV_FLOAT))
         return runs
 
     @property
     def labels(self) -> list[str]:
         """The results' columns: `variants`' labels (dense first: the reference)."""
-        return [label for label, _, _ in self.variants]
+        return [label for label, _, _, _ in self.variants]
+
+    @property
+    def references(self) -> dict[str, str]:
+        """What a label's retention compares with, where not dense: an incremental run, the
+        full one; a KV precision, the same method over float KV."""
+        kv = {label: method for label, method, _, precision in self.variants
+              if precision != KV_FLOAT}
+        return {**kv, **{label: edit.reference(label) for label in self.labels
+                         if edit.reference(label)}}
 
     @property
     def n_runs(self) -> int:
@@ -112,6 +124,9 @@ class Plan:
     def total_tokens(self) -> int:
         """Token budget of all runs: the progress bar's unit (a run costs about its length)."""
         return sum(self.lengths) * len(self.tasks) * self.opts.samples * len(self.labels)
+
+
+KV_FLOAT = KV_KINDS[0]  # the KV precision every method runs in; --kv adds others
 
 
 def topk_label(method: str, topk: TopK) -> str:
@@ -189,6 +204,14 @@ def plan(opts: EvalOptions) -> Plan:
     if opts.edit and opts.topk:
         raise StarqaError("--edit measures re-ingest, with exact attention; --attention topk "
                           "does not apply to it.", hint="drop --attention topk (or --edit)")
+    for kv in opts.kv:
+        if kv not in KV_KINDS[1:]:
+            raise StarqaError(f"Unknown --kv {kv!r}: every method runs over float KV, and "
+                              f"--kv adds one of: {', '.join(KV_KINDS[1:])}.",
+                              hint=f"--kv {KV_KINDS[1]}")
+    if opts.edit and opts.kv:
+        raise StarqaError("--edit measures re-ingest over float KV; --kv does not apply to it.",
+                          hint="drop --kv (or --edit)")
     methods, notes = parse_methods(opts.methods)
     requested = parse_lengths(opts.lengths)
     if opts.samples < 1:
@@ -267,9 +290,10 @@ class Evaluator:
         return Encoded(config, len(blocks), parts, start, time.perf_counter() - started)
 
     def answer(self, sample: generators.Sample, method: str, topk: TopK | None = None,
-               encoded: Encoded | None = None) -> dict:
+               encoded: Encoded | None = None, kv: str = "float") -> dict:
         """Phase 2 for the sample's question over its Phase 1 encoding (done here unless
-        given), with exact attention or `topk`."""
+        given), with exact attention or `topk`; over int8 KV (`kv`), its rows quantised as
+        `ingest --kv int8` stores them."""
         import torch
 
         from starqa.phase2.answerer import Answerer, RankShare
@@ -279,6 +303,10 @@ class Evaluator:
         encoded = encoded or self.encode(sample, method)
         config, start, parts = encoded.config, encoded.query_position, encoded.parts
         bias = methods_mod.context_bias(len(sample.context_ids), start)  # as the manifest's
+        if kv != KV_FLOAT:
+            from starqa.attention.kvint8 import quantize_rows
+
+            parts = [(quantize_rows(k), quantize_rows(v)) for k, v in parts]
         started = time.perf_counter()
         if topk is None:
             answerer = Answerer(self.info, self.decoder, RankShare(
@@ -348,9 +376,7 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
         results["seconds"] = round(time.perf_counter() - started, 2)
         results["runs_done"] = sum(len(s["results"]) for s in results["samples"])
         results["summary"] = scoring.summarize(results["samples"], plan.labels,
-                                               {label: edit.reference(label)
-                                                for label in plan.labels
-                                                if edit.reference(label)})
+                                               plan.references)
         write_json_atomic(plan.json_path, results)
 
     progress.start(plan)
@@ -367,7 +393,7 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
                     encoded, edited = None, {}
                     if kept_ids != sample.context_ids:  # a one-context task's next context
                         kept, kept_ids = {}, sample.context_ids
-                    for label, method, topk in plan.variants:
+                    for label, method, topk, kv in plan.variants:
                         progress.run(task, length, index, label)
                         if plan.opts.edit and method not in edited:  # full, incremental
                             edited[method] = edit.encode_both(evaluator, sample, method)
@@ -378,7 +404,7 @@ def run(plan: Plan, progress: Progress = Progress(), evaluator: Evaluator | None
                             encoded = kept.get(method) or evaluator.encode(sample, method)
                             if generators.TASKS[task].one_context:
                                 kept[method] = encoded
-                        result = evaluator.answer(sample, method, topk, encoded)
+                        result = evaluator.answer(sample, method, topk, encoded, kv)
                         if plan.opts.edit and label != method:
                             result["reuse"] = reused
                             result["same_tokens"] = (result["token_ids"] == record["results"]
@@ -429,7 +455,7 @@ def _skeleton(plan: Plan, evaluator: Evaluator) -> dict:
             "edit": {"about": edit.__doc__.split("\n\n")[0],
                      "retention": "<method> incr: accuracy / the same method's full "
                                   "re-ingest accuracy"} if opts.edit else None,
-            "topk": [t.as_dict() for t in opts.topk],
+            "topk": [t.as_dict() for t in opts.topk], "kv": list(opts.kv),
             "method_options": evaluator.options,
             "tasks": {t: {"about": generators.TASKS[t].about,
                           "max_new_tokens": generators.TASKS[t].max_new_tokens,
