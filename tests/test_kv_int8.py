@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from starqa.attention import Pieces, fold_gqa, partial_parts
-from starqa.attention.kvint8 import (Int8Rows, attend_int8, attend_int8_parts,
-                                     kv_bytes_per_token, quantize_rows)
+from starqa.attention.kvint8 import Int8Rows, attend_int8, attend_int8_parts, quantize_rows
+from starqa.cache.manifest import kv_bytes_per_token
 from starqa.cache import shards
 from starqa.cache.manifest import block_file, kv_tag, read_manifest
 from starqa.core.errors import ShardError

@@ -16,6 +16,10 @@ from starqa.methods import method_config, plan_blocks
 from tiny import make_tiny_model
 
 QWEN_KV = 28 * 2 * 128 * 2 * 2  # Qwen2.5-Coder-1.5B's bytes of bf16 KV per token: 28,672
+
+
+def KV(kv: str) -> int:  # noqa: N802 (a table, as the planner reads it)
+    return QWEN_KV if kv == "float" else 14_784
 GIB = 1 << 30
 
 
@@ -29,7 +33,7 @@ def test_past_the_window_star_blocks_fit_it(n, block):
     """click (100K), rich (374K), a million tokens: blocks of at most half of what the
     window leaves beside the reserve (on a grid of 256), the anchor as long, positions
     contiguous; a context just past the window keeps the paper's quarter of it."""
-    choice = planner.plan(opts(), n, 32_768, QWEN_KV, 22 * GIB)
+    choice = planner.plan(opts(), n, 32_768, KV, 24 * GIB, 22 * GIB)
     assert choice.opts.method_params == {"positions": "contiguous"}
     assert (choice.opts.block_size, choice.opts.anchor_size) == (block, block)
     assert block + block + 512 <= 32_768
@@ -41,17 +45,28 @@ def test_past_the_window_star_blocks_fit_it(n, block):
     assert query + 512 <= 32_768  # the question and its answer stay within the window too
 
 
-def test_the_line_says_where_the_kv_lives():
-    """374K tokens of bf16 KV (10.7 GB) fit 22 GiB's half; with 16 GiB, ask reads from disk."""
-    assert "KV 10.7 GB, held in memory" in planner.plan(opts(), 374_303, 32_768, QWEN_KV,
-                                                        22 * GIB).line
-    assert "ask reads it from disk" in planner.plan(opts(), 374_303, 32_768, QWEN_KV,
+def test_the_line_says_what_the_kv_takes_and_where_it_lives():
+    """374K tokens of bf16 KV (10.7 GB) fit half of 24 GiB: float, held in memory; with 16
+    GiB, ask would read it from disk. On a 16 GiB machine float would take more than half:
+    int8, 5.5 GB, and the line says why."""
+    line = planner.plan(opts(), 374_303, 32_768, KV, 24 * GIB, 22 * GIB).line
+    assert "KV 10.7 GB in float, held in memory." in line
+    assert "ask reads it from disk" in planner.plan(opts(), 374_303, 32_768, KV, 24 * GIB,
                                                     16 * GIB).line
+    small = planner.plan(opts(), 374_303, 32_768, KV, 16 * GIB, 12 * GIB)
+    assert small.opts.kv == "int8"
+    assert "KV 5.5 GB in int8 (float would take 10.7 GB, more than half of the machine's " \
+           "17.2 GB), held in memory." in small.line
+    given = planner.plan(opts(kv="float"), 374_303, 32_768, KV, 16 * GIB, 12 * GIB)
+    assert given.opts.kv == "float"  # as asked
+    fits = planner.plan(opts(), 30_000, 32_768, KV, GIB, GIB)  # in the window, said for int8
+    assert fits.opts.kv == "int8" and fits.line.startswith("Plan: 30,000 tokens fit the")
 
 
 def test_within_the_window_nothing_changes():
     given = opts(block_size=4096)
-    assert planner.plan(given, 32_768 - 512, 32_768, QWEN_KV, GIB) == planner.Choice(given, None)
+    assert planner.plan(given, 32_768 - 512, 32_768, KV, 24 * GIB, GIB) == planner.Choice(
+        replace(given, kv="float"), None)
 
 
 def test_given_sizes_are_kept_or_refused_with_sizes_that_fit():
@@ -76,7 +91,7 @@ def test_settings_that_keep_positions_past_the_window_are_refused():
 
 def test_beyond_window_extrapolates_as_asked():
     choice = planner.plan(opts(beyond_window=True), 100_000, 32_768)
-    assert choice.opts == opts(beyond_window=True) and "extrapolates" in choice.line
+    assert choice.opts == opts(beyond_window=True, kv="float") and "extrapolates" in choice.line
 
 
 def test_a_contiguous_block_is_a_forward_of_anchor_and_block_from_position_zero(model):

@@ -24,7 +24,8 @@ class IngestSettings:
     free to ask (`reserve`), a fresh encoding even when cached (`force`), a context past the
     model's window (`beyond_window`), the device, the largest file read, the top-k
     indexes to build too (`index`) and the KV's precision (`kv`: "float", the cache's
-    dtype, or "int8": rows with fp32 scales, about half the bytes)."""
+    dtype, or "int8": rows with fp32 scales, about half the bytes; None: float, or int8
+    where float would take more than half the memory)."""
 
     block_size: int | None = None
     anchor_size: int | None = None
@@ -38,7 +39,7 @@ class IngestSettings:
     device: str = "auto"
     max_file_bytes: int = 1_000_000
     index: str | None = None
-    kv: str = "float"
+    kv: str | None = None
 
     def ingest_options(self, paths: tuple[str, ...], name: str | None,
                        model: str | None) -> IngestOptions:

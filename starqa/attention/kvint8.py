@@ -157,12 +157,3 @@ def merge_two(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
     merged = (first.unsqueeze(-1) * out + second.unsqueeze(-1) * part_out)
     merged.div_(total.clamp(min=1e-30).unsqueeze(-1))
     return merged, total.log_().add_(top)
-
-
-def kv_bytes_per_token(layers: int, kv_heads: int, dim: int, kv: str,
-                       float_bytes: int = 2) -> int:
-    """Bytes of KV one token takes in a cache of KV precision `kv`: keys and values of every
-    layer and KV head; int8 rows carry a 4-byte scale each. (Qwen2.5-Coder-1.5B: 28 layers,
-    2 KV heads of 128: bf16 28,672; int8 14,784.)"""
-    row = dim + 4 if kv == "int8" else dim * float_bytes
-    return layers * kv_heads * 2 * row

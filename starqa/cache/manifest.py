@@ -51,6 +51,15 @@ _NOT_JSON = {"json": False}  # field metadata: not written to (or read from) the
 KV_KINDS = ("float", "int8")
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, dim: int, kv: str,
+                       float_bytes: int = 2) -> int:
+    """Bytes of KV one token takes in a cache of KV precision `kv`: keys and values of every
+    layer and KV head; int8 rows carry a 4-byte scale each. (Qwen2.5-Coder-1.5B: 28 layers,
+    2 KV heads of 128: bf16 28,672; int8 14,784.)"""
+    row = dim + 4 if kv == "int8" else dim * float_bytes
+    return layers * kv_heads * 2 * row
+
+
 def kv_tag(dtype: str, kv: str) -> str:
     """What cache keys and block addresses hash for a cache's dtype and KV precision: the
     dtype alone for float KV (the keys of every context made before int8 KV), else

@@ -62,11 +62,12 @@ def ingest(
         envvar="STARQA_NAME", callback=_name,
         help="Context name (default: the first path's name).")] = None,
     dtype: Dtype = None,
-    kv: Annotated[str, typer.Option(
+    kv: Annotated[Optional[str], typer.Option(
         "--kv", envvar="STARQA_KV",
         help="The KV's precision, on disk and in Phase 2: float (the cache's dtype) or int8 "
-             "(each key and value row int8 with an fp32 scale: about half the bytes).")
-                  ] = "float",
+             "(each key and value row int8 with an fp32 scale: about half the bytes). "
+             "Default: float, or int8 where float would take more than half the memory.")
+                  ] = None,
     max_file_size: Annotated[int, typer.Option(
         envvar="STARQA_MAX_FILE_SIZE", help="Skip files larger than this many bytes.")] = 1_000_000,
     include: Annotated[Optional[list[str]], typer.Option(

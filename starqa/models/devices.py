@@ -99,10 +99,20 @@ def cpu_description() -> tuple[str, set[str]]:
 def available_memory() -> int | None:
     """Bytes of memory available (Linux /proc/meminfo's MemAvailable), or None where
     unknown."""
+    return _meminfo("MemAvailable:")
+
+
+def total_memory() -> int | None:
+    """Bytes of memory the machine has (/proc/meminfo's MemTotal), or None where unknown:
+    what a choice that must not change from one run to the next is sized by."""
+    return _meminfo("MemTotal:")
+
+
+def _meminfo(field: str) -> int | None:
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

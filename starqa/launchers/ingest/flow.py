@@ -20,7 +20,8 @@ from typing import Any, Callable
 from starqa import corpus as corpus_mod
 from starqa import methods
 from starqa.cache import shards, store
-from starqa.cache.manifest import FORMAT, KV_KINDS, ModelIdentity, kv_tag, read_manifest
+from starqa.cache.manifest import (FORMAT, KV_KINDS, ModelIdentity, kv_bytes_per_token, kv_tag,
+    read_manifest)
 from starqa.core import paths
 from starqa.core.defaults import default_reserve
 from starqa.core.errors import StarqaError
@@ -58,11 +59,11 @@ def ingest(opts: IngestOptions, ui: UI = UI()) -> IngestResult:
     root = paths.contexts_dir()
     corpus, tokens, spans = _tokenised(opts, root, corpus, tokenizer, ui)
     opts = _planned(_checked(opts, len(tokens.ids), model.window), len(tokens.ids),
-                    model.window, per_token(dtype), ui)
+                    model.window, lambda kv: per_token(dtype, kv), ui)
     method = _method(opts, root, model, dtype, tokens.ids, tokenizer)
     content = corpus_mod.content_hash(corpus.files)
     key = _cache_key(content, model.digest, method.as_dict(), kv_tag(dtype, _kv(opts)), PLAN)
-    source = Prepared(key, tokens, corpus, spans, model, dtype, method, content, kv=opts.kv)
+    source = Prepared(key, tokens, corpus, spans, model, dtype, method, content, kv=_kv(opts))
     result = _cached_or_encoded(opts, root, source, tokenizer, ui, started)
     return _with_prepared_weights(result, opts, source, ui, started)
 
@@ -101,9 +102,10 @@ def _with_prepared_weights(result: IngestResult, opts: IngestOptions, source: Pr
     return replace(result, seconds=end - started, prepare_seconds=end - begun)
 
 
-def _model(spec: str | None, ui: UI) -> tuple[ModelIdentity, Any, Callable[[str], int | None]]:
+def _model(spec: str | None, ui: UI) -> tuple[ModelIdentity, Any, Callable[[str, str], int | None]]:
     """The model `spec` names (None: the default), resolved; its tokenizer; and the bytes of
-    KV a token takes in a cache of a given dtype (None where the config does not say)."""
+    KV a token takes in a cache of a dtype and KV precision (None where the config does not
+    say)."""
     from starqa import models
 
     model_path = models.resolve_model(spec, ui)
@@ -112,12 +114,11 @@ def _model(spec: str | None, ui: UI) -> tuple[ModelIdentity, Any, Callable[[str]
     window = models.context_window(config)
     return (ModelIdentity.of(model_path, models.recorded_spec(spec or models.DEFAULT_MODEL),
                              window, models.fingerprint(model_path)), tokenizer,
-            lambda dtype: _kv_per_token(config, dtype))
+            lambda dtype, kv: _kv_per_token(config, dtype, kv))
 
 
-def _kv_per_token(config, dtype: str) -> int | None:
-    """Bytes of keys and values one token takes in the cache: layers × KV heads × head size
-    × 2 × the dtype's bytes (Qwen2.5-Coder-1.5B in bf16: 28 × 2 × 128 × 2 × 2 = 28,672)."""
+def _kv_per_token(config, dtype: str, kv: str) -> int | None:
+    """`kv_bytes_per_token` for the model's config (layers, KV heads, head size)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers, heads = getattr(text, "num_hidden_layers", None), getattr(text, "num_attention_heads", None)
     hidden = getattr(text, "hidden_size", None)
@@ -125,16 +126,17 @@ def _kv_per_token(config, dtype: str) -> int | None:
         return None
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
-    itemsize = {"float32": 4, "float64": 8}.get(dtype, 2)
-    return layers * kv_heads * head_dim * 2 * itemsize
+    return kv_bytes_per_token(layers, kv_heads, head_dim, kv,
+                              {"float32": 4, "float64": 8}.get(dtype, 2))
 
 
-def _planned(opts: IngestOptions, n: int, window: int, per_token: int | None,
+def _planned(opts: IngestOptions, n: int, window: int, per_token: Callable[[str], int | None],
              ui: UI) -> IngestOptions:
-    """`opts` as the planner fits them to the window (`planner.plan`), its line said."""
-    from starqa.models.devices import available_memory
+    """`opts` as the planner fits them to the window and the memory (`planner.plan`), its
+    line said."""
+    from starqa.models.devices import available_memory, total_memory
 
-    choice = plan_ingest(opts, n, window, per_token, available_memory())
+    choice = plan_ingest(opts, n, window, per_token, total_memory(), available_memory())
     if choice.line:
         ui.note(choice.line)
     return choice.opts
@@ -320,7 +322,9 @@ def _reusable(folder: Path, plan: str | None = None) -> bool:
 
 
 def _kv(opts: IngestOptions) -> str:
-    """--kv, checked."""
+    """--kv, checked (None, where no planner chose: float)."""
+    if opts.kv is None:
+        return KV_KINDS[0]
     if opts.kv not in KV_KINDS:
         raise StarqaError(f"Unknown --kv {opts.kv!r}.", hint=f"choose one of: {', '.join(KV_KINDS)}")
     return opts.kv

@@ -47,7 +47,9 @@ class IngestOptions:
     oversubscribe: bool = False
     # The KV's precision on disk and in Phase 2 (`cache.manifest.KV_KINDS`): "float", in the
     # cache's dtype, or "int8", rows with fp32 scales (about half the bytes)
-    kv: str = "float"
+    # the KV's precision (`cache.manifest.KV_KINDS`); None: the planner's choice (float,
+    # or int8 where float would take more than half the machine's memory)
+    kv: str | None = None
 
 
 @dataclass

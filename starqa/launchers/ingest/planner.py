@@ -2,7 +2,9 @@
 the model's window, and where its KV lives. Pure: numbers in, settings and a line out
 (tests/test_planner.py holds the choices for given lengths, windows and memory).
 
-A context that fits the window with its reserve is encoded as asked. One that does not is,
+The KV's precision is float (the cache's dtype) unless float would take more than half the
+machine's memory: then int8 (`--kv`, docs/architecture.md "KV precision"). A context that
+fits the window with its reserve is encoded as asked. One that does not is,
 by default, encoded by Star Attention with contiguous positions (docs/methods.md, "Past the
 window"): each block right after its anchor, so that every position a block or a question
 meets stays within the window the model was trained on, whatever the context's length. The
@@ -14,9 +16,11 @@ sizes that would.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from starqa import methods
+from starqa.cache.manifest import KV_KINDS
 from starqa.core.errors import StarqaError
 from starqa.launchers.ingest.options import IngestOptions
 
@@ -29,22 +33,29 @@ class Choice:
     line: str | None
 
 
-def plan(opts: IngestOptions, n: int, window: int, kv_bytes_per_token: int | None = None,
-         memory: int | None = None) -> Choice:
+def plan(opts: IngestOptions, n: int, window: int,
+         kv_bytes: Callable[[str], int | None] | None = None, total: int | None = None,
+         available: int | None = None) -> Choice:
     """The plan for `n` tokens on a model of `window` tokens, `opts.reserve` resolved.
 
-    kv_bytes_per_token: the KV one token takes in the cache (None: unknown); memory: bytes
-    available to hold it (None: unknown). Raises StarqaError where the settings given
-    cannot fit the window (the sizes that would, in the hint).
+    kv_bytes: the KV one token takes in the cache at a KV precision (None: unknown); total,
+    available: the machine's memory and what of it is free (None: unknown). The KV's
+    precision, where not given, is float unless float would take more than half of `total`
+    (a choice that stays put from one run to the next, and so does the cache key). Raises
+    StarqaError where the settings given cannot fit the window (the sizes that would, in
+    the hint).
     """
     reserve = opts.reserve or 0
-    kv = _kv_words(n, kv_bytes_per_token, memory)
+    kv, why_kv = _precision(opts.kv, n, kv_bytes, total)
+    opts = replace(opts, kv=kv)
+    kv_line = _kv_words(n, kv, kv_bytes, available, why_kv)
     if n + reserve <= window:
-        return Choice(opts, None)
+        return Choice(opts, f"Plan: {n:,} tokens fit the {window:,}-token window{kv_line}."
+                      if why_kv else None)
     over = f"{n:,} tokens + {reserve:,} reserved > the {window:,}-token window"
     if opts.beyond_window:
         return Choice(opts, f"Plan: {over}: positions past the window, as asked "
-                            f"(--beyond-window: the model extrapolates){kv}.")
+                            f"(--beyond-window: the model extrapolates){kv_line}.")
     given = opts.method_params or {}
     fits = methods.get(opts.method).fits_any_window
     if not fits or given.get("positions") == "sparse":
@@ -60,7 +71,19 @@ def plan(opts: IngestOptions, n: int, window: int, kv_bytes_per_token: int | Non
                      method_params={**given, "positions": "contiguous"})
     return Choice(chosen, f"Plan: {over}: {opts.method} blocks of {block:,} tokens, each after a "
                           f"{anchor:,}-token anchor at contiguous positions, so no position "
-                          f"leaves the window{kv}.")
+                          f"leaves the window{kv_line}.")
+
+
+def _precision(given: str | None, n: int, kv_bytes, total: int | None
+               ) -> tuple[str, str | None]:
+    """(the KV's precision, why int8 was chosen or None): as given, else float unless float
+    would take more than half of the machine's memory."""
+    if given is not None:
+        return given, None
+    whole = n * kv_bytes(KV_KINDS[0]) if kv_bytes and kv_bytes(KV_KINDS[0]) else None
+    if whole is None or total is None or whole <= total // 2:
+        return KV_KINDS[0], None
+    return "int8", f"float would take {_gb(whole)}, more than half of the machine's {_gb(total)}"
 
 
 MIN_ROOM = 64  # tokens: the least room worth offering for a question and its answer
@@ -87,14 +110,16 @@ def _cannot(n: int, reserve: int, window: int, why: str, fix: str | None = None
                        f"{why}.", hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
 
 
-def _kv_words(n: int, per_token: int | None, memory: int | None) -> str:
-    """'; KV 10.7 GB, held in memory' — where the KV lives, for the plan's line."""
+def _kv_words(n: int, kv: str, kv_bytes, available: int | None, why: str | None) -> str:
+    """'; KV 10.7 GB in float, held in memory' — the KV's size, its precision and why, and
+    where it lives, for the plan's line."""
+    per_token = kv_bytes(kv) if kv_bytes else None
     if not per_token:
         return ""
     size = n * per_token
-    where = ("held in memory" if memory is None or size <= memory // 2 else
+    where = ("held in memory" if available is None or size <= available // 2 else
              "more than half the memory available: ask reads it from disk as it attends")
-    return f"; KV {_gb(size)}, {where}"
+    return f"; KV {_gb(size)} in {kv}{f' ({why})' if why else ''}, {where}"
 
 
 def _gb(size: int) -> str:
