@@ -59,6 +59,8 @@ def test_the_line_says_what_the_kv_takes_and_where_it_lives():
            "17.2 GB), held in memory." in small.line
     given = planner.plan(opts(kv="float"), 374_303, 32_768, KV, 16 * GIB, 12 * GIB)
     assert given.opts.kv == "float"  # as asked
+    spread = planner.plan(opts(nnodes=2), 374_303, 32_768, KV, 16 * GIB, 12 * GIB)
+    assert spread.opts.kv == "float"  # every machine chooses alike, whatever its memory
     fits = planner.plan(opts(), 30_000, 32_768, KV, GIB, GIB)  # in the window, said for int8
     assert fits.opts.kv == "int8" and fits.line.startswith("Plan: 30,000 tokens fit the")
 

@@ -41,12 +41,14 @@ def plan(opts: IngestOptions, n: int, window: int,
     kv_bytes: the KV one token takes in the cache at a KV precision (None: unknown); total,
     available: the machine's memory and what of it is free (None: unknown). The KV's
     precision, where not given, is float unless float would take more than half of `total`
-    (a choice that stays put from one run to the next, and so does the cache key). Raises
+    (a choice that stays put from one run to the next, and so does the cache key; across
+    machines, float: their memories may differ, their choices may not). Raises
     StarqaError where the settings given cannot fit the window (the sizes that would, in
     the hint).
     """
     reserve = opts.reserve or 0
-    kv, why_kv = _precision(opts.kv, n, kv_bytes, total)
+    # across machines every launcher must choose alike, and their memories may differ
+    kv, why_kv = _precision(opts.kv, n, kv_bytes, total if opts.nnodes == 1 else None)
     opts = replace(opts, kv=kv)
     kv_line = _kv_words(n, kv, kv_bytes, available, why_kv)
     if n + reserve <= window:
