@@ -189,3 +189,15 @@ def test_the_bias_scales_the_context_mass_exactly(kind):
     want = torch.softmax(scores, -1) @ values
     error = (got.double() - want).abs().max() / want.abs().max()
     assert error < 1e-5
+
+
+def test_a_long_ingest_logs_its_progress_with_the_time_left():
+    """Where stderr is a log, not a terminal: a line every 30 s and one at the end."""
+    from starqa.core.progress import ProgressLog
+
+    log = ProgressLog(46_746, started=100.0)
+    assert log.advance(3_840, 110.0) is None  # 10 s: too soon
+    assert log.advance(3_840, 164.0) == ("Encoded 7,680 of 46,746 tokens (16%) · 120 tok/s · "
+                                         "about 5 min 26 s left")
+    assert log.advance(1_000, 170.0) is None
+    assert log.advance(38_066, 400.0) == "Encoded 46,746 of 46,746 tokens (100%) · 156 tok/s"

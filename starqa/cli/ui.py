@@ -31,7 +31,7 @@ from rich.text import Text
 from starqa import methods
 from starqa.api import Answer, Source, doors
 from starqa.api.doors import CacheUsage, Damaged, IngestResult, KernelStatus, Manifest
-from starqa.core.progress import UI
+from starqa.core.progress import UI, ProgressLog
 from starqa.methods import MethodConfig
 
 MIN_WIDTH = 20  # columns: words stay whole on the narrowest terminal (the terminal wraps)
@@ -174,6 +174,7 @@ class RichUI(UI):
         self._step = None  # the rich status of the step running (`status`), if any
         self._step_text = ""
         self._progress: Progress | None = None
+        self._logged: ProgressLog | None = None  # encoding progress, where stderr is a log
         self._task = None
         self._write = stream_writer() if stream else None
 
@@ -223,6 +224,9 @@ class RichUI(UI):
 
     def start_encoding(self, total_tokens: int, workers: int) -> None:
         self._stop_status()
+        if not err.is_terminal:  # a log: a plain line now and then (`ProgressLog`)
+            self._logged = ProgressLog(total_tokens, time.monotonic())
+            return
         self._progress = Progress(
             TextColumn(f"Encoding on {workers} worker{'s' * (workers > 1)}"), BarColumn(),
             TaskProgressColumn(), TextColumn("{task.completed:,}/{task.total:,} tokens"),
@@ -232,6 +236,10 @@ class RichUI(UI):
         self._task = self._progress.add_task("encode", total=total_tokens, rate="")
 
     def advance(self, tokens: int) -> None:
+        if self._logged is not None:
+            if line := self._logged.advance(tokens, time.monotonic()):
+                err.print(line, highlight=False)
+            return
         if self._progress is None:
             return
         self._progress.advance(self._task, tokens)
