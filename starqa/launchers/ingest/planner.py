@@ -24,6 +24,7 @@ from starqa.cache.manifest import KV_KINDS
 from starqa.core.errors import StarqaError
 from starqa.launchers.ingest.options import IngestOptions
 
+
 @dataclass(frozen=True)
 class Choice:
     """The options an ingest runs with once planned, and the line that says what was chosen
@@ -76,8 +77,8 @@ def plan(opts: IngestOptions, n: int, window: int,
                           f"leaves the window{kv_line}.")
 
 
-def _precision(given: str | None, n: int, kv_bytes, total: int | None
-               ) -> tuple[str, str | None]:
+def _precision(given: str | None, n: int, kv_bytes: Callable[[str], int | None] | None,
+               total: int | None) -> tuple[str, str | None]:
     """(the KV's precision, why int8 was chosen or None): as given, else float unless float
     would take more than half of the machine's memory."""
     if given is not None:
@@ -85,7 +86,7 @@ def _precision(given: str | None, n: int, kv_bytes, total: int | None
     whole = n * kv_bytes(KV_KINDS[0]) if kv_bytes and kv_bytes(KV_KINDS[0]) else None
     if whole is None or total is None or whole <= total // 2:
         return KV_KINDS[0], None
-    return "int8", f"float would take {_gb(whole)}, more than half of the machine's {_gb(total)}"
+    return KV_KINDS[1], f"float would take {_gb(whole)}, more than half of the machine's {_gb(total)}"
 
 
 MIN_ROOM = 64  # tokens: the least room worth offering for a question and its answer
@@ -112,7 +113,8 @@ def _cannot(n: int, reserve: int, window: int, why: str, fix: str | None = None
                        f"{why}.", hint=", ".join(fixes[:-1]) + ", or " + fixes[-1])
 
 
-def _kv_words(n: int, kv: str, kv_bytes, available: int | None, why: str | None) -> str:
+def _kv_words(n: int, kv: str, kv_bytes: Callable[[str], int | None] | None,
+              available: int | None, why: str | None) -> str:
     """'; KV 10.7 GB in float, held in memory' — the KV's size, its precision and why, and
     where it lives, for the plan's line."""
     per_token = kv_bytes(kv) if kv_bytes else None
