@@ -228,3 +228,115 @@ def test_the_kernel_is_built_where_a_compiler_is():
     assert native.available()
     assert native.supports(torch.zeros(2, 5, 64, dtype=torch.bfloat16))
     assert not native.supports(torch.zeros(2, 5, 64, dtype=torch.float16))  # → GEMMs
+
+
+# ---------------------------------------------------------------------------------------
+# a context bias: the shard's keys weigh e^b each, the own keys 1
+
+
+def biased_reference(rows, parts, own_kv, scale, own, bias):
+    """fp64: folded rows [H, R, D] over the keys of `parts` [(k, v) [H, N_i, D]], each score
+    + bias, then own_kv's (k, v) [H, L, D] (no bias; the last `own` causal, rows G blocks of
+    `own`). Returns out [H, R, D] and lse [H, R]."""
+    keys = torch.cat([k for k, _ in parts] + [own_kv[0]], 1).double()
+    values = torch.cat([v for _, v in parts] + [own_kv[1]], 1).double()
+    scores = rows.double() @ keys.transpose(-1, -2) * scale  # [H, R, N + L]
+    context, n = sum(k.shape[1] for k, _ in parts), keys.shape[1]
+    scores[..., :context] += bias
+    if own:
+        r = torch.arange(rows.shape[1])
+        hidden = torch.arange(n)[None, :] > (n - own + r % own)[:, None]  # [R, N + L]
+        scores = scores.masked_fill(hidden, -math.inf)
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp() @ values, lse
+
+
+def bias_inputs(dtype, dim, own, seed=0):
+    """Folded rows [2, 3 * M, D] (3 query heads per KV head, M = max(own, 1) positions),
+    two shard blocks [2, 600 | 45, D] read as slices of longer buffers, own keys [2, 7, D]."""
+    g = torch.Generator().manual_seed(seed)
+    m = max(own, 1)
+    rows = torch.randn(2, 3 * m, dim, generator=g)
+    blocks = [tuple(torch.randn(2, t + 4, dim, generator=g).to(dtype)[:, 2:t + 2]
+                    for _ in range(2)) for t in (600, 45)]
+    mine = tuple(torch.randn(2, 7, dim, generator=g).to(dtype) for _ in range(2))
+    return rows, blocks, mine
+
+
+@pytest.mark.parametrize("kernel", ["native", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dim", [64, 128, 48])
+@pytest.mark.parametrize("own", [0, 3])
+@pytest.mark.parametrize("bias", [math.log(0.25), 1.5])
+def test_a_bias_on_the_pieces_is_the_fp64_softmax(kernel, dtype, dim, own, bias, monkeypatch):
+    """`Pieces` with a bias (starqa/native/_attend.c's table biases; torch's code without the
+    kernel): the shard's scores + b and the own keys' as they are, under one softmax, equal
+    to fp64 within fp32 rounding, relative to the reference's own size; the shard alone is
+    its unbiased part with lse + b."""
+    from starqa.attention import Pieces
+    from starqa.native import ops as native
+
+    if kernel == "native" and not native.available():
+        pytest.skip("starqa's kernel is not built here")
+    if kernel == "gemm":
+        monkeypatch.setattr(native, "available", lambda: False)
+    rows, blocks, mine = bias_inputs(dtype, dim, own)
+    rows = rows.to(dtype)
+
+    def errors(b: float) -> tuple[float, float]:
+        """`Pieces`' error against fp64 with bias b, relative to the reference's size."""
+        out, lse = Pieces(blocks, b).attend(rows, *mine, dim ** -0.5, own)
+        want, want_lse = biased_reference(rows, blocks, mine, dim ** -0.5, own, b)
+        return (((out.double() - want).abs().max() / want.abs().max()).item(),
+                ((lse.double() - want_lse).abs().max() / want_lse.abs().max()).item())
+
+    pieces = Pieces(blocks, bias)
+    assert (pieces.layout is not None) == (kernel == "native")
+    # fp32 rounding; torch's GEMMs in bf16 round scores and weights to bf16 (`attend_gemm`):
+    # there no more than twice their error without a bias
+    unbiased = errors(0.0)
+    for error, plain in zip(errors(bias), unbiased):
+        assert error <= max(1e-5, 2 * plain if kernel == "gemm" else 0.0)
+    alone, alone_lse = pieces.attend(rows, scale=dim ** -0.5)
+    plain, plain_lse = Pieces(blocks).attend(rows, scale=dim ** -0.5)
+    assert torch.equal(alone, plain) if kernel == "gemm" else \
+        (alone - plain).abs().max() <= 1e-6 * plain.abs().max()
+    assert (alone_lse - (plain_lse + bias)).abs().max() <= 1e-5 * plain_lse.abs().max()
+
+
+@pytest.mark.parametrize("cap", ["avx2", "none"])
+def test_a_bias_on_the_pieces_on_every_simd_path(cap):
+    """The same under STARQA_SIMD=avx2 and none (a process each: the cap is read once): each
+    path's scores, whichever it is, take the pieces' bias alike."""
+    import os
+    import subprocess
+    import sys
+
+    from starqa.native import ops as native
+
+    if not native.available():
+        pytest.skip("starqa's kernel is not built here")
+    script = (
+        "import math, torch\n"
+        "from starqa.attention import Pieces\n"
+        "from starqa.native import kernels\n"
+        "from test_attention import bias_inputs, biased_reference\n"
+        "worst = 0.0\n"
+        "for dtype in (torch.bfloat16, torch.float32):\n"
+        "    for dim in (64, 128, 48):\n"
+        "        rows, blocks, mine = bias_inputs(dtype, dim, 3, seed=dim)\n"
+        "        rows = rows.to(dtype)\n"
+        "        out, lse = Pieces(blocks, math.log(0.25)).attend(rows, *mine, dim ** -0.5, 3)\n"
+        "        want, want_lse = biased_reference(rows, blocks, mine, dim ** -0.5, 3,"
+        " math.log(0.25))\n"
+        "        worst = max(worst, ((out.double() - want).abs().max() / want.abs().max()).item(),"
+        " ((lse.double() - want_lse).abs().max() / want_lse.abs().max()).item())\n"
+        "print(kernels.simd_paths().written, worst)\n")
+    tests = os.path.dirname(__file__)
+    path = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "STARQA_SIMD": cap, "PYTHONPATH": path},
+                          check=True)
+    written, worst = done.stdout.split()
+    assert int(written) <= {"avx2": 1, "none": 0}[cap]
+    assert float(worst) <= 1e-5

@@ -4,6 +4,8 @@
 the dense product bounded by that of torch's own int4 kernel over the same weights. RMSNorm
 and RoPE (starqa/native/_rows.c) against transformers' formulas in torch operators."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -313,12 +315,14 @@ def _forwards(decoder, attention, forwards, dtype, compiled: bool, planned: list
 @pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["exact", "flat", "ivf"])
-def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype, kind):
+@pytest.mark.parametrize("bias", [0.0, math.log(0.3)])
+def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype, kind, bias):
     """starqa/native/_step.c runs a forward's layers in one call (the attention's words from
     `ShardAttention.compiled`): a question, then single tokens and drafted rows, give the
     hidden states of the loop that calls the same kernels layer by layer, bit for bit, with
     the own keys written alike (a later forward reads them) and, for exact, the same source
-    attribution from the rows kept."""
+    attribution from the rows kept. A context bias (the shard's keys weigh e^b) is compiled
+    too: in exact's tables and top-k's words, the own keys without it."""
     from starqa.runtime import dist
     from starqa.phase2.shard_attention import ShardAttention
     from starqa.topk import retrieval
@@ -332,12 +336,14 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
               for t in (300, n - 300)]
     ids = torch.randint(0, 64, (n,))
 
-    def hook():
+    def hook(bias=bias):
         if kind == "exact":
             pieces = [[(k[layer][None], v[layer][None]) for k, v in blocks] for layer in range(2)]
-            return ShardAttention(dist.local_world(), pieces, query_host=True, head=5, ids=ids)
+            return ShardAttention(dist.local_world(), pieces, query_host=True, head=5, ids=ids,
+                                  context_bias=bias)
         shard = retrieval.from_parts(blocks, TopK(count=24, index=kind, sink=4), n)
-        return ShardAttention(dist.local_world(), None, query_host=True, retriever=shard)
+        return ShardAttention(dist.local_world(), None, query_host=True, retriever=shard,
+                              context_bias=bias)
 
     results, planned = [], []
     for compiled in (True, False):
@@ -355,6 +361,11 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
         assert torch.equal(a, b)
     if kind == "exact":
         assert fused_mass.sum() > 0 and torch.equal(fused_mass, loop_mass)
+    if bias:  # and the bias weighs: without it the loop's hidden states are others
+        attention = hook(0.0)
+        attention.begin(4)
+        unbiased = _forwards(decoder, attention, FORWARDS, dtype, False, [])
+        assert not torch.equal(unbiased[-1], loop[-1])
 
 
 @pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")

@@ -2,6 +2,7 @@
 very bits, taken over by it without a second forward of the question."""
 
 import json
+import math
 import shutil
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from starqa.native import kernels
 from starqa.core import paths
 from starqa.corpus import prompt
 from starqa.cache import store
+from starqa.cache.manifest import Manifest
 from starqa.phase2.answerer import Answerer
 from starqa.models.decoder_io import load_decoder
 from starqa.core.errors import ShardError
@@ -86,6 +88,35 @@ def test_first_token_and_kv_are_the_torch_paths_own(context, int4_model):
                                     prefilled=early)
     assert again == tokens and heard == tokens[1:]
     assert sources == top
+    torch.testing.assert_close(adopted.hook.key_mass(tokens), reference.hook.key_mass(tokens),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_context_bias_goes_before_torch_too(context, int4_model, monkeypatch):
+    """A context whose blocks share positions (`Manifest.context_bias`: its keys weigh e^b
+    each, the question's 1) is prefilled before torch as well, with the bias in the shard's
+    key tables: the question's KV, the first token and the sources are the torch path's,
+    bit for bit, and the bias weighs (the rows' LSEs are not the unbiased ones)."""
+    job = job_for(context, int4_model)
+    plain = firsttoken.prefill(job, lambda event: None)
+    monkeypatch.setattr(Manifest, "context_bias", property(lambda self: math.log(0.3)))
+    early = firsttoken.prefill(job, lambda event: None)
+    assert early is not None and plain is not None
+    assert not np.array_equal(early.lses[0], plain.lses[0])
+
+    stops = set(job.stop_ids)
+    reference = Answerer.from_cache(context, dist.local_world("cpu"), int4_model, "int4")
+    assert reference.hook.layer.context_bias == math.log(0.3)
+    tokens, top = reference.answer(list(job.query_ids), 8, stops)
+    assert early.token == tokens[0]
+    m = len(job.query_ids)
+    for layer, (own_k, own_v) in enumerate(reference.hook.own.buffers):
+        assert torch.equal(own_k[0, :, :m], bits(early.keys[layer]))
+        assert torch.equal(own_v[0, :, :m], bits(early.values[layer]))
+    adopted = Answerer.from_cache(context, dist.local_world("cpu"), int4_model, "int4")
+    again, sources = adopted.answer(list(job.query_ids), 8, stops, prefilled=early)
+    assert again == tokens and sources == top
     torch.testing.assert_close(adopted.hook.key_mass(tokens), reference.hook.key_mass(tokens),
                                rtol=0, atol=0)
 

@@ -17,11 +17,11 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="starqa's kernels
 
 
 def topk_attend(q, keys, values, k, skip, scale, key_map=None, lists=None, tokens=None,
-                key_at=None, own=None, tail=None):
+                key_at=None, own=None, tail=None, bias=0.0):
     """A `native.TopKTable` of these buffers (its docstring says what each is), attended
     once."""
     return native.TopKTable(keys, values, key_map, lists, key_at, tail=tail).attend(
-        q, k, skip, scale, tokens, own)
+        q, k, skip, scale, tokens, own, bias)
 
 
 def reference(q, key, value, k, scale, skip=0, allowed=None, dtype=torch.float64, tokens=None):
@@ -286,6 +286,41 @@ def test_own_keys_are_attended_causally_under_the_same_softmax(kind, dtype):
         assert torch.equal(one, out[:, :, m]) and torch.equal(one_lse, lse[:, :, m])
 
 
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bias_weighs_the_shard_keys_and_not_the_own_keys(kind, dtype):
+    """A bias b (Phase 2's context bias) in the call: its unbiased shard part with lse + b
+    merged with exact causal attention over the own keys, within fp32 rounding; with every
+    key picked (k >= N), the fp64 softmax over [scale q.K + b | scale q.K_own, causal]."""
+    from starqa.attention import merge, partial_rows
+
+    from test_attention import biased_reference
+
+    torch.manual_seed(12)
+    heads, groups, tokens, n, dim, before, bias = 2, 3, 4, 3000, 64, 9, math.log(0.3)
+    q = torch.randn(heads, groups * tokens, dim)
+    key, value = torch.randn(heads, n, dim).to(dtype), torch.randn(heads, n, dim).to(dtype)
+    buffer = torch.randn(2, heads, 32, dim).to(dtype)
+    own = tuple(x[:, :before + tokens] for x in buffer)
+    keys, key_map, lists = [(0, key)], None, None
+    if kind == "ivf":
+        ordered, key_map, centroids, offsets = ivf_layout(key, 30, 5)
+        keys, lists = [(0, ordered)], (centroids, offsets, 5)
+    for k in (40, n):
+        out, lse = topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens,
+                               own=own, bias=bias)
+        part = topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens)
+        mine = partial_rows(q, own[0], own[1], 0.125, tokens)
+        want, want_lse = merge(torch.stack([part[0], mine[0]]),
+                               torch.stack([part[1] + bias, mine[1]]))
+        assert (out - want).abs().max() <= 1e-5 * want.abs().max()
+        assert (lse - want_lse).abs().max() <= 1e-5 * want_lse.abs().max()
+    if kind == "flat":  # k = N: every key, exact
+        want, want_lse = biased_reference(q, [(key, value)], own, 0.125, tokens, bias)
+        assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
+        assert (lse.double() - want_lse).abs().max() <= 1e-5 * want_lse.abs().max()
+
+
 def test_own_keys_of_another_layout_are_refused():
     q, key = torch.randn(2, 2, 16), torch.randn(2, 40, 16)
     own = torch.randn(2, 16, 5)  # D not last
@@ -300,11 +335,13 @@ def test_impossible_arguments_are_refused():
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
-def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
+@pytest.mark.parametrize("bias", [0.0, math.log(0.3)])
+def test_without_the_kernel_the_same_keys_are_attended(kind, bias, monkeypatch):
     """A machine where the kernel was not built (no C compiler) takes torch's and numpy's
     code: it must select each row's keys the same way (ivf: the row's own lists only) and
     share them the same way across a position's query heads, so answers do not depend on
-    whether a compiler was found. fp32 keys: no bf16 near-ties."""
+    whether a compiler was found; a context bias weighs the same keys (the sink's, the
+    picks', ivf's tail; not the own keys). fp32 keys: no bf16 near-ties."""
     from starqa.topk import retrieval
     from starqa.attention import merge
     from starqa.topk.indexes import TopK
@@ -318,9 +355,9 @@ def test_without_the_kernel_the_same_keys_are_attended(kind, monkeypatch):
     def merged(parts):
         return merge(torch.cat(parts[0]), torch.cat(parts[1]))
 
-    with_kernel = merged(shard.parts(1, q, 32 ** -0.5, 4, own))
+    with_kernel = merged(shard.parts(1, q, 32 ** -0.5, 4, own, bias=bias))
     monkeypatch.setattr(native, "available", lambda: False)
-    without = merged(shard.parts(1, q, 32 ** -0.5, 4, own))
+    without = merged(shard.parts(1, q, 32 ** -0.5, 4, own, bias=bias))
     for a, b in zip(with_kernel, without):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
 

@@ -168,12 +168,16 @@ class Pieces:
     """Buffers (key, value) [Hkv, N_i, D] attended as one sequence of keys: those given here,
     which never change (a shard's blocks, read where they lie), then at each call one more
     that does (the question's own KV). `attend` is `partial_parts` over them; with the
-    compiled kernel their table is laid out once (`native.Layout`), not at every call."""
+    compiled kernel their table is laid out once (`native.Layout`), not at every call.
+    bias: added to the score of every key of the buffers given here, not to the one given
+    at each call (Phase 2's context bias, `methods.context_bias`: the shard's keys weigh
+    e^bias each, the own keys 1)."""
 
-    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], bias: float = 0.0):
         self.parts = list(parts)
+        self.bias = bias
         # the compiled kernel's table (None: torch's code), read by starqa/native/_step.c too
-        self.layout = native.Layout([_native_part(*part) for part in self.parts]) \
+        self.layout = native.Layout([_native_part(*part) for part in self.parts], bias) \
             if _native_fits(self.parts) else None
 
     def attend(self, q: torch.Tensor, key: torch.Tensor | None = None,
@@ -185,8 +189,15 @@ class Pieces:
         if layout is not None and (key is None or layout.dtype in (None, key.dtype)
                                    and native.supports(key, value)):
             return layout.attend(q, key, value, scale, own)
-        return partial_parts(q, self.parts + ([(key, value)] if key is not None else []),
-                             scale, own)
+        if not self.bias or not self.parts:
+            return partial_parts(q, self.parts + ([(key, value)] if key is not None else []),
+                                 scale, own)
+        # torch's code: the biased buffers a part of their own, merged with the own keys'
+        out, lse = partial_parts(q, self.parts, scale)
+        if key is None:
+            return out, lse + self.bias
+        own_out, own_lse = partial_parts(q, [(key, value)], scale, own)
+        return merge([out, own_out], [lse + self.bias, own_lse])
 
 
 def _native_fits(parts: Sequence[tuple]) -> bool:

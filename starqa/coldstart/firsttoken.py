@@ -19,10 +19,10 @@ token and the rows kept for source attribution are the very ones the torch path 
 (tests/test_firsttoken.py compares them bit for bit). It applies where that forward is the
 one Phase 2 runs: a world of one on the CPU, bf16, int4 weights in starqa's tiles (AVX-512
 VNNI), exact attention, a question of fewer than W8A8_MIN_ROWS_TILES tokens (longer ones
-run W8A8, torch's int8 GEMM), a prepared file already written and a context whose blocks
-do not share positions (no `Manifest.context_bias`). Elsewhere `prefill`
-returns None and the torch path answers from the start, as before. STARQA_FIRST_TOKEN=0
-turns it off.
+run W8A8, torch's int8 GEMM) and a prepared file already written (a context whose blocks
+share positions too: its `Manifest.context_bias` lies in the shard's key tables, as in
+the torch path's). Elsewhere `prefill` returns None and the torch path answers from the
+start, as before. STARQA_FIRST_TOKEN=0 turns it off.
 """
 
 from __future__ import annotations
@@ -109,8 +109,6 @@ def prefill(job: Job, emit: Callable[[Event], None], threads: int | None = None
     if not applies(job):
         return None
     manifest = read_manifest(Path(job.context_dir))
-    if manifest.context_bias:  # its kernel call takes shard and own keys at one scale
-        return None
     model = _load_model(Path(job.model_path))
     if model is None:
         return None
@@ -146,11 +144,12 @@ def _load_model(folder: Path) -> _Model | None:
 
 def _shard_tables(manifest: Manifest, config: DecoderConfig) -> list[kernels.KeyTable]:
     """Per layer the kernel's table of every block's keys and values (all the context's
-    blocks: a world of one), mapped in place, checksums verified first."""
+    blocks: a world of one), mapped in place, checksums verified first; their keys' scores
+    moved by the context's bias (`Manifest.context_bias`), the own keys' not."""
     indices = list(range(len(manifest.blocks)))
     verify_checksums(manifest, indices, contents=True)
     blocks = [tensorfile.map_arrays(manifest.folder / block_file(i))[0] for i in indices]
-    tables = []
+    tables, bias = [], manifest.context_bias
     for layer in range(config.layers):
         buffers = []
         for block in blocks:
@@ -164,7 +163,7 @@ def _shard_tables(manifest: Manifest, config: DecoderConfig) -> list[kernels.Key
                 raise ValueError("a shard that is not bf16")
             buffers.append((k.ctypes.data, v.ctypes.data, k.shape[1], k.strides[0] // 2,
                             v.strides[0] // 2))
-        tables.append(kernels.KeyTable(buffers, keep=blocks))
+        tables.append(kernels.KeyTable(buffers, keep=blocks, bias=bias))
     return tables
 
 

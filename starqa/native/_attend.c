@@ -12,6 +12,11 @@
    s. A block of them is widened to fp32 and multiplied by its rows' scales as it is read
    (q . (s k) = s (q . k); the output sums p s_v v), so the rest of the pass is the same.
 
+   A piece's bias b (the table's biases: Phase 2's context bias on a shard's keys) is added
+   to every score of its keys. A task's keys are one piece's, so the task runs on the
+   scores without it and the merge adds b to the task's running maximum: exp(s + b - (m +
+   b)) = exp(s - m), the same softmax and LSE, whichever SIMD path scored the keys.
+
    Why starqa has its own kernel: a decode step has only R = G rows per KV head (G query
    heads share one KV head), so attention is a pass over the shard that should run at
    memory speed. torch's CPU flash kernel spends most of such a step in the fixed costs of
@@ -485,6 +490,7 @@ int starqa_attend(const starqa_attend_args *args) {
     const int64_t *k_addr = args->table.keys, *v_addr = args->table.values;
     const int64_t *k_strides = args->table.key_strides, *v_strides = args->table.value_strides;
     const int64_t *k_scales = args->table.key_scales, *v_scales = args->table.value_scales;
+    const float *biases = args->table.biases;
     const float *q = args->queries.q, scale = args->result.scale;
     const int64_t heads = args->queries.heads, rows = args->queries.rows, d = args->queries.d;
     const int64_t own = args->own;
@@ -499,6 +505,7 @@ int starqa_attend(const starqa_attend_args *args) {
     for (int64_t p = 0; p < pieces; p++) {
         if (starts[p + 1] < starts[p]) return 1;
         if (k_scales[p] && (!v_scales[p] || k_strides[p] % d || v_strides[p] % d)) return 1;
+        if (biases && !isfinite(biases[p])) return 1;
         spans += (starts[p + 1] - starts[p] + TASK_KEYS - 1) / TASK_KEYS;
     }
     int64_t listed = spans ? spans : 1; /* no keys: one empty span (output 0, LSE -inf) */
@@ -542,8 +549,8 @@ int starqa_attend(const starqa_attend_args *args) {
         task(q + h * rows * d, d, k, v, kind, ks, vs, sp.a, sp.b, n - first, own, r0, rn, scale,
              m, l, acc);
     }
-    free(span_of);
-    /* merge each row's spans (starqa.attention.merge's rule) */
+    /* merge each row's spans (starqa.attention.merge's rule), each span's maximum moved
+       by its piece's bias */
     for (int64_t h = 0; h < heads; h++) {
         for (int64_t r = 0; r < rows; r++) {
             int64_t g = r / ROWS, i = r % ROWS;
@@ -551,7 +558,8 @@ int starqa_attend(const starqa_attend_args *args) {
             float *o = out + (h * rows + r) * d;
             for (int64_t span = 0; span < spans; span++) {
                 float *m = state + (size_t)((h * groups + g) * spans + span) * ROWS * (d + 2);
-                top = m[i] > top ? m[i] : top;
+                const float peak = biases && pieces ? m[i] + biases[span_of[span].piece] : m[i];
+                top = peak > top ? peak : top;
             }
             memset(o, 0, (size_t)d * sizeof(float));
             if (top == -INFINITY) {
@@ -561,7 +569,8 @@ int starqa_attend(const starqa_attend_args *args) {
             for (int64_t span = 0; span < spans; span++) {
                 float *m = state + (size_t)((h * groups + g) * spans + span) * ROWS * (d + 2);
                 if (m[i] == -INFINITY) continue;
-                float w = expf(m[i] - top);
+                const float peak = biases && pieces ? m[i] + biases[span_of[span].piece] : m[i];
+                float w = expf(peak - top);
                 total += w * m[ROWS + i];
                 const float *acc = m + 2 * ROWS + i * d;
                 for (int64_t x = 0; x < d; x++) o[x] += w * acc[x];
@@ -570,6 +579,7 @@ int starqa_attend(const starqa_attend_args *args) {
             lse[h * rows + r] = top + logf(total);
         }
     }
+    free(span_of);
     free(state);
     return 0;
 }

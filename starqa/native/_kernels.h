@@ -44,8 +44,10 @@ typedef struct {
    value_strides[p] elements apart, bf16 or fp32 (the `bf16` flag); or, where key_scales[p]
    is not 0, int8 rows (int8 KV), each row with an fp32 scale: key_scales[p] and
    value_scales[p] [H, >= its length], laid out as the rows (heads key_strides[p] / D
-   apart). Arrays of int64 (addresses as integers); _step.c writes the question's own
-   buffer (float) into the slot after the laid-out ones. */
+   apart). biases[p] (fp32; biases NULL: all 0) is added to the score of every key of
+   piece p before the softmax (Phase 2's context bias: b on a shard's pieces, 0 on the own
+   keys). Arrays of int64 (addresses as integers) but biases; _step.c writes the question's
+   own buffer (float, bias 0) into the slot after the laid-out ones. */
 typedef struct {
     int bf16;
     int64_t pieces;
@@ -56,6 +58,7 @@ typedef struct {
     int64_t *value_strides;
     int64_t *key_scales;
     int64_t *value_scales;
+    float *biases;
 } starqa_key_table;
 
 /* starqa_attend: the rows over the table's keys; own = M > 0: the last M keys are the M
@@ -124,13 +127,16 @@ typedef struct {
 
 /* starqa_topk_attend: R = G * tokens rows (G query heads per KV head, each at `tokens`
    positions, the position fastest), each over its k best keys (the G rows of a position
-   over the union of their picks), the sink (shard rows below `skip`) and its own keys. */
+   over the union of their picks), the sink (shard rows below `skip`) and its own keys.
+   bias: added to the scaled score of every shard key (the sink's, the picks', the tail's),
+   not the own keys' (Phase 2's context bias); the picks do not depend on it. */
 typedef struct {
     const starqa_topk_table *table;
     starqa_queries queries;
     int64_t tokens;
     int64_t k;
     int64_t skip;
+    float bias;
     starqa_own_keys own;
     starqa_outputs result;
     int threads;
@@ -268,7 +274,8 @@ typedef struct {
    buffers (keys, values [Hkv, capacity, D] in the model's dtype), then exact's key table
    (the own buffer goes in the slot after its pieces) or top-k's table, k, the sink's rows
    and `releases` (address, length) pairs at `release`: the memory-mapped pages of the layer
-   (--kv-on-disk) dropped after its attention. */
+   (--kv-on-disk) dropped after its attention; bias: top-k's (starqa_topk_args'; exact's
+   are its table's biases). */
 typedef struct {
     int kind;
     float scale;
@@ -281,6 +288,7 @@ typedef struct {
     int64_t skip;
     const int64_t *release;
     int64_t releases;
+    float bias;
 } starqa_step_attention;
 
 /* starqa_decode_layers: every layer of a forward of M rows on hidden [M, H] in place;

@@ -72,6 +72,7 @@ static int attend(const starqa_step_model *mw, const starqa_step_attention *aw,
         table.key_strides[pieces] = aw->capacity * d;
         table.value_strides[pieces] = aw->capacity * d;
         table.key_scales[pieces] = table.value_scales[pieces] = 0; /* float keys */
+        if (table.biases) table.biases[pieces] = 0.0f; /* the own keys: no context bias */
         table.pieces = pieces + 1;
         table.bf16 = mw->bf16;
         const starqa_attend_args args = {table, queries, m, result, threads};
@@ -79,8 +80,8 @@ static int attend(const starqa_step_model *mw, const starqa_step_attention *aw,
     }
     if (aw->kind == STARQA_STEP_TOPK) {
         const starqa_own_keys own = {mw->bf16, aw->own_k, aw->own_v, aw->capacity * d, before};
-        const starqa_topk_args args = {aw->topk, queries, m, aw->k, aw->skip, own, result,
-                                       threads};
+        const starqa_topk_args args = {aw->topk, queries, m, aw->k, aw->skip, aw->bias, own,
+                                       result, threads};
         const int code = starqa_topk_attend(&args);
         release(aw->release, aw->releases);
         return code;

@@ -10,6 +10,11 @@
    (3) Each row's pieces merged in order by log-sum-exp. The cuts depend on the position's
    keys only, so its result does too.
 
+   The call's bias b (Phase 2's context bias) weighs every shard key by e^b and no own key:
+   in (2) the shard keys' raw scores move by b / scale before a piece's weights, and in (3)
+   the tail's maximum does (its weights are relative to it). The picks are made without it:
+   the same b on every shard key leaves their order as it was.
+
    The three steps run in one OpenMP parallel region (a worksharing loop each, in the
    functions below, called from that region only). */
 
@@ -172,6 +177,7 @@ static void attend_pieces(const unions_of *u, const union_scratch *s) {
     const int64_t *piece_of = u->piece_of, *urows = u->urows;
     const float *keep = u->keep;
     float *parts = u->parts, *w = s->w, *block = s->block, *value = s->value;
+    const float shift = args->bias != 0.0f ? args->bias / scale : 0.0f; /* raw scores' */
 #pragma omp for schedule(dynamic)
     for (int64_t j = 0; j < first[ht] + (tails ? ht : 0); j++) {
         if (!s->ok) continue;
@@ -207,6 +213,9 @@ static void attend_pieces(const unions_of *u, const union_scratch *s) {
         } else {
             topk_score_rows(kr + a, cut - a, k_bf16, qs, per, d, w, wroom, block);
         }
+        if (shift != 0.0f) /* the shard keys' bias, not the own keys' */
+            for (int64_t g = 0; g < per; g++)
+                for (int64_t x = 0; x < cut - a; x++) w[g * wroom + x] += shift;
         topk_score_rows(kr + cut, b - cut, o_bf16, qs, per, d, w + (cut - a), wroom, block);
         for (int64_t g = 0; g < per; g++) /* scores → weights exp((s - max s) * scale) */
             outs[g][d + 1] = topk_weigh(w + g * wroom, b - a, scale, &outs[g][d]);
@@ -220,6 +229,7 @@ static void merge_rows(const unions_of *u) {
     const starqa_topk_args *args = u->args;
     const int64_t rows = args->queries.rows, d = args->queries.d, tokens = args->tokens;
     const float scale = args->result.scale;
+    const float shift = args->bias != 0.0f ? args->bias / scale : 0.0f; /* the tail's */
     float *out = args->result.out, *lse = args->result.lse;
     const int64_t per = u->per, ht = u->ht;
     const size_t part = (size_t)u->part;
@@ -235,7 +245,8 @@ static void merge_rows(const unions_of *u) {
             /* the tail's part (tails), where it counts any key */
             const float *rest = tparts ? tparts + (size_t)t * part + (size_t)g * (d + 2) : NULL;
             if (rest && !(rest[d + 1] > 0.0f)) rest = NULL;
-            if (rest) top = rest[d];
+            const float tail_top = rest ? rest[d] + shift : -INFINITY;
+            if (rest) top = tail_top;
             for (int64_t i = first[t]; i < first[t + 1]; i++) {
                 const float peak = parts[(size_t)i * part + (size_t)g * (d + 2) + d];
                 top = peak > top ? peak : top;
@@ -247,7 +258,7 @@ static void merge_rows(const unions_of *u) {
                 for (int64_t x = 0; x < d; x++) o[x] += f * piece[x];
             }
             if (rest) {
-                const float f = expf((rest[d] - top) * scale);
+                const float f = expf((tail_top - top) * scale);
                 total += f * rest[d + 1];
                 for (int64_t x = 0; x < d; x++) o[x] += f * rest[x];
             }
@@ -304,6 +315,7 @@ static int possible(const starqa_topk_args *args) {
              (t->lists.count > 1 && (!t->lists.centroids || !t->lists.offsets)) ||
              t->lists.probes < 1 || tokens < 1 || q->rows % tokens ||
              q->rows / tokens > MAX_GROUP || args->skip < 0 || args->skip > t->n ||
+             !isfinite(args->bias) || (args->bias != 0.0f && !(args->result.scale > 0.0f)) ||
              (own->k && (!own->v || own->before < 0 ||
                          own->stride < (own->before + tokens) * d)));
 }

@@ -44,7 +44,7 @@ class starqa_outputs(ctypes.Structure):
 class starqa_key_table(ctypes.Structure):
     _fields_ = [("bf16", _INT), ("pieces", _I64), ("starts", _PTR), ("keys", _PTR),
                 ("values", _PTR), ("key_strides", _PTR), ("value_strides", _PTR),
-                ("key_scales", _PTR), ("value_scales", _PTR)]
+                ("key_scales", _PTR), ("value_scales", _PTR), ("biases", _PTR)]
 
 
 class starqa_attend_args(ctypes.Structure):
@@ -73,8 +73,8 @@ class starqa_own_keys(ctypes.Structure):
 
 class starqa_topk_args(ctypes.Structure):
     _fields_ = [("table", ctypes.POINTER(starqa_topk_table)), ("queries", starqa_queries),
-                ("tokens", _I64), ("k", _I64), ("skip", _I64), ("own", starqa_own_keys),
-                ("result", starqa_outputs), ("threads", _INT)]
+                ("tokens", _I64), ("k", _I64), ("skip", _I64), ("bias", _F32),
+                ("own", starqa_own_keys), ("result", starqa_outputs), ("threads", _INT)]
 
 
 class starqa_select_args(ctypes.Structure):
@@ -117,7 +117,7 @@ class starqa_step_attention(ctypes.Structure):
     _fields_ = [("kind", _INT), ("scale", _F32), ("own_k", _PTR), ("own_v", _PTR),
                 ("capacity", _I64), ("exact", ctypes.POINTER(starqa_key_table)),
                 ("topk", ctypes.POINTER(starqa_topk_table)), ("k", _I64), ("skip", _I64),
-                ("release", _PTR), ("releases", _I64)]
+                ("release", _PTR), ("releases", _I64), ("bias", _F32)]
 
 
 class starqa_decode_args(ctypes.Structure):
@@ -340,14 +340,19 @@ class KeyTable:
     A buffer is (key address, value address, keys, key head stride, value head stride[,
     key scales' address, value scales' address]), strides in elements; its heads hold
     `keys` rows of D contiguous elements each. With scales (not 0), its rows are int8 with
-    an fp32 scale each, laid out as the rows: [H, >= keys], a head stride / D apart."""
+    an fp32 scale each, laid out as the rows: [H, >= keys], a head stride / D apart.
 
-    def __init__(self, buffers: Sequence[tuple[int, ...]], keep=()):
+    bias: added to the score of every key of the laid-out buffers (Phase 2's context bias,
+    `methods.context_bias`), not to the changing one's (the own keys)."""
+
+    def __init__(self, buffers: Sequence[tuple[int, ...]], keep=(), bias: float = 0.0):
         self._keep = keep  # what the addresses point into, kept alive with the table
         self.count = count = len(buffers) + 1
         # starts (count + 1), then key and value addresses, key and value head strides, and
         # key and value scales' addresses
         self._arrays = (ctypes.c_int64 * (7 * count + 1))()
+        # each buffer's score bias: the laid-out ones', then the changing slot's, 0
+        self._biases = (ctypes.c_float * count)(*[bias] * (count - 1), 0.0)
         self.keys = 0  # the laid-out buffers' keys, and where the changing one starts
         for index, buffer in enumerate(buffers):
             self._set(index, *buffer)
@@ -357,7 +362,8 @@ class KeyTable:
         # the slot after the laid-out buffers is filled by each call (`attend`, and
         # starqa/native/_step.c)
         self.table = starqa_key_table(0, count - 1, base,
-                                      *(base + (k * count + 1) * size for k in range(1, 7)))
+                                      *(base + (k * count + 1) * size for k in range(1, 7)),
+                                      ctypes.addressof(self._biases))
         self.address = ctypes.addressof(self.table)
 
     def _set(self, index: int, key: int, value: int, keys: int, key_stride: int,

@@ -76,11 +76,14 @@ class Layout:
     """Buffers for `attend` laid out once (a shard's blocks, which never change), with a
     slot after them for one that changes at every call (the question's own KV): a
     `kernels.KeyTable` over the tensors. A part is (key, value), or int8 rows (key, value,
-    key scales, value scales); `dtype` is the float parts' (None: none, any)."""
+    key scales, value scales); `dtype` is the float parts' (None: none, any). bias: added
+    to the score of every key of these parts (Phase 2's context bias), not to the
+    changing buffer's."""
 
-    def __init__(self, parts: Sequence[tuple[torch.Tensor, ...]]):
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, ...]], bias: float = 0.0):
         self.parts = list(parts)  # (kept alive while the table points at them)
-        self._table = kernels.KeyTable([_buffer(*part) for part in self.parts])
+        self.bias = bias
+        self._table = kernels.KeyTable([_buffer(*part) for part in self.parts], bias=bias)
         self.keys = self._table.keys
         floats = [part[0].dtype for part in self.parts if len(part) == 2]
         self.dtype = floats[0] if floats else None
@@ -230,13 +233,13 @@ class TopKTable:
                                                drop)
         self._pointer = ctypes.pointer(self.table)
 
-    def step_words(self, k: int, skip: int, release: torch.Tensor | None = None
-                   ) -> tuple[int, ...]:
+    def step_words(self, k: int, skip: int, release: torch.Tensor | None = None,
+                   bias: float = 0.0) -> tuple:
         """The top-k part of a layer's attention words for `decode_layers`
-        (starqa_step_attention's topk, k, skip, release and releases): the table's
+        (starqa_step_attention's topk, k, skip, release, releases and bias): the table's
         address, k, skip, then `release` [P, 2] int64 (the caller keeps it alive): the
         (address, length) of the memory-mapped pages that the step releases after the
-        layer's attention."""
+        layer's attention; then `attend`'s bias."""
         if self.selects_only:
             raise ValueError("top-k kernel: this table holds no values (it only selects)")
         if release is not None and (release.dtype != torch.int64 or release.dim() != 2
@@ -244,11 +247,11 @@ class TopKTable:
             raise ValueError(f"top-k kernel: release ranges {tuple(release.shape)} "
                              f"{release.dtype} (int64 [P, 2], contiguous)")
         pairs = (0, 0) if release is None else (release.data_ptr(), release.shape[0])
-        return (ctypes.addressof(self.table), k, skip, *pairs)
+        return (ctypes.addressof(self.table), k, skip, *pairs, bias)
 
     def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
                tokens: int | None = None,
-               own: tuple[torch.Tensor, torch.Tensor] | None = None
+               own: tuple[torch.Tensor, torch.Tensor] | None = None, bias: float = 0.0
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k partial attention of every row of q [H, R, D] (starqa/native/_topk.h says
         how). tokens: the forward's positions M, the rows being G blocks of M
@@ -256,8 +259,10 @@ class TopKTable:
         nothing shared). Rows below `skip` (the sink) are never picked, and every row
         attends to them. own: the query host's own (keys, values) [H, L, D] (rows
         contiguous, bf16 or fp32), the last M of them this forward's, attended causally
-        with the rest under one softmax. Returns out [H, R, D] and lse [H, R], fp32 (a row
-        with no key: 0 and -inf)."""
+        with the rest under one softmax. bias: added to every shard key's score (the
+        sink's, the picks', the tail's; Phase 2's context bias), not the own keys'; the
+        picks do not depend on it. Returns out [H, R, D] and lse [H, R], fp32 (a row with
+        no key: 0 and -inf)."""
         if self.selects_only:
             raise ValueError("top-k kernel: this table holds no values (it only selects)")
         heads, rows, dim = q.shape
@@ -266,7 +271,7 @@ class TopKTable:
         out, lse = q.new_empty(heads, rows, dim), q.new_empty(heads, rows)
         code = _library().starqa_topk_attend(kernels.starqa_topk_args(
             self._pointer, kernels.starqa_queries(q.data_ptr(), heads, rows, dim), tokens, k,
-            skip, _own_keys(own, q, tokens),
+            skip, bias, _own_keys(own, q, tokens),
             kernels.starqa_outputs(scale, out.data_ptr(), lse.data_ptr()),
             torch.get_num_threads()))
         if code:
@@ -433,14 +438,14 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 # A layer's values for `step_words`, in the order of starqa/native/_kernels.h's structs:
 # the model's (starqa_step_model's fields), the attention's (starqa_step_attention's kind,
-# scale, own keys, own values, their capacity, then exact's table or top-k's, k, skip and
-# release pages: what `Layout.step_words` and `TopKTable.step_words` give).
+# scale, own keys, own values, their capacity, then exact's table or top-k's, k, skip,
+# release pages and bias: what `Layout.step_words` and `TopKTable.step_words` give).
 MODEL_WORDS = tuple(name for name, _ in kernels.starqa_step_model._fields_)
 STEP_EXACT, STEP_TOPK = kernels.STEP_EXACT, kernels.STEP_TOPK
 _ATTENTION_WORDS = {
     STEP_EXACT: ("kind", "scale", "own_k", "own_v", "capacity", "exact"),
     STEP_TOPK: ("kind", "scale", "own_k", "own_v", "capacity", "topk", "k", "skip", "release",
-                "releases"),
+                "releases", "bias"),
 }
 
 

@@ -39,8 +39,8 @@ class LayerAttention:
         self.info, self.view, self.own = info, view, own
         self.query_host = query_host
         self.retriever = retriever
-        # added to every shard key's score (`methods.context_bias`): to the shard parts'
-        # lse, exactly, as the own keys are then a part of their own
+        # added to every shard key's score (`methods.context_bias`), not the own keys':
+        # the view's parts carry it (laid out with it), the retriever's are given it
         self.context_bias = context_bias
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -75,19 +75,18 @@ class LayerAttention:
         """This worker's parts: the shard's, then (query host) the own KV's, unless the
         shard's kernel call took it in (the CPU; top-k on the CPU, one kernel call too)."""
         m = query.shape[2]
-        own_in_shard = self.query_host and not self.context_bias and (
+        own_in_shard = self.query_host and (
             self.view.cpu or self.retriever is not None and query.device.type == "cpu")
         own = self.own.append(layer, *forward) if own_in_shard else None
         if self.view.cpu:
             outs, lses = self.view.parts(layer, query, q, scale, own)
         elif self.retriever is not None:
-            outs, lses = self.retriever.parts(layer, q, scale, m, own, question)
+            outs, lses = self.retriever.parts(layer, q, scale, m, own, question,
+                                              self.context_bias)
         elif self.view.shard is not None:
             outs, lses = self.view.parts(layer, query, q, scale)
         else:
             outs, lses = [], []
-        if self.context_bias:
-            lses = [lse + self.context_bias for lse in lses]
         if self.query_host and not own_in_shard:
             own_outs, own_lses = self._own_parts(layer, query, q, forward, scale)
             outs, lses = outs + own_outs, lses + own_lses

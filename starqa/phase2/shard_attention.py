@@ -50,11 +50,11 @@ class ShardAttention:
         self.query_host = query_host
         self.retriever = retriever
         self.ids = ids
-        self.view = ShardView(shard, head)
+        self.view = ShardView(shard, head, context_bias)
         self.own = OwnKV()
         self.layer = LayerAttention(info, self.view, self.own, query_host, retriever,
                                     context_bias)
-        self.step = CompiledStep(self.view, self.own, retriever)
+        self.step = CompiledStep(self.view, self.own, retriever, context_bias)
         self.rows = sources.AnswerRows(len(self.view.shard) if shard is not None else 0)
         self.track = False
         # the forward under way is the question's (the first after `begin`): top-k may
@@ -117,11 +117,11 @@ class ShardAttention:
                  ) -> StepPlan | None:
         """This forward's attention as starqa/native/_step.c's words (`decoder.Decoder.forward`'s
         `compiled`: every layer in one call), or None where it goes layer by layer: a world
-        of more than one (a collective between the layers), not the query host, a context
-        bias (its call takes shard and own keys at one scale), not on the CPU, the shard's dtype not the model's, top-k's exact question, or no compiled
+        of more than one (a collective between the layers), not the query host, not on the
+        CPU, the shard's dtype not the model's, top-k's exact question, or no compiled
         kernel for the attention (`CompiledStep`). The own buffers are made for every layer
         here, at once."""
-        if self.info.world_size > 1 or not self.query_host or self.layer.context_bias or \
+        if self.info.world_size > 1 or not self.query_host or \
                 not self.step.offered(m, heads // kv_heads, self.question):
             return None
         words = self.step.words(self.own.length + m, dtype, kv_heads, dim)

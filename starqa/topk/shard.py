@@ -64,8 +64,8 @@ class TopKShard(abc.ABC):
     # -- Phase 2 ------------------------------------------------------------------------
 
     def parts(self, layer: int, q: torch.Tensor, scale: float, tokens: int | None = None,
-              own: tuple[torch.Tensor, torch.Tensor] | None = None, question: bool = False
-              ) -> Parts:
+              own: tuple[torch.Tensor, torch.Tensor] | None = None, question: bool = False,
+              bias: float = 0.0) -> Parts:
         """The top-k partial attention of folded queries q [1, Hkv, R, D] over this
         worker's blocks in `layer`: parts ([out [1, Hkv, R, D] in q's dtype], [lse [1, Hkv,
         R] fp32]) for `attention.merge`. tokens: the forward's positions M, R = G * M
@@ -74,31 +74,32 @@ class TopKShard(abc.ABC):
         only): its own (keys, values) [1, Hkv, L, D], the question and answer so far, the
         last M this forward's, attended causally as part of the result. question: this is
         the question's forward, which TopK.prefill "exact" attends to every key
-        (`_parts_exact`).
+        (`_parts_exact`). bias: added to every shard key's score (Phase 2's context bias,
+        `methods.context_bias`), not the own keys'; the picks do not depend on it.
 
         With the compiled kernel, the sink, the retrieved keys and the own keys are one
         call and one part (one softmax); elsewhere a part each."""
         k = self._budget(layer)
         tokens = tokens or q.shape[2]
         if question and self.settings.prefill == "exact":
-            return self._parts_exact(layer, q, scale, tokens, own)
+            return self._parts_exact(layer, q, scale, tokens, own, bias)
         if q.device.type == "cpu":
-            compiled = self._parts_compiled(layer, q, k, scale, tokens, own)
+            compiled = self._parts_compiled(layer, q, k, scale, tokens, own, bias)
             if compiled is not None:
                 return compiled
-        outs, lses = [], []
+        outs, lses = [], []  # the own keys' part, then the shard's, which carry the bias
         if own is not None:
             out, lse = partial_rows(q[0], own[0][0], own[1][0], scale, tokens)
             outs.append(out[None].to(q.dtype)), lses.append(lse[None])
         if self.sinks is not None:
             out, lse = self._sink_part(layer, q, scale)
             outs.append(out.to(q.dtype))
-            lses.append(lse)
+            lses.append(lse + bias)
             if k < 1:  # the whole shard is the sink
                 return outs, lses
         out, lse = joined(q, tokens, [(m, *self._part_selected(layer, piece, k, scale, m))
                                       for _, m, piece in pieces(q, tokens, self._width(k))])
-        return outs + [out], lses + [lse]
+        return outs + [out], lses + [lse + bias]
 
     def compiles(self, tokens: int, groups: int, question: bool = False) -> bool:
         """Whether `parts`, for a forward of `tokens` positions of `groups` query heads per
@@ -106,9 +107,10 @@ class TopKShard(abc.ABC):
         instead (`step_words`): here never."""
         return False
 
-    def step_words(self) -> list[tuple[int, ...]] | None:
-        """Per layer the top-k kernel's words for starqa/native/_step.c, or None where a
-        layer has no compiled table: here none."""
+    def step_words(self, bias: float = 0.0) -> list[tuple] | None:
+        """Per layer the top-k kernel's words for starqa/native/_step.c (the shard keys'
+        score `bias` among them, as `parts`), or None where a layer has no compiled table:
+        here none."""
         return None
 
     def make_tables(self) -> None:
@@ -122,8 +124,8 @@ class TopKShard(abc.ABC):
     # -- the kinds' hooks -----------------------------------------------------------------
 
     def _parts_compiled(self, layer: int, q: torch.Tensor, k: int, scale: float,
-                        tokens: int, own: tuple[torch.Tensor, torch.Tensor] | None
-                        ) -> Parts | None:
+                        tokens: int, own: tuple[torch.Tensor, torch.Tensor] | None,
+                        bias: float = 0.0) -> Parts | None:
         """`parts` on the CPU by the compiled kernel, or None where it does not run."""
         return None
 
@@ -163,16 +165,18 @@ class TopKShard(abc.ABC):
         return attend(q, sink_keys, sink_values, scale)
 
     def _parts_exact(self, layer: int, q: torch.Tensor, scale: float, tokens: int,
-                     own: tuple[torch.Tensor, torch.Tensor] | None) -> Parts:
+                     own: tuple[torch.Tensor, torch.Tensor] | None, bias: float = 0.0
+                     ) -> Parts:
         """`parts` for the question's forward under TopK.prefill "exact": exact attention
-        over every key of this worker's blocks (the sink's too), a part per block, each
-        mapped block's layer released after its call (so a shard on disk never holds more
-        than a block's layer), then (own) the question's keys, causally."""
+        over every key of this worker's blocks (the sink's too), a part per block (its lse
+        moved by `bias`), each mapped block's layer released after its call (so a shard on
+        disk never holds more than a block's layer), then (own) the question's keys,
+        causally."""
         outs, lses = [], []
         for key, value, release in self.blocks:
             out, lse = partial_rows(q[0], *(x[layer].to(q.device, q.dtype) for x in (key, value)),
                                     scale)
-            outs.append(out[None]), lses.append(lse[None])
+            outs.append(out[None]), lses.append(lse[None] + bias)
             if release is not None:
                 release(layer)
         if own is not None:
