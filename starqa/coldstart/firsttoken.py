@@ -12,7 +12,9 @@ forward of the question would have left it.
 
 The forward is `starqa.models.decoder.Decoder.forward` on the CPU, step for step: the same
 kernels, in the same order, on the same bits (embedding rows, RMSNorm, the int4 product
-with 14-bit activations, its bias, RoPE from the prepared file's inv_freq, attention over
+with 14-bit activations, its bias, RoPE from the prepared file's inv_freq and attention factor
+(a scaled RoPE's, starqa.models.rope; a context whose length gives other frequencies, dynamic
+past its window or longrope past its original one, is the torch path's), attention over
 the shard's blocks and the question's own keys, the fp32 → bf16 rounding of its output,
 the residual adds, SiLU·mul, the final norm, the LM head), so the question's KV, the first
 token and the rows kept for source attribution are the very ones the torch path computes
@@ -78,6 +80,9 @@ class _Model:
     def __init__(self, config: DecoderConfig, arrays: dict):
         self.config, self.arrays = config, arrays
         self.embed, self.norm, self.inv_freq = arrays["embed"], arrays["norm"], arrays["inv_freq"]
+        # a RoPE scaling's factor on cos and sin (yarn, longrope), kept where it is not 1
+        self.rope_attention = float(arrays["rope_attention"][0]) \
+            if "rope_attention" in arrays else 1.0
         self.lm_head = self.linear("lm_head")
 
     def linear(self, prefix: str) -> _Linear:
@@ -110,8 +115,8 @@ def prefill(job: Job, emit: Callable[[Event], None], threads: int | None = None
         return None
     manifest = read_manifest(Path(job.context_dir))
     model = _load_model(Path(job.model_path))
-    if model is None:
-        return None
+    if model is None or model.config.rope.key(manifest.query_position) is not None:
+        return None  # no file yet; or RoPE frequencies of this context's length, not the file's
     result = _forward(model, _shard_tables(manifest, model.config), list(job.query_ids),
                       manifest.query_position, threads or kernels.cpu_threads())
     if result.token not in set(job.stop_ids):
@@ -204,7 +209,7 @@ def _forward(model: _Model, tables: Sequence[kernels.KeyTable], ids: list[int], 
     cos, sin = np.empty((m, d), dtype=np.uint16), np.empty((m, d), dtype=np.uint16)
     inv_freq = np.ascontiguousarray(model.inv_freq, dtype=np.float32)
     library.starqa_rope_table(1, positions.ctypes.data, m, inv_freq.ctypes.data, d,
-                              cos.ctypes.data, sin.ctypes.data)
+                              model.rope_attention, cos.ctypes.data, sin.ctypes.data)
     hidden = np.ascontiguousarray(model.embed[np.asarray(ids, dtype=np.int64)])  # [M, H]
     keys, values, queries, lses = [], [], [], []
     for layer in range(c.layers):

@@ -69,15 +69,23 @@ class Decoder:
 
     def __init__(self, config: DecoderConfig, embed: torch.Tensor, layers: list[Layer],
                  norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, weights: str,
-                 inv_freq: torch.Tensor | None = None):
+                 rope: tuple[torch.Tensor, float] | None = None):
         self.config, self.embed, self.layers = config, embed, layers
         self.norm, self.lm_head, self.dtype, self.weights = norm, lm_head, dtype, weights
         d = config.head_dim
-        # transformers' default RoPE: inv_freq in fp32, angles position · inv_freq in fp32
-        # (kept in the prepared file, so starqa.coldstart.firsttoken has these very bits)
+        # transformers' RoPE: inv_freq in fp32, angles position · inv_freq in fp32, cos and
+        # sin times the attention factor in fp32 (yarn's and longrope's; 1 for the other
+        # kinds), then rounded to the dtype. Plain RoPE's inv_freq is computed here; a
+        # scaled one is given with its factor (`rope`: starqa.models.rope.frequencies). Both
+        # are kept in the prepared file, so starqa.coldstart.firsttoken has these very bits.
+        inv_freq, rope_attention = rope if rope is not None else (None, 1.0)
+        if inv_freq is None and config.rope.kind != "default":
+            raise ValueError(f"RoPE {config.rope.kind}: its frequencies are given "
+                             "(starqa.models.rope.frequencies)")
         self.inv_freq = (1.0 / (config.rope_theta ** (
             torch.arange(0, d, 2, dtype=torch.int64).float() / d)) if inv_freq is None
                          else inv_freq.float()).to(embed.device)
+        self.rope_attention = _fp32(rope_attention)
         self.scale = d ** -0.5
         self.native_rows = (native.rows_supported(embed.device, dtype) and d % 2 == 0
                             and d <= 512 and all(t.is_contiguous() for t in self._norms()))
@@ -109,11 +117,19 @@ class Decoder:
     def device(self) -> torch.device:
         return self.embed.device
 
+    def set_rope(self, inv_freq: torch.Tensor, rope_attention: float) -> None:
+        """Rotate with these frequencies [D/2] and attention factor from now on: those of
+        a context's length, for the RoPE kinds that depend on it (starqa.models.rope)."""
+        self.inv_freq = inv_freq.float().to(self.device)
+        self.rope_attention = _fp32(rope_attention)
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [M, 1, D] in the compute dtype for `positions` [M]."""
+        """cos, sin [M, 1, D] in the compute dtype for `positions` [M], times the attention
+        factor in fp32 before the rounding (transformers' order)."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # [M, D/2]
         emb = torch.cat([angles, angles], dim=-1)[:, None, :]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        a = self.rope_attention
+        return (emb.cos() * a).to(self.dtype), (emb.sin() * a).to(self.dtype)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, attention: Attention,
                 rowwise: bool = False, compiled: Compiled | None = None) -> torch.Tensor:
@@ -133,7 +149,8 @@ class Decoder:
         # bits as starqa.coldstart.firsttoken's forward)
         if self.native_rows:
             norm, rotate, silu_mul = native.rms_norm, native.rope_, native.silu_mul
-            cos, sin = native.rope_table(positions, self.inv_freq, self.dtype)
+            cos, sin = native.rope_table(positions, self.inv_freq, self.dtype,
+                                         self.rope_attention)
         else:
             norm, rotate, silu_mul = _rms_norm, _rotate, _silu_mul
             cos, sin = self.rope(positions)
@@ -189,6 +206,8 @@ class Decoder:
                 out.update(getattr(layer, name).tensors(f"{i}.{name}"))
         if self.lm_head.weight is self.embed:  # tied and dense: one tensor, stored once
             del out["lm_head.weight"]
+        if self.rope_attention != 1.0:  # yarn's and longrope's factor on cos and sin
+            out["rope_attention"] = torch.tensor([self.rope_attention], dtype=torch.float32)
         return out
 
     @classmethod
@@ -204,7 +223,14 @@ class Decoder:
                   for i in range(config.layers)]
         return cls(config, tensors["embed"], layers, tensors["norm"],
                    Linear.from_tensors(tensors, "lm_head"), dtype, weights,
-                   tensors.get("inv_freq"))
+                   (tensors.get("inv_freq"), float(tensors["rope_attention"][0])
+                    if "rope_attention" in tensors else 1.0))
+
+
+def _fp32(value: float) -> float:
+    """`value` rounded to fp32: what the kernels take and the prepared file keeps, so a
+    decoder built and one mapped from its file rotate alike."""
+    return torch.tensor(float(value), dtype=torch.float32).item()
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

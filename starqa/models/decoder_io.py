@@ -25,8 +25,10 @@ from starqa.models.linear import Linear
 
 
 def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
-                 device: torch.device | str = "cpu") -> Decoder:
-    """The model in `folder` for Phase 2, with its linear layers in `weights` format.
+                 device: torch.device | str = "cpu", length: int | None = None) -> Decoder:
+    """The model in `folder` for Phase 2, with its linear layers in `weights` format, its
+    RoPE that of a context of `length` positions (the position its question starts at;
+    None: as the config gives it at load), by starqa.models.rope's rule.
 
     Quantised weights are prepared once and kept next to the model, in
     `.starqa-phase2-<weights>-<dtype>.safetensors` (keyed by the weights' hash, the torch
@@ -37,6 +39,14 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
     instead."""
     _check_format(weights)
     config = DecoderConfig.read(folder)
+    decoder = _load(folder, config, dtype, weights, device)
+    if length is not None and config.rope.key(length) is not None:
+        decoder.set_rope(*_frequencies(folder, length))
+    return decoder
+
+
+def _load(folder: Path, config: DecoderConfig, dtype: torch.dtype, weights: str,
+          device: torch.device | str) -> Decoder:
     if weights == "dense" or torch.device(device).type != "cpu":
         return _build(folder, config, dtype, weights, device)
     target = _Prepared.of(folder, weights, dtype)
@@ -48,6 +58,18 @@ def load_decoder(folder: Path, dtype: torch.dtype, weights: str = "dense",
         decoder = _build(folder, config, dtype, weights, device)
         target.save(decoder)
     return decoder
+
+
+def _frequencies(folder: Path, length: int | None) -> tuple[torch.Tensor, float]:
+    """The RoPE frequencies and attention factor of the model in `folder` for a context of
+    `length` positions (starqa.models.rope.frequencies, over transformers' own config)."""
+    from transformers import AutoConfig
+
+    from starqa.models.conversion import quiet_transformers
+    from starqa.models.rope import frequencies
+
+    with quiet_transformers():
+        return frequencies(AutoConfig.from_pretrained(folder), length)
 
 
 def prepare_weights(folder: Path, dtype: torch.dtype, weights: str,
@@ -197,5 +219,8 @@ def _build(folder: Path, config: DecoderConfig, dtype: torch.dtype, weights: str
             down=linear([p + "mlp.down_proj"])))
     embed = get("model.embed_tokens.weight").to(dtype)
     head = embed if config.tied else get("lm_head.weight")
+    # plain RoPE is the decoder's own; a scaled one's as the config gives it at load
+    rope = None if config.rope.kind == "default" else _frequencies(folder, None)
     return Decoder(config, embed, layers, get("model.norm.weight").to(dtype),
-                   Linear.quantize(head, None, weights, dtype, rows=False), dtype, weights)
+                   Linear.quantize(head, None, weights, dtype, rows=False), dtype, weights,
+                   rope)

@@ -23,13 +23,20 @@ def load_tokenizer(path: Path) -> Any:
 
 
 def load_model(path: Path, *, dtype: torch.dtype, device: Any = "cpu",
-               attn_implementation: str = "sdpa") -> Any:
-    """Causal LM from `path` on `device`, in eval mode with gradients off."""
-    from transformers import AutoModelForCausalLM
+               attn_implementation: str = "sdpa", rope_length: int | None = None) -> Any:
+    """Causal LM from `path` on `device`, in eval mode with gradients off. rope_length: the
+    context's length (the position its question starts at), for a RoPE whose frequencies
+    depend on it (dynamic, longrope): they are pinned to that length's, so every forward
+    over part of the context rotates as one over the whole does (starqa.models.rope)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from starqa.models.rope import pin
 
     with _quiet_transformers():
+        config = AutoConfig.from_pretrained(path) if rope_length is not None else None
+        pinned = {"config": config} if config is not None and pin(config, rope_length) else {}
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation
+            path, dtype=dtype, attn_implementation=attn_implementation, **pinned
         )
     return model.to(device).eval().requires_grad_(False)
 
@@ -97,11 +104,18 @@ class FastTokenizer:
 
 
 def context_window(config: Any) -> int:
-    """The window a model was trained for (`max_position_embeddings` of its text config);
-    a config without one is an error."""
+    """The window a model runs at: `max_position_embeddings` of its text config, or the
+    window its RoPE scaling extends it to where the config declares one (yarn factor 4
+    over 32768: 131072; starqa.models.rope.Rope.scaled_window); a config without one is
+    an error."""
+    from starqa.models.rope import Rope
+
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(text_config, "max_position_embeddings", None)
     if not isinstance(window, int):
         raise StarqaError("The model config has no max_position_embeddings",
                           hint="starqa needs the model's context window to size blocks")
-    return window
+    try:
+        return max(window, Rope.read(text_config.to_dict()).scaled_window)
+    except (ValueError, TypeError, AttributeError):  # a RoPE starqa does not run: Phase 2 says
+        return window

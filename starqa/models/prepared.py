@@ -16,6 +16,7 @@ from pathlib import Path
 from starqa.core.errors import StarqaError
 from starqa.models.embedded import EMBEDDED
 from starqa.models.identity import weights_digest
+from starqa.models.rope import Rope
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 INT4_GROUP = 32  # the GGUF Q4 block: re-quantising a Q4_1/Q4_K tensor in groups of 32 keeps it
@@ -46,17 +47,21 @@ class DecoderConfig:
     eps: float
     rope_theta: float
     tied: bool
+    rope: Rope = Rope()  # its scaling as the config declares it (starqa.models.rope)
 
     @classmethod
     def read(cls, folder: Path) -> DecoderConfig:
         config = json.loads((Path(folder) / "config.json").read_text())
         arch = (config.get("architectures") or ["?"])[0]
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if arch not in ARCHITECTURES or rope_type != "default":
+        try:
+            rope = Rope.read(config)
+        except ValueError as err:
+            raise StarqaError(f"Phase 2 does not run {folder}: {err}.",
+                              hint="use an embedded model: " + " or ".join(
+                                  f"--model {m.name}" for m in EMBEDDED)) from None
+        if arch not in ARCHITECTURES:
             raise StarqaError(
-                f"Phase 2 supports {', '.join(ARCHITECTURES)} with plain RoPE; "
-                f"{folder} is {arch} (RoPE {rope_type}).",
+                f"Phase 2 supports {', '.join(ARCHITECTURES)}; {folder} is {arch}.",
                 hint="use an embedded model: " + " or ".join(f"--model {m.name}"
                                                              for m in EMBEDDED))
         heads = config["num_attention_heads"]
@@ -64,8 +69,8 @@ class DecoderConfig:
                    heads=heads, kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=config.get("head_dim") or config["hidden_size"] // heads,
                    vocab=config["vocab_size"], eps=config.get("rms_norm_eps", 1e-6),
-                   rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-                   tied=bool(config.get("tie_word_embeddings", False)))
+                   rope_theta=rope.parameters["rope_theta"],
+                   tied=bool(config.get("tie_word_embeddings", False)), rope=rope)
 
 
 def prepared_file(folder: Path, weights: str, dtype: str) -> Path:

@@ -185,9 +185,11 @@ STARQA_API void starqa_rms_norm(int bf16, const void *x, int64_t m, int64_t h, c
                                 float eps, void *y);
 STARQA_API int starqa_rope(int bf16, void *x, int64_t m, int64_t row, int64_t heads, int64_t d,
                            const void *cos, const void *sin);
+/* cos, sin [M, D] of angles position · inv_freq, each times `attention` in fp32 (a RoPE
+   scaling's factor on cos and sin: yarn's, longrope's; 1 otherwise), in the dtype. */
 STARQA_API void starqa_rope_table(int bf16, const int64_t *position, int64_t m,
-                                  const float *inv_freq, int64_t d, void *cos_out,
-                                  void *sin_out);
+                                  const float *inv_freq, int64_t d, float attention,
+                                  void *cos_out, void *sin_out);
 STARQA_API void starqa_silu_mul(int bf16, const void *x, int64_t m, int64_t n, void *y);
 STARQA_API void starqa_add(int bf16, void *x, int64_t m, int64_t n, const void *y,
                            int64_t stride);

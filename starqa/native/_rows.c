@@ -11,8 +11,10 @@
    RoPE (rotate_half convention): x' = round(round(x · cos) + round(rot(x) · sin)), each
    product and the sum rounded to the dtype as torch's bf16 operators round them, with
    rot(x) = [-x[D/2:], x[:D/2]] and cos, sin given per row in the dtype, from
-   starqa_rope_table: angle (float)position · inv_freq in fp32 (transformers' default RoPE),
-   its cos and sin by libm in fp32, rounded to the dtype.
+   starqa_rope_table: angle (float)position · inv_freq in fp32 (transformers' RoPE, the
+   frequencies of any scaling given: starqa.models.rope), its cos and sin by libm in fp32,
+   each times the scaling's attention factor in fp32 (yarn's mscale, longrope's; 1 leaves
+   the bits), rounded to the dtype.
 
    SiLU·mul (the MLP's gate): y = round(round(silu(g)) · u), silu in fp32 by one exp
    (starqa's exp_nonpositive, _simd.h), rounded as torch's F.silu(g) * u rounds.
@@ -84,12 +86,12 @@ int starqa_rope(int bf16, void *x, int64_t m, int64_t row, int64_t heads, int64_
 
 /* cos, sin [M, D] in the dtype for positions [M] (see the top). */
 void starqa_rope_table(int bf16, const int64_t *position, int64_t m, const float *inv_freq,
-                       int64_t d, void *cos_out, void *sin_out) {
+                       int64_t d, float attention, void *cos_out, void *sin_out) {
     const int64_t half = d / 2;
     for (int64_t r = 0; r < m; r++) {
         for (int64_t i = 0; i < half; i++) {
             float angle = (float)position[r] * inv_freq[i];
-            float c = cosf(angle), s = sinf(angle);
+            float c = cosf(angle) * attention, s = sinf(angle) * attention;
             put(cos_out, bf16, r * d + i, c);
             put(cos_out, bf16, r * d + half + i, c);
             put(sin_out, bf16, r * d + i, s);

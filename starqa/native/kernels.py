@@ -149,7 +149,7 @@ SIGNATURES = {
     "starqa_int4_fast": (_INT, []),
     "starqa_rms_norm": (None, [_INT, _PTR, _I64, _I64, _PTR, _F32, _PTR]),
     "starqa_rope": (_INT, [_INT, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]),
-    "starqa_rope_table": (None, [_INT, _PTR, _I64, _PTR, _I64, _PTR, _PTR]),
+    "starqa_rope_table": (None, [_INT, _PTR, _I64, _PTR, _I64, _F32, _PTR, _PTR]),
     "starqa_silu_mul": (None, [_INT, _PTR, _I64, _I64, _PTR]),
     "starqa_add": (None, [_INT, _PTR, _I64, _I64, _PTR, _I64]),
     "starqa_layer_before": (_INT, _takes(starqa_before_args)),

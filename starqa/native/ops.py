@@ -361,16 +361,18 @@ def rope_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) -> 
     return x[:, :heads]
 
 
-def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+               attention: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [M, 1, D] in `dtype` (one `rows_supported` takes) for `positions` [M] and
-    fp32 `inv_freq` [D / 2] (starqa/native/_rows.c: angles in fp32, libm's cos and sin)."""
+    fp32 `inv_freq` [D / 2] (starqa/native/_rows.c: angles in fp32, libm's cos and sin),
+    times the RoPE's `attention` factor in fp32 before the rounding (starqa.models.rope)."""
     positions = positions.to(torch.int64).contiguous()
     inv_freq = inv_freq.to(torch.float32).contiguous()
     m, d = positions.shape[0], 2 * inv_freq.shape[0]
     cos, sin = (torch.empty(m, 1, d, dtype=dtype) for _ in range(2))
     _library().starqa_rope_table(dtype == torch.bfloat16, positions.data_ptr(), m,
-                                 inv_freq.data_ptr(), d, cos.data_ptr(), sin.data_ptr())
+                                 inv_freq.data_ptr(), d, attention, cos.data_ptr(),
+                                 sin.data_ptr())
     return cos, sin
 
 

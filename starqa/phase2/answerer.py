@@ -80,7 +80,8 @@ class Answerer:
         # contiguous per machine, then per rank: what each machine keeps (starqa.cache.hosts)
         blocks = list(dist.split_by_host(len(manifest.blocks), info))
         dtype = getattr(torch, manifest.dtype)
-        decoder = load_decoder(model_path, dtype, weights, info.device)
+        decoder = load_decoder(model_path, dtype, weights, info.device,
+                               length=manifest.query_position)  # the RoPE's (models.rope)
         shard, ids, retriever = None, None, None
         if topk is None:
             shard, ids = load_shard(manifest, blocks, device=info.device, dtype=dtype)

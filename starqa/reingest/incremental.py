@@ -23,6 +23,20 @@ def rope(model_path) -> object | None:
     return inv_freq(Path(model_path))
 
 
+def block_model(model_digest: str, model_path, length: int) -> str:
+    """What the blocks' addresses name as their model: its fingerprint, and the RoPE's set
+    where the frequencies depend on the context's `length` (starqa.models.rope.Rope.key:
+    dynamic past its window, longrope past its original one), so a block encoded with one
+    set is never reused under another."""
+    from starqa.models.rope import Rope
+
+    try:
+        key = Rope.of(Path(model_path)).key(length)
+    except (OSError, ValueError, KeyError):
+        key = None
+    return model_digest if key is None else f"{model_digest}+{key}"
+
+
 def keep(plan: reuse.Plan, store: Path, folder: Path, blocks, freqs, method: str) -> None:
     """The blocks the store holds linked into `folder`; the moved ones re-rotated there
     (freqs: `rope`'s, needed when the plan rotates any)."""

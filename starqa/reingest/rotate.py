@@ -9,7 +9,13 @@ now changed by δ; the values and the keys' unrotated parts keep that old distan
 approximation is measured in `benchmarks/rerotate_error.py` (docs/results.md).
 
     k: [L, Hkv, T, D] with RoPE applied (the shard layout); transformers' rotate_half
-    convention (first half, second half), plain ("default") RoPE only.
+    convention (first half, second half).
+
+A scaled RoPE (starqa.models.rope) rotates by position · inv_freq with its own inv_freq, and
+multiplies cos and sin by an attention factor a (yarn, longrope): a stored key is
+a · R(p) k, and R(δ) a · R(p) k = a · R(p + δ) k, so the same rotation by δ with the
+scaled inv_freq moves it, the factor kept. The kinds whose frequencies depend on the
+context's length (dynamic, longrope) are never re-rotated: a moved block is encoded again.
 """
 
 from __future__ import annotations
@@ -20,15 +26,28 @@ import torch
 
 
 def inv_freq(model_path: Path) -> torch.Tensor | None:
-    """The model's RoPE frequencies [D/2] in fp32, as transformers computes them; None for
-    a model whose RoPE is not plain (its blocks are encoded again, never re-rotated)."""
+    """The model's RoPE frequencies [D/2] in fp32, as transformers computes them (a scaled
+    RoPE's: starqa.models.rope.frequencies); None for a model Phase 2 does not run or whose
+    frequencies depend on the context's length (its blocks are encoded again, never
+    re-rotated)."""
     from starqa.models.prepared import DecoderConfig
+    from starqa.models.rope import VARYING
     from starqa.core.errors import StarqaError
 
     try:
         config = DecoderConfig.read(model_path)
     except (StarqaError, KeyError, OSError, ValueError):
         return None
+    if config.rope.kind in VARYING:
+        return None
+    if config.rope.kind != "default":
+        from transformers import AutoConfig
+
+        from starqa.models.conversion import quiet_transformers
+        from starqa.models.rope import frequencies
+
+        with quiet_transformers():
+            return frequencies(AutoConfig.from_pretrained(model_path))[0]
     d = config.head_dim
     return 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
 

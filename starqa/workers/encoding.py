@@ -43,6 +43,22 @@ class BlockSink:
     kv: str = "float"
 
 
+def rope_length(model_path, ids, task: EncodeTask) -> int | None:
+    """The context's length (the position its question starts at) where the model's RoPE
+    depends on it (dynamic, longrope: `models.load_model`'s rope_length), else None."""
+    from starqa import methods
+    from starqa.models.rope import VARYING, Rope
+
+    try:
+        if Rope.of(model_path).kind not in VARYING:
+            return None
+    except (OSError, ValueError, KeyError):  # no config, or a RoPE left to transformers
+        return None
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    return methods.get(task.method.name).query_position(ids, task.method, task.blocks,
+                                                        task.prepared)
+
+
 def encode_blocks(model, ids, task: EncodeTask, info, sink: BlockSink) -> None:
     """ids: [n] int64; info: dist.DistInfo (a world of one in process). Where the model
     computes in another dtype than the sink's (`models.phase1_dtype`), each block's KV is
@@ -93,7 +109,8 @@ def encode_in_process(model_path, device: str, ids, task: EncodeTask, sink: Bloc
 
     info = dist.local_world(device)
     model = load_model(str(model_path), device=info.device, attn_implementation=hooks.register(),
-                       dtype=getattr(torch, phase1_dtype(sink.dtype, info.device, model_path)))
+                       dtype=getattr(torch, phase1_dtype(sink.dtype, info.device, model_path)),
+                       rope_length=rope_length(model_path, ids, task))
     on_ready()
     if seconds := os.environ.get("STARQA_SLOW"):  # test-only, as in starqa.workers.worker
         time.sleep(float(seconds))

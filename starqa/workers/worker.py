@@ -25,7 +25,7 @@ from starqa.runtime.protocol import (AskJob, Block, Done, Error, Hit, IndexBuilt
     Measure, Peak, Placed, Ready, ServeJob, Token, decode_job, emit)
 
 
-def _load_model(job: IngestJob, info):
+def _load_model(job: IngestJob, info, rope_length: int | None = None):
     """Phase 1's model, in the dtype it computes in: the job's `compute_dtype`, chosen once
     by the launcher for its workers (`models.phase1_dtype`: fp32 for a bf16 cache on a CPU
     without bf16 matrix instructions; the blocks are stored in the job's `dtype`). Across
@@ -42,7 +42,7 @@ def _load_model(job: IngestJob, info):
     if job.across and len(set(dist.all_gather_object(info, dtype))) > 1:
         dtype = job.dtype
     return load_model(job.model_path, dtype=getattr(torch, dtype), device=info.device,
-                      attn_implementation=hooks.register())
+                      attn_implementation=hooks.register(), rope_length=rope_length)
 
 
 def run_ingest(job: IngestJob, info) -> None:
@@ -53,7 +53,7 @@ def run_ingest(job: IngestJob, info) -> None:
     from starqa.runtime import dist
     from starqa.core import gcpause
     from starqa import methods
-    from starqa.workers.encoding import BlockSink, EncodeTask, encode_blocks
+    from starqa.workers.encoding import BlockSink, EncodeTask, encode_blocks, rope_length
 
     method = methods.MethodConfig(**job.method)
     encoder = methods.get(method.name)
@@ -66,7 +66,8 @@ def run_ingest(job: IngestJob, info) -> None:
             return
         shared = hosts.shared_folder(info, folder.parent)
     ids = load_file(job.tokens_file)["ids"].long()
-    model = _load_model(job, info)
+    task = EncodeTask(method, job.blocks, job.todo, job.prepared)
+    model = _load_model(job, info, rope_length(job.model_path, ids, task))
     gcpause.settle()
     mine = encoder.share(job.todo, len(job.blocks), info.world_size, info.rank)
     emit(Ready(rank=info.rank, blocks=tuple(mine)))
@@ -76,7 +77,6 @@ def run_ingest(job: IngestJob, info) -> None:
         dist.barrier(info)  # every rank starts its clock together, after the model loaded
     counter = flop_counter() if job.measure else contextlib.nullcontext()
     started, cpu = time.perf_counter(), time.process_time()
-    task = EncodeTask(method, job.blocks, job.todo, job.prepared)
     sink = BlockSink(folder, job.dtype, job.index,
                      lambda index, tokens: emit(Block(rank=info.rank, index=index,
                                                       tokens=tokens)),

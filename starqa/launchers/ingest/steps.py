@@ -26,7 +26,7 @@ from starqa.methods import plan_blocks
 from starqa.reingest import resume, reuse
 from starqa.reingest.incremental import adopt as adopt_blocks
 from starqa.reingest.incremental import keep as keep_blocks
-from starqa.reingest.incremental import rope
+from starqa.reingest.incremental import block_model, rope
 from starqa.reingest.reuse import Reuse
 from starqa.runtime.launch import PerRank, launch_of, run_workers
 from starqa.runtime.protocol import (Block, Event, Hit, IndexBuilt, IndexJob, IngestJob, Placed,
@@ -143,12 +143,13 @@ def _plan(opts: IngestOptions, root: Path, source: Prepared, mode: Mode) -> Phas
     freqs = rope(model.path) if mode.incremental and encoder.rotatable else None
     force = opts.force or not mode.incremental
     tag = kv_tag(source.dtype, source.kv)  # int8 blocks' addresses differ from float ones
-    stored = reuse.plan(method, ids, blocks, prepared, reuse.BlockStore(bstore, model.digest, tag),
+    # a RoPE whose frequencies depend on the context's length names them too (models.rope)
+    digest = block_model(model.digest, model.path, query_position(ids, method, blocks, prepared))
+    stored = reuse.plan(method, ids, blocks, prepared, reuse.BlockStore(bstore, digest, tag),
                         force=force, rotate=freqs is not None)
     if not force and opts.nnodes == 1 and resume.recover(root, source.key, stored, bstore):
         # blocks of an ingest of these very inputs that crashed: planned again with them
-        stored = reuse.plan(method, ids, blocks, prepared,
-                            reuse.BlockStore(bstore, model.digest, tag),
+        stored = reuse.plan(method, ids, blocks, prepared, reuse.BlockStore(bstore, digest, tag),
                             force=False, rotate=freqs is not None)
     previous = store.latest_of(root, opts.paths, method.name, model.digest, source.dtype) \
         if mode.incremental else None
