@@ -305,3 +305,28 @@ def test_block_addresses_name_the_set_where_the_length_chooses_it(scaled):
     assert short == "d"
     assert (long != "d") == (kind in ("dynamic", "longrope"))
     assert (longer != long) == (kind == "dynamic")
+
+
+def test_phase1_blocks_hold_the_whole_forwards_keys(scaled, ids, reference, tmp_path):
+    """starqa's Phase 1 (dense, in blocks of 50: each a forward over its own positions
+    after the stored KV before it) writes, in every layer, the keys and values
+    transformers' one forward over all 200 positions computes: the model is pinned to the
+    context's length (`workers.encoding.rope_length`, the method's query position)."""
+    from safetensors.torch import load_file
+
+    from starqa.methods import MethodConfig
+    from starqa.workers.encoding import BlockSink, EncodeTask, encode_in_process, rope_length
+
+    kind, folder = scaled
+    blocks = [(start, start + 50) for start in range(0, LENGTH, 50)]
+    task = EncodeTask(MethodConfig("dense", 50, 0), blocks, range(len(blocks)))
+    assert rope_length(folder, ids, task) == (LENGTH if kind in ("dynamic", "longrope")
+                                              else None)
+    encode_in_process(folder, "cpu", ids, task, BlockSink(tmp_path, "float32"))
+    with torch.inference_mode():
+        cache = reference[0](ids[None], use_cache=True).past_key_values
+    for i, (start, end) in enumerate(blocks):
+        block = load_file(str(tmp_path / f"block_{i:05d}.safetensors"))
+        for layer, kv in enumerate(cache.layers):
+            assert relative(block["k"][layer], kv.keys[0, :, start:end]) < BOUND
+            assert relative(block["v"][layer], kv.values[0, :, start:end]) < BOUND

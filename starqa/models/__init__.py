@@ -6,7 +6,7 @@ file through `gguf.py`, ollama's store through `ollama.py`, a folder, a hub id; 
 converted once by `conversion.py`), `identity.py` (a folder's fingerprint, which caches
 built from it record), `devices.py` (the device, the CPU's flags, the memory, the dtypes and
 Phase 2 weight formats chosen for them), `loading.py` (model, tokenizer, stop tokens,
-window); then Phase 2's own forward: `linear.py` (dense, int8 and int4 linear layers),
+window), `rope.py` (RoPE scaling as the config declares it); then Phase 2's own forward: `linear.py` (dense, int8 and int4 linear layers),
 `decoder.py` (the lean Llama/Mistral/Qwen2 decoder), `decoder_io.py` (a decoder loaded, its
 prepared weights built once and mapped after) and `prepared.py` (what those prepared
 weights hold, without torch).
