@@ -150,8 +150,12 @@ def test_a_moved_contiguous_block_is_reused_as_it_is(home, repo, tmp_path):
 
 
 def test_context_bias_is_the_overlap_of_keys_on_positions():
-    assert methods.context_bias(16_384, 7_680) == pytest.approx(math.log(7_680 / 16_384))
+    """16K in blocks of 3,840 after a 3,840-token anchor: 12,444 keys share 3,840 positions."""
+    assert methods.context_bias(16_284, 7_680, 3_840) == pytest.approx(math.log(3_840 / 12_444))
+    assert methods.context_bias(16_284, 7_680) == pytest.approx(math.log(7_680 / 16_284))
     assert methods.context_bias(4_000, 4_000) == methods.context_bias(0, 0) == 0.0
+    config = method_config("star", 16_284, 3_840, None, {"positions": "contiguous"})
+    assert methods.get("star").shared_from(config) == 3_840
 
 
 @pytest.mark.parametrize("kind", ["exact", "topk"])

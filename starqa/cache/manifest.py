@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from starqa.core.errors import ShardError, StarqaError
+from starqa import methods
 from starqa.methods import MethodConfig, context_bias
 
 MANIFEST = "manifest.json"
@@ -236,9 +237,10 @@ class Manifest:
 
     @property
     def context_bias(self) -> float:
-        """What Phase 2 adds to the context keys' scores: log(query_position / n_tokens)
-        where the blocks share positions (`methods.context_bias`), else 0."""
-        return context_bias(self.n_tokens, self.query_position)
+        """What Phase 2 adds to the context keys' scores where the blocks share positions
+        (`methods.context_bias`), else 0."""
+        return context_bias(self.n_tokens, self.query_position,
+                            methods.get(self.method.name).shared_from(self.method))
 
     @property
     def local_blocks(self) -> tuple[int, ...]:
@@ -369,8 +371,6 @@ def _check_numbers(manifest: Manifest) -> None:
     position is where the method puts it (`Method.query_bounds`); every file's tokens and
     line starts lie inside the context; sizes are not negative. Phase 2 trusts them all:
     a wrong one answers garbage, never an error."""
-    from starqa import methods
-
     n, method = manifest.n_tokens, manifest.method
     if n < 1 or not manifest.blocks:
         raise _Damage(f"it holds {n} tokens in {len(manifest.blocks)} blocks")

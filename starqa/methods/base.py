@@ -84,6 +84,11 @@ class Method:
         for `query_position`: JSON-able (it travels in the job). Nothing by default."""
         return {}
 
+    def shared_from(self, config: MethodConfig) -> int:
+        """At contiguous positions, the first position the blocks share (what lies before
+        it once: star's anchor, pulsar's sink); `context_bias` reads it. 0 by default."""
+        return 0
+
     def position_free(self, config: MethodConfig) -> bool:
         """Whether a block's KV is the same wherever the block lies (its positions do not
         depend on its offset): a block that only moved is then reused as it is."""

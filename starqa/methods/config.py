@@ -104,20 +104,22 @@ def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | N
     return block, block
 
 
-def context_bias(n_tokens: int, query_position: int) -> float:
-    """The log-scale Phase 2 adds to every context key's attention score: log(positions /
-    keys) where the context's keys outnumber the positions before the question (contiguous
-    positions, docs/methods.md §2: the blocks share one range of positions), else 0.
+def context_bias(n_tokens: int, query_position: int, shared_from: int = 0) -> float:
+    """The log-scale Phase 2 adds to every context key's attention score where the blocks
+    share positions (contiguous positions, docs/methods.md §2), else 0: log((p − s) / (n − s))
+    for n keys before the question at position p, the blocks sharing positions s..p−1 (s:
+    what lies before them once, the anchor).
 
-    At contiguous positions the question meets n keys over only p < n positions, n/p at
-    each distance where training put one; left alone, the context's attention mass swamps
-    the question's own keys (SmolLM2 at 6K in blocks of 512 answers nothing). Scaling the
-    context's mass by p/n restores the weight a context of p tokens would have (APE's
-    scaling factor, Yang et al., ICLR 2025, here set by the overlap, not tuned); the
-    keys' weights among themselves are unchanged, so sources are too."""
-    if 0 < query_position < n_tokens:
-        return math.log(query_position / n_tokens)
-    return 0.0
+    There the question meets (n − s)/(p − s) keys at each distance where training put one;
+    left alone, the context's attention mass swamps the question's own keys (SmolLM2 at 6K
+    in blocks of 512 answers nothing). Scaling the context's mass by (p − s)/(n − s) gives
+    each shared position one key's worth again (APE's scaling factor, Yang et al., ICLR
+    2025, here set by the overlap, not tuned); the keys' weights among themselves are
+    unchanged, so sources are too."""
+    if not 0 < query_position < n_tokens:
+        return 0.0
+    shared_from = min(max(shared_from, 0), query_position - 1)
+    return math.log((query_position - shared_from) / (n_tokens - shared_from))
 
 
 def chosen(defaults: dict, given: dict) -> dict:

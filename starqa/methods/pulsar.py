@@ -58,6 +58,10 @@ class Pulsar(Method):
         return query_start(len(ids), blocks, _tensors(prepared, ids, config, blocks),
                            sink=config.params["sink"], positions="contiguous")
 
+    def shared_from(self, config: MethodConfig) -> int:
+        """The sink's positions hold its keys alone; the assembled blocks share the rest."""
+        return config.params.get("sink", 0)
+
     def query_bounds(self, config, n_tokens, blocks) -> tuple[int, int]:
         """Contiguous positions: the longest assembled block, which holds at least its own
         tokens and at most the context's (sink and summaries are other blocks' tokens)."""

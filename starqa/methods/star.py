@@ -49,6 +49,10 @@ class Star(Method):
         """Contiguous positions: a block's KV does not depend on where it lies."""
         return _contiguous(config)
 
+    def shared_from(self, config: MethodConfig) -> int:
+        """The anchor's positions hold its keys alone; the blocks share the rest."""
+        return config.anchor_size
+
     def query_position(self, ids, config, blocks, prepared=None) -> int:
         """After the context (sparse), or after the longest assembled block (contiguous)."""
         return self.query_bounds(config, len(ids), blocks)[0]
