@@ -298,7 +298,7 @@ def ingest_report(result: IngestResult) -> None:
               f"model {safe(m.model.name)}, {m.dtype}")
     per_worker = _blocks_per_worker(m.method, len(m.blocks), result.workers)
     err.print(f"Blocks per worker: {per_worker}")
-    room, window = m.model.window - m.n_tokens, m.model.window
+    room, window = m.model.window - m.query_position, m.model.window  # its positions
     err.print(f"Room to ask: {room:,} of the model's {window:,} tokens are left for a question "
               "and an answer" if room > 0 else
               f"[yellow]No room to ask[/]: the context fills the model's {window:,}-token "
