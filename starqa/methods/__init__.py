@@ -14,5 +14,6 @@ from starqa.methods.registry import (DEFAULT, METHODS, REFERENCE, REGISTRY, get,
 
 __all__ = ["DEFAULT", "MAX_DEFAULT_BLOCK", "METHODS", "MIN_BLOCK", "OPTIONS", "REFERENCE",
            "REGISTRY", "Method", "MethodConfig", "check_block_size", "check_sizes", "context_bias",
-           "default_block", "fitted_sizes", "get", "given_settings", "help_line", "method_config", "owners",
+           "default_block", "fitted_sizes", "get", "given_settings", "help_line",
+           "method_config", "owners",
            "plan_blocks", "plan_file_blocks", "round_robin", "split_contiguous"]

@@ -102,7 +102,8 @@ def _with_prepared_weights(result: IngestResult, opts: IngestOptions, source: Pr
     return replace(result, seconds=end - started, prepare_seconds=end - begun)
 
 
-def _model(spec: str | None, ui: UI) -> tuple[ModelIdentity, Any, Callable[[str, str], int | None]]:
+def _model(spec: str | None, ui: UI
+           ) -> tuple[ModelIdentity, Any, Callable[[str, str], int | None]]:
     """The model `spec` names (None: the default), resolved; its tokenizer; and the bytes of
     KV a token takes in a cache of a dtype and KV precision (None where the config does not
     say)."""
@@ -120,7 +121,8 @@ def _model(spec: str | None, ui: UI) -> tuple[ModelIdentity, Any, Callable[[str,
 def _kv_per_token(config, dtype: str, kv: str) -> int | None:
     """`kv_bytes_per_token` for the model's config (layers, KV heads, head size)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers, heads = getattr(text, "num_hidden_layers", None), getattr(text, "num_attention_heads", None)
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
     hidden = getattr(text, "hidden_size", None)
     if not (layers and heads and hidden):
         return None
@@ -326,7 +328,8 @@ def _kv(opts: IngestOptions) -> str:
     if opts.kv is None:
         return KV_KINDS[0]
     if opts.kv not in KV_KINDS:
-        raise StarqaError(f"Unknown --kv {opts.kv!r}.", hint=f"choose one of: {', '.join(KV_KINDS)}")
+        raise StarqaError(f"Unknown --kv {opts.kv!r}.",
+                          hint=f"choose one of: {', '.join(KV_KINDS)}")
     return opts.kv
 
 

@@ -86,7 +86,8 @@ def _precision(given: str | None, n: int, kv_bytes: Callable[[str], int | None] 
     whole = n * kv_bytes(KV_KINDS[0]) if kv_bytes and kv_bytes(KV_KINDS[0]) else None
     if whole is None or total is None or whole <= total // 2:
         return KV_KINDS[0], None
-    return KV_KINDS[1], f"float would take {_gb(whole)}, more than half of the machine's {_gb(total)}"
+    return KV_KINDS[1], (f"float would take {_gb(whole)}, more than half of the machine's "
+                         f"{_gb(total)}")
 
 
 MIN_ROOM = 64  # tokens: the least room worth offering for a question and its answer
