@@ -83,7 +83,8 @@ def _precision(given: str | None, n: int, kv_bytes: Callable[[str], int | None] 
     would take more than half of the machine's memory."""
     if given is not None:
         return given, None
-    whole = n * kv_bytes(KV_KINDS[0]) if kv_bytes and kv_bytes(KV_KINDS[0]) else None
+    per_token = kv_bytes(KV_KINDS[0]) if kv_bytes else None
+    whole = n * per_token if per_token else None
     if whole is None or total is None or whole <= total // 2:
         return KV_KINDS[0], None
     return KV_KINDS[1], (f"float would take {_gb(whole)}, more than half of the machine's "
