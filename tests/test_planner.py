@@ -163,10 +163,12 @@ def test_the_bias_scales_the_context_mass_exactly(kind):
     """Phase 2 with a context bias b equals softmax over [s·q·K_ctx + b ‖ s·q·K_own (causal)]
     computed in fp64: the context's mass scaled by e^b, the own keys' kept (top-k with k
     covering every key is exact too)."""
+    from starqa.attention import fold_gqa
     from starqa.phase2.shard_attention import ShardAttention
     from starqa.runtime import dist
     from starqa.topk import retrieval
     from starqa.topk.indexes import TopK
+    from test_attention import biased_reference
 
     torch.manual_seed(0)
     heads, kv_heads, dim, n, m, bias = 4, 2, 16, 96, 3, math.log(0.25)
@@ -184,13 +186,9 @@ def test_the_bias_scales_the_context_mass_exactly(kind):
     hook.begin(8)
     got = hook.attention(0, q, own_k, own_v, dim**-0.5)
 
-    g = heads // kv_heads
-    keys = torch.cat([k, own_k], 2).repeat_interleave(g, 1).double()
-    values = torch.cat([v, own_v], 2).repeat_interleave(g, 1).double()
-    scores = q.double() @ keys.transpose(-1, -2) * dim**-0.5
-    scores[..., :n] += bias
-    scores[..., n:] += torch.triu(torch.full((m, m), -math.inf), 1).double()
-    want = torch.softmax(scores, -1) @ values
+    rows = fold_gqa(q, kv_heads, torch.float32)[0]  # [Hkv, G*M, D], as the hook folds them
+    want, _ = biased_reference(rows, [(k[0], v[0])], (own_k[0], own_v[0]), dim**-0.5, m, bias)
+    want = want.view(1, heads, m, dim)
     error = (got.double() - want).abs().max() / want.abs().max()
     assert error < 1e-5
 

@@ -250,6 +250,24 @@ def test_the_sink_alone_is_exact_attention_over_it():
     torch.testing.assert_close(lse, want_lse[0], rtol=0, atol=1e-5)
 
 
+def _with_own_keys(kind, dtype, seed):
+    """A top-k call with the query host's own keys: folded rows q [2, 3 * 4, 64], a shard
+    of 3,000 keys (ivf: laid out in 30 lists, 5 probed), and 9 + 4 own keys read from a
+    longer buffer (Phase 2 grows them in place: heads apart by its capacity). Returns q,
+    key, value, the buffer, own, and topk_attend's keys, key map and lists."""
+    torch.manual_seed(seed)
+    heads, groups, tokens, n, dim, before = 2, 3, 4, 3000, 64, 9
+    q = torch.randn(heads, groups * tokens, dim)
+    key, value = torch.randn(heads, n, dim).to(dtype), torch.randn(heads, n, dim).to(dtype)
+    buffer = torch.randn(2, heads, 32, dim).to(dtype)
+    own = tuple(x[:, :before + tokens] for x in buffer)
+    keys, key_map, lists = [(0, key)], None, None
+    if kind == "ivf":
+        ordered, key_map, centroids, offsets = ivf_layout(key, 30, 5)
+        keys, lists = [(0, ordered)], (centroids, offsets, 5)
+    return q, key, value, buffer, own, keys, key_map, lists
+
+
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_own_keys_are_attended_causally_under_the_same_softmax(kind, dtype):
@@ -259,17 +277,8 @@ def test_own_keys_are_attended_causally_under_the_same_softmax(kind, dtype):
     the forward's others (drafted tokens)."""
     from starqa.attention import merge, partial_rows
 
-    torch.manual_seed(11)
-    heads, groups, tokens, n, dim, k, before = 2, 3, 4, 3000, 64, 40, 9
-    q = torch.randn(heads, groups * tokens, dim)
-    key, value = torch.randn(heads, n, dim).to(dtype), torch.randn(heads, n, dim).to(dtype)
-    # own keys in a longer buffer (Phase 2 grows them in place): heads apart by its capacity
-    buffer = torch.randn(2, heads, 32, dim).to(dtype)
-    own = tuple(x[:, :before + tokens] for x in buffer)
-    keys, key_map, lists = [(0, key)], None, None
-    if kind == "ivf":
-        ordered, key_map, centroids, offsets = ivf_layout(key, 30, 5)
-        keys, lists = [(0, ordered)], (centroids, offsets, 5)
+    heads, groups, tokens, dim, k, before = 2, 3, 4, 64, 40, 9
+    q, key, value, buffer, own, keys, key_map, lists = _with_own_keys(kind, dtype, 11)
     out, lse = topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens,
                            own=own)
     part = topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens)
@@ -296,16 +305,8 @@ def test_a_bias_weighs_the_shard_keys_and_not_the_own_keys(kind, dtype):
 
     from test_attention import biased_reference
 
-    torch.manual_seed(12)
-    heads, groups, tokens, n, dim, before, bias = 2, 3, 4, 3000, 64, 9, math.log(0.3)
-    q = torch.randn(heads, groups * tokens, dim)
-    key, value = torch.randn(heads, n, dim).to(dtype), torch.randn(heads, n, dim).to(dtype)
-    buffer = torch.randn(2, heads, 32, dim).to(dtype)
-    own = tuple(x[:, :before + tokens] for x in buffer)
-    keys, key_map, lists = [(0, key)], None, None
-    if kind == "ivf":
-        ordered, key_map, centroids, offsets = ivf_layout(key, 30, 5)
-        keys, lists = [(0, ordered)], (centroids, offsets, 5)
+    tokens, n, bias = 4, 3000, math.log(0.3)
+    q, key, value, _, own, keys, key_map, lists = _with_own_keys(kind, dtype, 12)
     for k in (40, n):
         out, lse = topk_attend(q, keys, [(0, value)], k, 3, 0.125, key_map, lists, tokens,
                                own=own, bias=bias)
