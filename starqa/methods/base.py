@@ -36,9 +36,6 @@ class Method:
     # "prefix": block i depends on every earlier block, so blocks before the first changed
     # one are kept and every later one is encoded again.
     reuse: str = "prefix"
-    # A block that only moved (same inputs, another position offset) may have its keys
-    # re-rotated to the new positions instead of being encoded (an approximation: star).
-    rotatable: bool = False
     # encode_todo needs the stored KV of the blocks before the first one to encode (dense,
     # ring: exact causal attention continues from it).
     needs_past: bool = False
@@ -83,6 +80,12 @@ class Method:
         """What the launcher computes once, before the workers start, for every worker and
         for `query_position`: JSON-able (it travels in the job). Nothing by default."""
         return {}
+
+    def rotatable(self, config: MethodConfig) -> bool:
+        """Whether a block that only moved (same inputs, another position offset) may have
+        its keys re-rotated to the new positions instead of being encoded (an
+        approximation: star at sparse positions). No by default."""
+        return False
 
     def shared_from(self, config: MethodConfig) -> int:
         """At contiguous positions, the first position the blocks share (what lies before

@@ -24,7 +24,6 @@ class Star(Method):
     help = "each block after an anchor, no communication (Star Attention)"
     settings = ("anchor", "positions")
     reuse = "block"  # block i's KV reads the anchor and block i only
-    rotatable = True  # a block that moved keeps its KV, keys re-rotated (starqa.reingest.rotate)
     fits_any_window = True  # at contiguous positions (the planner's choice past the window)
 
     def config(self, block_size: int, anchor_size: int | None, params: dict) -> MethodConfig:
@@ -48,6 +47,11 @@ class Star(Method):
     def position_free(self, config: MethodConfig) -> bool:
         """Contiguous positions: a block's KV does not depend on where it lies."""
         return _contiguous(config)
+
+    def rotatable(self, config: MethodConfig) -> bool:
+        """At sparse positions a block that moved keeps its KV, keys re-rotated
+        (starqa.reingest.rotate); at contiguous ones it needs nothing (`position_free`)."""
+        return not _contiguous(config)
 
     def shared_from(self, config: MethodConfig) -> int:
         """The anchor's positions hold its keys alone; the blocks share the rest."""

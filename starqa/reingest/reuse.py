@@ -87,7 +87,7 @@ def plan(config: MethodConfig, ids, blocks, prepared: dict | None, store: BlockS
             moved = sorted((abs(start - offset), offset, stored) for offset, stored
                            in blockstore.offsets(folder, addr)
                            if abs(start - offset) <= config.block_size) \
-                if rotate and encoder.rotatable else []
+                if rotate and encoder.rotatable(config) else []
             source = next(((offset, stored) for _, offset, stored in moved
                            if blockstore.checked_sha(folder, stored)), None)
             if source is None:

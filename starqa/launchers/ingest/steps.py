@@ -140,7 +140,7 @@ def _plan(opts: IngestOptions, root: Path, source: Prepared, mode: Mode) -> Phas
     # computed once here, for every worker and the manifest (pulsar: the summaries)
     prepared = encoder.prepare(ids, method, blocks)
     bstore = blockstore.store_dir(root)
-    freqs = rope(model.path) if mode.incremental and encoder.rotatable else None
+    freqs = rope(model.path) if mode.incremental and encoder.rotatable(method) else None
     force = opts.force or not mode.incremental
     tag = kv_tag(source.dtype, source.kv)  # int8 blocks' addresses differ from float ones
     # a RoPE whose frequencies depend on the context's length names them too (models.rope)
@@ -334,7 +334,7 @@ def _why(opts: IngestOptions, encoder, method, plan: reuse.Plan, changes, previo
         return "--force re-encodes every block"
     if changes is None or not plan.todo:
         return None
-    if encoder.rotatable and method.anchor_size and len(plan.todo) == len(manifest.blocks):
+    if encoder.rotatable(method) and method.anchor_size and len(plan.todo) == len(manifest.blocks):
         touched = changes.touches({f.path: (f.token_start, f.token_end) for f in previous.files},
                                   {f.path: (f.token_start, f.token_end) for f in manifest.files},
                                   method.anchor_size)

@@ -78,7 +78,7 @@ def _ingest(evaluator, sample: Sample, method: str, store: Path, folder: Path,
     folder.mkdir(parents=True)
     started = time.perf_counter()
     prepared = encoder.prepare(ids, config, blocks)
-    freqs = rope(evaluator.model_path) if encoder.rotatable and not force else None
+    freqs = rope(evaluator.model_path) if encoder.rotatable(config) and not force else None
     target = reuse.BlockStore(store, evaluator.model_digest,
                               str(evaluator.dtype).removeprefix("torch."))
     plan = reuse.plan(config, ids, blocks, prepared, target, force=force,
