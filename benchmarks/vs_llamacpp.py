@@ -5,7 +5,10 @@ the same rendered prompt (copies of samples/ as the context, one question).
         [--model smollm2-135m] [--tokens 7500] [--new-tokens 48] [--rounds 3]
     python benchmarks/vs_llamacpp.py --smoke [--llamacpp-python PY --gguf SMALL.gguf]
     python benchmarks/vs_llamacpp.py --first-ask [--llamacpp-python PY] [--model M] [--smoke]
-        (--model: smollm2-135m, or with --first-ask the default model)
+    python benchmarks/vs_llamacpp.py --ingest [--llamacpp-python PY] [--model M] \\
+        [--tokens 6000,22000] [--rounds 1] [--smoke]
+        (--model: smollm2-135m, or with --first-ask and --ingest the default model;
+        --tokens: one context size, or with --ingest a comma list of them)
 
 --smoke runs starqa's side on the toy model and corpus of benchmarks/toy.py (one round, a
 few hundred tokens); llama.cpp's side only where its python imports llama_cpp and a GGUF is
@@ -22,6 +25,21 @@ prepares those weights, is timed and shown. With --smoke, on the toy model (with
 STARQA_WEIGHTS=int4, so that its weights are prepared as an embedded model's are). Without
 a python that imports llama_cpp (--llamacpp-python) llama.cpp's side is skipped, saying so,
 and starqa's side runs alone.
+
+--ingest measures Phase 1 against llama.cpp's prefill: for each --tokens size (copies of
+samples/), `starqa ingest CORPUS --model M` in a fresh $STARQA_HOME, timed whole from the
+command's start to its exit (Python's start and imports included), then a fresh llama.cpp
+process that loads the model's GGUF and evaluates the same token ids (the context as that
+ingest packed them; every core, batches of 512, flash attention on): load and prefill
+seconds. Rounds and sizes interleave (each round: every size, starqa then llama.cpp). The
+model is already fetched, converted and its Phase 2 weights prepared, none of it timed:
+its folder is linked into each run's home, and an untimed warm-up (both sides once on ~500
+tokens) prepares those weights, once per model as a user's first ingest does, and reads
+each side's model file into the page cache. Prints per size: starqa's ingest seconds and
+tokens/s (and what its own report says: Phase 1's encode seconds, its total), llama.cpp's
+load + prefill (each part, tokens/s), their ratio (target: at most 0.20; per round
+min-max), then the last ingest's own report and llama.cpp's build line. With --smoke, the
+toy model at one toy size (llama.cpp's side with --gguf, as above).
 
 Prints the CPU's model and the flags that pick the kernels (AVX2, AVX-512 with bf16 and
 VNNI, AMX), then, on that CPU:
@@ -181,16 +199,21 @@ class LlamaCpp:
         self.saved["state_bytes"] = self.state.stat().st_size
 
     def _side(self, mode: str) -> dict:
-        proc = subprocess.run([self.python, str(SIDE), mode, str(self.gguf), str(self.state),
-                               str(self.job)], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"llama.cpp ({mode}) failed:\n{proc.stderr[-3000:]}")
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return llamacpp_side(self.python, mode, self.gguf, self.state, self.job)
 
     def restore(self, lookup: bool = False) -> dict:
         out = self._side("lookup" if lookup else "restore")
         out["cold_s"] = out["load_s"] + out["restore_s"] + out["question_s"]
         return out
+
+
+def llamacpp_side(python: str, mode: str, gguf: Path, state: Path, job: Path) -> dict:
+    """llamacpp_side.py's `mode` in a fresh process of `python`: its JSON line."""
+    proc = subprocess.run([python, str(SIDE), mode, str(gguf), str(state), str(job)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"llama.cpp ({mode}) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -199,12 +222,15 @@ def main() -> None:
                         help="python of a virtualenv with llama-cpp-python (see above); "
                              "required but with --smoke")
     parser.add_argument("--model", default=None,
-                        help="an embedded model (default: smollm2-135m; with --first-ask, "
-                             "starqa's default model, which a new user meets)")
-    parser.add_argument("--tokens", type=int, default=7500, help="context size to build")
+                        help="an embedded model (default: smollm2-135m; with --first-ask or "
+                             "--ingest, starqa's default model, which a new user meets)")
+    parser.add_argument("--tokens", type=token_sizes, default=None,
+                        help="context size to build (default 7500); with --ingest a comma "
+                             "list of sizes (default 6000,22000)")
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds of (warm, llama.cpp, cold), interleaved; medians reported")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of (warm, llama.cpp, cold), interleaved; medians reported "
+                             "(default 3; with --ingest 1)")
     parser.add_argument("--smoke", action="store_true",
                         help="the toy model and a few hundred tokens, one round; llama.cpp's "
                              "side only with --gguf and a python that imports llama_cpp")
@@ -214,13 +240,13 @@ def main() -> None:
                         help="the first ask after a fresh ingest in a fresh STARQA_HOME (the "
                              "model already fetched) against llama.cpp's cold path, and their "
                              "ratio; llama.cpp's side only with --llamacpp-python")
+    parser.add_argument("--ingest", action="store_true",
+                        help="Phase 1: `starqa ingest` (a fresh context cache) against "
+                             "llama.cpp's load + prefill of the same tokens (flash attention "
+                             "on), at each --tokens size; llama.cpp's side only with "
+                             "--llamacpp-python")
     args = parser.parse_args()
-    if args.model is None:
-        from starqa import models
-
-        args.model = models.DEFAULT_MODEL if args.first_ask else "smollm2-135m"
-    if not (args.smoke or args.first_ask) and args.llamacpp_python is None:
-        parser.error("--llamacpp-python is required (or --smoke, or --first-ask)")
+    checked_modes(parser, args)
     import compileall
 
     import starqa
@@ -237,8 +263,39 @@ def main() -> None:
         if args.first_ask:
             report_first_asks(args, *run_first_asks(args, setup, Path(tmp)))
             return
+        if args.ingest:
+            report_ingests(args, run_ingests(args, setup, Path(tmp)))
+            return
         rounds, group, cpp, dense, n_new = run_engines(args, setup, Path(tmp))
     report(args, rounds, group, cpp, dense, n_new)
+
+
+def checked_modes(parser: argparse.ArgumentParser, args) -> None:
+    """The mode's defaults filled in (--model, --tokens, --rounds); what it cannot take
+    refused."""
+    if args.first_ask and args.ingest:
+        parser.error("--first-ask and --ingest are two runs: pick one")
+    if args.tokens is None:
+        args.tokens = (6000, 22000) if args.ingest else (7500,)
+    if args.rounds is None:
+        args.rounds = 1 if args.ingest else 3
+    if len(args.tokens) > 1 and not args.ingest:
+        parser.error("several --tokens sizes are for --ingest only")
+    if args.model is None:
+        from starqa import models
+
+        args.model = (models.DEFAULT_MODEL if args.first_ask or args.ingest
+                      else "smollm2-135m")
+    if not (args.smoke or args.first_ask or args.ingest) and args.llamacpp_python is None:
+        parser.error("--llamacpp-python is required (or --smoke, --first-ask, --ingest)")
+
+
+def token_sizes(text: str) -> tuple[int, ...]:
+    """--tokens: one context size, or a comma list of them ("6000,22000", for --ingest)."""
+    try:
+        return tuple(int(size) for size in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size or a comma list of sizes: {text!r}")
 
 
 def smoke_setup(args) -> dict:
@@ -249,6 +306,7 @@ def smoke_setup(args) -> dict:
     toy.banner("vs_llamacpp")
     folder = toy.scratch("vs")
     args.new_tokens, args.rounds = min(args.new_tokens, 8), 1
+    args.tokens = (toy.TOKENS,)  # --ingest's one size, in the toy's window
     model_path = toy.model(folder)
     return {"label": "tiny-llama (toy)", "spec": str(model_path), "path": model_path,
             "corpus": toy.corpus(folder / "vs-llamacpp-toy"),
@@ -265,8 +323,7 @@ def embedded_setup(args, folder: Path) -> dict:
     if embedded is None:
         raise SystemExit("--model must be an embedded model (llama.cpp needs its GGUF)")
     model_path = models.resolve_model(embedded.name)
-    corpus = folder / f"vs-llamacpp-{embedded.name}-{args.tokens}"
-    build_corpus(models.load_tokenizer(model_path), args.tokens, corpus)
+    corpus = samples_corpus(model_path, args.tokens[0], folder)
     why = llamacpp_missing(args.llamacpp_python)
     if why:  # its GGUF is not fetched either
         print(f"llama.cpp side skipped: {why}; starqa's side runs alone", flush=True)
@@ -274,6 +331,16 @@ def embedded_setup(args, folder: Path) -> dict:
             "corpus": corpus,
             "gguf": None if why else models.fetch_gguf(embedded, paths.home() / "bench"
                                                        / "gguf" / embedded.gguf_file)}
+
+
+def samples_corpus(model_path: Path, tokens: int, folder: Path) -> Path:
+    """Copies of samples/ of about `tokens` of the model's tokens in `folder` (built once)."""
+    from starqa import models
+
+    corpus = folder / f"vs-llamacpp-{model_path.name}-{tokens}"
+    if not corpus.exists():
+        build_corpus(models.load_tokenizer(model_path), tokens, corpus)
+    return corpus
 
 
 def llamacpp_usable(python: str | None, gguf: Path | None) -> Path | None:
@@ -336,16 +403,24 @@ def run_engines(args, setup: dict, folder: Path):
 
 def prompt_ids(setup: dict, manifest) -> tuple[list[int], list[int]]:
     """(the context's token ids as `ingest` packed them into `manifest`, the question's)."""
+    from starqa import models
+    from starqa.corpus import prompt
+
+    return (context_ids(setup["path"], setup["corpus"], manifest),
+            prompt.tokenize_query(models.load_tokenizer(setup["path"]), QUESTION))
+
+
+def context_ids(model_path: Path, folder: Path, manifest) -> list[int]:
+    """The token ids of the context `ingest` packed from `folder` into `manifest`."""
     from starqa import corpus, models
     from starqa.corpus import prompt
     from starqa.reingest import packorder
 
-    tokenizer = models.load_tokenizer(setup["path"])
-    files = packorder.as_packed(corpus.collect([str(setup["corpus"])]).files, manifest)
+    files = packorder.as_packed(corpus.collect([str(folder)]).files, manifest)
     packed, spans = corpus.pack(files)
-    context = prompt.tokenize_context(tokenizer, packed, spans).ids
+    context = prompt.tokenize_context(models.load_tokenizer(model_path), packed, spans).ids
     assert len(context) == manifest.n_tokens
-    return context, prompt.tokenize_query(tokenizer, QUESTION)
+    return context
 
 
 def report(args, rounds: list[dict], group: StarqaWarm, cpp, dense: dict, n_new: int) -> None:
@@ -549,6 +624,181 @@ def report_first_asks(args, rounds: list[dict], cpp: LlamaCpp | None) -> None:
     print(f"\nTarget: starqa's first ask / llama.cpp's cold path = "
           f"{median('first_s') / cold:.2f} (target ≤ 2; rounds "
           f"{min(per_round):.2f}-{max(per_round):.2f})")
+
+
+# ---------------------------------------------------------------------------- --ingest
+
+WARM_UP_TOKENS = 500  # the untimed warm-up's context (with --smoke: half the toy's)
+INGEST_REPORT = re.compile(r"Encoded in ([\d.]+) s \([\d,]+ tokens/s\); total ([\d.]+) s")
+
+
+def run_ingests(args, setup: dict, folder: Path) -> dict[int, list[dict]]:
+    """--ingest's rounds after an untimed warm-up (`warm_up`): in each round, for each size,
+    a fresh `starqa ingest` (`starqa_ingest`), then llama.cpp's load + prefill of the tokens
+    it encoded (where its side runs): {size: one dict per round}."""
+    extra = {"STARQA_WEIGHTS": "int4"} if args.smoke else {}
+    print("Phase 1: `starqa ingest` in a fresh context cache, from the command's start to its "
+          "exit, the model already fetched, converted and its Phase 2 weights prepared "
+          "(linked in, not timed), against llama.cpp's load + prefill of the same tokens "
+          "in a fresh process (flash attention on, batches of 512)"
+          + ("; STARQA_WEIGHTS=int4 (the toy model)" if extra else ""), flush=True)
+    warm_up(args, setup, folder, extra)
+    corpora = {size: sized_corpus(args, setup, size, folder) for size in args.tokens}
+    ids: dict[int, list[int]] = {}
+    rounds: dict[int, list[dict]] = {size: [] for size in args.tokens}
+    for index in range(args.rounds):
+        for size in args.tokens:
+            one, context = starqa_ingest(setup, corpora[size], extra, size not in ids)
+            ids.setdefault(size, context)  # the first run's: the same corpus packs the same
+            one["tokens"] = len(ids[size])
+            if setup["gguf"] is not None:
+                one["cpp"] = llamacpp_prefill(args.llamacpp_python, setup["gguf"], ids[size],
+                                              folder)
+            rounds[size].append(one)
+            print(f"round {index + 1}, {size:,} tokens: {ingest_line(one)}", flush=True)
+    return rounds
+
+
+def sized_corpus(args, setup: dict, tokens: int, folder: Path) -> Path:
+    """A corpus of about `tokens` tokens: with --smoke the toy's words, else copies of
+    samples/."""
+    if args.smoke:
+        import toy
+
+        return toy.corpus(folder / f"vs-llamacpp-toy-{tokens}", tokens)
+    return samples_corpus(setup["path"], tokens, folder)
+
+
+def warm_up(args, setup: dict, folder: Path, extra: dict) -> None:
+    """Both sides once on a small context, untimed: Phase 2's weights prepared beside the
+    model (once per model, and no part of Phase 1: later ingests find them), each side's
+    model file read into the page cache."""
+    tokens = min(WARM_UP_TOKENS, min(args.tokens) // 2)
+    started = time.perf_counter()
+    _, context = starqa_ingest(setup, sized_corpus(args, setup, tokens, folder), extra, True)
+    if setup["gguf"] is not None:
+        llamacpp_prefill(args.llamacpp_python, setup["gguf"], context, folder)
+    print(f"warm-up on {len(context):,} tokens (untimed): {time.perf_counter() - started:.1f} s",
+          flush=True)
+
+
+def starqa_ingest(setup: dict, corpus: Path, extra: dict, want_ids: bool
+                  ) -> tuple[dict, list[int] | None]:
+    """`starqa ingest CORPUS --model M` in a fresh $STARQA_HOME with the model linked in
+    (`timed_ingest`), then that home removed: (its numbers, the context's token ids where
+    wanted, else None)."""
+    from starqa.cache import store
+    from starqa.core import paths
+
+    # beside the model cache, as --first-ask's homes are
+    home = paths.home() / "bench" / f"ingest-{os.getpid()}"
+    try:
+        one = timed_ingest(corpus, linked_model(setup, home),
+                           {**os.environ, **extra, "STARQA_HOME": str(home)})
+        context = (context_ids(setup["path"], corpus, store.find_context(home / "contexts",
+                                                                          None))
+                   if want_ids else None)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)  # the link goes, never the model it names
+    return one, context
+
+
+def linked_model(setup: dict, home: Path) -> str:
+    """The model's folder linked (a symbolic link) into `home`'s models folder, with the
+    files starqa derives from it (Phase 2's prepared weights, written there by the warm-up
+    or an earlier ingest): the --model to pass."""
+    source = setup["path"]
+    target = home / "models" / source.name
+    target.parent.mkdir(parents=True)
+    target.symlink_to(source.resolve(), target_is_directory=True)
+    # an embedded name resolves to models/NAME of the home; any other model by its path
+    return setup["spec"] if setup["spec"] == source.name else str(target)
+
+
+def timed_ingest(corpus: Path, spec: str, env: dict) -> dict:
+    """`starqa ingest CORPUS --model SPEC` timed from its start to its exit, with what its
+    own report says (Phase 1's encode seconds, its total; None where it says neither) and
+    the report's lines (from `Ingested` to the table of the largest files)."""
+    env = {**env, "COLUMNS": "200"}  # its report's lines unwrapped
+    env.pop("STARQA_MODEL", None)
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "starqa", "ingest", str(corpus),
+                           "--model", spec], env=env, capture_output=True, text=True)
+    ingest_s = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"starqa ingest failed:\n{proc.stderr[-3000:]}")
+    lines = proc.stderr.splitlines()
+    first = next((i for i, line in enumerate(lines) if line.startswith("Ingested")), 0)
+    last = next((i for i, line in enumerate(lines) if line.startswith("Largest files")),
+                len(lines))
+    own = INGEST_REPORT.search(" ".join(proc.stderr.split()))
+    return {"ingest_s": ingest_s, "encode_s": float(own[1]) if own else None,
+            "total_s": float(own[2]) if own else None, "report": lines[first:last]}
+
+
+def llamacpp_prefill(python: str, gguf: Path, context: list[int], folder: Path) -> dict:
+    """llama.cpp's load + prefill of `context` in a fresh process (llamacpp_side.py prefill):
+    every core, flash attention on; its load_s, prefill_s and system_info."""
+    job = folder / "prefill-job.json"
+    job.write_text(json.dumps({"context_ids": context, "threads": os.cpu_count(),
+                               "n_ctx": len(context) + 16, "flash_attn": True}))
+    return llamacpp_side(python, "prefill", gguf, folder / "no-state.bin", job)
+
+
+def cpp_s(one: dict) -> float:
+    """llama.cpp's load + prefill seconds in one --ingest run."""
+    return one["cpp"]["load_s"] + one["cpp"]["prefill_s"]
+
+
+def ingest_line(one: dict) -> str:
+    """One --ingest run's numbers (and the ratio, when llama.cpp ran)."""
+    own = ("" if one["encode_s"] is None
+           else f" (its own report: encoded in {one['encode_s']:.1f} s)")
+    line = f"starqa ingest {one['ingest_s']:.2f} s{own}, {one['tokens']:,} tokens"
+    if "cpp" in one:
+        line += (f"; llama.cpp load {one['cpp']['load_s']:.2f} s + prefill "
+                 f"{one['cpp']['prefill_s']:.2f} s ({one['ingest_s'] / cpp_s(one):.2f})")
+    return line
+
+
+def report_ingests(args, rounds: dict[int, list[dict]]) -> None:
+    """--ingest's medians per size: starqa's whole ingest, llama.cpp's load + prefill, the
+    ratio against its target, tokens/s; starqa's own report and llama.cpp's build last."""
+    print(f"\nPhase 1 side by side; medians of {args.rounds} round(s) per size")
+    for size, runs in rounds.items():
+        report_ingest_size(size, runs)
+    last = rounds[args.tokens[-1]][-1]
+    print("\nstarqa ingest's own report (the last run):")
+    for line in last["report"]:
+        print(f"  {line}")
+    if "cpp" in last:
+        print(f"llama.cpp: {last['cpp']['system_info'].strip()}")
+
+
+def report_ingest_size(size: int, runs: list[dict]) -> None:
+    """One size's lines of --ingest's report."""
+    def median(pick) -> float:
+        return statistics.median(pick(one) for one in runs)
+
+    tokens, ours = runs[0]["tokens"], median(lambda one: one["ingest_s"])
+    print(f"\n~{size:,} tokens ({tokens:,} in the context):")
+    own = ("" if runs[0]["encode_s"] is None else
+           f"; its own report: encoded in {median(lambda one: one['encode_s']):.2f} s, total "
+           f"{median(lambda one: one['total_s']):.2f} s")
+    print(f"  starqa ingest, command start → exit: {ours:.2f} s "
+          f"({tokens / ours:,.0f} tokens/s){own}")
+    if "cpp" not in runs[0]:
+        print("  llama.cpp: skipped (no --llamacpp-python whose python imports llama_cpp, or "
+              "no GGUF), so no ratio")
+        return
+    load, prefill = median(lambda one: one["cpp"]["load_s"]), median(
+        lambda one: one["cpp"]["prefill_s"])
+    theirs = median(cpp_s)
+    print(f"  llama.cpp load {load:.2f} s + prefill {prefill:.2f} s = {theirs:.2f} s "
+          f"({tokens / theirs:,.0f} tokens/s; the prefill alone {tokens / prefill:,.0f})")
+    per_round = [one["ingest_s"] / cpp_s(one) for one in runs]
+    print(f"  Target: starqa ingest / llama.cpp load + prefill = {ours / theirs:.2f} "
+          f"(target ≤ 0.20; rounds {min(per_round):.2f}-{max(per_round):.2f})")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,23 @@ def test_causal_attention_matches_reference_in_fp32():
                                reference(q, k2, v2, True)[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("before, m", [(1, 9), (40, 17), (300, 300)])
+def test_causal_attention_after_a_prefix_in_bf16_is_as_close_as_sdpa(before, m):
+    """Phase 1 after past KV (star's anchor, dense's earlier blocks), on the CPU: two fused
+    calls merged by their LSE; its error against fp64 within twice that of SDPA with the
+    bottom-right mask spelled out (both round their output to bf16)."""
+    g = torch.Generator().manual_seed(before + m)
+    q = torch.randn(1, m, 12, 64, generator=g).transpose(1, 2)  # strided, as transformers'
+    k, v = (torch.randn(1, 2, before + m, 64, generator=g) for _ in range(2))
+    ref = reference(q, k, v, True)[0]
+    got = causal_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
+    mask = torch.ones(m, before + m, dtype=torch.bool).tril(diagonal=before)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask, scale=0.125, enable_gqa=True)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert (got.double() - ref).abs().max() <= 2 * (sdpa.double() - ref).abs().max() + 1e-3
+
+
 def test_bf16_inputs_are_computed_in_fp32():
     """bf16 K/V/Q in, fp32 out: the error is the inputs' rounding, not the math's."""
     q, k, v = torch.randn(1, 4, 5, 32), torch.randn(1, 2, 50, 32), torch.randn(1, 2, 50, 32)

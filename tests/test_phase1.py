@@ -1,5 +1,6 @@
 """Phase 1 layouts on a tiny random Llama, in fp32, in-process (no workers)."""
 
+import pytest
 import torch
 
 from starqa import phase1
@@ -73,6 +74,31 @@ def test_star_second_block_sees_anchor_not_the_blocks_between(model):
     dense = dict((i, kk) for i, kk, _ in phase1.encode_dense(model, IDS, blocks))
     assert not torch.allclose(k, dense[2], atol=1e-4)
     assert k.shape == (2, 2, end - start, 16)  # [L, Hkv, T, D]
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("anchor", [20, 40])  # within block 0; longer than it
+@pytest.mark.parametrize("indices", [[0, 1, 2, 3], [2, 3], [3, 1]])
+def test_star_blocks_equal_a_forward_over_their_anchor_and_themselves(model, contiguous,
+                                                                      anchor, indices):
+    """The anchor's KV, computed once a call (or taken from block 0's), attended as past
+    KV: every block's KV equals that of one causal forward over [c[:a] ‖ c_i] itself."""
+    blocks = plan_blocks(len(IDS), 25)
+    got = list(phase1.encode_star(model, IDS, blocks, indices, anchor_size=anchor,
+                                  contiguous=contiguous))
+    assert [i for i, _, _ in got] == indices
+    for i, k, v in got:
+        start, end = blocks[i]
+        a = min(anchor, start)
+        at = a if contiguous else start
+        seq = torch.cat([IDS[:a], IDS[start:end]])
+        pos = torch.cat([torch.arange(a), torch.arange(at, at + end - start)])
+        cache = model(seq[None], position_ids=pos[None], use_cache=True).past_key_values
+        for layer in range(len(cache.layers)):
+            torch.testing.assert_close(k[layer], cache.layers[layer].keys[0][:, a:],
+                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v[layer], cache.layers[layer].values[0][:, a:],
+                                       rtol=1e-5, atol=1e-5)
 
 
 def test_star_block_one_with_full_anchor_equals_dense(model):

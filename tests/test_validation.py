@@ -284,8 +284,30 @@ def test_worker_copies_past_the_memory_are_refused(home, docs, tiny_model, monke
     assert "--workers 3 need about" in str(result.exception)
     assert "GiB of memory is available" in str(result.exception)
     assert "--workers 2 or fewer" in result.exception.hint
-    ingest(docs, tiny_model, "--encode-in", "group")  # one per core: as many as fit
+    # pulsar's default, one per core: as many as fit (star's is one with every core)
+    ingest(docs, tiny_model, "--method", "pulsar", "--encode-in", "group")
     assert group == [2]
+
+
+@pytest.mark.parametrize("device, gpus, method, expected", [
+    ("cpu", 0, "star", 1), ("auto", 0, "star", 1), ("cpu", 0, "pulsar", 4),
+    ("cpu", 0, "dense", 1), ("auto", 3, "star", 3), ("cuda", 3, "pulsar", 3)])
+def test_default_phase1_workers(monkeypatch, device, gpus, method, expected):
+    """Without --workers: all GPUs, else all cores, but one worker with every core for
+    star on a CPU (it encodes the anchor once a worker)."""
+    import torch
+
+    from starqa.launchers.ingest.options import IngestOptions
+    from starqa.launchers.ingest.workers import workers_for
+
+    monkeypatch.setattr(launch, "cpu_count", lambda: 4)
+    monkeypatch.setattr(models, "cuda_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    opts = IngestOptions(paths=(), device=device)
+    assert workers_for(opts, method, 8) == expected
+    assert workers_for(IngestOptions(paths=(), device=device, workers=2), method, 8) == \
+        (1 if method == "dense" else 2)
 
 
 # ---------------------------------------------------------------------------------------

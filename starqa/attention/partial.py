@@ -263,17 +263,17 @@ def fused_available(query: torch.Tensor) -> bool:
     return query.device.type in ("cpu", "cuda")
 
 
-def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One fused non-causal attention call, [B, H, M, D] over [B, H, N, D] (same H), with
-    its LSE [B, H, M] fp32 (natural log).
+    its LSE [B, H, M] fp32 (natural log); `causal` (CPU, M = N only): the causal mask.
 
     CPU: torch's flash kernel. CUDA: flash-attn when installed, else torch's flash kernel
     (fp16/bf16, head dim <= 256), else torch's memory-efficient kernel (any dtype), each of
     which returns its LSE."""
     if not q.is_cuda:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, scale=scale)[:2]
+            q, k, v, 0.0, causal, scale=scale)[:2]
         return out, lse
     half = q.dtype in (torch.float16, torch.bfloat16)
     flash = _flash_attn_func() if half else None
@@ -345,10 +345,34 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if m == n:
         return torch.nn.functional.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scale, enable_gqa=groups > 1)
+    if query.device.type == "cpu" and query.shape[0] == 1:
+        return after_prefix(query, key, value, scale).to(query.dtype)
     # SDPA's is_causal aligns top-left; spell out the bottom-right mask instead.
     mask = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(diagonal=n - m)
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+
+
+def after_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 scale: float | None = None) -> torch.Tensor:
+    """Causal attention of M queries that are the last M of N keys (N > M), on the CPU, as
+    two fused calls merged by their LSE: every query over the N - M keys before them (no
+    mask, the GQA heads folded into rows) and over its own M keys causally (where the
+    kernel's top-left mask is the right one). SDPA with the bottom-right mask spelled out
+    computes every score and costs more than the causal attention of all N rows; this
+    computes only the M (N - M) + M^2 / 2 scores (a Phase 1 block after its anchor, or
+    after the blocks before it). query [1, Hq, M, D], key/value [1, Hkv, N, D]; returns
+    [1, Hq, M, D] fp32."""
+    _, q_heads, m, dim = query.shape
+    kv_heads, before = key.shape[1], key.shape[2] - m
+    scale = dim**-0.5 if scale is None else scale
+    q = fold_gqa(query, kv_heads, key.dtype)
+    prefix_out, prefix_lse = _fused(q, key[:, :, :before], value[:, :, :before], scale)
+    own_out, own_lse = _fused(query.to(key.dtype), key[:, :, before:], value[:, :, before:],
+                              scale, causal=True)  # maps query head h to KV head h // G
+    out, _ = merge([prefix_out.reshape(own_out.shape), own_out],
+                   [prefix_lse.reshape(own_lse.shape), own_lse])
+    return out
 
 
 # ---------------------------------------------------------------------------------------

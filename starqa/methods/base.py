@@ -42,6 +42,10 @@ class Method:
     # With contiguous positions (`--positions contiguous`) every position a block or the
     # question meets lies within one assembled block: contexts longer than any window fit.
     fits_any_window: bool = False
+    # Every block after the first attends to one shared prefix (star's anchor) that a worker
+    # encodes once for all its blocks: on a CPU, one worker with every core encodes it once
+    # where a worker per core encodes it once each, for the same cores.
+    shares_prefix: bool = False
 
     # ------------------------------------------------------------------- settings
 

@@ -25,6 +25,7 @@ class Star(Method):
     settings = ("anchor", "positions")
     reuse = "block"  # block i's KV reads the anchor and block i only
     fits_any_window = True  # at contiguous positions (the planner's choice past the window)
+    shares_prefix = True  # the anchor, encoded once a worker (starqa.phase1.star)
 
     def config(self, block_size: int, anchor_size: int | None, params: dict) -> MethodConfig:
         """anchor = block unless given (the paper's default). Sparse positions are the
