@@ -289,6 +289,19 @@ def test_worker_copies_past_the_memory_are_refused(home, docs, tiny_model, monke
     assert group == [2]
 
 
+def test_one_worker_on_the_cpu_encodes_in_process(home, docs, tiny_model, monkeypatch, group):
+    """Star's default on a CPU is one worker with every core: encoded in this process, no
+    group started (its start would be seconds of waiting); pulsar's starts its group."""
+    monkeypatch.setattr(launch, "cpu_count", lambda: 2)
+    result = runner.invoke(app, ["ingest", str(docs), "--model", str(tiny_model),
+                                 "--block-size", "40", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert group == [] and "on 1 worker," in " ".join(result.output.split())
+    result = runner.invoke(app, ["ingest", str(docs), "--model", str(tiny_model),
+                                 "--block-size", "40", "--device", "cpu", "--method", "pulsar"])
+    assert result.exit_code == 1 and group == [2]
+
+
 @pytest.mark.parametrize("device, gpus, method, expected", [
     ("cpu", 0, "star", 1), ("auto", 0, "star", 1), ("cpu", 0, "pulsar", 4),
     ("cpu", 0, "dense", 1), ("auto", 3, "star", 3), ("cuda", 3, "pulsar", 3)])

@@ -82,9 +82,9 @@ def ingest(
                      ] = False,
     encode_in: Annotated[str, typer.Option(
         "--encode-in", envvar="STARQA_ENCODE_IN",
-        help="Where a re-ingest encodes the blocks it cannot reuse: auto (in this process "
-             "when blocks are reused and a worker group would not pay for its start), "
-             "process, or group.")] = "auto",
+        help="Where the blocks are encoded: auto (in this process where a worker group "
+             "would not pay for its start: one worker on the CPU, or a re-ingest's few "
+             "blocks), process, or group.")] = "auto",
     beyond_window: BeyondWindow = False,
     index: Annotated[Optional[str], typer.Option(
         "--index", envvar="STARQA_INGEST_INDEX",

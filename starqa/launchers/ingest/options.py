@@ -38,9 +38,9 @@ class IngestOptions:
     command: str | None = None  # how the user ran it, recorded for "re-ingest with" hints
     method_params: dict | None = None  # method-specific settings given (methods.OPTIONS)
     index: str | None = None  # top-k attention's indexes to build too (indexes.KINDS)
-    # Where the blocks an incremental ingest must encode are encoded: "auto" (in this
-    # process when blocks are reused and a group would not pay for its start: on the CPU,
-    # or one block, or a sequential method), "process" or "group".
+    # Where the blocks are encoded: "auto" (in this process where a group would not pay
+    # for its start: a group of one worker on the CPU; an incremental ingest's blocks on
+    # the CPU, or one block, or a sequential method's), "process" or "group".
     encode_in: str = "auto"
     # Start the --workers asked for even past this machine's CPU cores or memory
     # (`check_workers`).

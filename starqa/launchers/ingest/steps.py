@@ -154,10 +154,11 @@ def _plan(opts: IngestOptions, root: Path, source: Prepared, mode: Mode) -> Phas
     previous = store.latest_of(root, opts.paths, method.name, model.digest, source.dtype) \
         if mode.incremental else None
     todo = list(stored.todo)
-    local = mode.incremental and _in_process(opts, encoder, stored, mode.measure)
     # a group never has more workers than blocks to spread (apb runs every block)
     spread = max(len(encoder.share(todo, len(blocks), 1, 0)), 1)
-    workers = 1 if local or not todo else workers_for(opts, method.name, spread)
+    workers = workers_for(opts, method.name, spread) if todo else 1
+    local = _in_process(opts, encoder, stored, mode, workers)
+    workers = 1 if local or not todo else workers
     if not local and todo:
         workers = check_workers(opts, workers, model.path, source.dtype)
     # Each machine's workers write into its own staging folder, and each machine commits
@@ -311,20 +312,27 @@ def _placement(placed: Placed | None, opts: IngestOptions) -> Placement | None:
                      homes=tuple(placed.homes), hosts=tuple(placed.hosts))
 
 
-def _in_process(opts: IngestOptions, encoder, plan: reuse.Plan, measure: bool) -> bool:
-    """Encode an incremental ingest's few blocks in this process instead of on a torchrun
-    group: the user waits for the group's start and every worker's model load, which one
-    changed block does not pay for. On the CPU a group's workers share the same cores, so
-    this process (with all of them) is as fast at encoding; on GPUs a group wins when more
-    than one block is to be encoded and the method can spread them."""
+def _in_process(opts: IngestOptions, encoder, plan: reuse.Plan, mode: Mode, workers: int
+                ) -> bool:
+    """Encode in this process instead of on a torchrun group, where the group would not pay
+    for its start (a second Python, torch's import, the rendezvous: seconds the user
+    waits): on the CPU, a group of one worker (star's default there, and dense's), whose
+    work this process does with the same cores; and an incremental ingest's few blocks,
+    which do not pay for every worker's model load either. On the CPU a group's workers
+    share the same cores, so this process (with all of them) is as fast at encoding; on
+    GPUs a group wins when more than one block is to be encoded and the method can spread
+    them. `workers`: the group's workers on this machine."""
     if opts.encode_in != "auto":
         return opts.encode_in == "process"
-    if measure or opts.nnodes > 1 or not plan.todo or not (plan.reused or plan.rotated):
+    if mode.measure or opts.nnodes > 1 or not plan.todo:
         return False
     from starqa.runtime import dist
 
-    return (str(dist.resolve_device(opts.device)).startswith("cpu") or len(plan.todo) == 1
-            or encoder.sequential)
+    on_cpu = str(dist.resolve_device(opts.device)).startswith("cpu")
+    if on_cpu and workers == 1:
+        return True
+    return mode.incremental and bool(plan.reused or plan.rotated) and (
+        on_cpu or len(plan.todo) == 1 or encoder.sequential)
 
 
 def _why(opts: IngestOptions, encoder, method, plan: reuse.Plan, changes, previous,
