@@ -44,8 +44,9 @@ Model = Annotated[Optional[str], typer.Option(
     "a local Hugging Face folder, or a hub id.")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", "-w", envvar="STARQA_WORKERS", min=1,
-    help="Workers (ingest: all GPUs, else all CPU cores; ask, serve: one with every core "
-         "when model and shards fit in memory, else as ingest).")]
+    help="Workers (ingest: all GPUs, else on a CPU one with every core for star and "
+         "dense, all the cores for the others; ask, serve: one with every core when model "
+         "and shards fit in memory, else one per GPU, or per core).")]
 Nnodes = Annotated[int, typer.Option("--nnodes", envvar="STARQA_NNODES", min=1,
                                      help="torchrun: number of machines.")]
 NodeRank = Annotated[int, typer.Option("--node-rank", envvar="STARQA_NODE_RANK", min=0,
