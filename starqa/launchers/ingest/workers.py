@@ -38,8 +38,8 @@ def _default(device: str, encoder: methods.Method) -> int:
     """Workers per machine when --workers is not given: all GPUs, else all cores, but on a
     CPU one with every core for a method whose blocks share a prefix (star's anchor): each
     worker encodes that prefix once, so a worker per core would encode it once per core
-    for the same cores (`ingest samples/` with Qwen2.5-Coder-1.5B on 2 cores: 40 s of
-    encoding against 55, docs/results.md)."""
+    for the same cores (`ingest samples/` with Qwen2.5-Coder-1.5B on 2 cores: 49.9 s
+    against 64.5, docs/results.md)."""
     from starqa.models import cuda_available
 
     on_gpu = device.startswith("cuda") or (device == "auto" and cuda_available())
