@@ -289,6 +289,25 @@ def test_worker_copies_past_the_memory_are_refused(home, docs, tiny_model, monke
     assert group == [2]
 
 
+def test_bench_hosts_past_the_cores_start_with_oversubscribe_set(home, tiny_model, monkeypatch,
+                                                                 group):
+    """`bench` simulates hosts as workers: past the cores its Phase 1 is refused as ingest's
+    is, and STARQA_OVERSUBSCRIBE=1 starts them (as it does Phase 2's)."""
+    from starqa import engine
+    from starqa.core.errors import StarqaError
+
+    monkeypatch.setattr(launch, "cpu_count", lambda: 1)
+    opts = engine.TokenIngestOptions(model=str(tiny_model), method="pulsar", workers=2,
+                                     measure=True, device="cpu")
+    ids = list(range(5, 205))
+    with pytest.raises(StarqaError, match="> 1 CPU cores"):
+        engine.ingest_tokens(ids, home / "contexts", opts)
+    monkeypatch.setenv("STARQA_OVERSUBSCRIBE", "1")
+    with pytest.raises(WorkerError):
+        engine.ingest_tokens(ids, home / "contexts", opts)
+    assert group == [2]
+
+
 def test_one_worker_on_the_cpu_encodes_in_process(home, docs, tiny_model, monkeypatch, group):
     """Star's default on a CPU is one worker with every core: encoded in this process, no
     group started (its start would be seconds of waiting); pulsar's starts its group."""

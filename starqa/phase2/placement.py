@@ -4,7 +4,6 @@ asked."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from starqa.cache import store
@@ -50,7 +49,7 @@ def _check_cores(workers: int, requested: int, device: str) -> None:
     STARQA_OVERSUBSCRIBE=1 starts them anyway."""
     from starqa.runtime import launch
 
-    if _is_cuda(device) or os.environ.get("STARQA_OVERSUBSCRIBE", "") not in ("", "0"):
+    if _is_cuda(device) or launch.oversubscribed():
         return
     launch.check_cores(workers, f"--workers {requested}" + (
         f" ({workers} for the context's blocks)" if workers != requested else ""),

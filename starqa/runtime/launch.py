@@ -81,6 +81,12 @@ def check_cores(workers: int, asked: str, override: str) -> None:
                  f"{override} to start {workers} anyway")
 
 
+def oversubscribed() -> bool:
+    """STARQA_OVERSUBSCRIBE=1: start the workers asked for even past the CPU's cores where no
+    option says so (Phase 2's groups, `bench`'s simulated hosts)."""
+    return os.environ.get("STARQA_OVERSUBSCRIBE", "") not in ("", "0")
+
+
 def default_workers(device: str = "auto") -> int:
     """All GPUs when there are any (and the device allows), else all cores."""
     if device in ("auto", "cuda"):

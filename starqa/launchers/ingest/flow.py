@@ -262,9 +262,11 @@ def ingest_tokens(ids: list[int], root: Path, opts: TokenIngestOptions = TokenIn
     content = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
     key = _cache_key(content, identity.digest, config.as_dict(), dtype)
     name = opts.name
+    from starqa.runtime.launch import oversubscribed
+
     ingest_opts = IngestOptions(paths=(), model=opts.model, method=opts.method,
                                 workers=opts.workers, name=name, dtype=dtype, device=opts.device,
-                                command=f"starqa bench ({name})")
+                                command=f"starqa bench ({name})", oversubscribe=oversubscribed())
     # One stand-in file over every token, a line per BENCH_LINE tokens, so that answers
     # are attributed (and `bench` measures what that costs) as for ingested files.
     n = len(ids)
