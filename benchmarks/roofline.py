@@ -46,7 +46,7 @@ import torch
 
 from starqa import models
 from starqa.phase1 import hooks
-from starqa.phase1.blockwise import Recorder
+from starqa.phase1.blockwise import Recorder, forward
 from starqa.phase1.star import anchor_kv
 from starqa.runtime.launch import default_workers
 
@@ -169,9 +169,7 @@ def encode_block(model, ids: torch.Tensor, block: int, clock: Clock) -> float:
         for part in clock.parts.values():
             part.seconds = part.flops = 0.0
         started = time.perf_counter()
-        model.model(input_ids=ids[block:2 * block][None],
-                    position_ids=torch.arange(block, 2 * block)[None], starqa=hook,
-                    use_cache=False)
+        forward(model, ids[block:2 * block], torch.arange(block, 2 * block), hook)
     return time.perf_counter() - started
 
 
