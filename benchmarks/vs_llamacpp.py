@@ -554,12 +554,7 @@ def first_ask_round(args, setup: dict, home: Path, extra: dict) -> dict:
     spec, model = fresh_model(setup, home)
     env = {**os.environ, **extra, "STARQA_HOME": str(home)}
     env.pop("STARQA_MODEL", None)
-    started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "starqa", "ingest", str(setup["corpus"]),
-                           "--model", spec], env=env, capture_output=True, text=True)
-    ingest_s = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"starqa ingest failed:\n{proc.stderr[-3000:]}")
+    ingest_s = timed_ingest(setup["corpus"], spec, env)["ingest_s"]
     prepared = sorted(p.name for p in model.glob(".starqa-phase2-*.safetensors"))
     try:
         first, own = first_byte(["ask", QUESTION, "--max-new-tokens", str(args.new_tokens)],
@@ -584,8 +579,13 @@ def fresh_model(setup: dict, home: Path) -> tuple[str, Path]:
                 os.link(file, target / file.name)
             except OSError:  # another file system
                 shutil.copy2(file, target / file.name)
-    # an embedded name resolves to models/NAME of the home; any other model by its path
-    return (setup["spec"] if setup["spec"] == source.name else str(target)), target
+    return model_spec(setup, target), target
+
+
+def model_spec(setup: dict, target: Path) -> str:
+    """The --model that names the model placed at `target` in a home's models folder: an
+    embedded name resolves to models/NAME of the home; any other model by its path."""
+    return setup["spec"] if setup["spec"] == setup["path"].name else str(target)
 
 
 def first_ask_line(one: dict) -> str:
@@ -711,8 +711,7 @@ def linked_model(setup: dict, home: Path) -> str:
     target = home / "models" / source.name
     target.parent.mkdir(parents=True)
     target.symlink_to(source.resolve(), target_is_directory=True)
-    # an embedded name resolves to models/NAME of the home; any other model by its path
-    return setup["spec"] if setup["spec"] == source.name else str(target)
+    return model_spec(setup, target)
 
 
 def timed_ingest(corpus: Path, spec: str, env: dict) -> dict:

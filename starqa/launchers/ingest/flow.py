@@ -247,6 +247,7 @@ def ingest_tokens(ids: list[int], root: Path, opts: TokenIngestOptions = TokenIn
     holds every token (so answers are attributed, as for ingested files); always encodes
     (no cache lookup); the context is committed under `root`."""
     from starqa import models
+    from starqa.runtime.launch import oversubscribed
 
     started = time.perf_counter()
     spec = opts.model or os.environ.get("STARQA_MODEL") or models.DEFAULT_MODEL  # as resolved
@@ -262,8 +263,6 @@ def ingest_tokens(ids: list[int], root: Path, opts: TokenIngestOptions = TokenIn
     content = hashlib.sha256(json.dumps(ids).encode()).hexdigest()
     key = _cache_key(content, identity.digest, config.as_dict(), dtype)
     name = opts.name
-    from starqa.runtime.launch import oversubscribed
-
     ingest_opts = IngestOptions(paths=(), model=opts.model, method=opts.method,
                                 workers=opts.workers, name=name, dtype=dtype, device=opts.device,
                                 command=f"starqa bench ({name})", oversubscribe=oversubscribed())

@@ -158,7 +158,7 @@ def _plan(opts: IngestOptions, root: Path, source: Prepared, mode: Mode) -> Phas
     spread = max(len(encoder.share(todo, len(blocks), 1, 0)), 1)
     workers = workers_for(opts, method.name, spread) if todo else 1
     local = _in_process(opts, encoder, stored, mode, workers)
-    workers = 1 if local or not todo else workers
+    workers = 1 if local else workers
     if not local and todo:
         workers = check_workers(opts, workers, model.path, source.dtype)
     # Each machine's workers write into its own staging folder, and each machine commits
