@@ -24,9 +24,10 @@ Prints, on this CPU (its model and the flags that pick the kernels):
    peak of the instruction Phase 1's dtype runs on (bf16 products where the CPU has them,
    else fp32 FMA).
 
-`--threads` defaults to what one ingest worker gets (the cores over the default number of
-workers: a worker per core), and the peaks are measured on as many threads, so the
-fractions hold for every worker of the machine. Timings: run it on an otherwise idle CPU.
+`--threads` defaults to what star's one ingest worker gets on a CPU (every core); the
+peaks are measured on as many threads, so the fractions hold for that worker
+(`--threads 1`: for one core, as each of a worker per core gets). Timings: run it on an
+otherwise idle CPU.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from starqa import models
 from starqa.phase1 import hooks
 from starqa.phase1.blockwise import Recorder, forward
 from starqa.phase1.star import anchor_kv
-from starqa.runtime.launch import default_workers
 
 PROBE = Path(__file__).with_name("roofline_peak.c")
 
@@ -178,7 +178,7 @@ def main() -> None:
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument("--block", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=None,
-                        help="default: one ingest worker's (the cores over a worker per core)")
+                        help="default: every core (star's one ingest worker on a CPU)")
     parser.add_argument("--smoke", action="store_true",
                         help="the toy model, blocks of 64 tokens")
     args = parser.parse_args()
@@ -191,12 +191,12 @@ def main() -> None:
     else:
         path = models.resolve_model(args.model)
     cores = os.cpu_count() or 1
-    threads = args.threads or max(1, cores // default_workers("cpu"))  # as ingest's workers
+    threads = args.threads or cores
     torch.set_num_threads(threads)
     name, flags = models.cpu_description()
     print(f"CPU: {name}, {cores} cores; flags: "
           f"{' '.join(f for f in SHOWN_FLAGS if f in flags) or 'none of ' + str(SHOWN_FLAGS)}")
-    print(f"{threads} thread(s), as one ingest worker of {cores}")
+    print(f"{threads} thread(s) of {cores} cores, as one ingest worker")
 
     found = peaks(flags, threads)
     print("\nInstruction peaks, measured (registers only):")
@@ -205,7 +205,7 @@ def main() -> None:
     if "amx_bf16" in flags:
         print("  AMX: not probed (torch's GEMM below runs on it through oneDNN)")
 
-    dtype = getattr(torch, models.phase1_dtype("bfloat16", "cpu", path, local_workers=cores))
+    dtype = getattr(torch, models.phase1_dtype("bfloat16", "cpu", path))
     peak_name = "avx512_bf16" if dtype == torch.bfloat16 and "avx512_bf16" in found else \
         "avx512_fp32" if "avx512_fp32" in found else "avx2_fp32"
     peak = found.get(peak_name)
