@@ -397,3 +397,55 @@ def test_drafts_give_the_same_tokens_and_sources(workers, qwen_model, qwen_path,
             assert tokens == expected
             assert torch.equal(mass, plain_mass)
             assert count == forwards if forwards else count <= 24
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_batched_answers_equal_answers_alone(workers, qwen_model, qwen_path, qwen_tok,
+                                             context_ids, monkeypatch):
+    """Questions decoded together (decode.Batch) on int4 weights: joining at different
+    steps, with and without drafts, each leaving when its own answer ends, every question
+    gets bit for bit the tokens and per-key source mass it gets alone, on every rank; one
+    stopped by its asker (should_stop) ends there and no other answer changes."""
+    decoder = load_decoder(qwen_path, torch.bfloat16, "int4")
+    ids = context_ids
+    kv = [(k.bfloat16(), v.bfloat16()) for k, v in dense_kv(qwen_model, ids)]
+    queries = [prompt.tokenize_query(qwen_tok, q) for q in
+               (QUESTION, "what is the daily meal allowance", "and the budget?")]
+    lookup = torch.tensor(ids.tolist() + queries[1])
+    requests = [decode.Request(queries[0], len(ids), 10, draft_tokens=0),
+                decode.Request(queries[1], len(ids), 14, draft_tokens=3, context_ids=lookup),
+                decode.Request(queries[2], len(ids), 6, draft_tokens=0),
+                decode.Request(queries[0], len(ids), 12, draft_tokens=0)]  # stopped after 3
+
+    def alone(info, hook):
+        return [(tokens, hook.key_mass(tokens)) for tokens in
+                (decode.generate(decoder, info, hook, r) for r in requests[:3])]
+
+    def together(info, hook):
+        batch, seen, widths = decode.Batch(decoder, info, hook), [], []
+        segments = hook.batch  # a batched forward's questions
+        hook.batch = lambda parts: (widths.append(len(parts)), segments(parts))[1]
+        stopper = decode.Callbacks(on_token=seen.append, should_stop=lambda: len(seen) >= 3)
+        joined = [batch.join(requests[0]), batch.join(requests[1]),
+                  batch.join(requests[3], stopper if hook.query_host else decode.Callbacks())]
+        results = {}
+        for step in range(40):
+            if step == 2:
+                joined.append(batch.join(requests[2]))
+            for answering in batch.step():
+                hook.use(answering.slot)  # its sources before its slot is taken again
+                results[answering.slot, len(results)] = answering
+                answering.mass = hook.key_mass(answering.generated)
+            if not batch.active:
+                break
+        assert max(widths) >= 3  # three questions or more in one forward
+        return [(a.generated, a.mass) for a in joined]
+
+    expected = on_workers(kv, workers, monkeypatch, alone)
+    got = on_workers(kv, workers, monkeypatch, together)
+    for mine, reference in zip(got, expected):
+        first, second, stopped, third = mine
+        for (tokens, mass), (want, want_mass) in zip((first, second, third), reference):
+            assert tokens == want and len(tokens) > 0
+            assert torch.equal(mass, want_mass)
+        assert stopped[0] == reference[0][0][:3]  # its asker stopped it after three tokens

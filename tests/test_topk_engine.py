@@ -225,7 +225,6 @@ def test_topk_answers_without_drafts_unless_asked(home, docs, tiny_model, monkey
     save: none by default; STARQA_DRAFT_TOKENS still sets them."""
     from starqa.runtime import dist
     from starqa.core import paths
-    from starqa.phase2 import decode
     from starqa.cache import store
     from starqa.phase2.answerer import Answerer
 
@@ -233,11 +232,7 @@ def test_topk_answers_without_drafts_unless_asked(home, docs, tiny_model, monkey
     manifest = store.find_context(paths.contexts_dir(), None)
     answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), manifest.model.path,
                                    topk=TopK(count=4))
-    seen = []
-    monkeypatch.setattr(decode, "generate",
-                        lambda *a, **kw: seen.append(kw["request"].draft_tokens))
     monkeypatch.delenv("STARQA_DRAFT_TOKENS", raising=False)
-    answerer.answer([5, 6], 4, set())
+    assert answerer.request([5, 6], 4, set()).draft_tokens == 0
     monkeypatch.setenv("STARQA_DRAFT_TOKENS", "2")
-    answerer.answer([5, 6], 4, set())
-    assert seen == [0, 2]
+    assert answerer.request([5, 6], 4, set()).draft_tokens == 2

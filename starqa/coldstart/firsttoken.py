@@ -6,7 +6,7 @@ answer. Yet nothing a CPU forward of the question needs is torch's: the prepared
 and the shard are files to map, and every kernel of the forward is starqa's own C
 (starqa/native/_int4.c, _rows.c, _attend.c, through starqa.native.kernels). So the head start runs
 the question's forward here, on numpy arrays (bf16 held as its 16 bits), streams the first
-token, and only then imports torch; the torch path (`starqa.phase2.decode.generate`, given the
+token, and only then imports torch; the torch path (`starqa.phase2.decode.Batch`, given the
 `Prefill`) adopts the question's KV and goes on from the second token, exactly where its own
 forward of the question would have left it.
 

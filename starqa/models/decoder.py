@@ -135,7 +135,7 @@ class Decoder:
                 rowwise: bool = False, compiled: Compiled | None = None) -> torch.Tensor:
         """Hidden states [M, H] after the final norm, for token `ids` [M] at `positions` [M].
         rowwise: each row's arithmetic is that of a one-token forward (see `Linear`): for
-        checking drafted tokens (starqa.phase2.decode.generate), not for a question's prefill.
+        checking drafted tokens (starqa.phase2.decode.Batch), not for a question's prefill.
         compiled: the attention as words of starqa/native/_step.c for a forward of M rows (a
         `StepPlan`; None where it has none: `decode.ShardAttention.compiled`): where each
         layer's steps run in one call, every layer of the forward is then one call, the

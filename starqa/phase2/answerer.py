@@ -101,35 +101,59 @@ class Answerer:
                                             start, tuple(blocks), ids, retriever,
                                             manifest.context_bias))
 
+    def request(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
+                draft_tokens: int | None = None, prefilled=None) -> decode.Request:
+        """A question's `decode.Request` over this share. draft_tokens: per forward
+        (decode.Batch), default STARQA_DRAFT_TOKENS, else decode.DRAFT_TOKENS under exact
+        attention and none under top-k: there each row selects its own keys, so a drafted
+        row costs about what a token does (at 32K, flat: 27.4 ms a token without drafts,
+        32.3 with; exact: 30.6 without, 25.8 with). prefilled: the question's forward, run
+        before torch was imported (starqa.coldstart.firsttoken; decode.Batch says how it
+        is taken)."""
+        if draft_tokens is None:
+            draft_tokens = decode.draft_tokens_setting(
+                0 if self.hook.retriever is not None else decode.DRAFT_TOKENS)
+        return decode.Request(tuple(query_ids), self.query_position, max_new_tokens,
+                              frozenset(stop_ids), draft_tokens, self.hook.ids, prefilled)
+
+    def batch(self) -> decode.Batch:
+        """A batch of questions answered together over this share (`decode.Batch`): join
+        them, step it, and take each ended answer's `sources` before the next joins."""
+        return decode.Batch(self.decoder, self.info, self.hook)
+
     def answer(self, query_ids: Sequence[int], max_new_tokens: int, stop_ids,
                on_token: Callable[[int], None] | None = None,
                should_stop: Callable[[], bool] | None = None, draft_tokens: int | None = None,
                prefilled=None) -> tuple[list[int], list[dict] | None]:
-        """Generate on every rank; returns (tokens, top sources on the query host, else None;
-        None under top-k attention, which never sees every key's attention). draft_tokens:
-        per forward (decode.generate), default STARQA_DRAFT_TOKENS, else decode.DRAFT_TOKENS
-        under exact attention and none under top-k: there each row selects its own keys, so
-        a drafted row costs about what a token does (at 32K, flat: 27.4 ms a token without
-        drafts, 32.3 with; exact: 30.6 without, 25.8 with). prefilled: the question's
-        forward, run before torch was imported (starqa.coldstart.firsttoken; decode.generate says
-        how it is taken)."""
+        """Generate on every rank, a batch of one; returns (tokens, top sources on the query
+        host, else None; None under top-k attention, which never sees every key's
+        attention). draft_tokens, prefilled: as `request`."""
+        batch = self.batch()
+        answering = batch.join(self.request(query_ids, max_new_tokens, stop_ids, draft_tokens,
+                                            prefilled),
+                               decode.Callbacks(on_token, should_stop))
+        try:
+            while not answering.done:
+                batch.step()
+        finally:
+            batch.close()
+        return answering.generated, self.sources(answering)
+
+    def sources(self, answering: decode.Answering) -> list[dict] | None:
+        """(Every rank, in the same order) The top sources of an answer that ended, on the
+        query host (None elsewhere, and under top-k attention): each rank's share of its
+        attention by line, gathered. Before another question takes its slot."""
         import time
 
-        if draft_tokens is None:
-            draft_tokens = decode.draft_tokens_setting(
-                0 if self.hook.retriever is not None else decode.DRAFT_TOKENS)
-        request = decode.Request(tuple(query_ids), self.query_position, max_new_tokens,
-                                 frozenset(stop_ids), draft_tokens, self.hook.ids, prefilled)
-        tokens = decode.generate(self.decoder, self.info, self.hook, request=request,
-                                 callbacks=decode.Callbacks(on_token, should_stop))
         if self.hook.retriever is not None:  # top-k attention (every rank): no attribution
-            return tokens, None
+            return None
         started = time.perf_counter()
         mine = {}
+        self.hook.use(answering.slot)
         if self.hook.n_keys and self.share.files:
             mine = sources.line_mass(self.share.files, self.share.token_start,
-                                     self.hook.key_mass(tokens))
+                                     self.hook.key_mass(answering.generated))
         parts = dist.gather_object(self.info, mine, dst=self.info.world_size - 1)
         top = sources.top_sources(sources.add(parts)) if parts is not None else None
         self.sources_seconds = time.perf_counter() - started  # what attribution cost (bench)
-        return tokens, top
+        return top

@@ -1,5 +1,7 @@
 """Phase 2's decode loop: encode the question on every worker against its shards, then
 generate greedily, every rank in step (the query host picks the tokens and broadcasts them).
+Several questions over one context are decoded together (`Batch`: continuous batching, each
+question's answer the one it gets alone); one question is a batch of one (`generate`).
 
 Every worker runs all layers on the same query tokens (starqa.models.decoder) through its
 `ShardAttention` (starqa.phase2.shard_attention), whose partial attentions are merged exactly
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from starqa.phase2.lookup import Drafter
 from starqa.phase2.shard_attention import ShardAttention
 from starqa.runtime import dist
 
-# Drafted tokens checked per forward (`generate`): 3 makes a forward of 4 rows, which costs
+# Drafted tokens checked per forward (`Batch`): 3 makes a forward of 4 rows, which costs
 # torch's int4 kernel 1.8x a row's time (measured, Qwen2.5-Coder-1.5B's shapes, 2-core
 # Zen 5) where a fifth row would double it.
 DRAFT_TOKENS = 3
@@ -32,7 +34,7 @@ DRAFT_TOKENS = 3
 
 def draft_tokens_setting(default: int = DRAFT_TOKENS) -> int:
     """Drafted tokens per forward: STARQA_DRAFT_TOKENS if set (0 turns drafts off), else
-    `default`. They never change the answer on CPU (see `generate`), only its speed."""
+    `default`. They never change the answer on CPU (see `Batch`), only its speed."""
     raw = os.environ.get("STARQA_DRAFT_TOKENS")
     if raw is None:
         return default
@@ -45,7 +47,7 @@ def draft_tokens_setting(default: int = DRAFT_TOKENS) -> int:
 
 @dataclass(frozen=True)
 class Request:
-    """What `generate` answers: the question's token ids at positions from `start_position`,
+    """What a `Batch` answers: the question's token ids at positions from `start_position`,
     up to `max_new_tokens` of answer, ended early by any of `stop_ids`.
 
     draft_tokens: tokens guessed by prompt lookup per forward (0: none) in `context_ids`
@@ -64,7 +66,7 @@ class Request:
 
 @dataclass(frozen=True)
 class Callbacks:
-    """What `generate` tells its caller and asks it, on the query host: `on_token(id)` for
+    """What a `Batch` tells a question's asker and asks it, on the query host: `on_token(id)` for
     each token of the answer as it comes, `should_stop()` after each forward (True: the
     answer ends there)."""
 
@@ -72,111 +74,204 @@ class Callbacks:
     should_stop: Callable[[], bool] | None = None
 
 
-@torch.inference_mode()
 def generate(decoder, info: dist.DistInfo, hook: ShardAttention, request: Request,
              callbacks: Callbacks = Callbacks()) -> list[int]:
-    """Greedy generation of up to `request.max_new_tokens` after its question. The query
-    host picks the tokens and broadcasts them; it sends a stop instead when
-    `callbacks.should_stop()` (evaluated there only) asks to stop early.
+    """One question's greedy answer over `hook`: a `Batch` of one (which says how)."""
+    batch = Batch(decoder, info, hook)
+    answering = batch.join(request, callbacks)
+    try:
+        while not answering.done:
+            batch.step()
+    finally:
+        batch.close()
+    return answering.generated
 
-    Drafts (`request.draft_tokens` > 0): after the question, each forward is the answer's
-    last token and up to that many tokens guessed by prompt lookup (starqa.phase2.lookup).
-    Every row picks its next token; the guesses are kept up to the first the model did not
-    pick, and the pick after the last kept one is the answer's next token, so one forward
-    gives 1 to draft_tokens + 1 tokens. On CPU with int8/int4 weights each row's arithmetic
-    is that of a one-token forward (`Decoder.forward(rowwise=True)`, the attention kernel
-    treats rows alike), so the answer is bit for bit the one without drafts; elsewhere it
-    is the same up to rounding.
 
-    request.prefilled: the question's forward, run already: adopted instead of run again
+@dataclass(eq=False)
+class Answering:
+    """One question in flight in a `Batch`, the same on every rank: its slot of the
+    attention's state (`ShardAttention.use`), its next forward's input `ids` (the question,
+    then the answer's last token and `drafts` guessed ones) at positions from `position`,
+    and the answer so far."""
+
+    slot: int
+    request: Request
+    callbacks: Callbacks
+    drafter: Drafter | None
+    ids: list[int]
+    position: int
+    prefilled: Any = None
+    drafts: int = 0
+    generated: list[int] = field(default_factory=list)
+    started: bool = False  # its question's forward has run
+    done: bool = False
+
+    @property
+    def draft_tokens(self) -> int:
+        return max(0, self.request.draft_tokens)
+
+
+class Batch:
+    """Questions answered together over one worker's attention (continuous batching): a
+    question joins (`join`) between two forwards and leaves when its answer ends; each
+    `step` is one forward over the rows of every question under way, each at its own
+    position with its own KV, drafts and stop rule. Every rank holds the same batch: the
+    questions join in the same order everywhere and the query host broadcasts its picks.
+
+    Exactness: a forward's rows are those each question's forward alone would hold, and
+    every row is computed as in that forward: each question's attention is its own call
+    (`ShardAttention.batch`), the linear layers run row by row (`rowwise`; on the CPU with
+    int8/int4 weights a row's result never depends on the other rows), and a question whose
+    prefill would take the many-row kernels (`Decoder.layer_rows`) has a forward of its own.
+    So on the CPU with quantised weights a question's answer is bit for bit the one it gets
+    alone; elsewhere (dense GEMMs) the same up to rounding.
+
+    Greedy: the query host picks each token and broadcasts its picks; it ends an answer
+    instead when its `callbacks.should_stop()` (evaluated there only) asks. Drafts
+    (`request.draft_tokens` > 0): after the question, each forward of a question is its
+    answer's last token and up to that many tokens guessed by prompt lookup
+    (starqa.phase2.lookup). Every row picks its next token; the guesses are kept up to the
+    first the model did not pick, and the pick after the last kept one is the answer's next
+    token, so one forward gives 1 to draft_tokens + 1 tokens, the same tokens as without
+    drafts (each row computed as a one-token forward would, as above).
+
+    request.prefilled: the question's forward, run already (a cold ask's head start before
+    torch, starqa.coldstart.firsttoken): adopted instead of run again
     (`ShardAttention.adopt`), and the first token it streamed itself not passed to
     `on_token` a second time."""
-    loop = _Loop(decoder, info, hook, request, callbacks)
-    ids, drafts, position = list(request.query_ids), 0, request.start_position
-    prefilled, generated = request.prefilled, []
-    hook.begin(len(ids) + request.max_new_tokens + loop.draft_tokens)
-    hook.track = True
-    try:
-        while len(generated) < request.max_new_tokens:
-            first = len(ids) - 1 - drafts  # the row that picks the answer's next token
-            # the tokens starqa.coldstart.firsttoken streamed already
-            streamed = list(prefilled.emitted) if prefilled is not None else []
-            rows = loop.forward(ids, position, drafts, prefilled)
-            prefilled = None
-            tokens, finished, next_drafts = loop.pick(rows, ids[first:],
-                                                      request.max_new_tokens - len(generated))
-            quiet = len(streamed)  # streamed already: not passed to on_token again
-            if tokens[:quiet] != streamed:
-                raise RuntimeError(f"the first token computed before torch ({streamed}) is "
-                                   f"not the one torch picks ({tokens[:1]})")
-            # The rows before `first` and the len(tokens) from it hold the answer's tokens.
-            hook.advance(first + len(tokens), slice(first, first + len(tokens)))
-            position += first + len(tokens)
-            for index, token in enumerate(tokens):
-                generated.append(token)
-                if callbacks.on_token is not None and index >= quiet:
-                    callbacks.on_token(token)
-            if finished or not tokens:
-                break
-            drafts, ids = len(next_drafts), [tokens[-1], *next_drafts]
-    finally:
-        hook.track = False
-    return generated
 
-
-class _Loop:
-    """One answer's forwards and picks on one rank (`generate`'s steps)."""
-
-    def __init__(self, decoder, info: dist.DistInfo, hook: ShardAttention, request: Request,
-                 callbacks: Callbacks):
+    def __init__(self, decoder, info: dist.DistInfo, hook: ShardAttention):
         self.decoder, self.info, self.hook = decoder, info, hook
-        self.stop_ids, self.should_stop = set(request.stop_ids), callbacks.should_stop
-        self.draft_tokens = max(0, request.draft_tokens)
-        self.drafter = (Drafter(request.context_ids, request.query_ids, request.max_new_tokens)
-                        if hook.query_host and self.draft_tokens else None)
-        # What the query host broadcasts after each forward (`_pack`), the same on every rank.
-        self.message = (torch.zeros(2 * self.draft_tokens + 4, dtype=torch.long,
-                                    device=decoder.device) if info.world_size > 1 else None)
+        self.active: list[Answering] = []
+        hook.track = True
 
-    def forward(self, ids: list[int], position: int, drafts: int, prefilled) -> torch.Tensor:
-        """The hidden rows [1 + drafts, H] that pick tokens, of a forward over `ids` at
-        positions from `position` (its last 1 + drafts rows); the question's forward that
-        starqa.coldstart.firsttoken ran before torch came, where `prefilled` holds it."""
-        if prefilled is not None:
-            self.hook.adopt(prefilled)
-            return torch.from_numpy(prefilled.hidden).view(self.decoder.dtype)
+    def close(self) -> None:
+        """No more forwards: the attention stops keeping rows."""
+        self.hook.track = False
+
+    def join(self, request: Request, callbacks: Callbacks = Callbacks()) -> Answering:
+        """Add a question (on every rank, in the same order); its question's forward runs
+        in a later `step`. Answers that ended leave their slot to it: take their sources
+        first (`ShardAttention.use` + `key_mass`)."""
+        taken = {a.slot for a in self.active}
+        slot = next(i for i in range(len(taken) + 1) if i not in taken)
+        draft_tokens = max(0, request.draft_tokens)
+        self.hook.use(slot)
+        self.hook.begin(len(request.query_ids) + request.max_new_tokens + draft_tokens)
+        drafter = (Drafter(request.context_ids, request.query_ids, request.max_new_tokens)
+                   if self.hook.query_host and draft_tokens else None)
+        answering = Answering(slot, request, callbacks, drafter, list(request.query_ids),
+                              request.start_position, request.prefilled)
+        self.active.append(answering)
+        return answering
+
+    def _plan(self) -> list[Answering]:
+        """The questions of the next forward: one whose question's forward was run already
+        (`prefilled`) alone; else every question under way and the first new one whose
+        question fits a row-by-row forward (`Decoder.layer_rows`); else the first new one
+        alone."""
+        new = [a for a in self.active if not a.started]
+        if new and new[0].prefilled is not None:
+            return [new[0]]
+        started = [a for a in self.active if a.started]
+        fits = [a for a in new if len(a.ids) < getattr(self.decoder, "layer_rows", 0)]
+        if started or fits:
+            return started + fits[:1]
+        return new[:1]
+
+    @torch.inference_mode()
+    def step(self) -> list[Answering]:
+        """One forward over the planned questions' rows; each question's picks taken (its
+        callbacks called on the query host). Returns the answers that ended."""
+        plan = self._plan()
+        streamed = [list(a.prefilled.emitted) if a.prefilled is not None else [] for a in plan]
+        hidden = self._forward(plan)
+        picks = self._picks(plan, hidden)
+        ended = []
+        for a, quiet, (tokens, finished, next_drafts) in zip(plan, streamed, picks):
+            if tokens[:len(quiet)] != quiet:
+                raise RuntimeError(f"the first token computed before torch ({quiet}) is "
+                                   f"not the one torch picks ({tokens[:1]})")
+            first = len(a.ids) - 1 - a.drafts  # the row that picked the answer's next token
+            # The rows before `first` and the len(tokens) from it hold the answer's tokens.
+            self.hook.advance_slot(a.slot, first + len(tokens), slice(first, first + len(tokens)))
+            a.position += first + len(tokens)
+            a.started, a.prefilled = True, None
+            for index, token in enumerate(tokens):
+                a.generated.append(token)
+                if a.callbacks.on_token is not None and index >= len(quiet):
+                    a.callbacks.on_token(token)
+            if finished or not tokens:
+                a.done = True
+                ended.append(a)
+            else:
+                a.drafts, a.ids = len(next_drafts), [tokens[-1], *next_drafts]
+        self.active = [a for a in self.active if not a.done]
+        return ended
+
+    def _forward(self, plan: list[Answering]) -> list[torch.Tensor]:
+        """Each planned question's rows that pick tokens [1 + drafts, H], of one forward;
+        the question's forward that starqa.coldstart.firsttoken ran before torch came,
+        where `prefilled` holds it."""
         device = self.decoder.device
-        return self.decoder.forward(torch.tensor(ids, device=device),
-                                    torch.arange(position, position + len(ids), device=device),
-                                    self.hook.attention, rowwise=drafts > 0,
-                                    compiled=self.hook.compiled)[len(ids) - 1 - drafts:]
+        if len(plan) == 1:
+            a = plan[0]
+            self.hook.use(a.slot)
+            if a.prefilled is not None:
+                self.hook.adopt(a.prefilled)
+                return [torch.from_numpy(a.prefilled.hidden).view(self.decoder.dtype)]
+            rowwise, compiled = a.drafts > 0, self.hook.compiled
+        else:
+            self.hook.batch([(a.slot, len(a.ids)) for a in plan])
+            rowwise, compiled = True, None
+        ids = [i for a in plan for i in a.ids]
+        positions = torch.cat([torch.arange(a.position, a.position + len(a.ids))
+                               for a in plan]).to(device)
+        hidden = self.decoder.forward(torch.tensor(ids, device=device), positions,
+                                      self.hook.attention, rowwise=rowwise, compiled=compiled)
+        self.hook.use(plan[0].slot)  # the batched forward is done
+        rows, end = [], 0
+        for a in plan:
+            end += len(a.ids)
+            rows.append(hidden[end - 1 - a.drafts:end])
+        return rows
 
-    def pick(self, rows: torch.Tensor, ids: list[int], budget: int
-             ) -> tuple[list[int], bool, list[int]]:
-        """The query host's picks (`_pick`) from `rows` for their input `ids`, at most
-        `budget` tokens, on every rank: (tokens, finished, drafts for the next forward)."""
+    def _picks(self, plan: list[Answering], rows: list[torch.Tensor]
+               ) -> list[tuple[list[int], bool, list[int]]]:
+        """The query host's picks (`_pick`) for each planned question, at most its budget,
+        on every rank: (tokens, finished, drafts for its next forward) each."""
         picked = None
         if self.hook.query_host:
-            stop = self.should_stop is not None and self.should_stop()
-            picked = _pick(self.decoder, rows, ids, self.drafter, self.stop_ids, budget,
-                           self.draft_tokens, stop)
+            logits = self.decoder.logits(torch.cat(rows)) if len(rows) > 1 else \
+                self.decoder.logits(rows[0])
+            picks = _argmax(logits)
+            picked, at = [], 0
+            for a, hidden in zip(plan, rows):
+                mine, at = picks[at:at + len(hidden)], at + len(hidden)
+                stop = a.callbacks.should_stop is not None and a.callbacks.should_stop()
+                picked.append(_pick(mine, a.ids[len(a.ids) - 1 - a.drafts:], a.drafter,
+                                    set(a.request.stop_ids),
+                                    a.request.max_new_tokens - len(a.generated),
+                                    a.draft_tokens, stop))
         if self.info.world_size > 1:  # the query host's picks, to every rank
+            message = torch.zeros(len(plan), 2 * MAX_DRAFT_TOKENS + 4, dtype=torch.long,
+                                  device=self.decoder.device)
             if picked is not None:
-                _pack(self.message, *picked)
-            picked = _unpack(dist.broadcast(self.info, self.message, src=self.info.world_size - 1))
+                for row, pick in zip(message, picked):
+                    _pack(row, *pick)
+            message = dist.broadcast(self.info, message, src=self.info.world_size - 1)
+            picked = [_unpack(row) for row in message]
         return picked
 
 
-def _pick(decoder, hidden: torch.Tensor, ids: list[int], drafter: Drafter | None,
-          stop_ids: set[int], budget: int, draft_tokens: int, stop: bool
-          ) -> tuple[list[int], bool, list[int]]:
-    """(Query host) From the last forward's rows that pick tokens, hidden [1 + d, H] for its
-    input ids [1 + d] (the answer's last token and d drafts): the answer's next tokens (at
-    most `budget`, none from a stop token on), whether the answer is finished, and the
-    drafts for the next forward."""
+def _pick(picks: list[int], ids: list[int], drafter: Drafter | None, stop_ids: set[int],
+          budget: int, draft_tokens: int, stop: bool) -> tuple[list[int], bool, list[int]]:
+    """(Query host) From the model's picks for the last forward's rows that pick tokens
+    [1 + d], for their input ids [1 + d] (the answer's last token and d drafts): the
+    answer's next tokens (at most `budget`, none from a stop token on), whether the answer
+    is finished, and the drafts for the next forward."""
     if stop:
         return [], True, []
-    picks = _argmax(decoder.logits(hidden))
     kept = 0  # drafts the model picked itself
     while kept < len(ids) - 1 and picks[kept] == ids[1 + kept]:
         kept += 1
@@ -204,7 +299,8 @@ def _argmax(logits: torch.Tensor) -> list[int]:
 
 
 def _pack(message: torch.Tensor, tokens: list[int], finished: bool, drafts: list[int]) -> None:
-    """`_pick`'s result into the broadcast message [2 D + 4] (D drafted tokens at most):
+    """`_pick`'s result into a row of the broadcast message [2 D + 4] (D drafted tokens at
+    most, MAX_DRAFT_TOKENS):
     [len(tokens), finished, tokens padded to D + 1, len(drafts), drafts padded to D]."""
     room = (len(message) - 4) // 2
     values = [0] * len(message)

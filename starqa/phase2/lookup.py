@@ -4,7 +4,7 @@ its last tokens appeared before.
 An answer about documents repeats their words: names, identifiers, whole lines of code.
 When the answer's last few tokens occurred earlier in the context, the question or the
 answer itself, the tokens that followed them there are a good guess of what comes next.
-`starqa.phase2.decode.generate` feeds the guess through the model in one forward with the token
+`starqa.phase2.decode.Batch` feeds the guess through the model in one forward with the token
 before it and keeps the tokens the model itself picks, up to the first that differs from
 the guess (plus the model's own pick after it). A forward of a few rows reads every weight
 once, as a forward of one does, so each accepted draft is a token for a fraction of a

@@ -8,11 +8,18 @@ the query host, the worker holding the last block), `layer_attention.LayerAttent
 layer: shard part + own part merged by LSE, across workers by one all-gather),
 `compiled_step.CompiledStep` (a forward's layers in one call of starqa/native/_step.c) and
 `sources.AnswerRows` (the rows that picked the answer's tokens, for `key_mass`).
+
+Several questions answered together (`starqa.phase2.decode.Batch`) each hold a `Slot`: their
+own KV, compiled step and answer rows. A forward is one slot's (`use`), or several slots'
+rows one after another (`batch`): every layer then attends each slot's rows exactly as a
+forward of that slot alone would (the same calls on the same rows), so a question's answer
+is the same whether it was asked alone or beside others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +34,19 @@ from starqa.runtime import dist
 
 if TYPE_CHECKING:  # annotations only: top-k is loaded where it is asked for
     from starqa.topk.shard import TopKShard
+
+
+@dataclass
+class Slot:
+    """One question's state on this worker: its own KV (query host), the compiled step's
+    words over it, the rows that picked its answer's tokens, and whether its next forward
+    is its question's (the first after `ShardAttention.begin`)."""
+
+    own: OwnKV
+    step: CompiledStep
+    rows: sources.AnswerRows
+    question: bool = False
+    segment: tuple[int, int] = field(default=(0, 0))  # its rows in a batched forward
 
 
 class ShardAttention:
@@ -51,15 +71,59 @@ class ShardAttention:
         self.retriever = retriever
         self.ids = ids
         self.view = ShardView(shard, head, context_bias)
-        self.own = OwnKV()
+        self.context_bias = context_bias
+        self.slots: list[Slot] = []
+        self.current = self._slot()  # the slot a forward of one question is for (`use`)
+        self.slots.append(self.current)
         self.layer = LayerAttention(info, self.view, self.own, query_host, retriever,
                                     context_bias)
-        self.step = CompiledStep(self.view, self.own, retriever, context_bias)
-        self.rows = sources.AnswerRows(len(self.view.shard) if shard is not None else 0)
+        self.batched: list[Slot] | None = None  # the slots of a batched forward (`batch`)
         self.track = False
-        # the forward under way is the question's (the first after `begin`): top-k may
-        # attend it exactly (TopK.prefill)
-        self.question = False
+
+    def _slot(self) -> Slot:
+        own = OwnKV()
+        layers = len(self.view.shard) if self.view.shard is not None else 0
+        return Slot(own, CompiledStep(self.view, own, self.retriever, self.context_bias),
+                    sources.AnswerRows(layers))
+
+    @property
+    def own(self) -> OwnKV:
+        """The current slot's own KV."""
+        return self.current.own
+
+    @property
+    def step(self) -> CompiledStep:
+        return self.current.step
+
+    @property
+    def rows(self) -> sources.AnswerRows:
+        return self.current.rows
+
+    @property
+    def question(self) -> bool:
+        """The forward under way is the current slot's question's (the first after
+        `begin`): top-k may attend it exactly (TopK.prefill)."""
+        return self.current.question
+
+    def use(self, slot: int) -> None:
+        """Make slot `slot` (made if new; slots are reused) the current one: `begin`,
+        `advance` and a forward of one question are its."""
+        while len(self.slots) <= slot:
+            self.slots.append(self._slot())
+        self.current = self.slots[slot]
+        self.layer.own = self.current.own
+        self.batched = None
+
+    def batch(self, segments: Sequence[tuple[int, int]]) -> None:
+        """The next forward holds several slots' rows one after another: (slot, rows) each,
+        in order. `advance_slot` then takes each slot's result."""
+        start, batched = 0, []
+        for slot, m in segments:
+            self.use(slot)
+            self.current.segment = (start, m)
+            batched.append(self.current)
+            start += m
+        self.batched = batched
 
     @property
     def shard(self) -> Shard | None:
@@ -84,7 +148,7 @@ class ShardAttention:
         """A new question of about `capacity` tokens (question + answer): forget the last
         one's KV and rows. Buffers of that size are allocated once and reused by later
         questions; they grow if a question needs more."""
-        self.question = True
+        self.current.question = True
         self.own.begin(capacity)
         self.rows.clear()
 
@@ -92,18 +156,41 @@ class ShardAttention:
         """The forward that just ran added its first `kept` tokens to the question's KV (the
         rest, drafted tokens the model did not pick, are written over by the next); its rows
         `picked` (default: the last) each picked a token of the answer, in order."""
-        self.question = False
+        self.current.question = False
         if self.query_host:
             self.own.advance(kept)
         self.rows.advance(picked or slice(-1, None), keep=self._tracking())
+
+    def advance_slot(self, slot: int, kept: int, picked: slice | None = None) -> None:
+        """`advance` for slot `slot` after a batched forward."""
+        self.current = self.slots[slot]
+        self.layer.own = self.current.own
+        self.advance(kept, picked)
 
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
         """query [1, Hq, M, D]; key, value [1, Hkv, M, D]: this forward's tokens. Returns the
         attention over every worker's keys and the own ones, [1, Hq, M, D] fp32."""
+        scale = query.shape[-1]**-0.5 if scale is None else scale
+        if self.batched is None:
+            return self._one(layer, query, key, value, scale)
+        # a batched forward: each slot's rows as a forward of that slot alone (its own KV,
+        # its question flag, its kept rows), one after another
+        outs = []
+        for slot in self.batched:
+            start, m = slot.segment
+            rows = slice(start, start + m)
+            self.current = slot
+            self.layer.own = slot.own
+            outs.append(self._one(layer, query[:, :, rows], key[:, :, rows], value[:, :, rows],
+                                  scale))
+        return torch.cat(outs, dim=2)
+
+    def _one(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             scale: float) -> torch.Tensor:
+        """`attention` of the current slot's rows."""
         _, q_heads, m, dim = query.shape
         kv_heads = key.shape[1]
-        scale = dim**-0.5 if scale is None else scale
         q, out, lse = self.layer(layer, query, key, value, scale, self.question)
         if self._tracking():
             # Kept, not computed, here (views, no kernels): this forward's query rows and
@@ -117,11 +204,11 @@ class ShardAttention:
                  ) -> StepPlan | None:
         """This forward's attention as starqa/native/_step.c's words (`decoder.Decoder.forward`'s
         `compiled`: every layer in one call), or None where it goes layer by layer: a world
-        of more than one (a collective between the layers), not the query host, not on the
-        CPU, the shard's dtype not the model's, top-k's exact question, or no compiled
-        kernel for the attention (`CompiledStep`). The own buffers are made for every layer
-        here, at once."""
-        if self.info.world_size > 1 or not self.query_host or \
+        of more than one (a collective between the layers), not the query host, a batched
+        forward, not on the CPU, the shard's dtype not the model's, top-k's exact question,
+        or no compiled kernel for the attention (`CompiledStep`). The own buffers are made
+        for every layer here, at once."""
+        if self.info.world_size > 1 or not self.query_host or self.batched is not None or \
                 not self.step.offered(m, heads // kv_heads, self.question):
             return None
         words = self.step.words(self.own.length + m, dtype, kv_heads, dim)

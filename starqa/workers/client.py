@@ -430,7 +430,7 @@ class Client:
             beyond_window: bool = False, draft_tokens: int | None = None,
             ) -> Iterator[messages.Piece | messages.Finished]:
         """Stream one answer: its pieces of text, then its record (`Finished`); a `Failed`
-        is raised as a StarqaError. draft_tokens: per forward (decode.generate); None: the
+        is raised as a StarqaError. draft_tokens: per forward (decode.Batch); None: the
         group's default."""
         self.send(messages.Ask(question, tuple((q, a) for q, a in history), max_new_tokens,
                                beyond_window, draft_tokens))

@@ -47,7 +47,7 @@ class Ask:
     history: tuple[tuple[str, str], ...] = ()
     max_new_tokens: int = 256
     beyond_window: bool = False  # past the model's trained window, when asked to
-    draft_tokens: int | None = None  # per forward (decode.generate); None: the group's
+    draft_tokens: int | None = None  # per forward (decode.Batch); None: the group's
 
     def problem(self) -> str | None:
         """What is wrong with the values, None when nothing is."""
