@@ -1,7 +1,8 @@
 """Warm worker groups through the Python API: start one for a context (or find the one that
 runs), stop it, and ask it a question with the conversation so far, over its socket
 (`starqa.workers.client`). Questions for one context can also take turns (`Turns`), first
-come first served, so that a door with many clients asks its group one at a time.
+come first served, so that a door with many clients asks its group as many at a time as it
+answers together (`core.MAX_BATCH`).
 
 The machine's groups as `starqa ps`, `stop` and `serve` see them are here too: the ones
 running (`running_groups`), the ones to stop and what became of each (`stopping`,
@@ -23,6 +24,7 @@ from starqa.api.errors import Stopped
 from starqa.api.streams import Channel
 from starqa.cache.context import Context
 from starqa.cache.manifest import Manifest
+from starqa.core import MAX_BATCH
 from starqa.core.progress import UI
 from starqa.phase2.answer import Answer, Question
 from starqa.topk import indexes
@@ -187,13 +189,15 @@ def _passing(channel: Channel) -> Callable[[str], None]:
 
 
 class Turns:
-    """One question at a time per context, in the order they came. A question whose reader
-    leaves while it waits leaves the queue (`Stopped`)."""
+    """Up to `limit` questions at a time per context (those its group answers together), the
+    others waiting in the order they came. A question whose reader leaves while it waits
+    leaves the queue (`Stopped`)."""
 
-    def __init__(self):
+    def __init__(self, limit: int = MAX_BATCH):
+        self.limit = limit
         self._lock = threading.Condition()
         self._waiting: dict[str, collections.deque] = {}
-        self._busy: set[str] = set()
+        self._busy: collections.Counter = collections.Counter()
 
     @contextlib.contextmanager
     def turn(self, key: str, channel: Channel):
@@ -202,19 +206,19 @@ class Turns:
             line = self._waiting.setdefault(key, collections.deque())
             line.append(me)
             try:
-                while line[0] is not me or key in self._busy:
+                while line[0] is not me or self._busy[key] >= self.limit:
                     if channel.closed.is_set():
                         raise Stopped("The question was withdrawn while it waited its turn.")
                     self._lock.wait(0.1)
             finally:
                 line.remove(me)
                 self._lock.notify_all()
-            self._busy.add(key)
+            self._busy[key] += 1
         try:
             yield
         finally:
             with self._lock:
-                self._busy.discard(key)
+                self._busy[key] -= 1
                 self._lock.notify_all()
 
     def waiting(self) -> int:
@@ -223,6 +227,6 @@ class Turns:
             return sum(len(line) for line in self._waiting.values())
 
     def answering(self) -> int:
-        """Questions being answered now (one per context at most)."""
+        """Questions being answered now, over every context."""
         with self._lock:
-            return len(self._busy)
+            return sum(self._busy.values())

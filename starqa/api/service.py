@@ -1,7 +1,7 @@
 """What a door that serves many clients at once holds (the HTTP and MCP servers): the
 settings of the warm groups it starts, one group per context, kept warm while questions
-come; the questions for each context queued and asked one at a time, first come first
-served; and a tally of what it answered, for its health report."""
+come; the questions for each context asked together, as many as its group answers at once
+(more queued, first come first served); and a tally of what it answered, for its health report."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ class Tally:
 class Service:
     """Contexts and their answers for a long-running door: every question is answered by
     its context's warm group (started with `settings` when none runs, so it stays warm
-    while the questions come), after the questions for that context that came before it."""
+    while the questions come), together with the other questions for that context (its
+    group decodes them in one batch, `phase2.decode.Batch`)."""
 
     def __init__(self, settings: GroupSettings = GroupSettings()):
         self.settings = settings

@@ -3,6 +3,6 @@ the block plan, safetensors files read by hand, a paused garbage collector, huge
 asked for before torch is imported (`hugepages.py`); and the defaults the command line's
 options, the Python API and the warm groups share (`defaults.py`)."""
 
-from starqa.core.defaults import DEFAULT_KEEPALIVE, MAX_DRAFT_TOKENS
+from starqa.core.defaults import DEFAULT_KEEPALIVE, MAX_BATCH, MAX_DRAFT_TOKENS
 
-__all__ = ["DEFAULT_KEEPALIVE", "MAX_DRAFT_TOKENS"]
+__all__ = ["DEFAULT_KEEPALIVE", "MAX_BATCH", "MAX_DRAFT_TOKENS"]

@@ -8,9 +8,13 @@
 DEFAULT_KEEPALIVE = 300.0
 
 # The most tokens Phase 2 drafts per forward that a setting (STARQA_DRAFT_TOKENS) or a warm
-# group's request may ask for (`phase2.decode.generate`); here so the socket protocol checks
+# group's request may ask for (`phase2.decode.Batch`); here so the socket protocol checks
 # requests without importing torch.
 MAX_DRAFT_TOKENS = 16
+
+# Questions a warm group answers together over one context (`phase2.decode.Batch`); more wait
+# their turn, first come first served (in the group, and in a door: `api.groups.Turns`).
+MAX_BATCH = 16
 
 
 def default_reserve(window: int) -> int:

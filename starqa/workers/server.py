@@ -4,10 +4,15 @@ Runs inside the query-host worker of a `serve` group. Requests and events are JS
 the typed messages of `starqa.workers.messages` (which shows them): `Ask`, `Cancel`, `Ping`,
 `Stop` in; `Piece`s then `Finished` (or `Failed`), `GroupStatus`, `Stopping` out.
 
+Questions from several clients are answered together: each joins the group's batch
+(`starqa.phase2.decode.Batch`) at the next forward and streams its pieces to its own
+client; a client's cancel, or its leaving, ends its own answer only. One client's
+questions are taken one after another.
+
 The socket lives in a short private folder (`paths.socket_dir`, mode 0700), itself mode
 0600: only the user who started the group can connect, and only from this machine. The
-query host tokenises the question and picks each token; the other workers receive what to
-do next by broadcast: a `Step` (answer a `Turn`, stop, or nothing), in
+query host tokenises the questions and picks each token; the other workers receive what to
+do next by broadcast: a `Step` (these `Turn`s join, then a forward; stop; or nothing), in
 `starqa.runtime.protocol`'s codec. Any local client may write to the socket: a malformed
 request is answered with a `Bad request` error naming the problem, while the group keeps
 serving.
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from starqa.cache.manifest import MANIFEST, Manifest
+from starqa.core import MAX_BATCH
 from starqa.runtime.protocol import ServeJob, decode, encode
 from starqa.workers import messages
 
@@ -52,11 +58,12 @@ class Turn:
 
 @dataclass(frozen=True)
 class Step:
-    """What every rank of the group does next, as the query host broadcasts it: "ask"
-    (answer `turn`), "stop", or "noop" (a heartbeat: nothing came within HEARTBEAT_S)."""
+    """What every rank of the group does next, as the query host broadcasts it: "run" (the
+    questions of `turns` join the batch, then one forward of every question under way),
+    "stop", or "noop" (a heartbeat: nothing came within HEARTBEAT_S)."""
 
     op: str
-    turn: Turn | None = None
+    turns: tuple[Turn, ...] = ()
 
 
 STOP, NOOP = Step("stop"), Step("noop")
@@ -64,31 +71,77 @@ STOP, NOOP = Step("stop"), Step("noop")
 
 def serve_group(job: ServeJob, info, answerer, manifest: Manifest, on_ready) -> None:
     """Every rank's loop of a warm group: the query host reads requests from the socket and
-    broadcasts them; every rank answers each `ask` together, until `stop` (or idle)."""
+    broadcasts what to do; every rank joins the new questions to its batch
+    (`starqa.phase2.decode.Batch`) and runs its next forward together, until `stop` (or
+    idle). Questions from several clients are answered together, each streamed to its own
+    client as its tokens come."""
+    from starqa.phase2 import decode as batching
     from starqa.runtime import dist
 
     server = Server(job, answerer, manifest) if info.is_last else None
+    batch = answerer.batch()
     on_ready()
     try:
         while True:
-            step = encode(server.next_request()) if server else None
+            step = encode(server.next_step(bool(batch.active))) if server else None
             step = decode(Step, dist.broadcast_object(info, step, src=info.world_size - 1))
             if step.op == "stop":
                 break
-            if step.op == "ask":
-                if server:
-                    server.answer(step.turn)
-                else:
-                    turn = step.turn
-                    answerer.answer(list(turn.query_ids), turn.max_new_tokens,
-                                    list(turn.stop_ids), draft_tokens=turn.draft_tokens)
+            for index, turn in enumerate(step.turns):
+                request = answerer.request(list(turn.query_ids), turn.max_new_tokens,
+                                           list(turn.stop_ids), turn.draft_tokens)
+                asking = server.joining[index] if server else None
+                answering = batch.join(request, asking.callbacks() if asking else
+                                       batching.Callbacks())
+                if asking:
+                    asking.answering = answering
+            if server:
+                server.joining = []
+            if batch.active:
+                for answering in batch.step():
+                    top = answerer.sources(answering)  # every rank, in the same order
+                    if server:
+                        server.finish(answering, top)
     finally:
+        batch.close()
         if server:
             server.close()
 
 
+@dataclass(eq=False)
+class Asking:
+    """(Query host) A question from a client, waiting or being answered: the connection its
+    answer streams to (None once the client left), its turn, its text so far and when it
+    was taken up and its first token came."""
+
+    server: Server
+    conn: socket.socket | None
+    turn: Turn
+    stream: object = None  # its corpus.prompt.TextStream, made when it joins
+    started: float = 0.0
+    first: float | None = None
+    cancelled: bool = False
+    answering: object = None  # its phase2.decode.Answering once joined
+
+    def callbacks(self):
+        """What the batch calls for this question: each token to its client, and whether
+        to stop (its client cancelled or left, or the group is stopping)."""
+        from starqa.corpus.prompt import TextStream
+        from starqa.phase2.decode import Callbacks
+
+        self.stream, self.started = TextStream(self.server.tokenizer), time.perf_counter()
+
+        def on_token(token: int) -> None:
+            self.first = self.first or time.perf_counter()
+            if piece := self.stream.add(token):
+                self.server._send(messages.Piece(piece), self.conn)
+
+        return Callbacks(on_token, lambda: self.cancelled or self.conn is None or
+                         self.server.stop_seen)
+
+
 class Server:
-    """The query host's socket: requests in, answers streamed back to the client that
+    """The query host's socket: requests in, each answer streamed back to the client that
     asked (see the module docstring)."""
 
     def __init__(self, job: ServeJob, answerer, manifest: Manifest):
@@ -115,43 +168,87 @@ class Server:
         finally:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)
-        self.listener.listen(4)
+        self.listener.listen(16)
         self.buffers: dict[socket.socket, bytes] = {}  # connected clients, unread bytes
-        self.conn: socket.socket | None = None  # the client being answered
+        self.conn: socket.socket | None = None  # the client whose line is being served
         self.last_activity = time.monotonic()
         self.answered = 0
-        self.cancel_seen = False
-        self.stop_seen = False  # another client asked the group to stop mid-answer
+        self.waiting: list[Asking] = []  # asked, not joined yet (first come, first joined)
+        self.joining: list[Asking] = []  # in the step being broadcast, in its order
+        self.asking: list[Asking] = []  # joined, being answered
+        self.stop_seen = False  # a client asked the group to stop
+        self.stopper: socket.socket | None = None  # ... which is told `Stopping` at the end
         self.loaded = _stamps(manifest)  # what the group answers from, as it was on disk
 
     # -- requests ---------------------------------------------------------------------
 
-    def next_request(self) -> Step:
-        """The next step for every worker: ask / stop, or a heartbeat no-op."""
+    def next_step(self, busy: bool) -> Step:
+        """The next step for every worker: run (new questions join; the batch's next
+        forward), stop, or a heartbeat no-op. While questions are being answered
+        (`busy`) it only takes the requests already there; else it waits for one."""
         deadline = time.monotonic() + HEARTBEAT_S
-        while time.monotonic() < deadline:
-            if self.keepalive > 0 and time.monotonic() - self.last_activity > self.keepalive:
+        while True:
+            if self.stop_seen and not busy:
+                for asking in self.waiting:  # asked, never taken up
+                    self._send(_stopped(), asking.conn)
+                self.waiting = []
+                self._send(messages.Stopping(), self.stopper)
                 return STOP
-            request = self._read(timeout=max(0.0, deadline - time.monotonic()))
-            if request is None:
+            if not busy and not self.waiting and self.keepalive > 0 and \
+                    time.monotonic() - self.last_activity > self.keepalive:
+                return STOP
+            ready = busy or self.stop_seen or bool(self.waiting)
+            request = self._read(timeout=0.0 if ready else
+                                 max(0.0, deadline - time.monotonic()))
+            if request is not None:
+                self.last_activity = time.monotonic()
+                self._serve(request)
                 continue
-            self.last_activity = time.monotonic()
-            if isinstance(request, messages.Ping):
-                self._send(self.status())
-            elif isinstance(request, messages.Stop):
-                self._send(messages.Stopping())
-                return STOP
-            elif isinstance(request, messages.Ask):
-                if (changed := self._changed()) is not None:
-                    self._send(messages.Failed.of(changed))
-                    return STOP
-                turn = self._prepare(request)
-                if turn is not None:
-                    return Step("ask", turn)
-            # a late Cancel, after the answer ended, is harmless
-        return NOOP
+            if ready:
+                return self._run(busy)
+            if time.monotonic() >= deadline:
+                return NOOP
 
-    def _prepare(self, ask: messages.Ask) -> Turn | None:
+    def _serve(self, request: messages.Request) -> None:
+        """One request line, from `self.conn`."""
+        conn = self.conn
+        if isinstance(request, messages.Ping):
+            self._send(self.status(), conn)
+        elif isinstance(request, messages.Stop):
+            self.stop_seen, self.stopper = True, conn
+        elif isinstance(request, messages.Cancel):  # a late one, after the answer, is harmless
+            for asking in self.asking + self.waiting:
+                if asking.conn is conn:
+                    asking.cancelled = True
+        elif isinstance(request, messages.Ask):
+            if (changed := self._changed()) is not None:
+                self._send(messages.Failed.of(changed), conn)
+                self.stop_seen = True  # the next question starts afresh from the files
+                return
+            turn = self._prepare(request, conn)
+            if turn is not None:
+                self.waiting.append(Asking(self, conn, turn))
+
+    def _run(self, busy: bool) -> Step:
+        """A run step: the waiting questions that fit the batch join it (one a client at a
+        time; a question cancelled while it waited is answered as cancelled, with no
+        token), unless the group is stopping."""
+        joining: list[Asking] = []
+        if not self.stop_seen:
+            for asking in list(self.waiting):
+                if len(self.asking) + len(joining) >= MAX_BATCH:
+                    break
+                if any(other.conn is asking.conn for other in self.asking + joining):
+                    continue  # that client's earlier question first
+                self.waiting.remove(asking)
+                joining.append(asking)
+        if not busy and not joining:
+            return NOOP
+        self.joining = joining
+        self.asking += joining
+        return Step("run", tuple(asking.turn for asking in joining))
+
+    def _prepare(self, ask: messages.Ask, conn) -> Turn | None:
         """The question tokenised with as many earlier turns as fit the window (None: it
         does not fit, and the client has been told)."""
         from starqa.corpus import prompt
@@ -164,74 +261,34 @@ class Server:
             if error is None or ask.beyond_window:
                 break
             if not history:
-                self._send(messages.Failed.of(error))
+                self._send(messages.Failed.of(error), conn)
                 return None
             history.pop(0)  # oldest turn first
         return Turn(tuple(ids), ask.max_new_tokens, tuple(self.stop_ids), len(history),
                     ask.draft_tokens)
 
-    def answer(self, turn: Turn) -> None:
-        """Answer `turn` with the other ranks, streaming its text to the client that asked."""
-        from starqa.corpus.prompt import TextStream
-
-        started = time.perf_counter()
-        first: list[float] = []
-        stream = TextStream(self.tokenizer)
-
-        def on_token(token: int) -> None:
-            first or first.append(time.perf_counter())
-            if piece := stream.add(token):
-                self._send(messages.Piece(piece))
-
-        tokens, top = self.answerer.answer(list(turn.query_ids), turn.max_new_tokens,
-                                      list(turn.stop_ids), on_token, self._cancelled,
-                                      draft_tokens=turn.draft_tokens)
-        if piece := stream.finish():
-            self._send(messages.Piece(piece))
-        if self.stop_seen:  # cut short by `starqa stop`: not an answer to pass on as one
-            self._send(messages.Failed(
-                "The warm group was stopped (starqa stop) while it answered; the answer was "
-                "cut short.", "ask again: a new group starts"))
+    def finish(self, answering, top) -> None:
+        """An answer ended: its last text and its record to its client."""
+        asking = next(a for a in self.asking if a.answering is answering)
+        self.asking.remove(asking)
+        if piece := asking.stream.finish():
+            self._send(messages.Piece(piece), asking.conn)
+        if self.stop_seen and not asking.cancelled:
+            # cut short by `starqa stop`: not an answer to pass on as one
+            self._send(_stopped(), asking.conn)
             return
-        text = stream.text
         end = time.perf_counter()
         self.answered += 1
         self.last_activity = time.monotonic()
+        first, turn = asking.first, asking.turn
         self._send(messages.Finished(
-            text=text.strip(), token_ids=tuple(tokens), question_tokens=len(turn.query_ids),
-            turns_used=turn.turns_used, sources=None if top is None else tuple(top),
-            cancelled=self.cancel_seen, first_token_s=(first[0] - started) if first else None,
-            decode_s=(end - first[0]) if first else 0.0, total_s=end - started,
-            rss_bytes=_rss()))
-        self.cancel_seen = False
-
-    def _cancelled(self) -> bool:
-        """Polled once per generated token: a cancel from the asking client, or it left."""
-        asker = self.conn
-        if asker is None:
-            return True
-        others = [sock for sock in self.buffers if sock is not asker]
-        ready, _, _ = select.select([asker, self.listener, *others], [], [], 0)
-        for sock in ready:
-            if sock is self.listener:  # `starqa stop` (or ps) connecting meanwhile
-                conn, _ = self.listener.accept()
-                self.buffers[conn] = b""
-            else:
-                self._receive(sock)
-        if any(messages.peek_op(line) == messages.Stop.OP
-               for sock, buffer in self.buffers.items()
-               if sock is not self.conn for line in buffer.split(b"\n")[:-1]):
-            self.stop_seen = True  # stop ends the answer; its line is served next
-        if self.stop_seen:
-            return True
-        if self.conn is None:  # disconnected
-            self.cancel_seen = True
-        else:  # take cancels out of its unread lines; anything else waits its turn
-            *lines, partial = self.buffers[asker].split(b"\n")
-            kept = [line for line in lines if messages.peek_op(line) != messages.Cancel.OP]
-            self.cancel_seen = self.cancel_seen or len(kept) < len(lines)
-            self.buffers[asker] = b"".join(line + b"\n" for line in kept) + partial
-        return self.cancel_seen
+            text=asking.stream.text.strip(), token_ids=tuple(answering.generated),
+            question_tokens=len(turn.query_ids), turns_used=turn.turns_used,
+            sources=None if top is None else tuple(top),
+            cancelled=asking.cancelled or asking.conn is None,
+            first_token_s=(first - asking.started) if first else None,
+            decode_s=(end - first) if first else 0.0, total_s=end - asking.started,
+            rss_bytes=_rss()), asking.conn)
 
     def _changed(self):
         """None while the context's files on disk are those the group loaded; else the
@@ -278,8 +335,8 @@ class Server:
                       rss_bytes=_rss(), pid=os.getpid())
 
     # -- socket plumbing ----------------------------------------------------------------
-    # Several clients may be connected (a chat and an `ask` side by side); requests are
-    # served one at a time, each answer streaming to the client that asked (`self.conn`).
+    # Several clients may be connected (a chat, an `ask`, a door's requests side by side);
+    # each answer streams to the client that asked (`Asking.conn`).
 
     def _read(self, timeout: float) -> messages.Request | None:
         """The next complete request line from any client, waiting up to `timeout`."""
@@ -313,21 +370,28 @@ class Server:
             try:
                 return messages.read_request(line)
             except messages.BadRequest as err:
-                self._send(messages.Failed(f"Bad request: {err}."))
+                self._send(messages.Failed(f"Bad request: {err}."), sock)
                 return None  # answered; the next line may be a good one
         return None
 
-    def _send(self, event: messages.Event) -> None:
-        if self.conn is None:
+    def _send(self, event: messages.Event, conn: socket.socket | None) -> None:
+        if conn is None:
             return
         try:
-            self.conn.sendall(messages.event_line(event))
+            conn.sendall(messages.event_line(event))
         except OSError:
-            self._drop(self.conn)
+            self._drop(conn)
 
     def _drop(self, sock: socket.socket) -> None:
+        """A client left (or its socket failed): its answers stop at their next token."""
         sock.close()
         self.buffers.pop(sock, None)
+        for asking in self.asking + self.waiting:
+            if asking.conn is sock:
+                asking.conn = None
+        self.waiting = [asking for asking in self.waiting if asking.conn is not None]
+        if sock is self.stopper:
+            self.stopper = None
         if sock is self.conn:
             self.conn = None
 
@@ -337,6 +401,11 @@ class Server:
             self._drop(sock)
         self.listener.close()
         self.path.unlink(missing_ok=True)
+
+
+def _stopped() -> messages.Failed:
+    return messages.Failed("The warm group was stopped (starqa stop) while it answered; the "
+                           "answer was cut short.", "ask again: a new group starts")
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int] | None:

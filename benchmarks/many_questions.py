@@ -1,0 +1,105 @@
+"""Many questions at once on one context: N questions sent together to its warm group (the
+door's path, `starqa.api.Service`, as HTTP and MCP clients reach it), against each asked
+alone, side by side in one run.
+
+    python benchmarks/many_questions.py [--tokens 6000] [--counts 1,2,4,8] [--max-new-tokens 48]
+    python benchmarks/many_questions.py --smoke   # toy model and context (benchmarks/toy.py)
+
+Prints, on this CPU (its model and the flags that pick the kernels): each question asked
+alone (time to first token, answer tokens), then for each N the round's wall time, the
+aggregate answer tokens a second over the round and its ratio to one question's alone, each
+question's time to first token (median and worst) and the worst against the same question
+asked alone, and whether every answer is token for token the one it got alone. Timings: run
+it on an otherwise idle CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+from engine_bench import scratch_setup
+from vs_llamacpp import cpu_line
+
+QUESTIONS = ["Who approved the 2026 travel budget?", "What is the daily meal allowance?",
+             "How many days of annual leave do new employees get?",
+             "What is the minimum password length?", "Who is the travel coordinator?",
+             "What is the default retry limit?", "Which hotels may employees book?",
+             "How long are passwords kept before they must change?"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=6000)
+    parser.add_argument("--counts", default="1,2,4,8")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a toy model and a few hundred tokens: the run, not the numbers")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.counts.split(",")]
+    if args.smoke:
+        counts, args.max_new_tokens = [1, 2, 3], 8
+
+    from starqa import engine
+    from starqa.api.groups import GroupSettings
+    from starqa.api.service import Service
+    from starqa.phase2.answer import Question
+    from starqa.workers import client
+
+    home, model_path, _, corpus = scratch_setup(args, "many")
+    manifest = engine.ingest(engine.IngestOptions(
+        paths=(str(corpus),), model=str(model_path), workers=args.workers)).manifest
+    service = Service(GroupSettings(workers=args.workers, keepalive=0))
+    try:
+        def ask(text: str):
+            return service.ask(Question(text, manifest.key,
+                                        max_new_tokens=args.max_new_tokens))
+
+        ask(QUESTIONS[0])  # the group started, warmed up
+        alone = {q: ask(q) for q in QUESTIONS[:max(counts)]}
+        print(f"{cpu_line()}")
+        print(f"context {manifest.n_tokens:,} tokens ({manifest.method.name}), model "
+              f"{model_path.name}, answers up to {args.max_new_tokens} tokens")
+        for q, a in alone.items():
+            print(f"  alone: first token {a.timings.first_token_s:6.3f} s, "
+                  f"{a.answer_tokens:3d} tokens in {a.timings.total_s:6.3f} s  {q}")
+        one = None
+        print(f"{'N':>3} {'wall s':>8} {'tokens/s':>9} {'x one':>6} {'TTFT med':>9} "
+              f"{'TTFT max':>9} {'max/alone':>9}  same answers")
+        for n in counts:
+            asked = QUESTIONS[:n]
+            answers: list = [None] * n
+            gate = threading.Barrier(n)
+
+            def run(i: int) -> None:
+                gate.wait()
+                answers[i] = ask(asked[i])
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            started = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - started
+            rate = sum(a.answer_tokens for a in answers) / wall
+            one = one or rate
+            firsts = [a.timings.first_token_s or wall for a in answers]
+            worst = max(f / (alone[q].timings.first_token_s or wall)
+                        for f, q in zip(firsts, asked))
+            same = all(a.token_ids == alone[q].token_ids for a, q in zip(answers, asked))
+            print(f"{n:3d} {wall:8.2f} {rate:9.1f} {rate / one:6.2f} "
+                  f"{statistics.median(firsts):9.3f} {max(firsts):9.3f} {worst:9.2f}  "
+                  f"{'yes' if same else 'NO'}", flush=True)
+            if not same:
+                raise SystemExit("an answer asked beside others differs from its answer alone")
+    finally:
+        client.stop_group(manifest.key)
+
+
+if __name__ == "__main__":
+    main()
