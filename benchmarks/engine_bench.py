@@ -75,7 +75,8 @@ def scratch_setup(args, name: str) -> tuple[Path, Path, object, Path]:
         return home, model_path, models.load_tokenizer(model_path), toy.corpus(home / "corpus")
     model_path = models.resolve_model(args.model)  # from the user's cache
     home = Path(tempfile.mkdtemp(prefix=f"starqa-{name}-"))
-    os.environ["STARQA_HOME"] = str(home)  # contexts go to a scratch cache
+    # contexts go to a scratch cache beside the corpus (an ingest skips its own cache)
+    os.environ["STARQA_HOME"] = str(home / "home")
     tokenizer = models.load_tokenizer(model_path)
     build_corpus(tokenizer, args.tokens, home / "corpus")
     return home, model_path, tokenizer, home / "corpus"

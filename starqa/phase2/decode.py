@@ -30,6 +30,10 @@ from starqa.runtime import dist
 # torch's int4 kernel 1.8x a row's time (measured, Qwen2.5-Coder-1.5B's shapes, 2-core
 # Zen 5) where a fifth row would double it.
 DRAFT_TOKENS = 3
+# The rows a forward of several questions spends on drafts, at most: past them a row costs
+# nearly what a token does (the kernels are compute-bound there), so with B questions each
+# drafts up to DRAFT_ROWS / B - 1 tokens (none from four questions on).
+DRAFT_ROWS = DRAFT_TOKENS + 1
 
 
 def draft_tokens_setting(default: int = DRAFT_TOKENS) -> int:
@@ -133,7 +137,8 @@ class Batch:
     (starqa.phase2.lookup). Every row picks its next token; the guesses are kept up to the
     first the model did not pick, and the pick after the last kept one is the answer's next
     token, so one forward gives 1 to draft_tokens + 1 tokens, the same tokens as without
-    drafts (each row computed as a one-token forward would, as above).
+    drafts (each row computed as a one-token forward would, as above). Questions answered
+    together share DRAFT_ROWS drafted rows a forward.
 
     request.prefilled: the question's forward, run already (a cold ask's head start before
     torch, starqa.coldstart.firsttoken): adopted instead of run again
@@ -242,6 +247,7 @@ class Batch:
         on every rank: (tokens, finished, drafts for its next forward) each."""
         picked = None
         if self.hook.query_host:
+            drafts = DRAFT_ROWS // len(self.active) - 1  # each question's share of DRAFT_ROWS
             logits = self.decoder.logits(torch.cat(rows)) if len(rows) > 1 else \
                 self.decoder.logits(rows[0])
             picks = _argmax(logits)
@@ -252,7 +258,7 @@ class Batch:
                 picked.append(_pick(mine, a.ids[len(a.ids) - 1 - a.drafts:], a.drafter,
                                     set(a.request.stop_ids),
                                     a.request.max_new_tokens - len(a.generated),
-                                    a.draft_tokens, stop))
+                                    min(a.draft_tokens, drafts), stop))
         if self.info.world_size > 1:  # the query host's picks, to every rank
             message = torch.zeros(len(plan), 2 * MAX_DRAFT_TOKENS + 4, dtype=torch.long,
                                   device=self.decoder.device)
