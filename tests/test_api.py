@@ -125,7 +125,9 @@ def test_a_producers_error_is_raised_to_the_reader():
 
 
 def test_turns_are_first_come_first_served_and_a_waiter_can_leave():
-    turns, order, gone = Turns(), [], Channel()
+    """Past its limit of questions at once (those a group answers together), a context's
+    questions wait in the order they came; one whose reader leaves leaves the line."""
+    turns, order, gone = Turns(limit=1), [], Channel()
     inside, release = threading.Event(), threading.Event()
 
     def asker(name: str, channel: Channel):
@@ -153,6 +155,20 @@ def test_turns_are_first_come_first_served_and_a_waiter_can_leave():
         thread.join(10)
     assert order == ["a", "c left", "b", "d"]
     assert turns.waiting() == 0 and turns.answering() == 0
+    two, held = Turns(limit=2), threading.Event()
+
+    def holder():
+        with two.turn("ctx", Channel()):
+            held.wait(10)
+
+    inside = [threading.Thread(target=holder) for _ in range(2)]
+    for thread in inside:
+        thread.start()
+    wait_until(lambda: two.answering() == 2)  # two at once, with no wait
+    assert two.waiting() == 0
+    held.set()
+    for thread in inside:
+        thread.join(10)
 
 
 def test_a_question_is_checked():

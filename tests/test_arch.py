@@ -449,3 +449,31 @@ def test_batched_answers_equal_answers_alone(workers, qwen_model, qwen_path, qwe
             assert tokens == want and len(tokens) > 0
             assert torch.equal(mass, want_mass)
         assert stopped[0] == reference[0][0][:3]  # its asker stopped it after three tokens
+
+
+def test_a_long_question_is_prefilled_in_parts_with_the_same_answer(qwen_model, qwen_path,
+                                                                    qwen_tok, context_ids,
+                                                                    monkeypatch):
+    """A question longer than decode.PREFILL_CHUNK goes through in parts, its progress told
+    after each, and gets bit for bit the tokens and source mass of one prefill forward."""
+    decoder = load_decoder(qwen_path, torch.bfloat16, "int4")
+    ids = context_ids
+    kv = [(k.bfloat16(), v.bfloat16()) for k, v in dense_kv(qwen_model, ids)]
+    query = prompt.tokenize_query(qwen_tok, QUESTION + " and the meal allowance, in detail")
+    request = decode.Request(query, len(ids), 8, draft_tokens=0)
+
+    def run(info, hook):
+        told = []
+        tokens = decode.generate(decoder, info, hook, request,
+                                 decode.Callbacks(on_progress=lambda *p: told.append(p)))
+        return tokens, hook.key_mass(tokens), told
+
+    whole = on_workers(kv, 1, monkeypatch, run)[0]
+    monkeypatch.setattr(decode, "PREFILL_CHUNK", 8)
+    monkeypatch.setattr(decoder, "layer_rows", 4)  # rows in parts take the many-row path
+    parts = on_workers(kv, 1, monkeypatch, run)[0]
+    n = len(query)
+    assert whole[2] == [(n, n)] and n > 16
+    # parts of 8 while 4 rows or more are left after one, then the rest
+    assert parts[2] == [(done, n) for done in sorted({*range(8, n - 3, 8), n})]
+    assert parts[0] == whole[0] and torch.equal(parts[1], whole[1])

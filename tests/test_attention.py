@@ -357,3 +357,40 @@ def test_a_bias_on_the_pieces_on_every_simd_path(cap):
     written, worst = done.stdout.split()
     assert int(written) <= {"avx2": 1, "none": 0}[cap]
     assert float(worst) <= 1e-5
+
+
+@pytest.mark.parametrize("dim,dtype", [(64, torch.bfloat16), (128, torch.bfloat16),
+                                       (128, torch.float32), (40, torch.float32)])
+def test_questions_attended_together_get_their_rows_alone(dim, dtype):
+    """`Pieces.attend_batch`: several questions' rows over the shard read once, each over
+    its own keys, give bit for bit what `attend` gives each question alone: rows of one
+    position and of several (a prefill, drafts), own buffers longer than the rows, a
+    shard of several pieces with a score bias and an int8 piece."""
+    from starqa.attention import Pieces, fold_gqa
+    from starqa.attention.kvint8 import quantize_rows
+    from starqa.native import ops as native
+
+    if not native.available():
+        pytest.skip("starqa's kernel is not built here")
+    torch.manual_seed(3)
+    kv_heads = 2
+    blocks = [torch.randn(2, kv_heads, n, dim, dtype=dtype) for n in (700, 90)]
+    fixed = [(b[0], b[1]) for b in blocks]
+    if dtype == torch.bfloat16:  # an int8 piece too, as `--kv int8` keeps a shard
+        fixed.append(tuple(quantize_rows(torch.randn(kv_heads, 130, dim))
+                           for _ in range(2)))
+    pieces = Pieces(fixed, math.log(0.5))
+    questions = [(1, 20), (7, 7), (4, 33), (1, 600)]  # (rows, own keys so far)
+    own = [torch.randn(2, kv_heads, n, dim, dtype=dtype) for _, n in questions]
+    rows = [fold_gqa(torch.randn(1, 6 * kv_heads, m, dim), kv_heads, dtype)[0]
+            for m, _ in questions]
+    owns = [(o[0], o[1], m) for o, (m, _) in zip(own, questions)]
+    assert pieces.batched([(k, v) for k, v, _ in owns])
+    out, lse = pieces.attend_batch(torch.cat(rows, dim=1), owns, [r.shape[1] for r in rows],
+                                   dim ** -0.5)
+    at = 0
+    for q, (k, v, m) in zip(rows, owns):
+        alone, alone_lse = pieces.attend(q, k, v, dim ** -0.5, m)
+        assert torch.equal(out[:, at:at + q.shape[1]], alone)
+        assert torch.equal(lse[:, at:at + q.shape[1]], alone_lse)
+        at += q.shape[1]

@@ -212,7 +212,7 @@ def test_two_machines_on_loopback(home, docs, tiny_model):
 def test_cli_usage_error_is_not_a_traceback(home):
     proc = starqa("ask")
     assert proc.returncode == 2
-    assert "Missing argument" in proc.stderr and "Traceback" not in proc.stderr
+    assert "give the question to answer" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 from starqa import api
 from starqa.api import doors
 from starqa.servers import http as door
+from starqa.servers import openai_shapes as shapes
 from tiny import make_tiny_model
 
 QUESTION = "who approved the travel budget"
@@ -96,7 +97,7 @@ def test_loopback_needs_no_key():
 
 
 def test_messages_become_a_question_and_its_history():
-    call = door.parse_chat({"model": "docs", "stream": True, "max_tokens": 9, "stop": "END",
+    call = shapes.parse_chat({"model": "docs", "stream": True, "max_tokens": 9, "stop": "END",
                             "stream_options": {"include_usage": True}, "temperature": 0.3,
                             "messages": [
                                 {"role": "system", "content": "be brief"},
@@ -404,3 +405,94 @@ def test_a_client_that_disconnects_cancels_its_answer(served):
     assert health(server)["answering"] == 0
     assert health(server)["answered"] == before["answered"]
 
+
+
+@pytest.mark.slow
+def test_completions_and_responses_answer_as_chat_does(served):
+    """/v1/completions and /v1/responses through the openai client, whole and streamed:
+    the same greedy answer as the chat route's, with the `starqa` record."""
+    _, context, openai = served
+    chat = openai.chat.completions.create(
+        model="handbook", messages=[{"role": "user", "content": QUESTION}], max_tokens=10)
+    text = chat.choices[0].message.content
+    whole = openai.completions.create(model="handbook", prompt=QUESTION, max_tokens=10)
+    assert whole.object == "text_completion" and whole.choices[0].text == text
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens_details.cached_tokens == context.tokens
+    chunks = list(openai.completions.create(model="handbook", prompt=QUESTION, max_tokens=10,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices).strip() == text
+    assert chunks[-1].model_extra["starqa"]["tokens"]["answer"] == 10
+
+    response = openai.responses.create(model="handbook", input=QUESTION,
+                                       max_output_tokens=10)
+    assert response.output_text == text and response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 10
+    assert response.model_extra["starqa"]["sources"] == chat.model_extra["starqa"]["sources"]
+    turns = openai.responses.create(model="handbook", max_output_tokens=10, input=[
+        {"role": "user", "content": QUESTION}])
+    assert turns.output_text == text
+    events = list(openai.responses.create(model="handbook", input=QUESTION,
+                                          max_output_tokens=10, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas.strip() == text and events[-1].response.output_text == text
+
+
+@pytest.mark.slow
+def test_prefill_progress_comes_first_and_in_order(served):
+    """`return_progress`: the question's prefill reported as llama.cpp's server reports it,
+    before the answer's first piece, ending with every prompt token processed."""
+    server, context, _ = served
+    host, port = server.sock.getsockname()[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "handbook", "stream": True, "max_tokens": 4, "return_progress": True,
+        "messages": [{"role": "user", "content": QUESTION}]}),
+        {"Content-Type": "application/json"})
+    lines = [line for line in conn.getresponse().read().decode().splitlines()
+             if line.startswith("data: {")]
+    chunks = [json.loads(line[6:]) for line in lines]
+    steps = [c["prompt_progress"] for c in chunks if "prompt_progress" in c]
+    texts = [i for i, c in enumerate(chunks) if c["choices"] and c["choices"][0]["delta"].get(
+        "content")]
+    assert steps and all(s["cache"] == context.tokens for s in steps)
+    assert [s["processed"] for s in steps] == sorted(s["processed"] for s in steps)
+    assert steps[-1]["processed"] == steps[-1]["total"] > context.tokens
+    last_step = max(i for i, c in enumerate(chunks) if "prompt_progress" in c)
+    assert texts and last_step < texts[0]
+
+
+@pytest.mark.slow
+def test_a_client_leaving_mid_batch_cancels_only_its_own(served):
+    """Two questions answered together: the one whose client leaves is cancelled, the other
+    runs to its end with the answer it gets alone."""
+    server, _, openai = served
+    alone = openai.chat.completions.create(
+        model="handbook", messages=[{"role": "user", "content": "and the retry limit?"}],
+        max_tokens=40).choices[0].message.content
+    before = health(server)
+    host, port = server.sock.getsockname()[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "handbook", "stream": True, "max_tokens": 7000,
+        "messages": [{"role": "user", "content": QUESTION}]}),
+        {"Content-Type": "application/json"})
+    sock, response = conn.sock, conn.getresponse()
+    assert response.readline().startswith(b"data: ")  # the long answer has begun
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(lambda: openai.chat.completions.create(
+            model="handbook", messages=[{"role": "user", "content": "and the retry limit?"}],
+            max_tokens=40))
+        wait_until(lambda: health(server)["answering"] == 2)
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        kept = other.result()
+    assert kept.choices[0].message.content == alone and kept.choices[0].finish_reason == "length"
+    wait_until(lambda: health(server)["cancelled"] == before["cancelled"] + 1)
+    assert health(server)["answered"] == before["answered"] + 1

@@ -3,7 +3,8 @@
 else a cold one that leaves a group warm for `keepalive` seconds); `Chat` keeps the
 conversation and asks the context's warm group, started on its first question (or when
 joined) when none runs, as the REPL of `starqa chat` does. Every path returns the one
-`Answer` record (`starqa.phase2.answer`)."""
+`Answer` record (`starqa.phase2.answer`). `ask_all` asks several questions at once, which
+the warm group answers together (`starqa ask --questions FILE`)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,26 @@ def ask(question: str, context: Context | str | None = None, *,
     with stream(question, context, max_new_tokens=max_new_tokens, stop=stop,
                 attention=attention, beyond_window=beyond_window, options=options) as answer:
         return answer.result()
+
+
+def ask_all(questions: Sequence[str], context: Context | str | None = None, *,
+            max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, attention: TopK | None = None,
+            workers: int | None = None, keepalive: float = engine.DEFAULT_KEEPALIVE
+            ) -> list[Stream]:
+    """Several questions about one context, answered together: the context's warm group
+    (started if none runs, with `workers` and `attention`; it exits `keepalive` idle
+    seconds after the last question, never for 0: `stop` ends it) decodes them in one
+    batch, each answer the one it gets alone. Returns a `Stream` per question, in their
+    order, every one under way."""
+    from starqa.api.service import Service
+
+    ctx = catalog.context(context)
+    asked = [Question(q, ctx.key, max_new_tokens=max_new_tokens) for q in questions]
+    settings = GroupSettings(workers, keepalive, attention)
+    if client.find(ctx.key) is None:  # one start, before the questions go
+        start(catalog.find(ctx.key), settings)
+    service = Service(settings)
+    return [service.stream(question, ctx) for question in asked]
 
 
 class Chat:

@@ -30,16 +30,17 @@ from starqa.topk import indexes
 
 def ingest(paths: str | os.PathLike | Sequence[str | os.PathLike], *, name: str | None = None,
            model: str | None = None, method: str | None = None,
-           options: IngestSettings = IngestSettings()) -> Context:
+           options: IngestSettings = IngestSettings(), ui: UI = UI()) -> Context:
     """Pack files and folders into one context and encode it (Phase 1), or find it cached:
     `Context.cache_hit` says which. `name` (default: from the paths), `model` (an embedded
     name, a GGUF file, `ollama:NAME`, a folder; default: $STARQA_MODEL, else the default
     model) and `method` (default: star) as `starqa ingest`'s options; the rest in
-    `options`."""
+    `options`; its progress on `ui` (tokens encoded: `start_encoding`, `advance`)."""
     given = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     sources = tuple(os.path.abspath(os.fspath(p)) for p in given)
     opts = options.ingest_options(sources, name, model)
-    result = ingest_with(opts if method is None else dataclasses.replace(opts, method=method))
+    result = ingest_with(opts if method is None else dataclasses.replace(opts, method=method),
+                         ui)
     if result.manifest is None:  # a machine other than node 0 of a run across machines
         raise StarqaError("This machine's part of the ingest is done; node 0 commits the "
                           "context.", hint="read it there: api.context(NAME)")

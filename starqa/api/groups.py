@@ -172,12 +172,12 @@ def ask_group(question: Question, context: Context, settings: GroupSettings,
         group = _running(context.key, settings)
         try:
             return client.ask_warm(group, question, context, _passing(channel),
-                                   lambda: channel.stop_wanted, asked)
+                                   lambda: channel.stop_wanted, asked, channel.progress)
         except (client.Unreachable, client.GroupLeft):  # died, or was exiting: another
             client.forget(group)
             group = start(find(context.key), settings)
             return client.ask_warm(group, question, context, _passing(channel),
-                                   lambda: channel.stop_wanted, asked)
+                                   lambda: channel.stop_wanted, asked, channel.progress)
 
 
 def _passing(channel: Channel) -> Callable[[str], None]:

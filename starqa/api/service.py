@@ -15,6 +15,7 @@ from starqa.api.groups import GroupSettings, Turns, ask_group
 from starqa.api.settings import IngestSettings
 from starqa.api.streams import Channel, Stream
 from starqa.cache.context import Context
+from starqa.core.progress import UI
 from starqa.phase2.answer import Answer, Question
 
 
@@ -53,11 +54,13 @@ class Service:
 
     def ingest(self, paths: str | Sequence[str], *, name: str | None = None,
                model: str | None = None, method: str | None = None,
-               options: IngestSettings = IngestSettings()) -> Context:
-        """As `starqa.api.ingest`, with this door's worker count unless given."""
+               options: IngestSettings = IngestSettings(), ui: UI = UI()) -> Context:
+        """As `starqa.api.ingest`, with this door's worker count unless given; its progress
+        on `ui`."""
         if self.settings.workers is not None and options.workers is None:
             options = dataclasses.replace(options, workers=self.settings.workers)
-        return catalog.ingest(paths, name=name, model=model, method=method, options=options)
+        return catalog.ingest(paths, name=name, model=model, method=method, options=options,
+                              ui=ui)
 
     def stream(self, question: Question, context: Context | None = None) -> Stream:
         """The answer to `question` as it is generated (`context`: the one the question

@@ -1,8 +1,8 @@
 """An answer as it is generated: `Stream` runs the answering in a thread of its own and
 hands its text out piece by piece, then the whole `Answer`.
 
-The thread (the producer) and the reader share a `Channel`: a queue of pieces, then one
-answer or one error; and two flags the producer reads at every token: `closed` (the reader
+The thread (the producer) and the reader share a `Channel`: a queue of pieces (and reports
+of the question's prefill, `Progress`, read by `next_event`), then one answer or one error; and two flags the producer reads at every token: `closed` (the reader
 left: stop as soon as you can, nobody reads the answer) and `ending` (a stop string
 appeared, or the reader cancelled: end the answer now and report it). Stop strings are
 found on the reader's side, across pieces: text that could be the start of one is held
@@ -18,20 +18,24 @@ from collections.abc import Callable, Iterator, Sequence
 
 from starqa.api.errors import Stopped
 from starqa.core.progress import UI
-from starqa.phase2.answer import Answer
+from starqa.phase2.answer import Answer, Progress
 
 
 class Channel:
     """Between the producer and the reader of one answer."""
 
     def __init__(self):
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()  # ("piece" | "done" | "error", _)
+        # ("piece" | "progress" | "done" | "error", _)
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = threading.Event()
         self.ending = threading.Event()
         self.cancelled = threading.Event()  # the reader cancelled (a kind of `ending`)
 
     def piece(self, text: str) -> None:
         self.queue.put(("piece", text))
+
+    def progress(self, step: Progress) -> None:
+        self.queue.put(("progress", step))
 
     @property
     def stop_wanted(self) -> bool:
@@ -114,11 +118,20 @@ class Stream(Iterator[str]):
                          name="starqa-answer").start()
 
     def __next__(self) -> str:
+        while True:
+            if isinstance(item := self.next_event(), str):
+                return item
+
+    def next_event(self) -> str | Progress:
+        """The next piece of text, or report of the question's prefill (a warm group's
+        answer sends one after each part of it); StopIteration at the end."""
         while self._answer is None and self._error is None:
             if self._channel.closed.is_set():
                 self._error = Stopped("The stream was closed before its answer was complete.")
                 break
             kind, value = self._channel.queue.get()
+            if kind == "progress":
+                return value
             if kind == "piece":
                 if out := self._take(value):
                     return out

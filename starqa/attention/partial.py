@@ -200,6 +200,25 @@ class Pieces:
         return merge([out, own_out], [lse + self.bias, own_lse])
 
 
+    def batched(self, owns: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether `attend_batch` takes these own buffers (key, value) [Hkv, N, D]: the
+        compiled kernel, each of the laid-out buffers' dtype."""
+        layout = self.layout
+        return layout is not None and all(
+            layout.dtype in (None, key.dtype) and native.supports(key, value)
+            for key, value in owns) and len({key.dtype for key, _ in owns}) == 1
+
+    def attend_batch(self, q: torch.Tensor, owns: Sequence[tuple[torch.Tensor, torch.Tensor,
+                                                                 int]],
+                     rows: Sequence[int], scale: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several questions' folded rows q [Hkv, R, D] (`rows[s]` each, in order) over these
+        buffers, read once, each then over its own key/value (`owns[s]`: [Hkv, N_s, D] and
+        how many are its rows' own), where `batched`: each row what `attend` gives it
+        alone, bit for bit."""
+        return self.layout.attend_batch(q, owns, rows, scale)
+
+
 def _native_fits(parts: Sequence[tuple]) -> bool:
     """Whether the compiled kernel takes these buffers (key, value): float ones of one dtype
     that `native.supports` takes, and int8 rows that `native.supports_int8` takes."""

@@ -15,7 +15,12 @@ from starqa.cli.options import (Attention, BeyondWindow, ContextArg, Device, Ind
 
 
 def ask(
-    question: Annotated[str, typer.Argument(help="The question to answer from the context.")],
+    question: Annotated[Optional[str], typer.Argument(
+        help="The question to answer from the context.")] = None,
+    questions: Annotated[Optional[str], typer.Option(
+        "--questions", "-q", metavar="FILE",
+        help="Answer the questions of FILE, one a line (- reads them from standard input), "
+             "together on the context's warm group, each printed with its sources.")] = None,
     context: Annotated[Optional[str], typer.Option(
         "--context", "-c", envvar="STARQA_CONTEXT",
         help="Context name or key (default: the one used last).")] = None,
@@ -48,9 +53,21 @@ def ask(
 
     A cold ask answers as one worker when model and shards fit in memory (a process forked
     as the command started), which then stays for --keep-alive seconds as the context's
-    warm group, so the next question needs no load."""
+    warm group, so the next question needs no load. With --questions, the questions of a
+    file are answered together by the context's warm group (one batch)."""
     from starqa.api import doors
     from starqa.cli.ui import RichUI, answer_stats, as_text
+
+    if (question is None) == (questions is None):
+        raise typer.BadParameter(
+            "give one question, or --questions FILE (one a line), not both"
+            if question is not None else "give the question to answer, or --questions FILE",
+            param_hint="QUESTION")
+    if questions is not None:
+        topk = one_topk(TopKChoice(attention, top_k, top_k_schedule, index, kv_on_disk,
+                                   top_k_prefill, top_k_tail))
+        _ask_all(questions, context, max_new_tokens, workers, keepalive, topk, as_json)
+        return
 
     opts = doors.AskOptions(question=as_text(question), context=context, model=model,
                           workers=workers,
@@ -66,6 +83,40 @@ def ask(
         print(json.dumps(answer.as_dict(), indent=1))
     else:
         answer_stats(answer)
+
+
+def _ask_all(source: str, context: str | None, max_new_tokens: int, workers: int | None,
+             keepalive: float, topk, as_json: bool) -> None:
+    """`ask --questions FILE`: every question of FILE asked at once, each answer printed
+    in their order as it completes (one JSON object a line with --json)."""
+    import sys
+
+    from starqa import api
+    from starqa.cli.ui import answer_stats, as_text, err, safe
+
+    try:
+        text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise api.StarqaError(f"Cannot read the questions from {source} ({error}).",
+                              hint="give a UTF-8 text file, one question a line") from None
+    asked = [as_text(line.strip()) for line in text.splitlines() if line.strip()]
+    if not asked:
+        raise api.StarqaError(f"{source} holds no question.",
+                              hint="write one question a line")
+    streams = api.ask_all(asked, context, max_new_tokens=max_new_tokens, attention=topk,
+                          workers=workers, keepalive=keepalive)
+    try:
+        for number, (question, stream) in enumerate(zip(asked, streams), 1):
+            answer = stream.result()
+            if as_json:
+                print(json.dumps({"question": question, **answer.as_dict()}), flush=True)
+                continue
+            err.print(f"[bold]{number}. {safe(question)}[/]")
+            print(answer.text, flush=True)
+            answer_stats(answer)
+    finally:
+        if keepalive <= 0:  # --keep-alive 0: no group is left
+            api.stop(context)
 
 
 def chat(

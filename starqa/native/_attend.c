@@ -481,105 +481,214 @@ typedef struct {
     int64_t piece, a, b;
 } span_t;
 
+/* A buffer of keys and values as a task reads it: addresses, head strides (elements), int8
+   rows' scales (0: float rows), its first key's position and its keys, and its score bias. */
+typedef struct {
+    int64_t keys, values, key_stride, value_stride, key_scales, value_scales;
+    int64_t start, length;
+    float bias;
+} piece_t;
+
+/* A question's rows [r0, r0 + rows) of every head, over the shared pieces then `extra` (its
+   own keys, none when extra.length is 0 and no piece), `own` of the last keys its rows' own. */
+typedef struct {
+    int64_t r0, rows, own, n;
+    piece_t extra;
+    int has_extra;
+} segment_t;
+
+/* The spans of `pieces` pieces (TASK_KEYS keys each, from each piece's first key) into
+   `out` (NULL: only counted); returns how many. */
+static int64_t list_spans(const piece_t *pieces, int64_t count, int64_t first, span_t *out) {
+    int64_t n = 0;
+    for (int64_t p = 0; p < count; p++)
+        for (int64_t a = 0; a < pieces[p].length; a += TASK_KEYS, n++)
+            if (out)
+                out[n] = (span_t){first + p, a,
+                                  a + TASK_KEYS < pieces[p].length ? a + TASK_KEYS : pieces[p].length};
+    return n;
+}
+
+/* The attention of every segment's rows over the shared pieces and its own extra piece:
+   tasks of (head, segment, group of ROWS rows, span) over threads, then each row's spans
+   merged in order (starqa.attention.merge's rule, each span's maximum moved by its piece's
+   bias). A row's result depends only on its query and its keys, never on the other rows
+   or segments (each task's rows are independent; a segment's groups start at its first
+   row). */
+static int attend_segments(int bf16, const piece_t *shared, int64_t count, const float *q,
+                           int64_t heads, int64_t rows, int64_t d, const segment_t *segs,
+                           int64_t segments, float scale, float *out, float *lse,
+                           int threads) {
+    const int64_t common = list_spans(shared, count, 0, NULL);
+    int64_t most = 0; /* the most spans a segment has */
+    int64_t *first_task = malloc((size_t)(segments + 1) * sizeof(int64_t));
+    if (!first_task) return 2;
+    first_task[0] = 0;
+    for (int64_t s = 0; s < segments; s++) {
+        int64_t spans = common + (segs[s].has_extra ? list_spans(&segs[s].extra, 1, count, NULL) : 0);
+        spans = spans ? spans : 1; /* no keys: one empty span (output 0, LSE -inf) */
+        most = spans > most ? spans : most;
+        first_task[s + 1] = first_task[s] + heads * ((segs[s].rows + ROWS - 1) / ROWS) * spans;
+    }
+    const int64_t tasks = first_task[segments];
+    span_t *span_of = malloc((size_t)(segments * most + 1) * sizeof(span_t));
+    float *state = malloc((size_t)(tasks ? tasks : 1) * ROWS * (size_t)(d + 2) * sizeof(float));
+    if (!span_of || !state) {
+        free(first_task), free(span_of), free(state);
+        return 2;
+    }
+    for (int64_t s = 0; s < segments; s++) { /* segment s's spans at span_of[s * most] */
+        span_t *mine = span_of + s * most;
+        mine[0] = (span_t){0, 0, 0};
+        int64_t n = list_spans(shared, count, 0, mine);
+        if (segs[s].has_extra) list_spans(&segs[s].extra, 1, count, mine + n);
+    }
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t s = 0;
+        while (t >= first_task[s + 1]) s++;
+        const segment_t *seg = &segs[s];
+        const int64_t groups = (seg->rows + ROWS - 1) / ROWS, local = t - first_task[s];
+        const int64_t spans = (first_task[s + 1] - first_task[s]) / (heads * groups);
+        const int64_t h = local / (spans * groups), rest = local % (spans * groups);
+        const int64_t g = rest / spans;
+        const span_t sp = span_of[s * most + rest % spans];
+        const int64_t r0 = g * ROWS, rn = seg->rows - r0 < ROWS ? seg->rows - r0 : ROWS;
+        float *m = state + (size_t)t * ROWS * (d + 2), *l = m + ROWS, *acc = l + ROWS;
+        const int any = count + seg->has_extra > 0;
+        const piece_t *pc = !any ? NULL : sp.piece < count ? &shared[sp.piece] : &seg->extra;
+        /* the piece's keys and values of head h; positions relative to its first key, so
+           the causal limit (n - own + ...) moves by its start too */
+        const int quant = pc && pc->key_scales; /* int8 rows with their scales */
+        const int kind = quant ? KIND_I8 : bf16 ? KIND_BF16 : KIND_F32;
+        const size_t es = kind_size(kind);
+        const char *k = pc ? (const char *)(intptr_t)pc->keys + (size_t)(h * pc->key_stride) * es : NULL;
+        const char *v = pc ? (const char *)(intptr_t)pc->values + (size_t)(h * pc->value_stride) * es : NULL;
+        const float *ks = quant ? (const float *)(intptr_t)pc->key_scales + h * (pc->key_stride / d) : NULL;
+        const float *vs = quant ? (const float *)(intptr_t)pc->value_scales + h * (pc->value_stride / d) : NULL;
+        task(q + (h * rows + seg->r0) * d, d, k, v, kind, ks, vs, sp.a, sp.b,
+             seg->n - (pc ? pc->start : 0), seg->own, r0, rn, scale, m, l, acc);
+    }
+    for (int64_t s = 0; s < segments; s++) {
+        const segment_t *seg = &segs[s];
+        const int64_t groups = (seg->rows + ROWS - 1) / ROWS;
+        const int64_t spans = (first_task[s + 1] - first_task[s]) / (heads * groups);
+        const int any = count + seg->has_extra > 0;
+        for (int64_t h = 0; h < heads; h++) {
+            for (int64_t r = 0; r < seg->rows; r++) {
+                const int64_t g = r / ROWS, i = r % ROWS;
+                const float *base = state + (size_t)(first_task[s] + (h * groups + g) * spans) *
+                                                ROWS * (d + 2);
+                float top = -INFINITY, total = 0.0f;
+                float *o = out + (h * rows + seg->r0 + r) * d;
+                for (int64_t span = 0; span < spans; span++) {
+                    const float *m = base + (size_t)span * ROWS * (d + 2);
+                    const int64_t piece = span_of[s * most + span].piece;
+                    const float bias = !any ? 0.0f : piece < count ? shared[piece].bias : seg->extra.bias;
+                    const float peak = m[i] + bias;
+                    top = peak > top ? peak : top;
+                }
+                memset(o, 0, (size_t)d * sizeof(float));
+                if (top == -INFINITY) {
+                    lse[h * rows + seg->r0 + r] = -INFINITY;
+                    continue;
+                }
+                for (int64_t span = 0; span < spans; span++) {
+                    const float *m = base + (size_t)span * ROWS * (d + 2);
+                    if (m[i] == -INFINITY) continue;
+                    const int64_t piece = span_of[s * most + span].piece;
+                    const float bias = !any ? 0.0f : piece < count ? shared[piece].bias : seg->extra.bias;
+                    float w = expf(m[i] + bias - top);
+                    total += w * m[ROWS + i];
+                    const float *acc = m + 2 * ROWS + i * d;
+                    for (int64_t x = 0; x < d; x++) o[x] += w * acc[x];
+                }
+                for (int64_t x = 0; x < d; x++) o[x] /= total;
+                lse[h * rows + seg->r0 + r] = top + logf(total);
+            }
+        }
+    }
+    free(first_task);
+    free(span_of);
+    free(state);
+    return 0;
+}
+
+/* The table's buffers as pieces (their biases: 0 where the table has none); 1 where the
+   table is not one starqa_attend takes. */
+static int table_pieces(const starqa_key_table *table, int64_t d, piece_t *out) {
+    for (int64_t p = 0; p < table->pieces; p++) {
+        const int64_t *st = table->starts;
+        if (st[p + 1] < st[p] || (p == 0 && st[0] != 0)) return 1;
+        if (table->key_scales[p] && (!table->value_scales[p] || table->key_strides[p] % d ||
+                                     table->value_strides[p] % d))
+            return 1;
+        if (table->biases && !isfinite(table->biases[p])) return 1;
+        out[p] = (piece_t){table->keys[p], table->values[p], table->key_strides[p],
+                           table->value_strides[p], table->key_scales[p], table->value_scales[p],
+                           st[p], st[p + 1] - st[p], table->biases ? table->biases[p] : 0.0f};
+    }
+    return 0;
+}
+
 /* The keys are those of the table's buffers in order (_kernels.h), so the shard's blocks
    are read where they lie (memory-mapped files) and the question's own keys from their own
    buffer, with no copy into one. */
 int starqa_attend(const starqa_attend_args *args) {
-    const int bf16 = args->table.bf16;
-    const int64_t pieces = args->table.pieces, *starts = args->table.starts;
-    const int64_t *k_addr = args->table.keys, *v_addr = args->table.values;
-    const int64_t *k_strides = args->table.key_strides, *v_strides = args->table.value_strides;
-    const int64_t *k_scales = args->table.key_scales, *v_scales = args->table.value_scales;
-    const float *biases = args->table.biases;
-    const float *q = args->queries.q, scale = args->result.scale;
-    const int64_t heads = args->queries.heads, rows = args->queries.rows, d = args->queries.d;
-    const int64_t own = args->own;
-    float *out = args->result.out, *lse = args->result.lse;
-    const int threads = args->threads;
+    const int64_t pieces = args->table.pieces, d = args->queries.d;
+    const int64_t heads = args->queries.heads, rows = args->queries.rows, own = args->own;
     if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || pieces < 0 || own < 0 ||
-        (own && rows % own) || (pieces && starts[0] != 0))
+        (own && rows % own))
         return 1;
-    int64_t n = pieces ? starts[pieces] : 0;
-    if (own > n) return 1;
-    int64_t spans = 0;
-    for (int64_t p = 0; p < pieces; p++) {
-        if (starts[p + 1] < starts[p]) return 1;
-        if (k_scales[p] && (!v_scales[p] || k_strides[p] % d || v_strides[p] % d)) return 1;
-        if (biases && !isfinite(biases[p])) return 1;
-        spans += (starts[p + 1] - starts[p] + TASK_KEYS - 1) / TASK_KEYS;
+    piece_t *table = malloc((size_t)(pieces + 1) * sizeof(piece_t));
+    if (!table) return 2;
+    int code = table_pieces(&args->table, d, table);
+    const int64_t n = pieces ? args->table.starts[pieces] : 0;
+    if (!code && own > n) code = 1;
+    if (!code) {
+        const segment_t one = {0, rows, own, n, {0}, 0};
+        code = attend_segments(args->table.bf16, table, pieces, args->queries.q, heads, rows,
+                               d, &one, 1, args->result.scale, args->result.out,
+                               args->result.lse, args->threads);
     }
-    int64_t listed = spans ? spans : 1; /* no keys: one empty span (output 0, LSE -inf) */
-    span_t *span_of = malloc((size_t)listed * sizeof(span_t));
-    if (!span_of) return 2;
-    span_of[0] = (span_t){0, 0, 0};
-    for (int64_t p = 0, s = 0; p < pieces; p++) {
-        int64_t length = starts[p + 1] - starts[p];
-        for (int64_t a = 0; a < length; a += TASK_KEYS, s++)
-            span_of[s] = (span_t){p, a, a + TASK_KEYS < length ? a + TASK_KEYS : length};
-    }
-    spans = listed;
-    int64_t groups = (rows + ROWS - 1) / ROWS;
-    int64_t tasks = heads * spans * groups;
-    float *state = malloc((size_t)tasks * ROWS * (size_t)(d + 2) * sizeof(float));
-    if (!state) {
-        free(span_of);
+    free(table);
+    return code;
+}
+
+/* Several questions' rows: the table's buffers shared, each question's own keys its own
+   (_kernels.h). */
+int starqa_attend_batch(const starqa_attend_batch_args *args) {
+    const int64_t pieces = args->table.pieces, d = args->queries.d;
+    const int64_t heads = args->queries.heads, rows = args->queries.rows;
+    const int64_t segments = args->segments;
+    if (d < 1 || d > MAX_DIM || heads < 1 || rows < 1 || pieces < 0 || segments < 1 ||
+        args->row_starts[0] != 0 || args->row_starts[segments] != rows)
+        return 1;
+    piece_t *table = malloc((size_t)(pieces + 1) * sizeof(piece_t));
+    segment_t *segs = malloc((size_t)segments * sizeof(segment_t));
+    if (!table || !segs) {
+        free(table), free(segs);
         return 2;
     }
-#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
-    for (int64_t t = 0; t < tasks; t++) {
-        int64_t h = t / (spans * groups), rest = t % (spans * groups);
-        int64_t g = rest / spans;
-        span_t sp = span_of[rest % spans];
-        int64_t r0 = g * ROWS, rn = rows - r0 < ROWS ? rows - r0 : ROWS;
-        float *m = state + (size_t)t * ROWS * (d + 2), *l = m + ROWS, *acc = l + ROWS;
-        /* the piece's keys and values of head h; positions relative to its first key, so
-           the causal limit (n - own + ...) moves by its start too */
-        const int quant = pieces && k_scales[sp.piece]; /* int8 rows with their scales */
-        const int kind = quant ? KIND_I8 : bf16 ? KIND_BF16 : KIND_F32;
-        const size_t es = kind_size(kind);
-        const char *k = pieces ? (const char *)(intptr_t)k_addr[sp.piece] +
-                                     (size_t)(h * k_strides[sp.piece]) * es : NULL;
-        const char *v = pieces ? (const char *)(intptr_t)v_addr[sp.piece] +
-                                     (size_t)(h * v_strides[sp.piece]) * es : NULL;
-        const float *ks = quant ? (const float *)(intptr_t)k_scales[sp.piece] +
-                                      h * (k_strides[sp.piece] / d) : NULL;
-        const float *vs = quant ? (const float *)(intptr_t)v_scales[sp.piece] +
-                                      h * (v_strides[sp.piece] / d) : NULL;
-        int64_t first = pieces ? starts[sp.piece] : 0;
-        task(q + h * rows * d, d, k, v, kind, ks, vs, sp.a, sp.b, n - first, own, r0, rn, scale,
-             m, l, acc);
-    }
-    /* merge each row's spans (starqa.attention.merge's rule), each span's maximum moved
-       by its piece's bias */
-    for (int64_t h = 0; h < heads; h++) {
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t g = r / ROWS, i = r % ROWS;
-            float top = -INFINITY, total = 0.0f;
-            float *o = out + (h * rows + r) * d;
-            for (int64_t span = 0; span < spans; span++) {
-                float *m = state + (size_t)((h * groups + g) * spans + span) * ROWS * (d + 2);
-                const float peak = biases && pieces ? m[i] + biases[span_of[span].piece] : m[i];
-                top = peak > top ? peak : top;
-            }
-            memset(o, 0, (size_t)d * sizeof(float));
-            if (top == -INFINITY) {
-                lse[h * rows + r] = -INFINITY;
-                continue;
-            }
-            for (int64_t span = 0; span < spans; span++) {
-                float *m = state + (size_t)((h * groups + g) * spans + span) * ROWS * (d + 2);
-                if (m[i] == -INFINITY) continue;
-                const float peak = biases && pieces ? m[i] + biases[span_of[span].piece] : m[i];
-                float w = expf(peak - top);
-                total += w * m[ROWS + i];
-                const float *acc = m + 2 * ROWS + i * d;
-                for (int64_t x = 0; x < d; x++) o[x] += w * acc[x];
-            }
-            for (int64_t x = 0; x < d; x++) o[x] /= total;
-            lse[h * rows + r] = top + logf(total);
+    int code = table_pieces(&args->table, d, table);
+    const int64_t shared = pieces ? args->table.starts[pieces] : 0;
+    for (int64_t s = 0; s < segments && !code; s++) {
+        const int64_t r0 = args->row_starts[s], count = args->row_starts[s + 1] - r0;
+        const int64_t length = args->own_lengths[s], own = args->own[s];
+        if (count < 1 || length < 0 || own < 0 || own > length || (own && count % own)) {
+            code = 1;
+            break;
         }
+        segs[s] = (segment_t){r0, count, own, shared + length,
+                              {args->own_keys[s], args->own_values[s], args->own_key_strides[s],
+                               args->own_value_strides[s], 0, 0, shared, length, 0.0f},
+                              length > 0};
     }
-    free(span_of);
-    free(state);
-    return 0;
+    if (!code)
+        code = attend_segments(args->table.bf16, table, pieces, args->queries.q, heads, rows, d,
+                               segs, segments, args->result.scale, args->result.out,
+                               args->result.lse, args->threads);
+    free(table);
+    free(segs);
+    return code;
 }

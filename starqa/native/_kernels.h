@@ -73,6 +73,31 @@ typedef struct {
 
 STARQA_API int starqa_attend(const starqa_attend_args *args);
 
+/* starqa_attend_batch: several questions' rows over the table's buffers (the laid-out ones,
+   no slot filled), then each over its own keys: segment s holds rows row_starts[s] ..
+   row_starts[s + 1] - 1 of every head (G blocks of own[s] positions, the position fastest;
+   row_starts[segments] = rows) and its own buffer (keys at own_keys[s], values at
+   own_values[s], [H, >= own_lengths[s], D], heads own_key_strides[s] and
+   own_value_strides[s] elements apart, of the table's float kind, bias 0), own[s] of its
+   keys its rows' own. The shard is read once for every question; each row gets, bit for
+   bit, what starqa_attend gives it over the table with its own buffer in the slot. */
+typedef struct {
+    starqa_key_table table;
+    starqa_queries queries;
+    int64_t segments;
+    int64_t *row_starts;
+    int64_t *own_keys;
+    int64_t *own_values;
+    int64_t *own_lengths;
+    int64_t *own_key_strides;
+    int64_t *own_value_strides;
+    int64_t *own;
+    starqa_outputs result;
+    int threads;
+} starqa_attend_batch_args;
+
+STARQA_API int starqa_attend_batch(const starqa_attend_batch_args *args);
+
 /* ---- top-k attention (_topk_*.c) ---------------------------------------------------- */
 
 /* Key buffers (by position) or value buffers (by shard row): buffer b holds rows

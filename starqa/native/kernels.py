@@ -52,6 +52,14 @@ class starqa_attend_args(ctypes.Structure):
                 ("result", starqa_outputs), ("threads", _INT)]
 
 
+class starqa_attend_batch_args(ctypes.Structure):
+    _fields_ = [("table", starqa_key_table), ("queries", starqa_queries), ("segments", _I64),
+                ("row_starts", _PTR), ("own_keys", _PTR), ("own_values", _PTR),
+                ("own_lengths", _PTR), ("own_key_strides", _PTR),
+                ("own_value_strides", _PTR), ("own", _PTR), ("result", starqa_outputs),
+                ("threads", _INT)]
+
+
 class starqa_buffers(ctypes.Structure):
     _fields_ = [("bf16", _INT), ("count", _I64), ("start", _PTR), ("ptr", _PTR),
                 ("stride", _PTR)]
@@ -143,6 +151,7 @@ def _takes(struct: type[ctypes.Structure]) -> list:
 # _kernels.h's prototypes: name → (restype, argtypes)
 SIGNATURES = {
     "starqa_attend": (_INT, _takes(starqa_attend_args)),
+    "starqa_attend_batch": (_INT, _takes(starqa_attend_batch_args)),
     "starqa_topk_attend": (_INT, _takes(starqa_topk_args)),
     "starqa_topk_select": (_INT, _takes(starqa_select_args)),
     "starqa_int4_mm": (_INT, _takes(starqa_int4_args)),
@@ -390,3 +399,21 @@ class KeyTable:
             self._set(self.count - 1, *own_buffer)
             args.table.pieces = self.count
         return library().starqa_attend(args)
+
+    def attend_batch(self, bf16: bool, queries: starqa_queries, result: starqa_outputs,
+                     segments: Sequence[tuple[int, tuple[int, ...]]], threads: int = 1) -> int:
+        """`starqa_attend_batch`: `queries` [heads, rows, dim] in segments, each (its rows,
+        its own buffer as `attend` takes one, its own keys among them) after the other,
+        over the laid-out buffers and each segment's own one."""
+        count = len(segments)
+        column = lambda values: (ctypes.c_int64 * len(values))(*values)  # noqa: E731
+        starts = [0]
+        for rows, _, _ in segments:
+            starts.append(starts[-1] + rows)
+        arrays = [column(starts), *(column([buffer[i] for _, buffer, _ in segments])
+                                    for i in (0, 1, 2, 3, 4)),
+                  column([own for _, _, own in segments])]
+        args = starqa_attend_batch_args(self.table, queries, count,
+                                        *(ctypes.addressof(a) for a in arrays), result, threads)
+        args.table.bf16 = int(bf16)
+        return library().starqa_attend_batch(args)

@@ -108,6 +108,27 @@ class Layout:
                          f"{shapes}, own {own}")
         return out, lse
 
+    def attend_batch(self, q: torch.Tensor, owns: Sequence[tuple[torch.Tensor, torch.Tensor,
+                                                                     int]],
+                     rows: Sequence[int], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several questions' rows of q [H, R, D], `rows[s]` of them each in order, over the
+        laid-out buffers once, each then over its own (key, value) [H, N_s, D] (`owns[s]`,
+        its last `own` keys its rows' own): each row, bit for bit, what `attend` gives it
+        with its question's buffer alone."""
+        heads, total, dim = q.shape
+        q = q.to(torch.float32).contiguous()
+        out, lse = q.new_empty(heads, total, dim), q.new_empty(heads, total)
+        dtype = self.dtype if self.dtype is not None else owns[0][0].dtype
+        code = self._table.attend_batch(
+            dtype == torch.bfloat16, kernels.starqa_queries(q.data_ptr(), heads, total, dim),
+            kernels.starqa_outputs(scale, out.data_ptr(), lse.data_ptr()),
+            [(n, _buffer(key, value), own) for n, (key, value, own) in zip(rows, owns)],
+            torch.get_num_threads())
+        if code:
+            _check(code, f"attention kernel: impossible shapes q {tuple(q.shape)}, rows "
+                         f"{list(rows)}, own keys {[tuple(k.shape) for k, _, _ in owns]}")
+        return out, lse
+
     def step_words(self) -> tuple[int, ...]:
         """The exact part of a layer's attention words for `decode_layers`
         (starqa_step_attention's `exact`): the address of the laid-out table, whose slot

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from starqa.cache.context import Context
 from starqa.core.errors import StarqaError
@@ -33,6 +34,25 @@ class Question:
             raise StarqaError("The question is empty.")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise StarqaError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens}).")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A question's prefill so far, as its answer's first token is awaited: `processed` of
+    the prompt's `total` tokens (the context's `cached` ones, and the question's done so
+    far), `elapsed_s` since the question was taken up. A warm group sends it on its socket
+    (`EVENT`) after each part of a question's prefill; the doors pass it on (HTTP's
+    `prompt_progress`, MCP's progress notifications)."""
+
+    EVENT: ClassVar[str] = "progress"
+    processed: int
+    total: int
+    cached: int
+    elapsed_s: float
+
+    def as_dict(self) -> dict:
+        return {"processed": self.processed, "total": self.total, "cached": self.cached,
+                "elapsed_s": self.elapsed_s}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,10 @@ from starqa.runtime import dist
 # torch's int4 kernel 1.8x a row's time (measured, Qwen2.5-Coder-1.5B's shapes, 2-core
 # Zen 5) where a fifth row would double it.
 DRAFT_TOKENS = 3
+# Question tokens per forward of a long question's prefill: its progress is told between
+# them, and the other questions' answers go on between them (each chunk's rows computed as
+# in one forward over the whole question: see `Batch`).
+PREFILL_CHUNK = 512
 # The rows a forward of several questions spends on drafts, at most: past them a row costs
 # nearly what a token does (the kernels are compute-bound there), so with B questions each
 # drafts up to DRAFT_ROWS / B - 1 tokens (none from four questions on).
@@ -72,10 +76,12 @@ class Request:
 class Callbacks:
     """What a `Batch` tells a question's asker and asks it, on the query host: `on_token(id)` for
     each token of the answer as it comes, `should_stop()` after each forward (True: the
-    answer ends there)."""
+    answer ends there), `on_progress(done, total)` after each forward of its question's
+    prefill (question tokens done, of its total)."""
 
     on_token: Callable[[int], None] | None = None
     should_stop: Callable[[], bool] | None = None
+    on_progress: Callable[[int, int], None] | None = None
 
 
 def generate(decoder, info: dist.DistInfo, hook: ShardAttention, request: Request,
@@ -109,6 +115,12 @@ class Answering:
     generated: list[int] = field(default_factory=list)
     started: bool = False  # its question's forward has run
     done: bool = False
+    chunk: int = 0  # rows of its next forward, a part of its question's (0: all its ids)
+
+    @property
+    def inputs(self) -> list[int]:
+        """Its next forward's input ids."""
+        return self.ids[:self.chunk] if self.chunk else self.ids
 
     @property
     def draft_tokens(self) -> int:
@@ -173,16 +185,19 @@ class Batch:
     def _plan(self) -> list[Answering]:
         """The questions of the next forward: one whose question's forward was run already
         (`prefilled`) alone; else every question under way and the first new one whose
-        question fits a row-by-row forward (`Decoder.layer_rows`); else the first new one
-        alone."""
+        question fits a row-by-row forward (`Decoder.layer_rows`) and one part; else the
+        first new one alone, its next part (`_prefill_chunk`)."""
         new = [a for a in self.active if not a.started]
         if new and new[0].prefilled is not None:
             return [new[0]]
         started = [a for a in self.active if a.started]
-        fits = [a for a in new if len(a.ids) < getattr(self.decoder, "layer_rows", 0)]
+        floor = getattr(self.decoder, "layer_rows", 0)
+        fits = [a for a in new if len(a.ids) < min(floor, PREFILL_CHUNK)]
         if started or fits:
             return started + fits[:1]
-        return new[:1]
+        alone = new[0]
+        alone.chunk = _prefill_chunk(len(alone.ids), floor)
+        return [alone]
 
     @torch.inference_mode()
     def step(self) -> list[Answering]:
@@ -191,6 +206,9 @@ class Batch:
         plan = self._plan()
         streamed = [list(a.prefilled.emitted) if a.prefilled is not None else [] for a in plan]
         hidden = self._forward(plan)
+        if plan[0].chunk and plan[0].chunk < len(plan[0].ids):  # a part of a prefill
+            self._prefilled_part(plan[0])
+            return []
         picks = self._picks(plan, hidden)
         ended = []
         for a, quiet, (tokens, finished, next_drafts) in zip(plan, streamed, picks):
@@ -201,7 +219,9 @@ class Batch:
             # The rows before `first` and the len(tokens) from it hold the answer's tokens.
             self.hook.advance_slot(a.slot, first + len(tokens), slice(first, first + len(tokens)))
             a.position += first + len(tokens)
-            a.started, a.prefilled = True, None
+            if not a.started and a.callbacks.on_progress is not None:
+                a.callbacks.on_progress(len(a.request.query_ids), len(a.request.query_ids))
+            a.started, a.prefilled, a.chunk = True, None, 0
             for index, token in enumerate(tokens):
                 a.generated.append(token)
                 if a.callbacks.on_token is not None and index >= len(quiet):
@@ -213,6 +233,16 @@ class Batch:
                 a.drafts, a.ids = len(next_drafts), [tokens[-1], *next_drafts]
         self.active = [a for a in self.active if not a.done]
         return ended
+
+    def _prefilled_part(self, a: Answering) -> None:
+        """A part of `a`'s question went through: its KV kept (the prefill goes on, no token
+        picked), its progress told."""
+        self.hook.advance_slot(a.slot, a.chunk, slice(0, 0), question=True)
+        a.position += a.chunk
+        a.ids, a.chunk = a.ids[a.chunk:], 0
+        if a.callbacks.on_progress is not None:
+            total = len(a.request.query_ids)
+            a.callbacks.on_progress(total - len(a.ids), total)
 
     def _forward(self, plan: list[Answering]) -> list[torch.Tensor]:
         """Each planned question's rows that pick tokens [1 + drafts, H], of one forward;
@@ -229,15 +259,15 @@ class Batch:
         else:
             self.hook.batch([(a.slot, len(a.ids)) for a in plan])
             rowwise, compiled = True, None
-        ids = [i for a in plan for i in a.ids]
-        positions = torch.cat([torch.arange(a.position, a.position + len(a.ids))
+        ids = [i for a in plan for i in a.inputs]
+        positions = torch.cat([torch.arange(a.position, a.position + len(a.inputs))
                                for a in plan]).to(device)
         hidden = self.decoder.forward(torch.tensor(ids, device=device), positions,
                                       self.hook.attention, rowwise=rowwise, compiled=compiled)
         self.hook.use(plan[0].slot)  # the batched forward is done
         rows, end = [], 0
         for a in plan:
-            end += len(a.ids)
+            end += len(a.inputs)
             rows.append(hidden[end - 1 - a.drafts:end])
         return rows
 
@@ -268,6 +298,14 @@ class Batch:
             message = dist.broadcast(self.info, message, src=self.info.world_size - 1)
             picked = [_unpack(row) for row in message]
         return picked
+
+
+def _prefill_chunk(rows: int, floor: float) -> int:
+    """The rows of the next forward of a question's prefill of `rows` rows: PREFILL_CHUNK,
+    unless fewer than `floor` (`Decoder.layer_rows`: a forward of fewer rows takes other
+    kernels, whose bits differ) would be left for the last forward: then all of them."""
+    floor = floor if floor != float("inf") else 1
+    return PREFILL_CHUNK if rows - PREFILL_CHUNK >= max(floor, 1) else rows
 
 
 def _pick(picks: list[int], ids: list[int], drafter: Drafter | None, stop_ids: set[int],

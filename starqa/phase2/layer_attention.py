@@ -51,6 +51,13 @@ class LayerAttention:
         first of an answer; top-k may attend it exactly, `TopK.prefill`). Returns the
         folded rows q [1, Hkv, R = G*M, D] (`fold_gqa`, in the shard's dtype) and their
         attention over every worker's keys: out [Hkv, R, D] and lse [Hkv, R], fp32."""
+        q, out, lse = self.local(layer, query, key, value, scale, question)
+        return (q, *self.across(out, lse))
+
+    def local(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              scale: float, question: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`__call__` on this worker's keys only: q, and out [Hkv, R, D], lse [Hkv, R]."""
         kv_heads = key.shape[1]
         dtype = self.view.dtype(layer) if self.view.shard is not None else key.dtype
         # Work in the folded layout [*, Hkv, R = G*M, D]: query heads of a KV head as rows.
@@ -59,15 +66,59 @@ class LayerAttention:
         if not outs:  # no blocks and not the query host: contribute nothing
             outs, lses = [q.new_zeros(1, *q.shape[1:])], [q.new_full(q.shape[:3], -math.inf)]
         if len(outs) == 1 and outs[0].shape[0] == 1:  # one part: already the attention
-            out, lse = outs[0][0], lses[0][0]
-        else:  # parts [P, Hkv, R(, D)]
-            out, lse = merge(torch.cat(outs), torch.cat(lses))
-        if self.info.world_size > 1:
-            # One collective: [out ‖ lse] as [Hkv, R, D + 1], gathered to [W, Hkv, R, D + 1].
-            gathered = dist.all_gather(self.info, torch.cat([out.float(), lse.unsqueeze(-1)],
-                                                            dim=-1))
-            out, lse = merge(gathered[..., :-1], gathered[..., -1])
-        return q, out, lse
+            return q, outs[0][0], lses[0][0]
+        return (q, *merge(torch.cat(outs), torch.cat(lses)))  # parts [P, Hkv, R(, D)]
+
+    def across(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This worker's attention out [Hkv, R, D] and lse [Hkv, R] merged with every other
+        worker's: one collective, [out ‖ lse] as [Hkv, R, D + 1] gathered to [W, Hkv, R,
+        D + 1] (a world of one: as it is). Each row's merge is its own."""
+        if self.info.world_size == 1:
+            return out, lse
+        gathered = dist.all_gather(self.info, torch.cat([out.float(), lse.unsqueeze(-1)], dim=-1))
+        return merge(gathered[..., :-1], gathered[..., -1])
+
+    def batched(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scale: float, owns: list[OwnKV], rows: list[int], questions: list[bool]
+                ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Several questions' rows of one forward, `rows[s]` each, in order, each with its
+        own KV `owns[s]` (query host) and question flag: their folded rows (one tensor a
+        question) and attention out [Hkv, R, D], lse [Hkv, R] over every worker's keys, R
+        all the questions' folded rows in order. Each row is computed as `__call__` on its
+        question alone computes it; on the CPU the shard is read once for all of them
+        (`Pieces.attend_batch`), and the workers merge every row in one collective."""
+        bounds = [sum(rows[:s]) for s in range(len(rows) + 1)]
+        parts = [(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b])
+                 for a, b in zip(bounds, bounds[1:])]
+        if not self.view.cpu or self.retriever is not None:
+            return self._each(layer, parts, scale, owns, questions)
+        pieces = self.view.pieces[layer]
+        qs = [fold_gqa(q, key.shape[1], self.view.dtype(layer)) for q, _, _ in parts]
+        if not self.query_host:  # the shard's part only, as alone
+            out, lse = pieces.attend(torch.cat(qs, dim=2)[0], scale=scale)
+            return (qs, *self.across(out, lse))
+        mine = [own.append(layer, k, v) for own, (_, k, v) in zip(owns, parts)]
+        buffers = [(k[0], v[0]) for k, v in mine]
+        if pieces.batched(buffers):
+            out, lse = pieces.attend_batch(torch.cat(qs, dim=2)[0],
+                                           [(k, v, m) for (k, v), m in zip(buffers, rows)],
+                                           [q.shape[2] for q in qs], scale)
+        else:  # the call each question's forward alone makes
+            done = [pieces.attend(q[0], k, v, scale, m) for q, (k, v), m in zip(qs, buffers, rows)]
+            out, lse = (torch.cat(found, dim=1) for found in zip(*done))
+        return (qs, *self.across(out, lse))
+
+    def _each(self, layer: int, parts: list[tuple[torch.Tensor, ...]], scale: float,
+              owns: list[OwnKV], questions: list[bool]
+              ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """`batched` a question at a time (`local` with its own KV), merged across workers
+        in one collective."""
+        qs, outs, lses = [], [], []
+        for own, question, (q, k, v) in zip(owns, questions, parts):
+            self.own = own
+            folded, out, lse = self.local(layer, q, k, v, scale, question)
+            qs.append(folded), outs.append(out), lses.append(lse)
+        return (qs, *self.across(torch.cat(outs, dim=1), torch.cat(lses, dim=1)))
 
     def _parts(self, layer: int, query: torch.Tensor, q: torch.Tensor,
                forward: tuple[torch.Tensor, torch.Tensor], scale: float, question: bool

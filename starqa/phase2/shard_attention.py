@@ -152,20 +152,22 @@ class ShardAttention:
         self.own.begin(capacity)
         self.rows.clear()
 
-    def advance(self, kept: int, picked: slice | None = None) -> None:
+    def advance(self, kept: int, picked: slice | None = None, question: bool = False) -> None:
         """The forward that just ran added its first `kept` tokens to the question's KV (the
         rest, drafted tokens the model did not pick, are written over by the next); its rows
-        `picked` (default: the last) each picked a token of the answer, in order."""
-        self.current.question = False
+        `picked` (default: the last) each picked a token of the answer, in order. question:
+        the next forward is the question's still (its prefill goes on)."""
+        self.current.question = question
         if self.query_host:
             self.own.advance(kept)
         self.rows.advance(picked or slice(-1, None), keep=self._tracking())
 
-    def advance_slot(self, slot: int, kept: int, picked: slice | None = None) -> None:
-        """`advance` for slot `slot` after a batched forward."""
+    def advance_slot(self, slot: int, kept: int, picked: slice | None = None,
+                     question: bool = False) -> None:
+        """`advance` for slot `slot` (after a batched forward, or one of its own)."""
         self.current = self.slots[slot]
         self.layer.own = self.current.own
-        self.advance(kept, picked)
+        self.advance(kept, picked, question)
 
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scale: float | None = None) -> torch.Tensor:
@@ -174,16 +176,24 @@ class ShardAttention:
         scale = query.shape[-1]**-0.5 if scale is None else scale
         if self.batched is None:
             return self._one(layer, query, key, value, scale)
-        # a batched forward: each slot's rows as a forward of that slot alone (its own KV,
-        # its question flag, its kept rows), one after another
-        outs = []
-        for slot in self.batched:
-            start, m = slot.segment
-            rows = slice(start, start + m)
-            self.current = slot
-            self.layer.own = slot.own
-            outs.append(self._one(layer, query[:, :, rows], key[:, :, rows], value[:, :, rows],
-                                  scale))
+        # a batched forward: each slot's rows as a forward of that slot alone would compute
+        # them (its own KV, its question flag, its kept rows)
+        slots = self.batched
+        _, q_heads, _, dim = query.shape
+        kv_heads = key.shape[1]
+        qs, out, lse = self.layer.batched(layer, query, key, value, scale,
+                                          [slot.own for slot in slots],
+                                          [slot.segment[1] for slot in slots],
+                                          [slot.question for slot in slots])
+        outs, at = [], 0
+        for slot, q in zip(slots, qs):
+            m, rows = slot.segment[1], q.shape[2]
+            mine, mine_lse = out[:, at:at + rows], lse[:, at:at + rows]
+            at += rows
+            if self._tracking():
+                slot.rows.keep_layer(layer, q.view(kv_heads, -1, m, dim),
+                                     mine_lse.reshape(kv_heads, -1, m), scale)
+            outs.append(mine.reshape(1, q_heads, m, dim))
         return torch.cat(outs, dim=2)
 
     def _one(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

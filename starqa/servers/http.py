@@ -1,6 +1,6 @@
 """starqa's OpenAI-compatible HTTP server (`starqa serve --http [HOST:]PORT`): the routes an
 OpenAI client, an editor or a notebook calls, answered from cached contexts through
-`starqa.doors.Service` (one warm group per context, its questions queued).
+`starqa.doors.Service` (one warm group per context, answering its questions together).
 
     GET  /health                 {"status": "ok", "waiting", "answering", ...}, no key needed
     GET  /v1/models              the contexts, each a model whose id is its ref (name or key)
@@ -8,9 +8,14 @@ OpenAI client, an editor or a notebook calls, answered from cached contexts thro
     POST /v1/chat/completions    `model` names the context; the last user message is the
                                  question, the turns before it its history; `stream` (SSE,
                                  `stream_options.include_usage`), `max_tokens`, `stop`
+    POST /v1/completions         the same with a `prompt` (the question)
+    POST /v1/responses           the same with an `input` (a question, or messages)
 
-An answer's sources and timings ride in a `starqa` field next to OpenAI's (the completion's,
-or the stream's last chunk's); `usage.prompt_tokens_details.cached_tokens` is the context.
+`starqa.servers.openai_shapes` reads the requests and writes the answers of each API. An
+answer's sources and timings ride in a `starqa` field next to OpenAI's; `usage`'s cached
+tokens are the context; a stream can carry the question's prefill progress
+(`"return_progress": true`, llama.cpp's `prompt_progress`). Questions to one context from
+many clients are answered together (its warm group batches them).
 Sampling settings (temperature, top_p, seed, ...) are accepted and unused: answers are
 greedy. System messages are accepted and unused: a context's prompt is fixed at ingest.
 Errors are OpenAI's objects, `{"error": {"message", "type", "param", "code"}}`: 400 for a
@@ -44,18 +49,16 @@ import ipaddress
 import json
 import re
 import socket
-import time
-import uuid
 from dataclasses import dataclass
 
 from starqa import api
 from starqa.api import doors
+from starqa.servers import openai_shapes as shapes
+from starqa.servers.openai_shapes import ApiError, invalid as _invalid
 
 MAX_BODY_BYTES = 4 << 20
 # pages served from this machine's loopback addresses, any port: let in without being named
 LOOPBACK_ORIGIN = r"https?://(localhost|127(\.\d{1,3}){3}|\[::1\])(:\d{1,5})?"
-MAX_STOPS = 4  # as OpenAI's API
-UNUSED_TOOLS = ("tools", "functions")
 
 
 # ------------------------------------------------------------------------------- settings
@@ -117,27 +120,6 @@ def loopback(host: str) -> bool:
 
 
 # ------------------------------------------------------------------------------- errors
-
-class ApiError(Exception):
-    """An OpenAI-style error answer: its status and `{"error": {...}}`."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.body = {"error": {"message": message, "type": kind, "param": param,
-                               "code": code}}
-
-    def response(self):
-        from starlette.responses import JSONResponse
-
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body, status_code=self.status, headers=headers)
-
-
-def _invalid(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
-
 
 def error_of(error: api.StarqaError, finding: bool = False) -> ApiError:
     """A StarqaError as the error an OpenAI client expects; `finding`: it came from
@@ -205,98 +187,6 @@ def _host_name(host: str) -> str:
 
 # ------------------------------------------------------------------------------- requests
 
-@dataclass(frozen=True)
-class ChatCall:
-    """A chat completion request, checked: the context it names and the question for it."""
-
-    model: str
-    question: api.Question
-    stream: bool
-    include_usage: bool
-
-
-def parse_chat(body) -> ChatCall:
-    """The request's fields, checked (raises ApiError 400 naming the field at fault)."""
-    if not isinstance(body, dict):
-        raise _invalid("The request body must be a JSON object.")
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise _invalid("`model` must name a context (GET /v1/models lists them).", "model")
-    for name in UNUSED_TOOLS:
-        if body.get(name):
-            raise _invalid(f"`{name}` is not supported: starqa answers from a context and "
-                           "calls no tools.", name)
-    if body.get("n", 1) not in (1, None):
-        raise _invalid("`n` must be 1: answers are greedy, so every choice would be the "
-                       "same.", "n")
-    stream, options = body.get("stream") or False, body.get("stream_options") or {}
-    if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise _invalid("`stream` must be true or false, `stream_options` an object.", "stream")
-    text, history = conversation(body.get("messages"))
-    try:
-        question = api.Question(text, model, history, _max_tokens(body), _stops(body))
-    except api.StarqaError as error:
-        raise _invalid(str(error), "messages") from None
-    return ChatCall(model, question, stream, bool(options.get("include_usage")))
-
-
-def conversation(messages) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """(the question, the (question, answer) turns before it) from OpenAI's messages: the
-    last must be the user's; messages of one role in a row are joined; system and
-    developer messages are left out, as is an assistant's greeting before any question."""
-    if not isinstance(messages, list) or not messages:
-        raise _invalid("`messages` must be a non-empty list.", "messages")
-    turns: list[list[str]] = []  # [role, text], alternating
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role in ("system", "developer"):
-            continue
-        if role not in ("user", "assistant"):
-            raise _invalid(f"messages[{i}]: the role must be user, assistant or system "
-                           f"(got {role!r}).", "messages")
-        text = _text(message.get("content"), i)
-        if turns and turns[-1][0] == role:
-            turns[-1][1] += "\n\n" + text
-        elif turns or role == "user":
-            turns.append([role, text])
-    if not turns or turns[-1][0] != "user":
-        raise _invalid("The last message must be the user's question.", "messages")
-    history = tuple((turns[i][1], turns[i + 1][1]) for i in range(0, len(turns) - 1, 2))
-    return turns[-1][1], history
-
-
-def _text(content, i: int) -> str:
-    """A message's text: a string, or a list of text parts (other parts are refused)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise _invalid(f"messages[{i}]: the content must be text (a string or text parts).",
-                   "messages")
-
-
-def _max_tokens(body: dict) -> int:
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    value = body.get(name)
-    if value is None:
-        return api.DEFAULT_MAX_NEW_TOKENS
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise _invalid(f"`{name}` must be a whole number of tokens, at least 1.", name)
-    return value
-
-
-def _stops(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOPS or \
-            not all(isinstance(s, str) and s for s in stops):
-        raise _invalid(f"`stop` must be a string or a list of up to {MAX_STOPS} non-empty "
-                       "strings.", "stop")
-    return tuple(stops)
-
-
 async def _body(request):
     """The request's JSON (ApiError 413 past MAX_BODY_BYTES, 400 when not JSON)."""
     data = bytearray()
@@ -312,44 +202,6 @@ async def _body(request):
 
 
 # ------------------------------------------------------------------------------- answers
-
-def extension(answer: api.Answer) -> dict:
-    """The `starqa` field: the answer's record without its text (sources, timings, ...)."""
-    record = answer.as_dict()
-    del record["answer"]
-    return record
-
-
-def usage(answer: api.Answer) -> dict:
-    """OpenAI's usage: the prompt is the context (cached) and the question."""
-    prompt = answer.context.tokens + answer.question_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": answer.answer_tokens,
-            "total_tokens": prompt + answer.answer_tokens,
-            "prompt_tokens_details": {"cached_tokens": answer.context.tokens}}
-
-
-def completion(ident: str, created: int, answer: api.Answer) -> dict:
-    return {"id": ident, "object": "chat.completion", "created": created,
-            "model": answer.context.ref,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer.text},
-                         "logprobs": None, "finish_reason": _finish(answer)}],
-            "usage": usage(answer), "starqa": extension(answer)}
-
-
-def _finish(answer: api.Answer) -> str:
-    return "length" if answer.finish == "length" else "stop"
-
-
-def _chunk(ident: str, created: int, model: str, delta: dict,
-           finish: str | None = None) -> dict:
-    return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                         "finish_reason": finish}]}
-
-
-def _event(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
 
 GONE = object()  # what `_unless_gone` returns once the client has disconnected
 
@@ -379,11 +231,18 @@ async def _unless_gone(request, work, *args):
     return outcome.get("value", GONE)
 
 
-async def _next_piece(stream: api.Stream) -> str | None:
-    """The stream's next piece of text, None at its end (its thread waits, not the loop)."""
+async def _next_event(stream: api.Stream) -> str | api.Progress | None:
+    """The stream's next piece of text or report of the prefill's progress, None at its end
+    (its thread waits, not the loop)."""
     import anyio
 
-    return await anyio.to_thread.run_sync(next, stream, None, abandon_on_cancel=True)
+    def following() -> str | api.Progress | None:
+        try:
+            return stream.next_event()
+        except StopIteration:
+            return None
+
+    return await anyio.to_thread.run_sync(following, abandon_on_cancel=True)
 
 
 async def _result(stream: api.Stream) -> api.Answer:
@@ -439,52 +298,57 @@ class Routes:
             raise error_of(error, finding=True) from None
 
     async def chat(self, request):
-        from starlette.responses import Response, StreamingResponse
+        return await self._answer(request, shapes.parse_chat)
+
+    async def completions(self, request):
+        return await self._answer(request, shapes.parse_completion)
+
+    async def responses(self, request):
+        return await self._answer(request, shapes.parse_response)
+
+    async def _answer(self, request, parse):
+        """A question in any of the APIs (`parse` reads its request): answered whole, or
+        streamed as that API streams."""
+        from starlette.responses import JSONResponse, Response, StreamingResponse
 
         self.check_key(request)
-        call = parse_chat(await _body(request))
+        call = parse(await _body(request))
         context = await self._context(call.model)
         stream = self.service.stream(call.question, context)
         try:
-            done = await _unless_gone(request, _next_piece if call.stream else _result, stream)
+            done = await _unless_gone(request, _next_event if call.stream else _result, stream)
         except api.StarqaError as error:
             stream.close()
             raise error_of(error) from None
         if done is GONE:
             stream.close()
             return Response(status_code=204)  # nobody reads it
-        ident, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        shape = shapes.Shape(call, context)
         if not call.stream:
-            from starlette.responses import JSONResponse
-
-            return JSONResponse(completion(ident, created, done))
-        return StreamingResponse(self._events(call, context, stream, done, (ident, created)),
+            return JSONResponse(shape.whole(done))
+        return StreamingResponse(self._events(shape, stream, done),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    async def _events(self, call: ChatCall, context: api.Context, stream: api.Stream,
-                      first: str | None, named: tuple[str, int]):
-        """The answer as server-sent events: a role, the pieces, the end (with the
-        `starqa` record), the usage where asked for, `[DONE]`. The client leaving cancels
-        this (starlette), which stops the answer."""
-        ident, created = named
+    async def _events(self, shape: shapes.Shape, stream: api.Stream,
+                      first: str | api.Progress | None):
+        """The answer as server-sent events in its API's shape: the start, the prefill's
+        progress where asked for, the pieces, the end (with the `starqa` record). The client
+        leaving cancels this (starlette), which stops the answer."""
         try:
-            yield _event(_chunk(ident, created, context.ref, {"role": "assistant",
-                                                              "content": ""}))
-            piece = first
-            while piece is not None:
-                yield _event(_chunk(ident, created, context.ref, {"content": piece}))
-                piece = await _next_piece(stream)
+            for line in shape.start():
+                yield line
+            item = first
+            while item is not None:
+                line = shape.piece(item) if isinstance(item, str) else shape.progress(item)
+                if line is not None:
+                    yield line
+                item = await _next_event(stream)
             answer = stream.result()  # complete: the pieces have ended
-            yield _event({**_chunk(ident, created, context.ref, {}, _finish(answer)),
-                          "starqa": extension(answer)})
-            if call.include_usage:
-                yield _event({"id": ident, "object": "chat.completion.chunk",
-                              "created": created, "model": context.ref, "choices": [],
-                              "usage": usage(answer)})
-            yield _event("[DONE]")
+            for line in shape.end(answer):
+                yield line
         except api.StarqaError as error:
-            yield _event(error_of(error).body)
+            yield shape.error(error_of(error).body)
         finally:
             stream.close()
 
@@ -522,6 +386,8 @@ def app(service: doors.Service, settings: HttpSettings = HttpSettings()):
         Route("/v1/models", routes.models),
         Route("/v1/models/{model:path}", routes.model),
         Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/responses", routes.responses, methods=["POST"]),
     ], exception_handlers={ApiError: api_error, HTTPException: http_error,
                            Exception: internal_error}, middleware=[
         Middleware(Guard, settings=settings),

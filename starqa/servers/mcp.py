@@ -7,6 +7,15 @@ Tools:
                                           encode a folder or files (or find them cached)
     ask(question, context, max_new_tokens)
                                           the answer, its sources (files and lines) and timings
+    search(pattern, context, regex, around, paths, limit)
+                                          `path:line` of each line of the context's files
+                                          where a string or regex appears, with lines around
+    read(path, context, start, end)       a file's lines as the context holds them (where an
+                                          answer's sources point)
+
+A client that sends a progress token gets progress notifications: `ingest`'s tokens encoded
+of the total, `ask`'s question prefilled then answer pieces. Several agents' questions to one
+context are answered together by its warm group.
 
 Resources: each context as `starqa://contexts/{ref}` (JSON: its facts, files and skipped
 files). Questions are answered by the context's warm group, started on the first one and
@@ -17,12 +26,14 @@ and hint as the CLI prints them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 from urllib.parse import quote
 
 from starqa import api
 from starqa.api import doors
+from starqa.api.doors import UI, files
 
 URI_PREFIX = "starqa://contexts/"
 
@@ -41,6 +52,47 @@ def _sdk():
         raise api.StarqaError("`starqa mcp` needs the MCP SDK, which is not installed.",
                               hint="pip install 'starqa[mcp]'") from None
     return MCPServer, ResourceSecurity, ToolError
+
+
+try:  # the type a tool names to be handed its request (progress notifications)
+    from mcp.server.mcpserver import Context as ToolContext
+except ImportError:  # the SDK is missing: `_sdk` says so when the server is made
+    ToolContext = Any
+
+
+class Progress:
+    """Progress notifications to the client of one tool call (none where it sent no
+    progress token); `report` may be called from the tool's worker thread. Each value is
+    larger than the last, as the protocol asks."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.last = -1.0
+
+    def report(self, done: float, total: float | None, message: str) -> None:
+        import anyio.from_thread
+
+        if self.ctx is None or done <= self.last:
+            return
+        self.last = done
+        with contextlib.suppress(Exception):  # a client gone, or no token: nothing to tell
+            anyio.from_thread.run(self.ctx.report_progress, done, total, message)
+
+
+class IngestProgress(UI):
+    """An ingest's encoding as progress notifications: tokens encoded of the total."""
+
+    def __init__(self, progress: Progress):
+        self.progress, self.total, self.done = progress, 0, 0
+
+    def start_encoding(self, total_tokens: int, workers: int) -> None:
+        self.total = total_tokens
+        self.progress.report(0.0, total_tokens, f"encoding {total_tokens:,} tokens")
+
+    def advance(self, tokens: int) -> None:
+        self.done += tokens
+        self.progress.report(self.done, self.total or None,
+                             f"encoded {self.done:,} of {self.total:,} tokens")
 
 
 def _failure(error: api.StarqaError) -> Exception:
@@ -70,7 +122,8 @@ class Tools:
 
     async def ingest(self, path: str, name: str | None = None, model: str | None = None,
                      method: str | None = None, include: list[str] | None = None,
-                     exclude: list[str] | None = None) -> dict[str, Any]:
+                     exclude: list[str] | None = None,
+                     ctx: ToolContext = None) -> dict[str, Any]:
         """Pack a folder (or file) into a context and encode it, or find it cached
         (`cache_hit`). Inside a git work tree, what git tracks; elsewhere .gitignore is
         honoured. `include`/`exclude`: glob patterns; `name`: the context's name (default:
@@ -80,7 +133,8 @@ class Tools:
         def run() -> api.Context:
             return self.service.ingest(path, name=name, model=model, method=method,
                                        options=api.IngestSettings(include=include or (),
-                                                                  exclude=exclude or ()))
+                                                                  exclude=exclude or ()),
+                                       ui=IngestProgress(Progress(ctx)))
 
         try:
             return describe(await anyio.to_thread.run_sync(run))
@@ -88,10 +142,11 @@ class Tools:
             raise _failure(error) from None
 
     async def ask(self, question: str, context: str | None = None,
-                  max_new_tokens: int = api.DEFAULT_MAX_NEW_TOKENS) -> dict[str, Any]:
+                  max_new_tokens: int = api.DEFAULT_MAX_NEW_TOKENS,
+                  ctx: ToolContext = None) -> dict[str, Any]:
         """Answer a question from an ingested context (`context`: its ref or name; default:
-        the one used last): the answer, the files and lines it drew on (`sources`), token
-        counts and timings."""
+        the one used last): the answer, the files and lines it drew on (`sources`: `read`
+        shows them), token counts and timings."""
         import anyio
 
         try:
@@ -99,14 +154,65 @@ class Tools:
             found = await anyio.to_thread.run_sync(self.service.context, context)
         except api.StarqaError as error:
             raise _failure(error) from None
-        stream = self.service.stream(asked, found)
+        stream, progress = self.service.stream(asked, found), Progress(ctx)
+
+        def follow() -> api.Answer:  # the prefill's progress, then the answer's pieces
+            prompt, pieces = 0, 0
+            for item in iter(lambda: _next(stream), None):
+                if isinstance(item, api.Progress):
+                    prompt = item.total
+                    progress.report(item.processed, item.total + max_new_tokens,
+                                    f"read {item.processed:,} of {item.total:,} tokens")
+                else:
+                    pieces += 1
+                    progress.report(prompt + pieces, prompt + max_new_tokens, "answering")
+            return stream.result()
+
         try:
-            answer = await anyio.to_thread.run_sync(stream.result, abandon_on_cancel=True)
+            answer = await anyio.to_thread.run_sync(follow, abandon_on_cancel=True)
         except api.StarqaError as error:
             raise _failure(error) from None
         finally:
             stream.close()  # the call was cancelled: so is the answer
         return answer.as_dict()
+
+    async def search(self, pattern: str, context: str | None = None, regex: bool = False,
+                     around: int = 2, paths: str | None = None,
+                     limit: int = files.MAX_MATCHES) -> dict[str, Any]:
+        """Find a string (or, with `regex`, a Python regular expression) in the context's
+        files as ingested: each matching line as `at` ("path:line"), its text and `around`
+        lines before and after, in file order, at most `limit`; `paths`: only files whose
+        path matches this glob (e.g. "src/**/*.py")."""
+        import anyio
+
+        try:
+            found = await anyio.to_thread.run_sync(
+                lambda: files.search(context, pattern, regex, around, limit, paths=paths))
+        except api.StarqaError as error:
+            raise _failure(error) from None
+        return {"matches": [{"at": f"{m.path}:{m.line}", **m.as_dict()} for m in found],
+                "truncated": len(found) >= limit}
+
+    async def read(self, path: str, context: str | None = None, start: int = 1,
+                   end: int | None = None) -> dict[str, Any]:
+        """A file's lines from the context, as ingested (`path` as `ask`'s sources and
+        `search` name it): lines `start` to `end`, 1-based and inclusive (default: to its
+        end, at most 2,000 lines), with its total number of lines."""
+        import anyio
+
+        try:
+            return await anyio.to_thread.run_sync(
+                lambda: files.read(context, path, start, end))
+        except api.StarqaError as error:
+            raise _failure(error) from None
+
+
+def _next(stream: api.Stream):
+    """The stream's next piece or progress report, None at its end."""
+    try:
+        return stream.next_event()
+    except StopIteration:
+        return None
 
 
 def server(service: doors.Service):
@@ -128,7 +234,7 @@ def server(service: doors.Service):
 
     door = Server(name="starqa", instructions=INSTRUCTIONS)
     tools = Tools(service)
-    for tool in (tools.list_contexts, tools.ingest, tools.ask):
+    for tool in (tools.list_contexts, tools.ingest, tools.ask, tools.search, tools.read):
         door.add_tool(tool, name=tool.__name__)
 
     @door.resource(URI_PREFIX + "{ref}", name="context", mime_type="application/json",

@@ -27,7 +27,8 @@ from starqa.cache import store
 from starqa.cache.context import Context
 from starqa.cache.manifest import Manifest
 from starqa.core.errors import StarqaError, WorkerError
-from starqa.phase2.answer import Answer, Question, Timings, finish_of, sources_of
+from starqa.phase2.answer import Answer, Progress, Question, Timings, finish_of, \
+    sources_of
 from starqa.runtime.protocol import ProtocolError
 from starqa.workers import messages, runfile
 from starqa.workers.runfile import RunInfo
@@ -343,9 +344,11 @@ class GroupLeft(StarqaError):
 
 def ask_warm(group: RunInfo, question: Question, context: Context,
              on_piece: Callable[[str], None], stop_wanted: Callable[[], bool] = lambda: False,
-             asked: float | None = None) -> Answer:
+             asked: float | None = None,
+             on_progress: Callable[[Progress], None] | None = None) -> Answer:
     """The one warm-ask loop: answer `question` on `group` over its socket (no model load,
-    no torch import here), each piece of text to `on_piece`, and return its `Answer`.
+    no torch import here), each piece of text to `on_piece` (and the prefill's progress to
+    `on_progress`), and return its `Answer`.
     `stop_wanted` is read at every piece: once true, the group is told to cancel (it stops
     at its next token and still sends its record), and no more pieces are passed on.
     `asked`: when the question was asked (`time.perf_counter()`; default: now), which its
@@ -363,6 +366,9 @@ def ask_warm(group: RunInfo, question: Question, context: Context,
                 cancelled = True
             if isinstance(event, messages.Finished):
                 done = event
+            elif isinstance(event, messages.Progress):
+                if on_progress is not None and not cancelled:
+                    on_progress(event)
             else:
                 first = first or time.perf_counter()
                 if not cancelled:
@@ -428,8 +434,9 @@ class Client:
 
     def ask(self, question: str, history=(), max_new_tokens: int = 256,
             beyond_window: bool = False, draft_tokens: int | None = None,
-            ) -> Iterator[messages.Piece | messages.Finished]:
-        """Stream one answer: its pieces of text, then its record (`Finished`); a `Failed`
+            ) -> Iterator[messages.Piece | messages.Progress | messages.Finished]:
+        """Stream one answer: its prefill's progress and its pieces of text, then its record
+        (`Finished`); a `Failed`
         is raised as a StarqaError. draft_tokens: per forward (decode.Batch); None: the
         group's default."""
         self.send(messages.Ask(question, tuple((q, a) for q, a in history), max_new_tokens,
@@ -437,7 +444,7 @@ class Client:
         for event in self.events():
             if isinstance(event, messages.Failed):
                 raise event.error()
-            if isinstance(event, (messages.Piece, messages.Finished)):
+            if isinstance(event, (messages.Piece, messages.Progress, messages.Finished)):
                 yield event
             if isinstance(event, messages.Finished):
                 return

@@ -1,5 +1,6 @@
 """The warm group's socket protocol: what a client asks (`Ask`, `Cancel`, `Ping`, `Stop`) and
-what the group answers (`Piece`, `Finished`, `Failed`, `GroupStatus`, `Stopping`), as frozen
+what the group answers (`Piece`, `Progress`, `Finished`, `Failed`, `GroupStatus`,
+`Stopping`), as frozen
 dataclasses read and written with `starqa.runtime.protocol`'s codec.
 
 On the socket each message is one JSON line: a request's fields plus `"op"` naming it, an
@@ -7,7 +8,8 @@ event's fields plus `"event"`:
 
     → {"op": "ask", "question": "...", "history": [[q, a], ...], "max_new_tokens": 256}
       (optional "beyond_window": true, "draft_tokens": 0 to core.MAX_DRAFT_TOKENS)
-    ← {"event": "token", "text": "..."} ...  {"event": "done", "token_ids": [...], ...}
+    ← {"event": "progress", "processed": 4200, "total": 4219, ...} (after each part of its
+      prefill) {"event": "token", "text": "..."} ...  {"event": "done", "token_ids": [...]}
     → {"op": "cancel"}   (while an answer streams: stop it, keep the session)
     → {"op": "ping"}     ← {"event": "pong", "workers": 2, ...}
     → {"op": "stop"}     ← {"event": "stopping"}: the group ends
@@ -27,6 +29,7 @@ from typing import ClassVar, Union
 
 from starqa.core import MAX_DRAFT_TOKENS
 from starqa.core.errors import ContextLengthError, StarqaError
+from starqa.phase2.answer import Progress
 from starqa.runtime.protocol import ProtocolError, decode_tagged, encode
 
 
@@ -191,7 +194,7 @@ class Stopping:
     EVENT: ClassVar[str] = "stopping"
 
 
-Event = Union[Piece, Finished, Failed, GroupStatus, Stopping]
+Event = Union[Piece, Progress, Finished, Failed, GroupStatus, Stopping]
 EVENTS: dict[str, type] = {cls.EVENT: cls for cls in typing.get_args(Event)}
 
 

@@ -136,8 +136,13 @@ class Asking:
             if piece := self.stream.add(token):
                 self.server._send(messages.Piece(piece), self.conn)
 
+        def on_progress(done: int, total: int) -> None:
+            cached = self.server.manifest.query_position
+            self.server._send(messages.Progress(cached + done, cached + total, cached,
+                                                time.perf_counter() - self.started), self.conn)
+
         return Callbacks(on_token, lambda: self.cancelled or self.conn is None or
-                         self.server.stop_seen)
+                         self.server.stop_seen, on_progress)
 
 
 class Server:
