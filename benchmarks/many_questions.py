@@ -56,6 +56,11 @@ def main() -> None:
     from starqa.workers import client
 
     home, model_path, _, corpus = scratch_setup(args, "many")
+    if not args.smoke:  # the user's models (and their prepared weights), not a copy
+        from starqa.core import paths
+
+        paths.models_dir().parent.mkdir(parents=True, exist_ok=True)
+        paths.models_dir().symlink_to(model_path.parent, target_is_directory=True)
     # the model by its name, as users give it: an embedded model answers in its Phase 2
     # format (int4 on a CPU), where a row's result never depends on the others
     manifest = engine.ingest(engine.IngestOptions(

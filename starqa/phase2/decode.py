@@ -184,17 +184,22 @@ class Batch:
 
     def _plan(self) -> list[Answering]:
         """The questions of the next forward: one whose question's forward was run already
-        (`prefilled`) alone; else every question under way and the first new one whose
-        question fits a row-by-row forward (`Decoder.layer_rows`) and one part; else the
-        first new one alone, its next part (`_prefill_chunk`)."""
+        (`prefilled`) alone; else every question under way and the new ones whose
+        questions fit a row-by-row forward (`Decoder.layer_rows`), up to PREFILL_CHUNK
+        question rows in all (so questions asked together get their first tokens
+        together); else the first new one alone, its next part (`_prefill_chunk`)."""
         new = [a for a in self.active if not a.started]
         if new and new[0].prefilled is not None:
             return [new[0]]
         started = [a for a in self.active if a.started]
         floor = getattr(self.decoder, "layer_rows", 0)
-        fits = [a for a in new if len(a.ids) < min(floor, PREFILL_CHUNK)]
+        fits, rows = [], 0
+        for a in new:  # new questions that fit row-by-row forwards, PREFILL_CHUNK rows in all
+            if len(a.ids) < floor and rows + len(a.ids) <= PREFILL_CHUNK:
+                fits.append(a)
+                rows += len(a.ids)
         if started or fits:
-            return started + fits[:1]
+            return started + fits
         alone = new[0]
         alone.chunk = _prefill_chunk(len(alone.ids), floor)
         return [alone]
