@@ -3,6 +3,8 @@ group, each the answer it gets alone, printed in order with its sources."""
 
 import json
 
+import pytest
+
 from fakes import starqa
 
 QUESTIONS = ["who approved the travel budget", "what is the retry limit", "leave policy ?"]
@@ -33,3 +35,25 @@ def test_a_question_and_a_file_of_them_are_refused_together(docs_context, tmp_pa
     (tmp_path / "empty.txt").write_text("\n \n")
     empty = starqa("ask", "--questions", str(tmp_path / "empty.txt"))
     assert empty.returncode == 1 and "holds no question" in empty.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", [None, "flat"])
+def test_two_workers_answer_questions_together_as_alone(home, docs, tiny_model, attention):
+    """`api.ask_all` on a group of two workers, exact and top-k: every question gets the
+    tokens it gets asked alone on the same group."""
+    from starqa import api
+
+    ctx = api.ingest(docs, model=str(tiny_model),
+                     options=api.IngestSettings(dtype="fp32", block_size=50,
+                                                index=attention))
+    topk = api.TopK(count=4, index=attention) if attention else None
+    asking = dict(max_new_tokens=8, attention=topk, workers=2, keepalive=120)
+    try:
+        alone = [api.ask_all([q], ctx, **asking)[0].result() for q in QUESTIONS]
+        together = [s.result() for s in api.ask_all(QUESTIONS, ctx, **asking)]
+    finally:
+        api.stop(ctx)
+    assert all(a.workers == 2 and a.warm for a in together)
+    assert [a.token_ids for a in together] == [a.token_ids for a in alone]
+    assert all(a.token_ids for a in alone)

@@ -308,6 +308,21 @@ def health(server) -> dict:
     return request(server, "GET", "/health")[1]
 
 
+def long_answer_begun(server) -> socket.socket:
+    """A streamed answer of up to 7,000 tokens asked over a raw connection, once its first
+    event has come: the connection's socket (shut it down to leave)."""
+    host, port = server.sock.getsockname()[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "handbook", "stream": True, "max_tokens": 7000,
+        "messages": [{"role": "user", "content": QUESTION}]}),
+        {"Content-Type": "application/json"})
+    sock, response = conn.sock, conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # the answer has begun
+    return sock
+
+
 @pytest.mark.slow
 def test_the_openai_client_streams_an_answer_and_its_usage(served):
     server, context, openai = served
@@ -388,16 +403,7 @@ def test_an_over_long_prompt_is_context_length_exceeded(served):
 def test_a_client_that_disconnects_cancels_its_answer(served):
     server, _, _ = served
     before = health(server)
-    host, port = server.sock.getsockname()[:2]
-    conn = http.client.HTTPConnection(host, port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps({
-        "model": "handbook", "stream": True, "max_tokens": 7000,
-        "messages": [{"role": "user", "content": QUESTION}]}),
-        {"Content-Type": "application/json"})
-    sock = conn.sock
-    response = conn.getresponse()
-    assert response.status == 200
-    assert response.readline().startswith(b"data: ")  # the answer has begun
+    sock = long_answer_begun(server)
     sock.shutdown(socket.SHUT_RDWR)
     sock.close()
     # the group is told, stops within a token, and reports the answer cut short
@@ -477,14 +483,7 @@ def test_a_client_leaving_mid_batch_cancels_only_its_own(served):
         model="handbook", messages=[{"role": "user", "content": "and the retry limit?"}],
         max_tokens=40).choices[0].message.content
     before = health(server)
-    host, port = server.sock.getsockname()[:2]
-    conn = http.client.HTTPConnection(host, port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps({
-        "model": "handbook", "stream": True, "max_tokens": 7000,
-        "messages": [{"role": "user", "content": QUESTION}]}),
-        {"Content-Type": "application/json"})
-    sock, response = conn.sock, conn.getresponse()
-    assert response.readline().startswith(b"data: ")  # the long answer has begun
+    sock = long_answer_begun(server)
     with ThreadPoolExecutor(1) as pool:
         other = pool.submit(lambda: openai.chat.completions.create(
             model="handbook", messages=[{"role": "user", "content": "and the retry limit?"}],

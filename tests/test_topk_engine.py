@@ -236,3 +236,30 @@ def test_topk_answers_without_drafts_unless_asked(home, docs, tiny_model, monkey
     assert answerer.request([5, 6], 4, set()).draft_tokens == 0
     monkeypatch.setenv("STARQA_DRAFT_TOKENS", "2")
     assert answerer.request([5, 6], 4, set()).draft_tokens == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["flat", "ivf"])
+def test_topk_answers_asked_together_equal_answers_alone(home, docs, tiny_model, kind):
+    """Questions decoded together under top-k attention (each row selects its own keys,
+    each question attends its own KV): each gets the tokens it gets alone."""
+    from starqa.runtime import dist
+    from starqa.core import paths
+    from starqa.cache import store
+    from starqa.phase2 import decode
+    from starqa.phase2.answerer import Answerer
+
+    ingest(docs, tiny_model, block_size=50)
+    manifest = indexes.ensure(store.find_context(paths.contexts_dir(), None), kind)
+    answerer = Answerer.from_cache(manifest, dist.local_world("cpu"), manifest.model.path,
+                                   topk=TopK(count=4, index=kind))
+    questions = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [17]]
+    alone = [answerer.answer(q, 8, set())[0] for q in questions]
+    batch = answerer.batch()
+    joined = [batch.join(answerer.request(q, 8, set())) for q in questions[:3]]
+    batch.step()
+    joined.append(batch.join(answerer.request(questions[3], 8, set())))
+    while batch.active:
+        batch.step()
+    batch.close()
+    assert [a.generated for a in joined] == alone and all(alone)
