@@ -38,7 +38,7 @@ def test_a_question_and_a_file_of_them_are_refused_together(docs_context, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", [None, "flat"])
+@pytest.mark.parametrize("attention", [None, "ivf"])
 def test_two_workers_answer_questions_together_as_alone(home, docs, tiny_model, attention):
     """`api.ask_all` on a group of two workers, exact and top-k: every question gets the
     tokens it gets asked alone on the same group."""
