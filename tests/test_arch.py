@@ -477,3 +477,25 @@ def test_a_long_question_is_prefilled_in_parts_with_the_same_answer(qwen_model, 
     # parts of 8 while 4 rows or more are left after one, then the rest
     assert parts[2] == [(done, n) for done in sorted({*range(8, n - 3, 8), n})]
     assert parts[0] == whole[0] and torch.equal(parts[1], whole[1])
+
+    def beside(info, hook):  # a long question joins while another answers
+        batch = decode.Batch(decoder, info, hook)
+        other = decode.Request(prompt.tokenize_query(qwen_tok, "and the budget?"), len(ids), 8,
+                               draft_tokens=0)
+        first = batch.join(other)
+        while not first.started:
+            batch.step()
+        second = batch.join(request)
+        kinds = []
+        while batch.active:
+            kinds.append("part" if not second.started else "both")  # before this forward
+            batch.step()
+        return first.generated, second.generated, kinds
+
+    alone_other = on_workers(kv, 1, monkeypatch, lambda info, hook: decode.generate(
+        decoder, info, hook, decode.Request(prompt.tokenize_query(qwen_tok, "and the budget?"),
+                                            len(ids), 8, draft_tokens=0)))[0]
+    other, mine, kinds = on_workers(kv, 1, monkeypatch, beside)[0]
+    assert other == alone_other and mine == whole[0]
+    # each part a forward of its own, the other's next token between two parts
+    assert kinds.count("part") == 2 * len(parts[2]) - 1

@@ -135,10 +135,11 @@ class Batch:
     questions join in the same order everywhere and the query host broadcasts its picks.
 
     Exactness: a forward's rows are those each question's forward alone would hold, and
-    every row is computed as in that forward: each question's attention is its own call
-    (`ShardAttention.batch`), the linear layers run row by row (`rowwise`; on the CPU with
-    int8/int4 weights a row's result never depends on the other rows), and a question whose
-    prefill would take the many-row kernels (`Decoder.layer_rows`) has a forward of its own.
+    every row is computed as in that forward: each question's rows attend the shard and
+    their own KV as its own call would (`ShardAttention.batch`; the shard read once for all
+    rows), the linear layers run row by row (`rowwise`; on the CPU with int8/int4 weights a
+    row's result never depends on the other rows), and a question whose prefill would take
+    the many-row kernels (`Decoder.layer_rows`) has forwards of its own, in parts.
     So on the CPU with quantised weights a question's answer is bit for bit the one it gets
     alone; elsewhere (dense GEMMs) the same up to rounding.
 
@@ -160,6 +161,7 @@ class Batch:
     def __init__(self, decoder, info: dist.DistInfo, hook: ShardAttention):
         self.decoder, self.info, self.hook = decoder, info, hook
         self.active: list[Answering] = []
+        self._parted = False  # the last forward was a part of a long question's prefill
         hook.track = True
 
     def close(self) -> None:
@@ -187,7 +189,8 @@ class Batch:
         (`prefilled`) alone; else every question under way and the new ones whose
         questions fit a row-by-row forward (`Decoder.layer_rows`), up to PREFILL_CHUNK
         question rows in all (so questions asked together get their first tokens
-        together); else the first new one alone, its next part (`_prefill_chunk`)."""
+        together); or a longer new question's next part alone (`_prefill_chunk`), every
+        other forward while others are under way."""
         new = [a for a in self.active if not a.started]
         if new and new[0].prefilled is not None:
             return [new[0]]
@@ -198,10 +201,14 @@ class Batch:
             if len(a.ids) < floor and rows + len(a.ids) <= PREFILL_CHUNK:
                 fits.append(a)
                 rows += len(a.ids)
-        if started or fits:
+        long = [a for a in new if len(a.ids) >= floor]
+        if (started or fits) and not (long and started and not self._parted):
+            self._parted = False
             return started + fits
-        alone = new[0]
+        # a long question's next part, alone; between its parts the others go on
+        alone = long[0] if long else new[0]
         alone.chunk = _prefill_chunk(len(alone.ids), floor)
+        self._parted = bool(started)
         return [alone]
 
     @torch.inference_mode()
