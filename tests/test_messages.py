@@ -33,7 +33,6 @@ def test_a_request_survives_its_line(request_):
     line = m.request_line(request_)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert m.read_request(line) == request_
-    assert m.peek_op(line) == request_.OP
 
 
 @pytest.mark.parametrize("event", EVENTS, ids=repr)
@@ -82,12 +81,6 @@ def test_a_line_the_client_cannot_read_is_a_protocol_error():
         m.read_event(b"<html>")
     with pytest.raises(ProtocolError, match="Finished lacks its field 'token_ids'"):
         m.read_event(b'{"event": "done", "text": "x"}')
-
-
-def test_peek_op_reads_any_line():
-    assert m.peek_op(b'{"op": "stop", "junk": [1]}') == "stop"
-    assert m.peek_op(b"[1, 2]") is None and m.peek_op(b"\xff") is None
-    assert m.peek_op(b'{"op": 3}') is None
 
 
 def test_the_protocol_needs_no_torch():

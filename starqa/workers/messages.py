@@ -109,15 +109,6 @@ def read_request(line: bytes) -> Request:
     return request
 
 
-def peek_op(line: bytes) -> str | None:
-    """The op a line names, whatever else it holds (None: none)."""
-    try:
-        op = json.loads(line).get("op")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        return None
-    return op if isinstance(op, str) else None
-
-
 # ---------------------------------------------------------------------------------- events
 
 

@@ -222,9 +222,11 @@ class Server:
         elif isinstance(request, messages.Stop):
             self.stop_seen, self.stopper = True, conn
         elif isinstance(request, messages.Cancel):  # a late one, after the answer, is harmless
-            for asking in self.asking + self.waiting:
-                if asking.conn is conn:
-                    asking.cancelled = True
+            # the client's answer under way, else the question it has waiting
+            mine = [a for a in self.asking if a.conn is conn] or \
+                [a for a in self.waiting if a.conn is conn][:1]
+            for asking in mine:
+                asking.cancelled = True
         elif isinstance(request, messages.Ask):
             if (changed := self._changed()) is not None:
                 self._send(messages.Failed.of(changed), conn)
