@@ -20,7 +20,7 @@ from fakes import install_home
 from starqa.runtime import launch
 from starqa import models
 from starqa.cli import app
-from starqa.core.errors import WorkerError
+from starqa.core.errors import StarqaError, WorkerError
 from starqa.cache.manifest import MANIFEST
 
 runner = CliRunner()
@@ -484,3 +484,21 @@ def test_a_shard_emptied_or_replaced_by_a_folder_is_named(context, docs, tiny_mo
     assert result.exit_code == 1 and "block_00001.safetensors" in str(result.exception)
     assert "re-ingest" in result.exception.hint
     assert ingest(docs, tiny_model).exit_code == 0 and ask().exit_code == 0
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("ON", True), ("yes", True),
+                                      ("0", False), ("false", False), ("off", False), ("", False)])
+def test_oversubscribe_reads_on_and_off(value, on, monkeypatch):
+    from starqa.runtime import launch
+
+    monkeypatch.setenv("STARQA_OVERSUBSCRIBE", value)
+    assert launch.oversubscribed() is on
+
+
+def test_an_oversubscribe_that_is_neither_is_an_error(monkeypatch):
+    from starqa.runtime import launch
+
+    monkeypatch.setenv("STARQA_OVERSUBSCRIBE", "maybe")
+    with pytest.raises(StarqaError, match="neither on nor off") as raised:
+        launch.oversubscribed()
+    assert "STARQA_OVERSUBSCRIBE=1" in raised.value.hint

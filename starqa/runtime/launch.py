@@ -83,8 +83,15 @@ def check_cores(workers: int, asked: str, override: str) -> None:
 
 def oversubscribed() -> bool:
     """STARQA_OVERSUBSCRIBE=1: start the workers asked for even past the CPU's cores where no
-    option says so (Phase 2's groups, `bench`'s simulated hosts)."""
-    return os.environ.get("STARQA_OVERSUBSCRIBE", "") not in ("", "0")
+    option says so (Phase 2's groups, `bench`'s simulated hosts). 1, true, yes or on turn it
+    on; 0, false, no, off or nothing leave it off; anything else is an error."""
+    raw = os.environ.get("STARQA_OVERSUBSCRIBE", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise StarqaError(f"STARQA_OVERSUBSCRIBE={raw!r} is neither on nor off.",
+                      hint="export STARQA_OVERSUBSCRIBE=1   (or 0, or unset it)")
 
 
 def default_workers(device: str = "auto") -> int:
