@@ -237,12 +237,12 @@ def python_examples(page: str, section: str) -> list[str]:
 @pytest.mark.slow
 def test_the_documented_examples_run(home, docs, tiny_model, monkeypatch, capsys):
     """docs/api.md's Python examples, in order, on the tiny model: ingest, ask, stream,
-    chat, contexts and warm groups, another cache root, errors and remove; then what they
-    made is checked."""
+    many questions at once, chat, contexts and warm groups, another cache root, errors and
+    remove; then what they made is checked."""
     monkeypatch.setenv("STARQA_MODEL", str(tiny_model))
     monkeypatch.chdir(docs.parent)
     blocks = python_examples(DOCS_PAGE.read_text(), "Python API")
-    assert len(blocks) == 7
+    assert len(blocks) == 8
     scope: dict = {}
     for block in blocks:
         exec(compile(block, str(DOCS_PAGE), "exec"), scope)
@@ -253,6 +253,8 @@ def test_the_documented_examples_run(home, docs, tiny_model, monkeypatch, capsys
     assert answer.sources and all(s.path in ctx.files for s in answer.sources)
     assert answer.timings.total_s > 0 and answer.finish in ("stop", "length")
     assert streamed.text and streamed.text in out  # printed piece by piece
+    together = [s.result() for s in scope["streams"]]
+    assert len(together) == 3 and all(a.warm and a.text in out for a in together)
     first, second = scope["first"], scope["second"]
     assert first.warm and second.warm and scope["chat"].history == ()  # cleared at the end
     assert scope["group"].workers >= 1
