@@ -90,12 +90,13 @@ def _ask_all(source: str, context: str | None, max_new_tokens: int, workers: int
     """`ask --questions FILE`: every question of FILE asked at once, each answer printed
     in their order as it completes (one JSON object a line with --json)."""
     import sys
+    from pathlib import Path
 
     from starqa import api
     from starqa.cli.ui import answer_stats, as_text, err, safe
 
     try:
-        text = sys.stdin.read() if source == "-" else open(source, encoding="utf-8").read()
+        text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise api.StarqaError(f"Cannot read the questions from {source} ({error}).",
                               hint="give a UTF-8 text file, one question a line") from None

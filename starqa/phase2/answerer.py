@@ -128,15 +128,9 @@ class Answerer:
         """Generate on every rank, a batch of one; returns (tokens, top sources on the query
         host, else None; None under top-k attention, which never sees every key's
         attention). draft_tokens, prefilled: as `request`."""
-        batch = self.batch()
-        answering = batch.join(self.request(query_ids, max_new_tokens, stop_ids, draft_tokens,
-                                            prefilled),
-                               decode.Callbacks(on_token, should_stop))
-        try:
-            while not answering.done:
-                batch.step()
-        finally:
-            batch.close()
+        answering = self.batch().alone(
+            self.request(query_ids, max_new_tokens, stop_ids, draft_tokens, prefilled),
+            decode.Callbacks(on_token, should_stop))
         return answering.generated, self.sources(answering)
 
     def sources(self, answering: decode.Answering) -> list[dict] | None:

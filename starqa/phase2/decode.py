@@ -87,14 +87,7 @@ class Callbacks:
 def generate(decoder, info: dist.DistInfo, hook: ShardAttention, request: Request,
              callbacks: Callbacks = Callbacks()) -> list[int]:
     """One question's greedy answer over `hook`: a `Batch` of one (which says how)."""
-    batch = Batch(decoder, info, hook)
-    answering = batch.join(request, callbacks)
-    try:
-        while not answering.done:
-            batch.step()
-    finally:
-        batch.close()
-    return answering.generated
+    return Batch(decoder, info, hook).alone(request, callbacks).generated
 
 
 @dataclass(eq=False)
@@ -167,6 +160,17 @@ class Batch:
     def close(self) -> None:
         """No more forwards: the attention stops keeping rows."""
         self.hook.track = False
+
+    def alone(self, request: Request, callbacks: Callbacks = Callbacks()) -> Answering:
+        """One question answered to its end in this batch, with no other, which then
+        closes; its `Answering` (its slot holds its rows for `key_mass`)."""
+        answering = self.join(request, callbacks)
+        try:
+            while not answering.done:
+                self.step()
+        finally:
+            self.close()
+        return answering
 
     def join(self, request: Request, callbacks: Callbacks = Callbacks()) -> Answering:
         """Add a question (on every rank, in the same order); its question's forward runs
@@ -269,7 +273,7 @@ class Batch:
                 return [torch.from_numpy(a.prefilled.hidden).view(self.decoder.dtype)]
             rowwise, compiled = a.drafts > 0, self.hook.compiled
         else:
-            self.hook.batch([(a.slot, len(a.ids)) for a in plan])
+            self.hook.batch([(a.slot, len(a.inputs)) for a in plan])
             rowwise, compiled = True, None
         ids = [i for a in plan for i in a.inputs]
         positions = torch.cat([torch.arange(a.position, a.position + len(a.inputs))

@@ -12,14 +12,14 @@ layer: shard part + own part merged by LSE, across workers by one all-gather),
 Several questions answered together (`starqa.phase2.decode.Batch`) each hold a `Slot`: their
 own KV, compiled step and answer rows. A forward is one slot's (`use`), or several slots'
 rows one after another (`batch`): every layer then attends each slot's rows exactly as a
-forward of that slot alone would (the same calls on the same rows), so a question's answer
-is the same whether it was asked alone or beside others.
+forward of that slot alone would (the shard read once for all of them, each slot's rows
+over its own KV), so a question's answer is the same whether asked alone or beside others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,7 +46,6 @@ class Slot:
     step: CompiledStep
     rows: sources.AnswerRows
     question: bool = False
-    segment: tuple[int, int] = field(default=(0, 0))  # its rows in a batched forward
 
 
 class ShardAttention:
@@ -77,7 +76,8 @@ class ShardAttention:
         self.slots.append(self.current)
         self.layer = LayerAttention(info, self.view, self.own, query_host, retriever,
                                     context_bias)
-        self.batched: list[Slot] | None = None  # the slots of a batched forward (`batch`)
+        # the slots of a batched forward and their rows, in order (`batch`)
+        self.batched: list[tuple[Slot, int]] | None = None
         self.track = False
 
     def _slot(self) -> Slot:
@@ -117,12 +117,10 @@ class ShardAttention:
     def batch(self, segments: Sequence[tuple[int, int]]) -> None:
         """The next forward holds several slots' rows one after another: (slot, rows) each,
         in order. `advance_slot` then takes each slot's result."""
-        start, batched = 0, []
+        batched = []
         for slot, m in segments:
             self.use(slot)
-            self.current.segment = (start, m)
-            batched.append(self.current)
-            start += m
+            batched.append((self.current, m))
         self.batched = batched
 
     @property
@@ -165,8 +163,7 @@ class ShardAttention:
     def advance_slot(self, slot: int, kept: int, picked: slice | None = None,
                      question: bool = False) -> None:
         """`advance` for slot `slot` (after a batched forward, or one of its own)."""
-        self.current = self.slots[slot]
-        self.layer.own = self.current.own
+        self.use(slot)
         self.advance(kept, picked, question)
 
     def attention(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -178,16 +175,16 @@ class ShardAttention:
             return self._one(layer, query, key, value, scale)
         # a batched forward: each slot's rows as a forward of that slot alone would compute
         # them (its own KV, its question flag, its kept rows)
-        slots = self.batched
+        slots = [slot for slot, _ in self.batched]
+        counts = [m for _, m in self.batched]
         _, q_heads, _, dim = query.shape
         kv_heads = key.shape[1]
         qs, out, lse = self.layer.batched(layer, query, key, value, scale,
-                                          [slot.own for slot in slots],
-                                          [slot.segment[1] for slot in slots],
+                                          [slot.own for slot in slots], counts,
                                           [slot.question for slot in slots])
         outs, at = [], 0
-        for slot, q in zip(slots, qs):
-            m, rows = slot.segment[1], q.shape[2]
+        for slot, m, q in zip(slots, counts, qs):
+            rows = q.shape[2]
             mine, mine_lse = out[:, at:at + rows], lse[:, at:at + rows]
             at += rows
             if self._tracking():

@@ -60,7 +60,7 @@ except ImportError:  # the SDK is missing: `_sdk` says so when the server is mad
     ToolContext = Any
 
 
-class Progress:
+class Notifications:
     """Progress notifications to the client of one tool call (none where it sent no
     progress token); `report` may be called from the tool's worker thread. Each value is
     larger than the last, as the protocol asks."""
@@ -82,7 +82,7 @@ class Progress:
 class IngestProgress(UI):
     """An ingest's encoding as progress notifications: tokens encoded of the total."""
 
-    def __init__(self, progress: Progress):
+    def __init__(self, progress: Notifications):
         self.progress, self.total, self.done = progress, 0, 0
 
     def start_encoding(self, total_tokens: int, workers: int) -> None:
@@ -134,7 +134,7 @@ class Tools:
             return self.service.ingest(path, name=name, model=model, method=method,
                                        options=api.IngestSettings(include=include or (),
                                                                   exclude=exclude or ()),
-                                       ui=IngestProgress(Progress(ctx)))
+                                       ui=IngestProgress(Notifications(ctx)))
 
         try:
             return describe(await anyio.to_thread.run_sync(run))
@@ -154,7 +154,7 @@ class Tools:
             found = await anyio.to_thread.run_sync(self.service.context, context)
         except api.StarqaError as error:
             raise _failure(error) from None
-        stream, progress = self.service.stream(asked, found), Progress(ctx)
+        stream, progress = self.service.stream(asked, found), Notifications(ctx)
 
         def follow() -> api.Answer:  # the prefill's progress, then the answer's pieces
             prompt, pieces = 0, 0
