@@ -57,3 +57,24 @@ def test_two_workers_answer_questions_together_as_alone(home, docs, tiny_model, 
     assert all(a.workers == 2 and a.warm for a in together)
     assert [a.token_ids for a in together] == [a.token_ids for a in alone]
     assert all(a.token_ids for a in alone)
+
+
+def test_questions_together_meet_the_attention_the_group_has():
+    """A group serving the context with other attention than asked for is an error naming
+    the fix, for `ask_all` as for a chat; the same attention, or no group, passes."""
+    from types import SimpleNamespace
+
+    from starqa import api
+    from starqa.api.asking import check_attention
+
+    ctx = SimpleNamespace(name="docs", key="abc123")
+    exact, topk = SimpleNamespace(topk=None), api.TopK(count=4)
+    with pytest.raises(api.StarqaError, match="already serves docs with exact") as error:
+        check_attention(exact, ctx, topk, "ask")
+    assert error.value.hint == ("stop it first (starqa stop abc123), or ask with the "
+                                "attention it has")
+    with pytest.raises(api.StarqaError, match="with top-k attention"):
+        check_attention(SimpleNamespace(topk=topk.as_dict()), ctx, None, "chat")
+    check_attention(exact, ctx, None, "ask")
+    check_attention(SimpleNamespace(topk=topk.as_dict()), ctx, topk, "ask")
+    check_attention(None, ctx, topk, "ask")

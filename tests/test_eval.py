@@ -365,7 +365,7 @@ def test_top_k_lists_run_every_combination():
         topk_runs(TopKChoice(top_k="1%,2%"))
 
 
-def test_methods_dense_first_and_always():
+def test_methods_dense_first():
     assert runner.parse_methods("star,ring") == (["dense", "star", "ring"],
                                                  ["dense runs too: it is the reference of "
                                                   "retention"])
@@ -373,6 +373,19 @@ def test_methods_dense_first_and_always():
     assert set(runner.parse_methods(None)[0]) == set(runner.methods_mod.METHODS)
     with pytest.raises(StarqaError, match="Unknown method 'flash'"):
         runner.parse_methods("star,flash")
+
+
+def test_dense_is_left_out_where_it_would_only_extrapolate():
+    """Every length past the window: dense, added but not asked for, is left out (and the
+    note says so); one length within the window, or dense named, keeps it."""
+    methods, notes = runner.parse_methods("star")
+    assert runner.without_extrapolating_reference(methods, notes, [65_536], 32_768) == (
+        ["star"], ["dense left out: every length is past the 32,768-token window, where it "
+                   "would extrapolate (name it in --methods to run it)"])
+    assert runner.without_extrapolating_reference(methods, notes, [16_384, 65_536],
+                                                  32_768) == (methods, notes)
+    named = runner.parse_methods("star,dense")
+    assert runner.without_extrapolating_reference(*named, [65_536], 32_768) == named
 
 
 @pytest.mark.parametrize("args, message", [

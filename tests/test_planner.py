@@ -27,22 +27,25 @@ def opts(**kw) -> IngestOptions:
     return IngestOptions(paths=("repo",), reserve=512, **kw)
 
 
-@pytest.mark.parametrize("n, block", [(100_579, 16_128), (374_303, 16_128),
-                                      (1_000_000, 16_128), (40_000, 10_240)])
-def test_past_the_window_star_blocks_fit_it(n, block):
-    """click (100K), rich (374K), a million tokens: blocks of at most half of what the
-    window leaves beside the reserve (on a grid of 256), the anchor as long, positions
-    contiguous; a context just past the window keeps the paper's quarter of it."""
-    choice = planner.plan(opts(), n, 32_768, KV, 24 * GIB, 22 * GIB)
+@pytest.mark.parametrize("n, window, block", [
+    (100_579, 32_768, 4096), (374_303, 32_768, 4096), (1_000_000, 32_768, 4096),
+    (40_000, 32_768, 4096), (16_384, 8192, 3840), (9000, 8192, 2304)])
+def test_past_the_window_star_blocks_fit_it(n, window, block):
+    """click (100K), rich (374K), a million tokens, one just past the window: blocks of
+    4,096 (methods.PAST_WINDOW_BLOCK: Phase 1's attention per token grows with the block),
+    the anchor as long, positions contiguous; in a smaller window, at most half of what it
+    leaves beside the reserve (on a grid of 256), and at most the paper's quarter of the
+    context."""
+    choice = planner.plan(opts(), n, window, KV, 24 * GIB, 22 * GIB)
     assert choice.opts.method_params == {"positions": "contiguous"}
     assert (choice.opts.block_size, choice.opts.anchor_size) == (block, block)
-    assert block + block + 512 <= 32_768
-    assert choice.line.startswith(f"Plan: {n:,} tokens + 512 reserved > the 32,768-token "
+    assert block + block + 512 <= window
+    assert choice.line.startswith(f"Plan: {n:,} tokens + 512 reserved > the {window:,}-token "
                                   f"window: star blocks of {block:,} tokens")
     config = method_config("star", n, choice.opts.block_size, choice.opts.anchor_size,
                            choice.opts.method_params)
     query = methods.get("star").query_position(range(n), config, plan_blocks(n, block))
-    assert query + 512 <= 32_768  # the question and its answer stay within the window too
+    assert query + 512 <= window  # the question and its answer stay within the window too
 
 
 def test_the_line_says_what_the_kv_takes_and_where_it_lives():
@@ -75,7 +78,9 @@ def test_given_sizes_are_kept_or_refused_with_sizes_that_fit():
     choice = planner.plan(opts(block_size=8192), 200_000, 32_768)
     assert (choice.opts.block_size, choice.opts.anchor_size) == (8192, 8192)
     choice = planner.plan(opts(anchor_size=2048), 200_000, 32_768)
-    assert (choice.opts.block_size, choice.opts.anchor_size) == (30_208, 2048)  # the room
+    assert (choice.opts.block_size, choice.opts.anchor_size) == (4096, 2048)
+    choice = planner.plan(opts(anchor_size=30_000), 200_000, 32_768)
+    assert (choice.opts.block_size, choice.opts.anchor_size) == (2256, 30_000)  # the room
     with pytest.raises(StarqaError, match="do not fit the 32,256") as error:
         planner.plan(opts(block_size=20_000, anchor_size=20_000), 200_000, 32_768)
     assert "--block-size 16,128 --anchor-size 16,128" in error.value.hint

@@ -81,7 +81,9 @@ def ask_all(questions: Sequence[str], context: Context | str | None = None, *,
     ctx = catalog.context(context)
     asked = [Question(q, ctx.key, max_new_tokens=max_new_tokens) for q in questions]
     settings = GroupSettings(workers, keepalive, attention)
-    if client.find(ctx.key) is None:  # one start, before the questions go
+    running = client.find(ctx.key)
+    check_attention(running, ctx, attention, "ask")
+    if running is None:  # one start, before the questions go
         start(catalog.find(ctx.key), settings)
     service = Service(settings)
     return [service.stream(question, ctx) for question in asked]
@@ -126,7 +128,7 @@ class Chat:
         group with other attention serves it."""
         ctx = catalog.context(context)
         found = client.find(ctx.key)
-        self._check_attention(found, ctx)
+        check_attention(found, ctx, self._settings.topk, "chat")
         if self._owns_group and (found is None or found.key != self._group.key):
             client.stop_group(self._group.key)
         self._owns_group = found is None and self._only_while_open
@@ -135,17 +137,6 @@ class Chat:
         if not keep_history:
             self._history.clear()
         return Group.of(self._group)
-
-    def _check_attention(self, group: RunInfo | None, ctx: Context) -> None:
-        """A group already serving `ctx` with other attention than this chat's is an error:
-        one group serves a context at a time."""
-        wanted = self._settings.topk.as_dict() if self._settings.topk else None
-        if group is not None and group.topk != wanted:
-            running = "exact" if not group.topk else "top-k"
-            raise StarqaError(f"A warm group already serves {ctx.name} with {running} "
-                              "attention; one group serves a context at a time.",
-                              hint=f"stop it first (starqa stop {ctx.key}), or chat "
-                                   "with the attention it has")
 
     def group_gone(self) -> bool:
         """Whether the group joined last has gone since (its keep-alive ran out while the
@@ -215,3 +206,16 @@ class Chat:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_attention(group: RunInfo | None, ctx: Context, topk: TopK | None, verb: str
+                    ) -> None:
+    """A group already serving `ctx` with other attention than asked for (`topk`; None:
+    exact) is an error: one group serves a context at a time."""
+    wanted = topk.as_dict() if topk else None
+    if group is not None and group.topk != wanted:
+        running = "exact" if not group.topk else "top-k"
+        raise StarqaError(f"A warm group already serves {ctx.name} with {running} "
+                          "attention; one group serves a context at a time.",
+                          hint=f"stop it first (starqa stop {ctx.key}), or {verb} "
+                               "with the attention it has")

@@ -82,7 +82,8 @@ def eval_(
     methods: Annotated[Optional[str], typer.Option(
         envvar="STARQA_EVAL_METHODS",
         help="Comma-separated methods to compare (default: every method starqa has); dense "
-             "always runs, as the reference of retention.")] = None,
+             "runs too, as the reference of retention, unless every length is past the "
+             "model's window (where it would extrapolate: name it to run it).")] = None,
     tasks: Annotated[Optional[str], typer.Option(
         envvar="STARQA_EVAL_TASKS",
         help="Comma-separated tasks or groups (default: all): niah_single_1..3, "

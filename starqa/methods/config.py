@@ -66,13 +66,18 @@ def default_block(n_tokens: int) -> int:
 
 
 GRID = 256  # block sizes fitted to a window are multiples of this (stable under small edits)
+# Past the window, Phase 1's attention per token grows with the block (each token meets its
+# anchor and its block's earlier tokens); at 4,096 it costs about what a token's matrix
+# products do on a CPU, at 16K four times that (docs/methods.md, "Past the window").
+PAST_WINDOW_BLOCK = 4_096
 
 
 def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | None
                  ) -> tuple[int, int]:
     """(block, anchor) with anchor + block ≤ `room` (the window less the reserve): the
     given sizes when they fit, else the paper's anchor = block, each at most half the room
-    (on a grid of `GRID`) and at most the default block for `n` tokens."""
+    (on a grid of `GRID`), at most `PAST_WINDOW_BLOCK` and at most the default block for `n`
+    tokens."""
     if block_size is not None and anchor_size is not None:
         if block_size + anchor_size > room:
             raise StarqaError(
@@ -92,7 +97,7 @@ def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | N
                 hint=f"pass --block-size {room // 2:,} or less, or leave it out")
         return block_size, anchor
     if anchor_size is not None:
-        block = min(default_block(n), room - anchor_size)
+        block = min(default_block(n), room - anchor_size, PAST_WINDOW_BLOCK)
         if block < MIN_BLOCK:
             raise StarqaError(
                 f"--anchor-size {anchor_size:,} leaves blocks of {max(block, 0):,} tokens in "
@@ -100,7 +105,7 @@ def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | N
                 hint=f"pass --anchor-size {room // 2:,} or less, or leave it out")
         return block, anchor_size
     half = max(room // 2 // GRID * GRID, min(room // 2, 2 * GRID))
-    block = min(default_block(n), half)
+    block = min(default_block(n), half, PAST_WINDOW_BLOCK)
     return block, block
 
 

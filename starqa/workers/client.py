@@ -302,9 +302,12 @@ def stop_group(key: str) -> bool:
     return group is not None and stop(group)
 
 
-def stop(group: RunInfo) -> bool:
-    """Stop `group` (its run info, with a socket on this machine); False when it had died
-    without cleaning up (kill -9), in which case its run file and socket are removed."""
+def stop(group: RunInfo, wait_s: float = 30.0) -> bool:
+    """Stop `group` (its run info, with a socket on this machine) and wait, up to `wait_s`,
+    until its launcher has exited (so what it read, a context's shards, is free to remove);
+    False when it had died without cleaning up (kill -9), in which case its run file and
+    socket are removed. A group already stopping (stopped a moment ago: its socket closes
+    under the request) counts as stopped."""
     try:
         conn = Client(group, timeout=30)
     except Unreachable:  # it died without cleaning up: nothing left to stop
@@ -312,8 +315,13 @@ def stop(group: RunInfo) -> bool:
         return False
     try:
         conn.stop()
+    except (OSError, WorkerError):  # closed under us: it was stopping already
+        pass
     finally:
         conn.close()
+    deadline = time.monotonic() + wait_s
+    while alive(group.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return True
 
 

@@ -73,7 +73,7 @@ class Plan:
     opts: EvalOptions
     tasks: list[str]
     lengths: list[int]
-    methods: list[str]  # dense first
+    methods: list[str]  # dense first (left out past the window unless asked for)
     model_path: Path
     window: int
     fingerprint: dict
@@ -151,8 +151,28 @@ def parse_methods(text: str | None) -> tuple[list[str], list[str]]:
                               hint=f"choose from: {', '.join(methods_mod.METHODS)}")
     notes = []
     if scoring.REFERENCE not in names:
-        notes.append(f"{scoring.REFERENCE} runs too: it is the reference of retention")
+        notes.append(REFERENCE_ADDED)
     return [scoring.REFERENCE, *(n for n in names if n != scoring.REFERENCE)], notes
+
+
+REFERENCE_ADDED = f"{scoring.REFERENCE} runs too: it is the reference of retention"
+
+
+def without_extrapolating_reference(methods: list[str], notes: list[str],
+                                    lengths: Sequence[int], window: int
+                                    ) -> tuple[list[str], list[str]]:
+    """(methods, notes) once the window is known: where every length is past it, dense,
+    added as the reference but not asked for, is left out. It would extrapolate over the
+    whole context, a baseline `ingest` never picks and the slowest run of all (its attention
+    grows with the square of the length); retention is then n/a. Named in --methods, it
+    runs."""
+    if REFERENCE_ADDED not in notes or any(n + default_reserve(window) <= window
+                                           for n in lengths):
+        return methods, notes
+    note = (f"{scoring.REFERENCE} left out: every length is past the {window:,}-token "
+            f"window, where it would extrapolate (name it in --methods to run it)")
+    return ([m for m in methods if m != scoring.REFERENCE],
+            [note if n == REFERENCE_ADDED else n for n in notes])
 
 
 def fit_window(lengths: Sequence[int] | None, window: int) -> tuple[list[int], list[str]]:
@@ -228,7 +248,7 @@ def plan(opts: EvalOptions) -> Plan:
     model_path = models.resolve_model(opts.model)
     window = models.context_window(AutoConfig.from_pretrained(model_path))
     lengths, past = fit_window(requested, window)
-    notes += past
+    methods, notes = without_extrapolating_reference(methods, notes + past, lengths, window)
     fingerprint = models.fingerprint(model_path)
     if opts.json_path:
         json_path = Path(opts.json_path).expanduser().resolve()
