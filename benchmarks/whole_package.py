@@ -1,7 +1,8 @@
 """A whole package as a user meets it: `starqa ingest` of an installed package's folder, its
 wall time and peak memory, then questions about its code asked together and scored.
 
-    python benchmarks/whole_package.py anyio [--questions 8] [--model M] [--keep]
+    python benchmarks/whole_package.py anyio [--questions 8] [--model M] [--attention topk]
+                                             [--keep]
     python benchmarks/whole_package.py --smoke   # toy model and package (benchmarks/toy.py)
 
 The package is any importable one (or a folder of .py files). The ingest runs as a user
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--model", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attention", default="exact", help="exact, or topk (k = 1%%)")
     parser.add_argument("--keep", action="store_true", help="leave the context in the cache")
     parser.add_argument("--smoke", action="store_true",
                         help="a toy model and package: the run, not the numbers")
@@ -105,7 +107,8 @@ def main() -> None:
     try:
         started = time.perf_counter()
         streams = api.ask_all([f.text for f in facts], ctx,
-                              max_new_tokens=args.max_new_tokens, keepalive=0)
+                              max_new_tokens=args.max_new_tokens, keepalive=0,
+                              attention=api.topk_settings(args.attention))
         answers = [s.result() for s in streams]
         asked = time.perf_counter() - started
     finally:
