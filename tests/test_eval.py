@@ -492,7 +492,9 @@ def test_interrupt_keeps_finished_samples(home, tiny_model, tmp_path):
 
 
 def test_every_method_runs_generically_and_ring_is_dense(home, tiny_model, tmp_path):
-    opts = runner.EvalOptions(model=str(tiny_model), methods="ring,pulsar", tasks="niah_single_2",
+    # dense named: 400 tokens and the reserve are past the tiny model's window
+    opts = runner.EvalOptions(model=str(tiny_model), methods="dense,ring,pulsar",
+                              tasks="niah_single_2",
                               lengths="400", samples=1, dtype="fp32", block_size=100,
                               method_params={"positions": "contiguous", "sink": 8},
                               json_path=str(tmp_path / "r.json"))
@@ -509,7 +511,8 @@ def test_every_method_runs_generically_and_ring_is_dense(home, tiny_model, tmp_p
 def test_runner_names_sources_and_scores_them(home, tiny_model, tmp_path, capsys):
     from starqa.cli import eval_report as report
 
-    opts = runner.EvalOptions(model=str(tiny_model), methods="star", tasks="niah_files_1",
+    # dense named: 450 tokens and the reserve are past the tiny model's window
+    opts = runner.EvalOptions(model=str(tiny_model), methods="dense,star", tasks="niah_files_1",
                               lengths="450", samples=1, dtype="fp32", block_size=128,
                               json_path=str(tmp_path / "s.json"))
     results = runner.run(runner.plan(opts))

@@ -49,20 +49,30 @@ def test_past_the_window_star_blocks_fit_it(n, window, block):
 
 
 def test_the_line_says_what_the_kv_takes_and_where_it_lives():
-    """374K tokens of bf16 KV (10.7 GB) fit half of 24 GiB: float, held in memory; with 16
-    GiB, ask would read it from disk. On a 16 GiB machine float would take more than half:
-    int8, 5.5 GB, and the line says why."""
-    line = planner.plan(opts(), 374_303, 32_768, KV, 24 * GIB, 22 * GIB).line
-    assert "KV 10.7 GB in float, held in memory." in line
-    assert "ask reads it from disk" in planner.plan(opts(), 374_303, 32_768, KV, 24 * GIB,
-                                                    16 * GIB).line
-    small = planner.plan(opts(), 374_303, 32_768, KV, 16 * GIB, 12 * GIB)
+    """Past the window the KV is int8 whatever the memory, on one machine or several (it
+    keeps float's accuracy there at half the bytes), and the line says why; float stays
+    float when asked for, and a KV of more than half the memory available is read from disk.
+    Within a window that holds it, 374K tokens of bf16 KV (10.7 GB) fit half of 24 GiB:
+    float; on a 16 GiB machine float would take more than half: int8, and the line says
+    why; across machines, float (their memories may differ, their choices may not)."""
+    past = planner.plan(opts(), 374_303, 32_768, KV, 24 * GIB, 22 * GIB)
+    assert past.opts.kv == "int8"
+    assert "KV 5.5 GB in int8 (past the window: it keeps float's accuracy at half the " \
+           "bytes), held in memory." in past.line
+    assert planner.plan(opts(nnodes=2), 374_303, 32_768, KV, 16 * GIB, 12 * GIB).opts.kv == \
+        "int8"
+    given = planner.plan(opts(kv="float"), 374_303, 32_768, KV, 24 * GIB, 16 * GIB)
+    assert given.opts.kv == "float"  # as asked
+    assert "KV 10.7 GB in float, more than half the memory available: ask reads it from " \
+           "disk" in given.line
+    wide = 1 << 20  # a window that holds the context
+    roomy = planner.plan(opts(), 374_303, wide, KV, 24 * GIB, 22 * GIB)
+    assert roomy.opts.kv == "float" and roomy.line is None  # it fits: nothing to say
+    small = planner.plan(opts(), 374_303, wide, KV, 16 * GIB, 12 * GIB)
     assert small.opts.kv == "int8"
     assert "KV 5.5 GB in int8 (float would take 10.7 GB, more than half of the machine's " \
            "17.2 GB), held in memory." in small.line
-    given = planner.plan(opts(kv="float"), 374_303, 32_768, KV, 16 * GIB, 12 * GIB)
-    assert given.opts.kv == "float"  # as asked
-    spread = planner.plan(opts(nnodes=2), 374_303, 32_768, KV, 16 * GIB, 12 * GIB)
+    spread = planner.plan(opts(nnodes=2), 374_303, wide, KV, 16 * GIB, 12 * GIB)
     assert spread.opts.kv == "float"  # every machine chooses alike, whatever its memory
     fits = planner.plan(opts(), 30_000, 32_768, KV, GIB, GIB)  # in the window, said for int8
     assert fits.opts.kv == "int8" and fits.line.startswith("Plan: 30,000 tokens fit the")

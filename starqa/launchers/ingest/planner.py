@@ -2,8 +2,10 @@
 the model's window, and where its KV lives. Pure: numbers in, settings and a line out
 (tests/test_planner.py holds the choices for given lengths, windows and memory).
 
-The KV's precision is float (the cache's dtype) unless float would take more than half the
-machine's memory: then int8 (`--kv`, docs/architecture.md "KV precision"). A context that
+The KV's precision is int8 past the window (where it keeps star's answers on repo_qa,
+docs/results.md "KV precision"), else float (the cache's dtype) unless float would take
+more than half the machine's memory: then int8 too (`--kv`, docs/architecture.md "KV
+precision"). A context that
 fits the window with its reserve is encoded as asked. One that does not is,
 by default, encoded by Star Attention with contiguous positions (docs/methods.md, "Past the
 window"): each block right after its anchor, so that every position a block or a question
@@ -49,7 +51,8 @@ def plan(opts: IngestOptions, n: int, window: int,
     """
     reserve = opts.reserve or 0
     # across machines every launcher must choose alike, and their memories may differ
-    kv, why_kv = _precision(opts.kv, n, kv_bytes, total if opts.nnodes == 1 else None)
+    past = n + reserve > window and not opts.beyond_window
+    kv, why_kv = _precision(opts.kv, n, kv_bytes, total if opts.nnodes == 1 else None, past)
     opts = replace(opts, kv=kv)
     kv_line = _kv_words(n, kv, kv_bytes, available, why_kv)
     if n + reserve <= window:
@@ -78,11 +81,15 @@ def plan(opts: IngestOptions, n: int, window: int,
 
 
 def _precision(given: str | None, n: int, kv_bytes: Callable[[str], int | None] | None,
-               total: int | None) -> tuple[str, str | None]:
-    """(the KV's precision, why int8 was chosen or None): as given, else float unless float
-    would take more than half of the machine's memory."""
+               total: int | None, past: bool = False) -> tuple[str, str | None]:
+    """(the KV's precision, why int8 was chosen or None): as given; else int8 past the
+    window (planned there, where it keeps star's answers at about half float's bytes:
+    docs/results.md, "KV precision"); else float unless float would take more than half
+    of the machine's memory."""
     if given is not None:
         return given, None
+    if past:
+        return KV_KINDS[1], "past the window: it keeps float's accuracy at half the bytes"
     per_token = kv_bytes(KV_KINDS[0]) if kv_bytes else None
     whole = n * per_token if per_token else None
     if whole is None or total is None or whole <= total // 2:
