@@ -32,7 +32,6 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from vs_llamacpp import cpu_line
 

@@ -60,7 +60,8 @@ def test_edit_with_topk_is_a_clear_error(home, tiny_model):
 def test_edit_mode_runs_and_dense_prefix_reuse_gives_the_full_encodings_tokens(
         home, tiny_model, tmp_path):
     out = tmp_path / "edit.json"
-    opts = runner.EvalOptions(model=str(tiny_model), methods="star,ring", tasks="edit",
+    # dense named: 500 tokens and the reserve are past the tiny model's window
+    opts = runner.EvalOptions(model=str(tiny_model), methods="dense,star,ring", tasks="edit",
                               lengths="500", samples=1, dtype="fp32", json_path=str(out),
                               block_size=128, edit=True)
     plan = runner.plan(opts)
