@@ -5,15 +5,14 @@ the model's window, and where its KV lives. Pure: numbers in, settings and a lin
 The KV's precision is int8 past the window (where it keeps star's answers on repo_qa,
 docs/results.md "KV precision"), else float (the cache's dtype) unless float would take
 more than half the machine's memory: then int8 too (`--kv`, docs/architecture.md "KV
-precision"). A context that
-fits the window with its reserve is encoded as asked. One that does not is,
-by default, encoded by Star Attention with contiguous positions (docs/methods.md, "Past the
-window"): each block right after its anchor, so that every position a block or a question
-meets stays within the window the model was trained on, whatever the context's length. The
-blocks are then sized so that anchor + block + reserve fit the window. `--beyond-window`
-keeps the positions as they are (plain extrapolation, which the planner never picks: it
-answers worse, docs/results.md); settings a user gave that cannot fit are refused with the
-sizes that would.
+precision"). A context that fits the window with its reserve is encoded as asked. One
+that does not is, by default, encoded by Star Attention with contiguous positions
+(docs/methods.md, "Past the window"): each block right after its anchor, so that every
+position a block or a question meets stays within the window the model was trained on,
+whatever the context's length. The blocks are then sized so that anchor + block + reserve
+fit the window. `--beyond-window` keeps the positions as they are (plain extrapolation,
+which the planner never picks; docs/methods.md says what was measured of both); settings a
+user gave that cannot fit are refused with the sizes that would.
 """
 
 from __future__ import annotations
