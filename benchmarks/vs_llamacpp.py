@@ -717,8 +717,9 @@ def linked_model(setup: dict, home: Path) -> str:
 def timed_ingest(corpus: Path, spec: str, env: dict) -> dict:
     """`starqa ingest CORPUS --model SPEC` timed from its start to its exit, with what its
     own report says (Phase 1's encode seconds, its total; None where it says neither) and
-    the report's lines (from `Ingested` to the table of the largest files)."""
-    env = {**env, "COLUMNS": "200"}  # its report's lines unwrapped
+    the report's lines (from its plan, where it says one, or `Ingested`, to the table of
+    the largest files)."""
+    env = {**env, "COLUMNS": "400"}  # its report's lines (a plan's too) unwrapped
     env.pop("STARQA_MODEL", None)
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "starqa", "ingest", str(corpus),
@@ -727,7 +728,8 @@ def timed_ingest(corpus: Path, spec: str, env: dict) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"starqa ingest failed:\n{proc.stderr[-3000:]}")
     lines = proc.stderr.splitlines()
-    first = next((i for i, line in enumerate(lines) if line.startswith("Ingested")), 0)
+    first = next((i for i, line in enumerate(lines) if line.startswith(("Plan:", "Ingested"))),
+                 0)
     last = next((i for i, line in enumerate(lines) if line.startswith("Largest files")),
                 len(lines))
     own = INGEST_REPORT.search(" ".join(proc.stderr.split()))

@@ -6,10 +6,11 @@ wall time and peak memory, then questions about its code asked together and scor
     python benchmarks/whole_package.py --smoke   # toy model and package (benchmarks/toy.py)
 
 The package is any importable one (or a folder of .py files). The ingest runs as a user
-runs it (`python -m starqa ingest FOLDER`, the planner choosing as it does with no flags:
-past the model's window, star blocks at contiguous positions) into the user's cache, as
-`starqa ingest` would (a context already there is found, not encoded again: the report
-says how many blocks were encoded). Its peak memory is the largest resident set of the
+runs it (`python -m starqa ingest FOLDER --model M`, timed by vs_llamacpp.timed_ingest;
+the planner choosing as it does with no other flags: past the model's window, star blocks
+at contiguous positions) into the user's cache, as `starqa ingest` would (a context
+already there is found, not encoded again: the report says how many blocks were encoded).
+Its peak memory is the largest resident set of the
 command and the processes it started. The questions are `starqa eval --tasks repo_qa`'s
 (starqa/measure/evals/repo_qa.py: exact answers from the package's own source, each kind
 in turn) about the whole package, sent together to the context's warm group
@@ -29,11 +30,10 @@ import argparse
 import os
 import random
 import resource
-import subprocess
-import sys
 import time
+from pathlib import Path
 
-from vs_llamacpp import cpu_line
+from vs_llamacpp import cpu_line, timed_ingest
 
 # a package small enough for the toy model's 512-token window, with a question of each kind
 SMOKE_PACKAGE = {
@@ -60,7 +60,7 @@ def main() -> None:
                         help="a toy model and package: the run, not the numbers")
     args = parser.parse_args()
 
-    from starqa import api
+    from starqa import api, models
     from starqa.measure.evals import repo_qa, scoring
 
     if args.smoke:
@@ -78,25 +78,18 @@ def main() -> None:
     facts = repo_qa.in_turn(package, random.Random(args.seed),
                             {f.path for f in package.files})[:args.questions]
 
-    command = [sys.executable, "-m", "starqa", "ingest", package.folder]
-    if args.model:
-        command += ["--model", args.model]
     known = {c.key for c in api.contexts()}
-    started = time.perf_counter()
-    wide = {**os.environ, "COLUMNS": "400"}  # its report's lines unwrapped
-    done = subprocess.run(command, stderr=subprocess.PIPE, text=True, env=wide)
-    seconds = time.perf_counter() - started
+    ingest = timed_ingest(Path(package.folder), args.model or models.DEFAULT_MODEL,
+                          dict(os.environ))
+    seconds = ingest["ingest_s"]
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
-    report = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()]
-    if done.returncode != 0:
-        sys.exit("starqa ingest failed:\n" + "\n".join(report[-20:]))
     ctx = api.contexts()[0]  # the most recently used: the one just ingested or found
     fresh = ctx.key not in known
 
     print(cpu_line())
     print(f"package {package.name} {package.version or ''} ({len(package.files)} .py files), "
           f"model {ctx.model}")
-    for line in report:
+    for line in ingest["report"]:
         if line.startswith(("Plan:", "Ingested", "Encoded in")):
             print(f"  {line}")
     print(f"ingest: {ctx.tokens:,} tokens in {seconds:,.1f} s "
