@@ -251,15 +251,15 @@ def test_the_kernel_is_built_where_a_compiler_is():
 # a context bias: the shard's keys weigh e^b each, the own keys 1
 
 
-def biased_reference(rows, parts, own_kv, scale, own, bias):
+def biased_reference(rows, parts, own_kv, scale, own, bias, unbiased=0):
     """fp64: folded rows [H, R, D] over the keys of `parts` [(k, v) [H, N_i, D]], each score
-    + bias, then own_kv's (k, v) [H, L, D] (no bias; the last `own` causal, rows G blocks of
-    `own`). Returns out [H, R, D] and lse [H, R]."""
+    + bias but the first `unbiased` keys', then own_kv's (k, v) [H, L, D] (no bias; the last
+    `own` causal, rows G blocks of `own`). Returns out [H, R, D] and lse [H, R]."""
     keys = torch.cat([k for k, _ in parts] + [own_kv[0]], 1).double()
     values = torch.cat([v for _, v in parts] + [own_kv[1]], 1).double()
     scores = rows.double() @ keys.transpose(-1, -2) * scale  # [H, R, N + L]
     context, n = sum(k.shape[1] for k, _ in parts), keys.shape[1]
-    scores[..., :context] += bias
+    scores[..., unbiased:context] += bias
     if own:
         r = torch.arange(rows.shape[1])
         hidden = torch.arange(n)[None, :] > (n - own + r % own)[:, None]  # [R, N + L]
@@ -319,6 +319,40 @@ def test_a_bias_on_the_pieces_is_the_fp64_softmax(kernel, dtype, dim, own, bias,
     assert torch.equal(alone, plain) if kernel == "gemm" else \
         (alone - plain).abs().max() <= 1e-6 * plain.abs().max()
     assert (alone_lse - (plain_lse + bias)).abs().max() <= 1e-5 * plain_lse.abs().max()
+
+
+@pytest.mark.parametrize("kernel", ["native", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("unbiased", [250, 600, 620, 645])
+def test_the_keys_before_the_shared_positions_carry_no_bias(kernel, dtype, unbiased,
+                                                            monkeypatch):
+    """`Pieces` with its first `unbiased` keys left out of the bias (the anchor's, held
+    once: `methods.ContextBias`), inside a block (cut there into two views), at a block's
+    end, or over every key: the fp64 softmax with those keys' scores as they are, the rest
+    + b, within the rounding of the same call without a bias."""
+    from starqa.attention import Pieces
+    from starqa.native import ops as native
+
+    if kernel == "native" and not native.available():
+        pytest.skip("starqa's kernel is not built here")
+    if kernel == "gemm":
+        monkeypatch.setattr(native, "available", lambda: False)
+    rows, blocks, mine = bias_inputs(dtype, 64, 3)
+    rows, bias, scale = rows.to(dtype), math.log(0.1), 64 ** -0.5
+
+    def error(b: float, first: int) -> float:
+        out, _ = Pieces(blocks, b, first).attend(rows, *mine, scale, 3)
+        want, _ = biased_reference(rows, blocks, mine, scale, 3, b, first)
+        return ((out.double() - want).abs().max() / want.abs().max()).item()
+
+    pieces = Pieces(blocks, bias, unbiased)
+    assert [k.shape[1] for k, _ in pieces.parts] == \
+        {250: [250, 350, 45], 600: [600, 45], 620: [600, 20, 25], 645: [600, 45]}[unbiased]
+    assert pieces.biases == [0.0] * pieces.split + [bias] * (len(pieces.parts) - pieces.split)
+    assert error(bias, unbiased) <= max(1e-5, 2 * error(0.0, 0))
+    # and it is not the bias on every key
+    everywhere = Pieces(blocks, bias).attend(rows, *mine, scale, 3)[0]
+    assert (everywhere - pieces.attend(rows, *mine, scale, 3)[0]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("cap", ["avx2", "none"])

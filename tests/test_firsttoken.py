@@ -18,6 +18,7 @@ from starqa.core import paths
 from starqa.corpus import prompt
 from starqa.cache import store
 from starqa.cache.manifest import Manifest
+from starqa.methods import ContextBias
 from starqa.phase2.answerer import Answerer
 from starqa.models.decoder_io import load_decoder
 from starqa.core.errors import ShardError
@@ -95,12 +96,14 @@ def test_first_token_and_kv_are_the_torch_paths_own(context, int4_model):
 @pytest.mark.slow
 def test_a_context_bias_goes_before_torch_too(context, int4_model, monkeypatch):
     """A context whose blocks share positions (`Manifest.context_bias`: its keys weigh e^b
-    each, the question's 1) is prefilled before torch as well, with the bias in the shard's
-    key tables: the question's KV, the first token and the sources are the torch path's,
-    bit for bit, and the bias weighs (the rows' LSEs are not the unbiased ones)."""
+    each but the first 37, before the shared positions; the question's 1) is prefilled
+    before torch as well, with the bias in the shard's key tables (block 0 cut in two at
+    key 37): the question's KV, the first token and the sources are the torch path's, bit
+    for bit, and the bias weighs (the rows' LSEs are not the unbiased ones)."""
     job = job_for(context, int4_model)
     plain = firsttoken.prefill(job, lambda event: None)
-    monkeypatch.setattr(Manifest, "context_bias", property(lambda self: math.log(0.3)))
+    monkeypatch.setattr(Manifest, "context_bias",
+                        property(lambda self: ContextBias(math.log(0.3), 37)))
     early = firsttoken.prefill(job, lambda event: None)
     assert early is not None and plain is not None
     assert not np.array_equal(early.lses[0], plain.lses[0])
@@ -108,6 +111,7 @@ def test_a_context_bias_goes_before_torch_too(context, int4_model, monkeypatch):
     stops = set(job.stop_ids)
     reference = Answerer.from_cache(context, dist.local_world("cpu"), int4_model, "int4")
     assert reference.hook.layer.context_bias == math.log(0.3)
+    assert reference.hook.view.unbiased == 37 < context.blocks[0].end
     tokens, top = reference.answer(list(job.query_ids), 8, stops)
     assert early.token == tokens[0]
     m = len(job.query_ids)

@@ -173,11 +173,14 @@ def test_context_bias_is_the_overlap_of_keys_on_positions():
     assert methods.get("star").shared_from(config) == 3_840
 
 
-@pytest.mark.parametrize("kind", ["exact", "topk"])
-def test_the_bias_scales_the_context_mass_exactly(kind):
+@pytest.mark.parametrize("kind,unbiased", [("exact", 0), ("exact", 25), ("exact", 40),
+                                           ("elsewhere", 25), ("topk", 0)])
+def test_the_bias_scales_the_context_mass_exactly(kind, unbiased):
     """Phase 2 with a context bias b equals softmax over [s·q·K_ctx + b ‖ s·q·K_own (causal)]
-    computed in fp64: the context's mass scaled by e^b, the own keys' kept (top-k with k
-    covering every key is exact too)."""
+    computed in fp64: the shared positions' mass scaled by e^b, the keys before them (the
+    first `unbiased`: in a block, or a whole block) and the own keys kept; exact attention
+    on the CPU's kernel and as a GPU's path runs it (one buffer, its parts in torch), and
+    top-k with k covering every key."""
     from starqa.attention import fold_gqa
     from starqa.phase2.shard_attention import ShardAttention
     from starqa.runtime import dist
@@ -191,21 +194,28 @@ def test_the_bias_scales_the_context_mass_exactly(kind):
     q = torch.randn(1, heads, m, dim)
     own_k, own_v = torch.randn(1, kv_heads, m, dim), torch.randn(1, kv_heads, m, dim)
     shard = [[(k[:, :, :40], v[:, :, :40]), (k[:, :, 40:], v[:, :, 40:])]]
-    if kind == "exact":
-        hook = ShardAttention(dist.local_world(), shard, query_host=True, context_bias=bias)
-    else:
+    if kind == "topk":
         retriever = retrieval.from_parts([(k[0][None], v[0][None])], TopK(count=n), n,
                                          torch.float32)
         hook = ShardAttention(dist.local_world(), None, query_host=True, retriever=retriever,
                               context_bias=bias)
+    else:
+        hook = ShardAttention(dist.local_world(), [[(k, v)]] if kind == "elsewhere" else shard,
+                              query_host=True, context_bias=bias, unbiased=unbiased)
+        hook.view.cpu = kind == "exact"  # elsewhere: the path of a shard on a GPU
     hook.begin(8)
     got = hook.attention(0, q, own_k, own_v, dim**-0.5)
 
     rows = fold_gqa(q, kv_heads, torch.float32)[0]  # [Hkv, G*M, D], as the hook folds them
-    want, _ = biased_reference(rows, [(k[0], v[0])], (own_k[0], own_v[0]), dim**-0.5, m, bias)
+    want, _ = biased_reference(rows, [(k[0], v[0])], (own_k[0], own_v[0]), dim**-0.5, m, bias,
+                               unbiased)
     want = want.view(1, heads, m, dim)
     error = (got.double() - want).abs().max() / want.abs().max()
     assert error < 1e-5
+    if unbiased:  # and not what the bias on every key gives
+        everywhere, _ = biased_reference(rows, [(k[0], v[0])], (own_k[0], own_v[0]),
+                                         dim**-0.5, m, bias)
+        assert (everywhere.view(1, heads, m, dim) - want).abs().max() > 1e-3
 
 
 def test_a_long_ingest_logs_its_progress_with_the_time_left():

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from starqa.attention.kvint8 import attend_int8_parts, is_int8
+from starqa.core.blocks import split_at
 from starqa.native import ops as native
 
 # Scores are materialised for this many query rows at a time: [B, Hkv, G*rows, N] fp32.
@@ -169,16 +170,20 @@ class Pieces:
     which never change (a shard's blocks, read where they lie), then at each call one more
     that does (the question's own KV). `attend` is `partial_parts` over them; with the
     compiled kernel their table is laid out once (`native.Layout`), not at every call.
-    bias: added to the score of every key of the buffers given here, not to the one given
-    at each call (Phase 2's context bias, `methods.context_bias`: the shard's keys weigh
-    e^bias each, the own keys 1)."""
+    bias: added to the score of every key of the buffers given here but their first
+    `unbiased` keys, never to the buffer given at each call (Phase 2's context bias,
+    `methods.ContextBias`: the shard's keys at shared positions weigh e^bias each; the
+    keys before them, held once, and the own keys 1)."""
 
-    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], bias: float = 0.0):
-        self.parts = list(parts)
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]], bias: float = 0.0,
+                 unbiased: int = 0):
+        before, after = split_at(parts, unbiased if bias else 0)
+        self.parts, self.split = before + after, len(before)
         self.bias = bias
+        self.biases = [0.0] * len(before) + [bias] * len(after)  # each part's
         # the compiled kernel's table (None: torch's code), read by starqa/native/_step.c too
-        self.layout = native.Layout([_native_part(*part) for part in self.parts], bias) \
-            if _native_fits(self.parts) else None
+        self.layout = native.Layout([_native_part(*part) for part in self.parts],
+                                    self.biases) if _native_fits(self.parts) else None
 
     def attend(self, q: torch.Tensor, key: torch.Tensor | None = None,
                value: torch.Tensor | None = None, scale: float = 1.0, own: int = 0
@@ -192,13 +197,17 @@ class Pieces:
         if not self.bias or not self.parts:
             return partial_parts(q, self.parts + ([(key, value)] if key is not None else []),
                                  scale, own)
-        # torch's code: the biased buffers a part of their own, merged with the own keys'
-        out, lse = partial_parts(q, self.parts, scale)
-        if key is None:
-            return out, lse + self.bias
-        own_out, own_lse = partial_parts(q, [(key, value)], scale, own)
-        return merge([out, own_out], [lse + self.bias, own_lse])
-
+        # torch's code: the unbiased buffers a part, the biased ones another, the own keys a
+        # third, merged
+        split, outs, lses = self.split, [], []
+        for parts, bias in ((self.parts[:split], 0.0), (self.parts[split:], self.bias)):
+            if parts:
+                out, lse = partial_parts(q, parts, scale)
+                outs.append(out), lses.append(lse + bias)
+        if key is not None:
+            out, lse = partial_parts(q, [(key, value)], scale, own)
+            outs.append(out), lses.append(lse)
+        return merge(outs, lses) if len(outs) > 1 else (outs[0], lses[0])
 
     def batched(self, owns: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether `attend_batch` takes these own buffers (key, value) [Hkv, N, D]: the

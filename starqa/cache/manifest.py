@@ -39,7 +39,7 @@ from typing import Any
 
 from starqa.core.errors import ShardError, StarqaError
 from starqa import methods
-from starqa.methods import MethodConfig, context_bias
+from starqa.methods import ContextBias, MethodConfig
 
 MANIFEST = "manifest.json"
 FORMAT = 4  # 2: files carry line_tokens (sources); 3: query_position; 4: blocks hold token ids
@@ -236,11 +236,12 @@ class Manifest:
         return self.query_position + max(self.reserve or 0, 1) > self.model.window
 
     @property
-    def context_bias(self) -> float:
+    def context_bias(self) -> ContextBias:
         """What Phase 2 adds to the context keys' scores where the blocks share positions
-        (`methods.context_bias`), else 0."""
-        return context_bias(self.n_tokens, self.query_position,
-                            methods.get(self.method.name).shared_from(self.method))
+        (`methods.ContextBias`: none where they do not, nor on the keys before the shared
+        positions)."""
+        return ContextBias.of(self.n_tokens, self.query_position,
+                              methods.get(self.method.name).shared_from(self.method))
 
     @property
     def local_blocks(self) -> tuple[int, ...]:

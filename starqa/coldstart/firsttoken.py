@@ -39,6 +39,7 @@ import numpy as np
 
 from starqa.native import kernels
 from starqa.core import tensorfile
+from starqa.core.blocks import split_at
 from starqa.cache.manifest import Manifest, block_file, read_manifest
 from starqa.models import cuda_available
 from starqa.models.prepared import (W8A8_MIN_ROWS_TILES, DecoderConfig, installed_torch_version,
@@ -150,26 +151,38 @@ def _load_model(folder: Path) -> _Model | None:
 def _shard_tables(manifest: Manifest, config: DecoderConfig) -> list[kernels.KeyTable]:
     """Per layer the kernel's table of every block's keys and values (all the context's
     blocks: a world of one), mapped in place, checksums verified first; their keys' scores
-    moved by the context's bias (`Manifest.context_bias`), the own keys' not."""
+    moved by the context's bias (`Manifest.context_bias`: not those before the shared
+    positions, a block holding both cut in two there), the own keys' not."""
     indices = list(range(len(manifest.blocks)))
     verify_checksums(manifest, indices, contents=True)
     blocks = [tensorfile.map_arrays(manifest.folder / block_file(i))[0] for i in indices]
-    tables, bias = [], manifest.context_bias
+    bias = manifest.context_bias
+    tables = []
     for layer in range(config.layers):
-        buffers = []
+        parts = []
         for block in blocks:
             k, v = block["k"][layer], block["v"][layer]  # [Hkv, T, D]
             if k.dtype == np.int8 and v.dtype == np.int8:  # int8 KV: rows and their scales
-                buffers.append((k.ctypes.data, v.ctypes.data, k.shape[1], k.strides[0],
-                                v.strides[0], block["k_scale"][layer].ctypes.data,
-                                block["v_scale"][layer].ctypes.data))
-                continue
-            if k.dtype != np.uint16 or v.dtype != np.uint16:
+                parts.append((k, v, block["k_scale"][layer], block["v_scale"][layer]))
+            elif k.dtype != np.uint16 or v.dtype != np.uint16:
                 raise ValueError("a shard that is not bf16")
-            buffers.append((k.ctypes.data, v.ctypes.data, k.shape[1], k.strides[0] // 2,
-                            v.strides[0] // 2))
-        tables.append(kernels.KeyTable(buffers, keep=blocks, bias=bias))
+            else:
+                parts.append((k, v))
+        before, after = split_at(parts, bias.unbiased(0))
+        tables.append(kernels.KeyTable([_buffer(*part) for part in before + after],
+                                       keep=blocks,
+                                       biases=[0.0] * len(before) + [bias.value] * len(after)))
     return tables
+
+
+def _buffer(k: np.ndarray, v: np.ndarray, k_scale: np.ndarray | None = None,
+            v_scale: np.ndarray | None = None) -> tuple[int, ...]:
+    """A `kernels.KeyTable` buffer of a block's keys and values [Hkv, T, D] (bf16 bits, or
+    int8 rows with their scales [Hkv, T])."""
+    if k_scale is None:
+        return k.ctypes.data, v.ctypes.data, k.shape[1], k.strides[0] // 2, v.strides[0] // 2
+    return (k.ctypes.data, v.ctypes.data, k.shape[1], k.strides[0], v.strides[0],
+            k_scale.ctypes.data, v_scale.ctypes.data)
 
 
 def _forward(model: _Model, tables: Sequence[kernels.KeyTable], ids: list[int], start: int,

@@ -89,3 +89,20 @@ def split_contiguous(n_items: int, world: int, rank: int) -> range:
 def round_robin(n_items: int, world: int, rank: int) -> list[int]:
     """Items of `rank`, round-robin: item i on rank i % world, in round i // world."""
     return list(range(rank, n_items, world))
+
+
+def split_at(parts: Sequence[tuple], at: int) -> tuple[list[tuple], list[tuple]]:
+    """Consecutive parts of keys, each a tuple of arrays [H, T_i, ...] sliced alike (a
+    block's keys and values, and their int8 scales: torch tensors, `Int8Rows` or numpy
+    arrays), as the parts holding the first `at` keys and the parts holding the rest: the
+    part that holds both is cut in two views there, and no part is empty."""
+    before, after, start = [], [], 0
+    for part in parts:
+        n = part[0].shape[1]
+        cut = min(max(at - start, 0), n)
+        if cut:
+            before.append(part if cut == n else tuple(x[:, :cut] for x in part))
+        if cut < n:
+            after.append(part if cut == 0 else tuple(x[:, cut:] for x in part))
+        start += n
+    return before, after

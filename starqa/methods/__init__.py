@@ -8,13 +8,14 @@ records. Everything that depends on the method asks its registry entry, `get(nam
 from starqa.core.blocks import plan_blocks, plan_file_blocks, round_robin, split_contiguous
 from starqa.methods.base import Method
 from starqa.methods.config import (MAX_DEFAULT_BLOCK, MIN_BLOCK, OPTIONS, PAST_WINDOW_BLOCK,
-    MethodConfig, check_block_size, check_sizes, context_bias, default_block, fitted_sizes,
-    given_settings)
+    ContextBias, MethodConfig, check_block_size, check_sizes, context_bias, default_block,
+    fitted_sizes, given_settings)
 from starqa.methods.registry import (DEFAULT, METHODS, REFERENCE, REGISTRY, get, help_line,
     method_config, owners)
 
 __all__ = ["DEFAULT", "MAX_DEFAULT_BLOCK", "METHODS", "MIN_BLOCK", "OPTIONS",
-           "PAST_WINDOW_BLOCK", "REFERENCE", "REGISTRY", "Method", "MethodConfig",
+           "PAST_WINDOW_BLOCK", "REFERENCE", "REGISTRY", "ContextBias", "Method",
+           "MethodConfig",
            "check_block_size", "check_sizes", "context_bias",
            "default_block", "fitted_sizes", "get", "given_settings", "help_line",
            "method_config", "owners",

@@ -351,17 +351,20 @@ class KeyTable:
     `keys` rows of D contiguous elements each. With scales (not 0), its rows are int8 with
     an fp32 scale each, laid out as the rows: [H, >= keys], a head stride / D apart.
 
-    bias: added to the score of every key of the laid-out buffers (Phase 2's context bias,
-    `methods.context_bias`), not to the changing one's (the own keys)."""
+    biases: added to the score of every key of each laid-out buffer, in order (Phase 2's
+    context bias, `methods.ContextBias`; 0 for the buffers past them), never to the changing
+    one's (the own keys)."""
 
-    def __init__(self, buffers: Sequence[tuple[int, ...]], keep=(), bias: float = 0.0):
+    def __init__(self, buffers: Sequence[tuple[int, ...]], keep=(),
+                 biases: Sequence[float] = ()):
         self._keep = keep  # what the addresses point into, kept alive with the table
         self.count = count = len(buffers) + 1
         # starts (count + 1), then key and value addresses, key and value head strides, and
         # key and value scales' addresses
         self._arrays = (ctypes.c_int64 * (7 * count + 1))()
         # each buffer's score bias: the laid-out ones', then the changing slot's, 0
-        self._biases = (ctypes.c_float * count)(*[bias] * (count - 1), 0.0)
+        given = list(biases)[:count - 1]
+        self._biases = (ctypes.c_float * count)(*given, *[0.0] * (count - len(given)))
         self.keys = 0  # the laid-out buffers' keys, and where the changing one starts
         for index, buffer in enumerate(buffers):
             self._set(index, *buffer)

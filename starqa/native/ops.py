@@ -76,14 +76,14 @@ class Layout:
     """Buffers for `attend` laid out once (a shard's blocks, which never change), with a
     slot after them for one that changes at every call (the question's own KV): a
     `kernels.KeyTable` over the tensors. A part is (key, value), or int8 rows (key, value,
-    key scales, value scales); `dtype` is the float parts' (None: none, any). bias: added
-    to the score of every key of these parts (Phase 2's context bias), not to the
-    changing buffer's."""
+    key scales, value scales); `dtype` is the float parts' (None: none, any). biases: added
+    to the score of every key of each part, in order (Phase 2's context bias; 0 past
+    them), not to the changing buffer's."""
 
-    def __init__(self, parts: Sequence[tuple[torch.Tensor, ...]], bias: float = 0.0):
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, ...]],
+                 biases: Sequence[float] = ()):
         self.parts = list(parts)  # (kept alive while the table points at them)
-        self.bias = bias
-        self._table = kernels.KeyTable([_buffer(*part) for part in self.parts], bias=bias)
+        self._table = kernels.KeyTable([_buffer(*part) for part in self.parts], biases=biases)
         self.keys = self._table.keys
         floats = [part[0].dtype for part in self.parts if len(part) == 2]
         self.dtype = floats[0] if floats else None

@@ -24,6 +24,7 @@ from starqa.phase2.shard_view import Shard
 from starqa.topk.indexes import TopK
 from starqa.cache.manifest import Manifest, PackedFile
 from starqa.cache.shards import load_shard
+from starqa.methods import ContextBias
 
 if TYPE_CHECKING:  # annotations only: top-k is loaded where it is asked for
     from starqa.topk.shard import TopKShard
@@ -45,9 +46,9 @@ class RankShare:
     blocks: Sequence[int] = ()
     ids: torch.Tensor | None = None
     retriever: TopKShard | None = None
-    # added to every context key's score: the context's mass scaled where its blocks share
-    # positions (`Manifest.context_bias`, docs/methods.md §2); 0 elsewhere
-    context_bias: float = 0.0
+    # added to the context keys' scores: the shared positions' mass scaled where the blocks
+    # share positions (`Manifest.context_bias`, docs/methods.md §2); none elsewhere
+    context_bias: ContextBias = ContextBias()
 
     def head(self) -> int:
         """The shard's keys before the first document (template, system prompt): no
@@ -68,7 +69,8 @@ class Answerer:
         self.sources_seconds = 0.0
         self.hook = ShardAttention(info, share.shard, query_host=info.is_last,
                                    head=share.head(), ids=share.ids, retriever=share.retriever,
-                                   context_bias=share.context_bias)
+                                   context_bias=share.context_bias.value,
+                                   unbiased=share.context_bias.unbiased(share.token_start))
 
     @classmethod
     def from_cache(cls, manifest: Manifest, info: dist.DistInfo, model_path: Path,

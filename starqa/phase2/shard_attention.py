@@ -57,19 +57,21 @@ class ShardAttention:
     [N_h] (what source attribution matches the answer against); retriever: top-k attention
     over this worker's blocks (starqa.topk.shard.TopKShard) in place of the exact shard
     part (shard is then None: no sources are tracked); context_bias: added to every shard
-    key's score (`LayerAttention`). While `track` is set, it keeps the
-    last query row of every forward (the row that picks the next token) and its global LSE,
+    key's score (`LayerAttention`) but the first `unbiased` (exact attention's: the keys
+    before the shared positions, `methods.ContextBias`; top-k's keys all carry it). While
+    `track` is set, it keeps the last query row of every forward (the row that picks the next token) and its global LSE,
     for `key_mass`.
     """
 
     def __init__(self, info: dist.DistInfo, shard: Shard | None, query_host: bool,
                  head: int = 0, ids: torch.Tensor | None = None,
-                 retriever: TopKShard | None = None, context_bias: float = 0.0):
+                 retriever: TopKShard | None = None, context_bias: float = 0.0,
+                 unbiased: int = 0):
         self.info = info
         self.query_host = query_host
         self.retriever = retriever
         self.ids = ids
-        self.view = ShardView(shard, head, context_bias)
+        self.view = ShardView(shard, head, context_bias, unbiased)
         self.context_bias = context_bias
         self.slots: list[Slot] = []
         self.current = self._slot()  # the slot a forward of one question is for (`use`)

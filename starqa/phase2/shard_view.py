@@ -33,12 +33,14 @@ class ShardView:
     worker without blocks, or top-k attention, which holds its own); int8 KV: each k and v
     an `attention.kvint8.Int8Rows` standing for the compute dtype, attended without a
     dequantised copy. head: the keys before the first document (template, system prompt),
-    which are never a source. bias: added to every shard key's score (Phase 2's context
-    bias, `methods.context_bias`): the parts `parts` returns carry it, and on the CPU the
-    kernel's tables (`Pieces`) do, the own keys going in with none.
+    which are never a source. bias: added to the score of every shard key but the first
+    `unbiased` (Phase 2's context bias, `methods.ContextBias`, on this shard: the keys
+    before the shared positions carry none): the parts `parts` returns carry it, and on the
+    CPU the kernel's tables (`Pieces`) do, the own keys going in with none.
     """
 
-    def __init__(self, shard: Shard | None, head: int = 0, bias: float = 0.0):
+    def __init__(self, shard: Shard | None, head: int = 0, bias: float = 0.0,
+                 unbiased: int = 0):
         self.cpu = shard is not None and shard[0][0][0].device.type == "cpu"
         if shard is not None and not self.cpu:  # the fused kernels take one buffer a layer
             shard = [pieces if len(pieces) == 1 else
@@ -46,10 +48,10 @@ class ShardView:
                      for pieces in shard]
         self.int8 = shard is not None and is_int8(shard[0][0][0])
         self.shard = shard
-        self.bias = bias
+        self.bias, self.unbiased = bias, unbiased if bias else 0
         # (CPU) each layer's pieces as the kernel reads them, laid out once
-        self.pieces = [Pieces([(k[0], v[0]) for k, v in layer], bias) for layer in shard] \
-            if self.cpu else None
+        self.pieces = [Pieces([(k[0], v[0]) for k, v in layer], bias, unbiased)
+                       for layer in shard] if self.cpu else None
         # where each piece starts among the shard's keys, then the shard's length
         self.starts = [0]
         for k, _ in shard[0] if shard else ():
@@ -72,8 +74,8 @@ class ShardView:
         pieces and, given `own` (the question's KV so far (k, v) [1, Hkv, N, D], its last M
         this forward's, seen causally), over those too; elsewhere the shard alone: a fused
         call per SLOT keys (the head its own part), or one exact part (int8 KV: dequantised
-        a chunk at a time, `kvint8.attend_int8`). The shard's keys carry `bias`, the own
-        keys none."""
+        a chunk at a time, `kvint8.attend_int8`), the first `unbiased` keys a part of their
+        own. The shard's keys carry `bias` (not its first `unbiased`), the own keys none."""
         if self.cpu:
             if own is None:
                 out, lse = self.pieces[layer].attend(q[0], scale=scale)
@@ -82,18 +84,30 @@ class ShardView:
                 out, lse = self.pieces[layer].attend(q[0], keys[0], values[0], scale,
                                                      query.shape[2])
             return [out[None]], [lse[None]]
-        if self.fused:
-            outs, lses = partial_chunks(q, *self.shard[layer][0], scale, SLOT, self.head)
-        elif self.int8:
-            key, value = self.shard[layer][0]
-            out, lse = attend_int8(q[0], key[0], value[0], scale)
-            outs, lses = [out[None]], [lse[None]]
-        else:  # no fused kernel here: one exact part
-            out, lse = fold_result(*attend(query, *self.shard[layer][0], scale), q.shape[1])
-            outs, lses = [out], [lse]
+        key, value = self.shard[layer][0]
+        cut = min(self.unbiased, key.shape[2])
+        outs, lses = self._parts(query, q, key[:, :, cut:], value[:, :, cut:], scale,
+                                 max(self.head - cut, 0)) if cut < key.shape[2] else ([], [])
         if self.bias:
             lses = [lse + self.bias for lse in lses]
+        if cut:  # the keys before the shared positions: a part with no bias
+            head_outs, head_lses = self._parts(query, q, key[:, :, :cut], value[:, :, :cut],
+                                               scale, 0)
+            outs, lses = head_outs + outs, head_lses + lses
         return outs, lses
+
+    def _parts(self, query: torch.Tensor, q: torch.Tensor, key, value, scale: float,
+               head: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(Not the CPU) `parts` over key/value [1, Hkv, N, D] (N >= 1), with no bias: a
+        fused call per SLOT keys (the first `head` their own part), or one exact part."""
+        if self.fused:
+            return partial_chunks(q, key, value, scale, SLOT, head)
+        if self.int8:
+            out, lse = attend_int8(q[0], key[0], value[0], scale)
+            return [out[None]], [lse[None]]
+        # no fused kernel here: one exact part
+        out, lse = fold_result(*attend(query, key, value, scale), q.shape[1])
+        return [out], [lse]
 
     def step_words(self, dtype: torch.dtype) -> list[tuple[int, tuple[int, ...]]] | None:
         """(CPU) Per layer the exact kernel's kind and words for starqa/native/_step.c

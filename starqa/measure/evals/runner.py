@@ -322,7 +322,7 @@ class Evaluator:
 
         encoded = encoded or self.encode(sample, method)
         config, start, parts = encoded.config, encoded.query_position, encoded.parts
-        bias = methods_mod.context_bias(  # as the manifest's
+        bias = methods_mod.ContextBias.of(  # as the manifest's
             len(sample.context_ids), start, methods_mod.get(method).shared_from(config))
         if kv != KV_FLOAT:
             from starqa.attention.kvint8 import quantize_rows
