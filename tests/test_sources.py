@@ -128,3 +128,35 @@ def test_phase2_attribution_is_the_mass_each_row_put_on_its_own_token(piece_byte
     # No token ids (a shard loaded without them): no attribution rather than a wrong one.
     hook.ids = None
     assert hook.key_mass(tokens).sum() == 0
+
+
+def test_key_mass_weighs_the_keys_as_the_context_bias_did():
+    """Past the window the shard's keys at shared positions weigh e^b in attention (all but
+    the first `unbiased`, the anchor's): each key's mass is its fp64 softmax share with that
+    bias, not its bare score's."""
+    from starqa.runtime import dist
+    from starqa.phase2.shard_attention import ShardAttention
+
+    torch.manual_seed(1)
+    n, unbiased, bias, scale = 300, 120, math.log(0.2), 8 ** -0.5
+    ids = torch.randint(0, 5, (n,))
+    k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+    pieces = [[(k[:, :, :200], v[:, :, :200]), (k[:, :, 200:], v[:, :, 200:])]]
+    hook = ShardAttention(dist.local_world(), pieces, query_host=True, ids=ids,
+                          context_bias=bias, unbiased=unbiased)
+    hook.begin(8)
+    hook.track = True
+    q, own_k, own_v = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    hook.attention(0, q, own_k, own_v, scale)
+    hook.advance(1)
+    got = hook.key_mass([3])
+
+    expected = torch.zeros(n, dtype=torch.float64)
+    for h in range(6):  # query head h reads KV head h // 3
+        keys = torch.cat([k[0, h // 3], own_k[0, h // 3]]).double()
+        scores = keys @ q[0, h, 0].double() * scale
+        scores[unbiased:n] += bias
+        expected += (scores - scores.logsumexp(0)).exp()[:n] * (ids == 3)
+    expected /= 6
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-7)
+    assert got[unbiased:].sum() < 0.9 * expected[unbiased:].sum() / math.exp(bias)

@@ -11,6 +11,7 @@ adds them up and ranks.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 from collections.abc import Sequence
@@ -98,7 +99,8 @@ def key_mass(view: ShardView, ids: torch.Tensor | None, rows: AnswerRows,
     all did worse than matching tokens (measured side by side on `eval`'s qa task). It
     costs one dot product per (row, matching key), after the answer, in one batched
     matmul per distinct token (`attention.copymass.matched_mass`): no pass over the keys
-    while decoding. The head (`ShardView.head`) gets nothing."""
+    while decoding. The head (`ShardView.head`) gets nothing; the keys the context bias
+    weighed (`ShardView.bias`, not the first `unbiased`) weigh e^bias here too."""
     mass = torch.zeros(view.n_keys, dtype=torch.float64)
     steps = min(len(tokens), rows.count())
     if ids is None or not steps:
@@ -127,6 +129,8 @@ def key_mass(view: ShardView, ids: torch.Tensor | None, rows: AnswerRows,
         keys = keys.reshape(layers * kv_heads, -1, dim).transpose(1, 2)
         probs = matched_mass(queries, lses, keys, emitted, ids[chosen])
         mass.index_add_(0, chosen + view.head, probs.double())
+    if view.bias:  # the rows' LSEs hold the bias; their scores of each key here do not
+        mass[view.unbiased:] *= math.exp(view.bias)
     return mass / (steps * layers * kv_heads * groups)
 
 
