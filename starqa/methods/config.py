@@ -120,8 +120,8 @@ def context_bias(n_tokens: int, query_position: int, shared_from: int = 0) -> fl
     left alone, the context's attention mass swamps the question's own keys (SmolLM2 at 6K
     in blocks of 512 answers nothing). Scaling the shared keys' mass by (p − s)/(n − s)
     gives each shared position one key's worth again (APE's scaling factor, Yang et al.,
-    ICLR 2025, here set by the overlap, not tuned); the keys' weights among themselves are
-    unchanged, so sources are too."""
+    ICLR 2025, here set by the overlap, not tuned); their weights among themselves are
+    unchanged."""
     if not 0 < query_position < n_tokens:
         return 0.0
     shared_from = min(max(shared_from, 0), query_position - 1)
@@ -143,7 +143,7 @@ class ContextBias:
         """The bias of n keys before the question at `query_position`, the blocks sharing
         positions from `shared_from` on."""
         value = context_bias(n_tokens, query_position, shared_from)
-        return cls(value, max(shared_from, 0) if value else 0)
+        return cls(value, min(max(shared_from, 0), query_position - 1) if value else 0)
 
     def unbiased(self, start: int) -> int:
         """How many of the keys from the context's token `start` on carry no bias: those

@@ -59,8 +59,8 @@ class ShardAttention:
     part (shard is then None: no sources are tracked); context_bias: added to every shard
     key's score (`LayerAttention`) but the first `unbiased` (exact attention's: the keys
     before the shared positions, `methods.ContextBias`; top-k's keys all carry it). While
-    `track` is set, it keeps the last query row of every forward (the row that picks the next token) and its global LSE,
-    for `key_mass`.
+    `track` is set, it keeps the last query row of every forward (the row that picks the
+    next token) and its global LSE, for `key_mass`.
     """
 
     def __init__(self, info: dist.DistInfo, shard: Shard | None, query_host: bool,
