@@ -5,11 +5,11 @@ records. Everything that depends on the method asks its registry entry, `get(nam
 `Method` in base.py for what can be asked).
 """
 
-from starqa.core.blocks import plan_blocks, plan_file_blocks, round_robin, split_contiguous
+from starqa.core.blocks import (ContextBias, context_bias, plan_blocks, plan_file_blocks,
+    round_robin, split_contiguous)
 from starqa.methods.base import Method
 from starqa.methods.config import (MAX_DEFAULT_BLOCK, MIN_BLOCK, OPTIONS, PAST_WINDOW_BLOCK,
-    ContextBias, MethodConfig, check_block_size, check_sizes, context_bias, default_block,
-    fitted_sizes, given_settings)
+    MethodConfig, check_block_size, check_sizes, default_block, fitted_sizes, given_settings)
 from starqa.methods.registry import (DEFAULT, METHODS, REFERENCE, REGISTRY, get, help_line,
     method_config, owners)
 

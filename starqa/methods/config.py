@@ -109,48 +109,6 @@ def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | N
     return block, block
 
 
-def context_bias(n_tokens: int, query_position: int, shared_from: int = 0) -> float:
-    """The log-scale Phase 2 adds to the score of every context key at a shared position
-    where the blocks share positions (contiguous positions, docs/methods.md §2), else 0:
-    log((p − s) / (n − s)) for n keys before the question at position p, the blocks sharing
-    positions s..p−1 (s: what lies before them once, the anchor, whose keys keep their
-    weight: `ContextBias`).
-
-    There the question meets (n − s)/(p − s) keys at each distance where training put one;
-    left alone, the context's attention mass swamps the question's own keys (SmolLM2 at 6K
-    in blocks of 512 answers nothing). Scaling the shared keys' mass by (p − s)/(n − s)
-    gives each shared position one key's worth again (APE's scaling factor, Yang et al.,
-    ICLR 2025, here set by the overlap, not tuned); their weights among themselves are
-    unchanged."""
-    if not 0 < query_position < n_tokens:
-        return 0.0
-    shared_from = min(max(shared_from, 0), query_position - 1)
-    return math.log((query_position - shared_from) / (n_tokens - shared_from))
-
-
-@dataclass(frozen=True)
-class ContextBias:
-    """Phase 2's score bias on a context's keys (`context_bias`): `value` on every key from
-    the context's token `shared_from` on, none on the keys before it (star's anchor,
-    pulsar's sink: positions the context holds once, as training did, among them the first
-    token, the attention sink). 0 where the blocks do not share positions."""
-
-    value: float = 0.0
-    shared_from: int = 0
-
-    @classmethod
-    def of(cls, n_tokens: int, query_position: int, shared_from: int = 0) -> ContextBias:
-        """The bias of n keys before the question at `query_position`, the blocks sharing
-        positions from `shared_from` on."""
-        value = context_bias(n_tokens, query_position, shared_from)
-        return cls(value, min(max(shared_from, 0), query_position - 1) if value else 0)
-
-    def unbiased(self, start: int) -> int:
-        """How many of the keys from the context's token `start` on carry no bias: those
-        before `shared_from`."""
-        return max(self.shared_from - start, 0) if self.value else 0
-
-
 def chosen(defaults: dict, given: dict) -> dict:
     """`defaults` overridden by the settings of `given` that are set and are among them."""
     return {**defaults, **{k: v for k, v in given.items() if v is not None and k in defaults}}

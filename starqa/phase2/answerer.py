@@ -24,7 +24,7 @@ from starqa.phase2.shard_view import Shard
 from starqa.topk.indexes import TopK
 from starqa.cache.manifest import Manifest, PackedFile
 from starqa.cache.shards import load_shard
-from starqa.methods import ContextBias
+from starqa.core.blocks import ContextBias
 
 if TYPE_CHECKING:  # annotations only: top-k is loaded where it is asked for
     from starqa.topk.shard import TopKShard
