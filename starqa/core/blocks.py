@@ -11,8 +11,8 @@ past its block's room regroups only the files up to the next cut point, never ev
 block (greedy packing alone would shift every later boundary).
 
 Where blocks share positions (star and pulsar past the window), `ContextBias` is what
-Phase 2 adds to the scores of their keys, and `split_at` cuts a shard's parts where it
-starts.
+Phase 2 adds to the scores of their keys, and `split_at` cuts a shard's parts where the
+bias starts.
 
 Pure Python (no torch), so the launcher and the UI can use it without loading the model.
 """
