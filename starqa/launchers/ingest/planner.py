@@ -42,19 +42,21 @@ def plan(opts: IngestOptions, n: int, window: int,
 
     kv_bytes: the KV one token takes in the cache at a KV precision (None: unknown); total,
     available: the machine's memory and what of it is free (None: unknown). The KV's
-    precision, where not given, is float unless float would take more than half of `total`
-    (a choice that stays put from one run to the next, and so does the cache key; across
-    machines, float: their memories may differ, their choices may not). Raises
+    precision, where not given, is int8 past the window, else float unless float would
+    take more than half of `total` (a choice that stays put from one run to the next, and
+    so does the cache key; across machines, float: their memories may differ, their choices
+    may not). Raises
     StarqaError where the settings given cannot fit the window (the sizes that would, in
     the hint).
     """
     reserve = opts.reserve or 0
+    within = n + reserve <= window
     # across machines every launcher must choose alike, and their memories may differ
-    past = n + reserve > window and not opts.beyond_window
-    kv, why_kv = _precision(opts.kv, n, kv_bytes, total if opts.nnodes == 1 else None, past)
+    kv, why_kv = _precision(opts.kv, n, kv_bytes, total if opts.nnodes == 1 else None,
+                            past=not within and not opts.beyond_window)
     opts = replace(opts, kv=kv)
     kv_line = _kv_words(n, kv, kv_bytes, available, why_kv)
-    if n + reserve <= window:
+    if within:
         return Choice(opts, f"Plan: {n:,} tokens fit the {window:,}-token window{kv_line}."
                       if why_kv else None)
     over = f"{n:,} tokens + {reserve:,} reserved > the {window:,}-token window"
