@@ -322,7 +322,8 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
     hidden states of the loop that calls the same kernels layer by layer, bit for bit, with
     the own keys written alike (a later forward reads them) and, for exact, the same source
     attribution from the rows kept. A context bias (the shard's keys weigh e^b) is compiled
-    too: in exact's tables and top-k's words, the own keys without it."""
+    too: in exact's tables and top-k's words, the shard's first 150 keys (the anchor's,
+    cut inside the first block) and the own keys without it."""
     from starqa.runtime import dist
     from starqa.phase2.shard_attention import ShardAttention
     from starqa.topk import retrieval
@@ -336,14 +337,14 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
               for t in (300, n - 300)]
     ids = torch.randint(0, 64, (n,))
 
-    def hook(bias=bias):
+    def hook(bias=bias, unbiased=150):
         if kind == "exact":
             pieces = [[(k[layer][None], v[layer][None]) for k, v in blocks] for layer in range(2)]
             return ShardAttention(dist.local_world(), pieces, query_host=True, head=5, ids=ids,
-                                  context_bias=bias)
+                                  context_bias=bias, unbiased=unbiased)
         shard = retrieval.from_parts(blocks, TopK(count=24, index=kind, sink=4), n)
         return ShardAttention(dist.local_world(), None, query_host=True, retriever=shard,
-                              context_bias=bias)
+                              context_bias=bias, unbiased=unbiased)
 
     results, planned = [], []
     for compiled in (True, False):
@@ -361,11 +362,12 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_by_layer_loop(dtype
         assert torch.equal(a, b)
     if kind == "exact":
         assert fused_mass.sum() > 0 and torch.equal(fused_mass, loop_mass)
-    if bias:  # and the bias weighs: without it the loop's hidden states are others
-        attention = hook(0.0)
-        attention.begin(4)
-        unbiased = _forwards(decoder, attention, FORWARDS, dtype, False, [])
-        assert not torch.equal(unbiased[-1], loop[-1])
+    if bias:  # and the bias weighs, and not on the first 150 keys: the loop's hidden
+        # states without it, and with it on every key, are others
+        for other in (hook(0.0), hook(bias, 0)):
+            other.begin(4)
+            assert not torch.equal(_forwards(decoder, other, FORWARDS, dtype, False, [])[-1],
+                                   loop[-1])
 
 
 @pytest.mark.skipif(not native.int4_fast(), reason="no fast int4 path here (AVX-512 VNNI or AVX2)")

@@ -173,15 +173,20 @@ def test_context_bias_is_the_overlap_of_keys_on_positions():
     assert methods.get("star").shared_from(config) == 3_840
 
 
-@pytest.mark.parametrize("kind,unbiased", [("exact", 0), ("exact", 25), ("exact", 40),
-                                           ("elsewhere", 25), ("topk", 0)])
-def test_the_bias_scales_the_context_mass_exactly(kind, unbiased):
+@pytest.mark.parametrize("kind,unbiased", [
+    ("exact", 0), ("exact", 25), ("exact", 40), ("elsewhere", 25),
+    ("topk", 0), ("topk", 10), ("topk", 25), ("topk", 40),
+    ("topk-question", 10), ("topk-question", 25), ("topk-torch", 10), ("topk-torch", 40)])
+def test_the_bias_scales_the_context_mass_exactly(kind, unbiased, monkeypatch):
     """Phase 2 with a context bias b equals softmax over [s·q·K_ctx + b ‖ s·q·K_own (causal)]
     computed in fp64: the shared positions' mass scaled by e^b, the keys before them (the
     first `unbiased`: in a block, or a whole block) and the own keys kept; exact attention
     on the CPU's kernel and as a GPU's path runs it (one buffer, its parts in torch), and
-    top-k with k covering every key."""
+    top-k with k covering every key: the compiled kernel, torch's code where it is not
+    built, and the question's exact forward, the cut inside the sink (10 of its 16 rows),
+    past it and at the first block's end."""
     from starqa.attention import fold_gqa
+    from starqa.native import ops as native
     from starqa.phase2.shard_attention import ShardAttention
     from starqa.runtime import dist
     from starqa.topk import retrieval
@@ -194,11 +199,15 @@ def test_the_bias_scales_the_context_mass_exactly(kind, unbiased):
     q = torch.randn(1, heads, m, dim)
     own_k, own_v = torch.randn(1, kv_heads, m, dim), torch.randn(1, kv_heads, m, dim)
     shard = [[(k[:, :, :40], v[:, :, :40]), (k[:, :, 40:], v[:, :, 40:])]]
-    if kind == "topk":
-        retriever = retrieval.from_parts([(k[0][None], v[0][None])], TopK(count=n), n,
+    if kind.startswith("topk"):
+        if kind == "topk-torch":
+            monkeypatch.setattr(native, "available", lambda: False)
+        prefill = "exact" if kind == "topk-question" else "topk"
+        blocks = [(k[:, :, :40], v[:, :, :40]), (k[:, :, 40:], v[:, :, 40:])]
+        retriever = retrieval.from_parts(blocks, TopK(count=n, prefill=prefill), n,
                                          torch.float32)
         hook = ShardAttention(dist.local_world(), None, query_host=True, retriever=retriever,
-                              context_bias=bias)
+                              context_bias=bias, unbiased=unbiased)
     else:
         hook = ShardAttention(dist.local_world(), [[(k, v)]] if kind == "elsewhere" else shard,
                               query_host=True, context_bias=bias, unbiased=unbiased)

@@ -17,11 +17,11 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="starqa's kernels
 
 
 def topk_attend(q, keys, values, k, skip, scale, key_map=None, lists=None, tokens=None,
-                key_at=None, own=None, tail=None, bias=0.0):
+                key_at=None, own=None, tail=None, bias=0.0, unbiased=0):
     """A `native.TopKTable` of these buffers (its docstring says what each is), attended
     once."""
     return native.TopKTable(keys, values, key_map, lists, key_at, tail=tail).attend(
-        q, k, skip, scale, tokens, own, bias)
+        q, k, skip, scale, tokens, own, bias, unbiased)
 
 
 def reference(q, key, value, k, scale, skip=0, allowed=None, dtype=torch.float64, tokens=None):
@@ -316,10 +316,15 @@ def test_a_bias_weighs_the_shard_keys_and_not_the_own_keys(kind, dtype):
                                torch.stack([part[1] + bias, mine[1]]))
         assert (out - want).abs().max() <= 1e-5 * want.abs().max()
         assert (lse - want_lse).abs().max() <= 1e-5 * want_lse.abs().max()
-    if kind == "flat":  # k = N: every key, exact
-        want, want_lse = biased_reference(q, [(key, value)], own, 0.125, tokens, bias)
-        assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
-        assert (lse.double() - want_lse).abs().max() <= 1e-5 * want_lse.abs().max()
+    if kind == "flat":  # k = N: every key, exact; the first `unbiased` rows without the
+        # bias (cut inside the sink's 3 rows, among the picks, past every key)
+        for unbiased in (0, 2, 700, n + 5):
+            out, lse = topk_attend(q, keys, [(0, value)], n, 3, 0.125, key_map, lists, tokens,
+                                   own=own, bias=bias, unbiased=unbiased)
+            want, want_lse = biased_reference(q, [(key, value)], own, 0.125, tokens, bias,
+                                              unbiased)
+            assert (out.double() - want).abs().max() <= 1e-5 * want.abs().max()
+            assert (lse.double() - want_lse).abs().max() <= 1e-5 * want_lse.abs().max()
 
 
 def test_own_keys_of_another_layout_are_refused():
@@ -333,16 +338,20 @@ def test_impossible_arguments_are_refused():
     q, key = torch.randn(1, 2, 16), torch.randn(1, 8, 16)
     with pytest.raises(ValueError, match="top-k kernel"):
         topk_attend(q, [(0, key)], [(0, key)], 0, 0, 0.25)
+    with pytest.raises(ValueError, match="top-k kernel"):  # unbiased rows below none
+        topk_attend(q, [(0, key)], [(0, key)], 2, 0, 0.25, bias=-1.0, unbiased=-1)
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf"])
-@pytest.mark.parametrize("bias", [0.0, math.log(0.3)])
-def test_without_the_kernel_the_same_keys_are_attended(kind, bias, monkeypatch):
+@pytest.mark.parametrize("bias,unbiased", [(0.0, 0), (math.log(0.3), 0), (math.log(0.3), 2),
+                                           (math.log(0.3), 700)])
+def test_without_the_kernel_the_same_keys_are_attended(kind, bias, unbiased, monkeypatch):
     """A machine where the kernel was not built (no C compiler) takes torch's and numpy's
     code: it must select each row's keys the same way (ivf: the row's own lists only) and
     share them the same way across a position's query heads, so answers do not depend on
     whether a compiler was found; a context bias weighs the same keys (the sink's, the
-    picks', ivf's tail; not the own keys). fp32 keys: no bf16 near-ties."""
+    picks', ivf's tail; not the first `unbiased` rows, cut inside the sink or among the
+    picks; not the own keys). fp32 keys: no bf16 near-ties."""
     from starqa.topk import retrieval
     from starqa.attention import merge
     from starqa.topk.indexes import TopK
@@ -356,9 +365,9 @@ def test_without_the_kernel_the_same_keys_are_attended(kind, bias, monkeypatch):
     def merged(parts):
         return merge(torch.cat(parts[0]), torch.cat(parts[1]))
 
-    with_kernel = merged(shard.parts(1, q, 32 ** -0.5, 4, own, bias=bias))
+    with_kernel = merged(shard.parts(1, q, 32 ** -0.5, 4, own, bias=bias, unbiased=unbiased))
     monkeypatch.setattr(native, "available", lambda: False)
-    without = merged(shard.parts(1, q, 32 ** -0.5, 4, own, bias=bias))
+    without = merged(shard.parts(1, q, 32 ** -0.5, 4, own, bias=bias, unbiased=unbiased))
     for a, b in zip(with_kernel, without):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
 

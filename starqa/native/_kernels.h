@@ -153,8 +153,9 @@ typedef struct {
 /* starqa_topk_attend: R = G * tokens rows (G query heads per KV head, each at `tokens`
    positions, the position fastest), each over its k best keys (the G rows of a position
    over the union of their picks), the sink (shard rows below `skip`) and its own keys.
-   bias: added to the scaled score of every shard key (the sink's, the picks', the tail's),
-   not the own keys' (Phase 2's context bias); the picks do not depend on it. */
+   bias: added to the scaled score of every shard key (the sink's, the picks', the tail's)
+   but the shard rows below `unbiased` (the keys the context holds once, Phase 2's context
+   bias), never to the own keys'; the picks do not depend on it. */
 typedef struct {
     const starqa_topk_table *table;
     starqa_queries queries;
@@ -162,6 +163,7 @@ typedef struct {
     int64_t k;
     int64_t skip;
     float bias;
+    int64_t unbiased;
     starqa_own_keys own;
     starqa_outputs result;
     int threads;
@@ -301,8 +303,8 @@ typedef struct {
    buffers (keys, values [Hkv, capacity, D] in the model's dtype), then exact's key table
    (the own buffer goes in the slot after its pieces) or top-k's table, k, the sink's rows
    and `releases` (address, length) pairs at `release`: the memory-mapped pages of the layer
-   (--kv-on-disk) dropped after its attention; bias: top-k's (starqa_topk_args'; exact's
-   are its table's biases). */
+   (--kv-on-disk) dropped after its attention; bias and unbiased: top-k's
+   (starqa_topk_args'; exact's are its table's biases). */
 typedef struct {
     int kind;
     float scale;
@@ -316,6 +318,7 @@ typedef struct {
     const int64_t *release;
     int64_t releases;
     float bias;
+    int64_t unbiased;
 } starqa_step_attention;
 
 /* starqa_decode_layers: every layer of a forward of M rows on hidden [M, H] in place;

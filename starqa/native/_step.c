@@ -80,8 +80,8 @@ static int attend(const starqa_step_model *mw, const starqa_step_attention *aw,
     }
     if (aw->kind == STARQA_STEP_TOPK) {
         const starqa_own_keys own = {mw->bf16, aw->own_k, aw->own_v, aw->capacity * d, before};
-        const starqa_topk_args args = {aw->topk, queries, m, aw->k, aw->skip, aw->bias, own,
-                                       result, threads};
+        const starqa_topk_args args = {aw->topk, queries, m, aw->k, aw->skip, aw->bias,
+                                       aw->unbiased, own, result, threads};
         const int code = starqa_topk_attend(&args);
         release(aw->release, aw->releases);
         return code;

@@ -10,10 +10,14 @@
    (3) Each row's pieces merged in order by log-sum-exp. The cuts depend on the position's
    keys only, so its result does too.
 
-   The call's bias b (Phase 2's context bias) weighs every shard key by e^b and no own key:
-   in (2) the shard keys' raw scores move by b / scale before a piece's weights, and in (3)
-   the tail's maximum does (its weights are relative to it). The picks are made without it:
-   the same b on every shard key leaves their order as it was.
+   The call's bias b (Phase 2's context bias) weighs every shard key by e^b but the shard
+   rows below `unbiased` (the keys the context holds once: star's anchor), and no own key:
+   in (2) the biased keys' raw scores move by b / scale before a piece's weights (a union
+   is in row order, so its unbiased rows are its first `fronts[t]`), and in (3) the tail's
+   maximum does (its weights are relative to it: the keys it estimates are taken as biased,
+   the unbiased rows being at most a block of the shard). The picks are made without it:
+   the same b on every key they choose among leaves their order as it was (the unbiased
+   rows are few, and the sink among them is always attended).
 
    The three steps run in one OpenMP parallel region (a worksharing loop each, in the
    functions below, called from that region only). */
@@ -27,8 +31,8 @@
 
 /* What the steps share: the call, its picks, and (in scratch slots of the calling thread,
    which no task uses) each position t's union: its shard rows' keys ukeys[t * room ..]
-   and values uvals[t * room ..] (then its own keys'), unions[t] shard rows, owns[t] own
-   keys, its pieces first[t] .. first[t + 1] - 1 (piece_of: each piece's position) and
+   and values uvals[t * room ..] (then its own keys'), unions[t] shard rows (the first
+   fronts[t] of them below `unbiased`), owns[t] own keys, its pieces first[t] .. first[t + 1] - 1 (piece_of: each piece's position) and
    their parts [per * (D + 2)] each (G rows of out [D], max, total); urows (kept scores):
    the union's shard rows; lcounts and tparts (the tail): each position's union counted
    by list, and its rows' parts. */
@@ -39,7 +43,7 @@ typedef struct {
     int tails;
     int64_t per, ht, picked, room, part;
     const char **ukeys, **uvals;
-    int64_t *unions, *owns, *first, *piece_of, *urows;
+    int64_t *unions, *owns, *first, *piece_of, *urows, *fronts;
     float *parts, *tparts;
     int32_t *lcounts;
 } unions_of;
@@ -96,14 +100,15 @@ static void gather_unions(const unions_of *u, const union_scratch *s) {
     const int64_t own_stride = args->own.stride, own_before = args->own.before;
     const int64_t per = u->per, ht = u->ht, room = u->room;
     const char **ukeys = u->ukeys, **uvals = u->uvals;
-    int64_t *unions = u->unions, *owns = u->owns, *urows = u->urows;
+    int64_t *unions = u->unions, *owns = u->owns, *urows = u->urows, *fronts = u->fronts;
+    const int64_t unbiased = args->unbiased;
     int32_t *lcounts = u->lcounts;
     const float *keep = u->keep;
     uint64_t *marks = s->marks;
     int64_t *union_rows = s->union_rows;
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < ht; t++) {
-        unions[t] = owns[t] = 0;
+        unions[t] = owns[t] = fronts[t] = 0;
         if (!s->ok) continue;
         const int64_t h = t / tokens, m = t % tokens;
         memset(marks, 0, (size_t)((n + 63) / 64) * sizeof(uint64_t));
@@ -142,6 +147,9 @@ static void gather_unions(const unions_of *u, const union_scratch *s) {
             vp[nu + j] = own_v + at;
         }
         if (urows) memcpy(urows + t * room, union_rows, (size_t)nu * sizeof(int64_t));
+        int64_t front = 0; /* the union's rows below `unbiased`: its first, rows ascending */
+        while (front < nu && union_rows[front] < unbiased) front++;
+        fronts[t] = front;
         unions[t] = nu;
         owns[t] = no;
     }
@@ -174,7 +182,7 @@ static void attend_pieces(const unions_of *u, const union_scratch *s) {
     const size_t part = (size_t)u->part;
     const char **ukeys = u->ukeys, **uvals = u->uvals;
     const int64_t *unions = u->unions, *owns = u->owns, *first = u->first;
-    const int64_t *piece_of = u->piece_of, *urows = u->urows;
+    const int64_t *piece_of = u->piece_of, *urows = u->urows, *fronts = u->fronts;
     const float *keep = u->keep;
     float *parts = u->parts, *w = s->w, *block = s->block, *value = s->value;
     const float shift = args->bias != 0.0f ? args->bias / scale : 0.0f; /* raw scores' */
@@ -213,9 +221,11 @@ static void attend_pieces(const unions_of *u, const union_scratch *s) {
         } else {
             topk_score_rows(kr + a, cut - a, k_bf16, qs, per, d, w, wroom, block);
         }
-        if (shift != 0.0f) /* the shard keys' bias, not the own keys' */
+        if (shift != 0.0f) { /* the biased shard keys' bias: not the unbiased, not own */
+            const int64_t from = fronts[t] > a ? fronts[t] - a : 0;
             for (int64_t g = 0; g < per; g++)
-                for (int64_t x = 0; x < cut - a; x++) w[g * wroom + x] += shift;
+                for (int64_t x = from; x < cut - a; x++) w[g * wroom + x] += shift;
+        }
         topk_score_rows(kr + cut, b - cut, o_bf16, qs, per, d, w + (cut - a), wroom, block);
         for (int64_t g = 0; g < per; g++) /* scores → weights exp((s - max s) * scale) */
             outs[g][d + 1] = topk_weigh(w + g * wroom, b - a, scale, &outs[g][d]);
@@ -286,7 +296,7 @@ static int lay_out(unions_of *u, int64_t own_most) {
     const size_t part = (size_t)u->part;
     u->ukeys = scratch_get(S_UKEYS, (size_t)(ht * u->room + 1) * sizeof(char *));
     u->uvals = scratch_get(S_UVALS, (size_t)(ht * u->room + 1) * sizeof(char *));
-    int64_t *ucount = scratch_get(S_UCOUNT, (size_t)(3 * ht + 2) * sizeof(int64_t));
+    int64_t *ucount = scratch_get(S_UCOUNT, (size_t)(4 * ht + 2) * sizeof(int64_t));
     u->piece_of = scratch_get(S_PIECES, (size_t)(ht * pieces_most + 1) * sizeof(int64_t));
     u->parts = scratch_get(S_PARTS, (size_t)(ht * pieces_most + 1) * part * sizeof(float));
     u->urows = u->keep ? scratch_get(S_UROWS, (size_t)(ht * u->room + 1) * sizeof(int64_t))
@@ -300,6 +310,7 @@ static int lay_out(unions_of *u, int64_t own_most) {
     u->unions = ucount;
     u->owns = ucount + ht;
     u->first = ucount + 2 * ht; /* [ht + 1] */
+    u->fronts = ucount + 3 * ht + 1;
     return 0;
 }
 
@@ -316,6 +327,7 @@ static int possible(const starqa_topk_args *args) {
              t->lists.probes < 1 || tokens < 1 || q->rows % tokens ||
              q->rows / tokens > MAX_GROUP || args->skip < 0 || args->skip > t->n ||
              !isfinite(args->bias) || (args->bias != 0.0f && !(args->result.scale > 0.0f)) ||
+             args->unbiased < 0 ||
              (own->k && (!own->v || own->before < 0 ||
                          own->stride < (own->before + tokens) * d)));
 }

@@ -82,7 +82,7 @@ class starqa_own_keys(ctypes.Structure):
 class starqa_topk_args(ctypes.Structure):
     _fields_ = [("table", ctypes.POINTER(starqa_topk_table)), ("queries", starqa_queries),
                 ("tokens", _I64), ("k", _I64), ("skip", _I64), ("bias", _F32),
-                ("own", starqa_own_keys), ("result", starqa_outputs), ("threads", _INT)]
+                ("unbiased", _I64), ("own", starqa_own_keys), ("result", starqa_outputs), ("threads", _INT)]
 
 
 class starqa_select_args(ctypes.Structure):
@@ -125,7 +125,7 @@ class starqa_step_attention(ctypes.Structure):
     _fields_ = [("kind", _INT), ("scale", _F32), ("own_k", _PTR), ("own_v", _PTR),
                 ("capacity", _I64), ("exact", ctypes.POINTER(starqa_key_table)),
                 ("topk", ctypes.POINTER(starqa_topk_table)), ("k", _I64), ("skip", _I64),
-                ("release", _PTR), ("releases", _I64), ("bias", _F32)]
+                ("release", _PTR), ("releases", _I64), ("bias", _F32), ("unbiased", _I64)]
 
 
 class starqa_decode_args(ctypes.Structure):

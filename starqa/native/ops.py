@@ -255,12 +255,12 @@ class TopKTable:
         self._pointer = ctypes.pointer(self.table)
 
     def step_words(self, k: int, skip: int, release: torch.Tensor | None = None,
-                   bias: float = 0.0) -> tuple:
+                   bias: float = 0.0, unbiased: int = 0) -> tuple:
         """The top-k part of a layer's attention words for `decode_layers`
-        (starqa_step_attention's topk, k, skip, release, releases and bias): the table's
-        address, k, skip, then `release` [P, 2] int64 (the caller keeps it alive): the
-        (address, length) of the memory-mapped pages that the step releases after the
-        layer's attention; then `attend`'s bias."""
+        (starqa_step_attention's topk, k, skip, release, releases, bias and unbiased): the
+        table's address, k, skip, then `release` [P, 2] int64 (the caller keeps it alive):
+        the (address, length) of the memory-mapped pages that the step releases after the
+        layer's attention; then `attend`'s bias and unbiased."""
         if self.selects_only:
             raise ValueError("top-k kernel: this table holds no values (it only selects)")
         if release is not None and (release.dtype != torch.int64 or release.dim() != 2
@@ -268,12 +268,12 @@ class TopKTable:
             raise ValueError(f"top-k kernel: release ranges {tuple(release.shape)} "
                              f"{release.dtype} (int64 [P, 2], contiguous)")
         pairs = (0, 0) if release is None else (release.data_ptr(), release.shape[0])
-        return (ctypes.addressof(self.table), k, skip, *pairs, bias)
+        return (ctypes.addressof(self.table), k, skip, *pairs, bias, unbiased)
 
     def attend(self, q: torch.Tensor, k: int, skip: int, scale: float,
                tokens: int | None = None,
-               own: tuple[torch.Tensor, torch.Tensor] | None = None, bias: float = 0.0
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               own: tuple[torch.Tensor, torch.Tensor] | None = None, bias: float = 0.0,
+               unbiased: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k partial attention of every row of q [H, R, D] (starqa/native/_topk.h says
         how). tokens: the forward's positions M, the rows being G blocks of M
         (`attention.fold_gqa`); the G rows of a position share their keys (None: M = R,
@@ -281,8 +281,9 @@ class TopKTable:
         attends to them. own: the query host's own (keys, values) [H, L, D] (rows
         contiguous, bf16 or fp32), the last M of them this forward's, attended causally
         with the rest under one softmax. bias: added to every shard key's score (the
-        sink's, the picks', the tail's; Phase 2's context bias), not the own keys'; the
-        picks do not depend on it. Returns out [H, R, D] and lse [H, R], fp32 (a row with
+        sink's, the picks', the tail's; Phase 2's context bias) but the shard rows below
+        `unbiased` (the keys the context holds once), never to the own keys'; the picks do
+        not depend on it. Returns out [H, R, D] and lse [H, R], fp32 (a row with
         no key: 0 and -inf)."""
         if self.selects_only:
             raise ValueError("top-k kernel: this table holds no values (it only selects)")
@@ -292,7 +293,7 @@ class TopKTable:
         out, lse = q.new_empty(heads, rows, dim), q.new_empty(heads, rows)
         code = _library().starqa_topk_attend(kernels.starqa_topk_args(
             self._pointer, kernels.starqa_queries(q.data_ptr(), heads, rows, dim), tokens, k,
-            skip, bias, _own_keys(own, q, tokens),
+            skip, bias, unbiased, _own_keys(own, q, tokens),
             kernels.starqa_outputs(scale, out.data_ptr(), lse.data_ptr()),
             torch.get_num_threads()))
         if code:
@@ -468,7 +469,7 @@ STEP_EXACT, STEP_TOPK = kernels.STEP_EXACT, kernels.STEP_TOPK
 _ATTENTION_WORDS = {
     STEP_EXACT: ("kind", "scale", "own_k", "own_v", "capacity", "exact"),
     STEP_TOPK: ("kind", "scale", "own_k", "own_v", "capacity", "topk", "k", "skip", "release",
-                "releases", "bias"),
+                "releases", "bias", "unbiased"),
 }
 
 

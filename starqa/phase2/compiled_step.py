@@ -25,13 +25,11 @@ class CompiledStep:
     """The compiled step's words for one worker's attention: made once, remade when the own
     buffers are replaced, never offered again where the attention has no compiled kernel.
     retriever: top-k attention over the blocks (`starqa.topk.shard.TopKShard`), or None
-    for exact attention over `view`; bias: the shard keys' score bias (Phase 2's context
-    bias: exact's tables carry it, top-k's words are given it)."""
+    for exact attention over `view`. The context bias is the view's (`ShardView.bias` and
+    `unbiased`): exact's tables carry it, top-k's words are given it."""
 
-    def __init__(self, view: ShardView, own: OwnKV,
-                 retriever: TopKShard | None = None, bias: float = 0.0):
+    def __init__(self, view: ShardView, own: OwnKV, retriever: TopKShard | None = None):
         self.view, self.own, self.retriever = view, own, retriever
-        self.bias = bias
         self.never = False  # no compiled kernel for this attention: never offered again
         self._words: torch.Tensor | None = None
         self._generation = -1  # the own buffers' generation the words point at
@@ -67,7 +65,7 @@ class CompiledStep:
         if self.retriever is None:
             kinds = self.view.step_words(dtype)
         else:
-            tables = self.retriever.step_words(self.bias)
+            tables = self.retriever.step_words(self.view.bias, self.view.unbiased)
             kinds = None if tables is None else [(native.STEP_TOPK, words) for words in tables]
         if kinds is None:
             return None

@@ -35,13 +35,10 @@ class LayerAttention:
     across the workers of `info`."""
 
     def __init__(self, info: dist.DistInfo, view: ShardView, own: OwnKV, query_host: bool,
-                 retriever: TopKShard | None = None, context_bias: float = 0.0):
+                 retriever: TopKShard | None = None):
         self.info, self.view, self.own = info, view, own
         self.query_host = query_host
         self.retriever = retriever
-        # added to every shard key's score (`methods.context_bias`), not the own keys':
-        # the view's parts carry it (laid out with it), the retriever's are given it
-        self.context_bias = context_bias
 
     def __call__(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  scale: float, question: bool = False
@@ -132,8 +129,9 @@ class LayerAttention:
         if self.view.cpu:
             outs, lses = self.view.parts(layer, query, q, scale, own)
         elif self.retriever is not None:
+            # the context bias, the view's (`ShardView.bias`, `unbiased`), given to top-k
             outs, lses = self.retriever.parts(layer, q, scale, m, own, question,
-                                              self.context_bias)
+                                              self.view.bias, self.view.unbiased)
         elif self.view.shard is not None:
             outs, lses = self.view.parts(layer, query, q, scale)
         else:

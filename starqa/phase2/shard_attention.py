@@ -57,8 +57,8 @@ class ShardAttention:
     [N_h] (what source attribution matches the answer against); retriever: top-k attention
     over this worker's blocks (starqa.topk.shard.TopKShard) in place of the exact shard
     part (shard is then None: no sources are tracked); context_bias: added to every shard
-    key's score (`LayerAttention`) but the first `unbiased` (exact attention's: the keys
-    before the shared positions, `methods.ContextBias`; top-k's keys all carry it). While
+    key's score but the first `unbiased` (the keys before the shared positions,
+    `methods.ContextBias`), exact's and top-k's alike (`ShardView` holds it). While
     `track` is set, it keeps the last query row of every forward (the row that picks the
     next token) and its global LSE, for `key_mass`.
     """
@@ -72,12 +72,10 @@ class ShardAttention:
         self.retriever = retriever
         self.ids = ids
         self.view = ShardView(shard, head, context_bias, unbiased)
-        self.context_bias = context_bias
         self.slots: list[Slot] = []
         self.current = self._slot()  # the slot a forward of one question is for (`use`)
         self.slots.append(self.current)
-        self.layer = LayerAttention(info, self.view, self.own, query_host, retriever,
-                                    context_bias)
+        self.layer = LayerAttention(info, self.view, self.own, query_host, retriever)
         # the slots of a batched forward and their rows, in order (`batch`)
         self.batched: list[tuple[Slot, int]] | None = None
         self.track = False
@@ -85,7 +83,7 @@ class ShardAttention:
     def _slot(self) -> Slot:
         own = OwnKV()
         layers = len(self.view.shard) if self.view.shard is not None else 0
-        return Slot(own, CompiledStep(self.view, own, self.retriever, self.context_bias),
+        return Slot(own, CompiledStep(self.view, own, self.retriever),
                     sources.AnswerRows(layers))
 
     @property

@@ -224,9 +224,10 @@ class IvfShard(ScannedShard):
                           tail=None if lay.tail is None else (lay.tail, lay.list_of))
 
     def _with_tail(self, layer: int, q: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor, scale: float, bias: float = 0.0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """With the tail, its part (`topk.tail_part`, computed on the CPU where the lists
-        are) merged into the selected rows' (out, lse)."""
+        are; its lse moved by `bias`) merged into the selected rows' (out, lse)."""
         lay = self.ivf[layer]
         if lay.tail is None:
             return out, lse
@@ -236,7 +237,7 @@ class IvfShard(ScannedShard):
                                self.n_sink)
         centre = torch.matmul(q.float().cpu(), torch.from_numpy(lay.centroids).transpose(1, 2))
         rest, rest_lse = topk.tail_part(centre, left, lay.tail, scale)
-        return merge([out.float(), rest.to(out.device)], [lse, rest_lse.to(lse.device)])
+        return merge([out.float(), rest.to(out.device)], [lse, rest_lse.to(lse.device) + bias])
 
     def _select_ivf(self, layer: int, q: torch.Tensor, k: int):
         """The k best keys of each row among its own nearest lists: numpy (scores, ids)

@@ -72,12 +72,12 @@ class ScannedShard(TopKShard):
         # `_parts_compiled`'s pieces: one, for all the forward's positions
         return piece_positions(self.n_keys, self.heads, groups) >= tokens
 
-    def step_words(self, bias: float = 0.0) -> list[tuple] | None:
+    def step_words(self, bias: float = 0.0, unbiased: int = 0) -> list[tuple] | None:
         """Per layer the top-k kernel's words for starqa/native/_step.c
         (`native.TopKTable.step_words`: what `parts` passes the kernel where it `compiles`,
-        the shard keys' score `bias` too), or None where a layer has no compiled table. With --kv-on-disk each layer's words
-        name its mapped pages, which the step releases after the layer's attention (as
-        `_parts_compiled` does)."""
+        the shard keys' score `bias` and the rows `unbiased` too), or None where a layer has
+        no compiled table. With --kv-on-disk each layer's words name its mapped pages,
+        which the step releases after the layer's attention (as `_parts_compiled` does)."""
         words, self._releases = [], []  # the ranges the words point to, kept alive here
         mapped = self._mapped_files()
         for layer in range(len(self.budgets)):
@@ -88,7 +88,8 @@ class ScannedShard(TopKShard):
             pages = [found for file in mapped if (found := file.pages(layer)) is not None]
             release = torch.tensor(pages, dtype=torch.int64) if pages else None
             self._releases.append(release)
-            words.append(table.step_words(max(k, 1), self.n_sink, release, bias))
+            words.append(table.step_words(max(k, 1), self.n_sink, release, bias,
+                                          unbiased if bias else 0))
         return words
 
     def make_tables(self) -> None:
@@ -108,13 +109,13 @@ class ScannedShard(TopKShard):
 
     def _parts_compiled(self, layer: int, q: torch.Tensor, k: int, scale: float,
                         tokens: int, own: tuple[torch.Tensor, torch.Tensor] | None,
-                        bias: float = 0.0) -> Parts | None:
+                        bias: float = 0.0, unbiased: int = 0) -> Parts | None:
         """`parts` on the CPU: per piece of positions one call of the compiled kernel (the
         layer's `native.TopKTable`: each row scans its own lists, or every key, keeps its
         k best in fp32, and a position's G rows attend over their union, the sink and their
-        own keys; the shard's keys weigh `bias` more); mapped pages of the layer are
-        released after. None where the kernel does not attend here (not built, or a table
-        that only selects)."""
+        own keys; the shard's keys weigh `bias` more, but its rows below `unbiased`); mapped
+        pages of the layer are released after. None where the kernel does not attend here
+        (not built, or a table that only selects)."""
         table = self._kernel_table(layer, k)
         if table is None or table.selects_only:
             return None
@@ -123,7 +124,8 @@ class ScannedShard(TopKShard):
         found = []
         for start, m, piece in pieces(q, tokens, self.n_keys):
             mine = None if own is None else tuple(x[0, :, :before + start + m] for x in own)
-            found.append((m, *table.attend(piece, k, self.n_sink, scale, m, mine, bias)))
+            found.append((m, *table.attend(piece, k, self.n_sink, scale, m, mine, bias,
+                                           unbiased if bias else 0)))
         for mapped in self._mapped_files():
             mapped.release(layer)
         out, lse = joined(q, tokens, found)

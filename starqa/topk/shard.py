@@ -65,7 +65,7 @@ class TopKShard(abc.ABC):
 
     def parts(self, layer: int, q: torch.Tensor, scale: float, tokens: int | None = None,
               own: tuple[torch.Tensor, torch.Tensor] | None = None, question: bool = False,
-              bias: float = 0.0) -> Parts:
+              bias: float = 0.0, unbiased: int = 0) -> Parts:
         """The top-k partial attention of folded queries q [1, Hkv, R, D] over this
         worker's blocks in `layer`: parts ([out [1, Hkv, R, D] in q's dtype], [lse [1, Hkv,
         R] fp32]) for `attention.merge`. tokens: the forward's positions M, R = G * M
@@ -74,32 +74,39 @@ class TopKShard(abc.ABC):
         only): its own (keys, values) [1, Hkv, L, D], the question and answer so far, the
         last M this forward's, attended causally as part of the result. question: this is
         the question's forward, which TopK.prefill "exact" attends to every key
-        (`_parts_exact`). bias: added to every shard key's score (Phase 2's context bias,
-        `methods.context_bias`), not the own keys'; the picks do not depend on it.
+        (`_parts_exact`). bias: added to every shard key's score but the shard rows below
+        `unbiased` (Phase 2's context bias, `methods.ContextBias`: the keys the context
+        holds once carry none), never to the own keys'; the picks do not depend on it, and
+        the tail's estimate carries it.
 
         With the compiled kernel, the sink, the retrieved keys and the own keys are one
         call and one part (one softmax); elsewhere a part each."""
         k = self._budget(layer)
         tokens = tokens or q.shape[2]
         if question and self.settings.prefill == "exact":
-            return self._parts_exact(layer, q, scale, tokens, own, bias)
+            return self._parts_exact(layer, q, scale, tokens, own, bias, unbiased)
         if q.device.type == "cpu":
-            compiled = self._parts_compiled(layer, q, k, scale, tokens, own, bias)
+            compiled = self._parts_compiled(layer, q, k, scale, tokens, own, bias, unbiased)
             if compiled is not None:
                 return compiled
+        unbiased = unbiased if bias else 0
         outs, lses = [], []  # the own keys' part, then the shard's, which carry the bias
         if own is not None:
             out, lse = partial_rows(q[0], own[0][0], own[1][0], scale, tokens)
             outs.append(out[None].to(q.dtype)), lses.append(lse[None])
         if self.sinks is not None:
-            out, lse = self._sink_part(layer, q, scale)
-            outs.append(out.to(q.dtype))
-            lses.append(lse + bias)
+            sink_keys, sink_values = self.sinks[layer]
+            for start, end in _cuts(self.n_sink, unbiased):  # the sink's unbiased rows a part
+                out, lse = self._sink_part(q, sink_keys[:, :, start:end],
+                                           sink_values[:, :, start:end], scale)
+                outs.append(out.to(q.dtype))
+                lses.append(lse + (bias if start >= unbiased else 0.0))
             if k < 1:  # the whole shard is the sink
                 return outs, lses
-        out, lse = joined(q, tokens, [(m, *self._part_selected(layer, piece, k, scale, m))
-                                      for _, m, piece in pieces(q, tokens, self._width(k))])
-        return outs + [out], lses + [lse + bias]
+        out, lse = joined(q, tokens, [
+            (m, *self._part_selected(layer, piece, k, scale, m, bias, unbiased))
+            for _, m, piece in pieces(q, tokens, self._width(k))])
+        return outs + [out], lses + [lse]
 
     def compiles(self, tokens: int, groups: int, question: bool = False) -> bool:
         """Whether `parts`, for a forward of `tokens` positions of `groups` query heads per
@@ -107,10 +114,10 @@ class TopKShard(abc.ABC):
         instead (`step_words`): here never."""
         return False
 
-    def step_words(self, bias: float = 0.0) -> list[tuple] | None:
+    def step_words(self, bias: float = 0.0, unbiased: int = 0) -> list[tuple] | None:
         """Per layer the top-k kernel's words for starqa/native/_step.c (the shard keys'
-        score `bias` among them, as `parts`), or None where a layer has no compiled table:
-        here none."""
+        score `bias` and the rows `unbiased` among them, as `parts`), or None where a layer
+        has no compiled table: here none."""
         return None
 
     def make_tables(self) -> None:
@@ -125,7 +132,7 @@ class TopKShard(abc.ABC):
 
     def _parts_compiled(self, layer: int, q: torch.Tensor, k: int, scale: float,
                         tokens: int, own: tuple[torch.Tensor, torch.Tensor] | None,
-                        bias: float = 0.0) -> Parts | None:
+                        bias: float = 0.0, unbiased: int = 0) -> Parts | None:
         """`parts` on the CPU by the compiled kernel, or None where it does not run."""
         return None
 
@@ -141,9 +148,10 @@ class TopKShard(abc.ABC):
         return scores, idx
 
     def _with_tail(self, layer: int, q: torch.Tensor, idx: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The selected rows' part with the keys left out merged in: here they weigh
-        nothing (top-k alone)."""
+                   lse: torch.Tensor, scale: float, bias: float = 0.0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selected rows' part with the keys left out merged in, their estimate's
+        scores moved by `bias`: here they weigh nothing (top-k alone)."""
         return out, lse
 
     # -- the work every kind shares -------------------------------------------------------
@@ -153,11 +161,11 @@ class TopKShard(abc.ABC):
         (below 1: the whole shard is the sink)."""
         return min(self.budgets[layer], self.n_keys - self.n_sink)
 
-    def _sink_part(self, layer: int, q: torch.Tensor, scale: float
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact attention of q [1, Hkv, R, D] over the sink's rows: out [1, Hkv, R, D],
-        lse [1, Hkv, R]."""
-        sink_keys, sink_values = self.sinks[layer]
+    @staticmethod
+    def _sink_part(q: torch.Tensor, sink_keys: torch.Tensor, sink_values: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact attention of q [1, Hkv, R, D] over rows of the sink (keys and values
+        [1, Hkv, S, D]): out [1, Hkv, R, D], lse [1, Hkv, R]."""
         if q.device.type == "cpu":  # exact's kernel: a row's result never depends on the
             # forward's other rows (drafted tokens), as below
             out, lse = partial_rows(q[0], sink_keys[0], sink_values[0], scale)
@@ -165,18 +173,23 @@ class TopKShard(abc.ABC):
         return attend(q, sink_keys, sink_values, scale)
 
     def _parts_exact(self, layer: int, q: torch.Tensor, scale: float, tokens: int,
-                     own: tuple[torch.Tensor, torch.Tensor] | None, bias: float = 0.0
-                     ) -> Parts:
+                     own: tuple[torch.Tensor, torch.Tensor] | None, bias: float = 0.0,
+                     unbiased: int = 0) -> Parts:
         """`parts` for the question's forward under TopK.prefill "exact": exact attention
         over every key of this worker's blocks (the sink's too), a part per block (its lse
-        moved by `bias`), each mapped block's layer released after its call (so a shard on
-        disk never holds more than a block's layer), then (own) the question's keys,
-        causally."""
-        outs, lses = [], []
+        moved by `bias`; the shard rows below `unbiased` a part of their own, unmoved),
+        each mapped block's layer released after its call (so a shard on disk never holds
+        more than a block's layer), then (own) the question's keys, causally."""
+        unbiased = unbiased if bias else 0
+        outs, lses, first = [], [], 0  # first: the block's first shard row
         for key, value, release in self.blocks:
-            out, lse = partial_rows(q[0], *(x[layer].to(q.device, q.dtype) for x in (key, value)),
-                                    scale)
-            outs.append(out[None]), lses.append(lse[None] + bias)
+            key, value = (x[layer].to(q.device, q.dtype) for x in (key, value))
+            for start, end in _cuts(key.shape[-2], unbiased - first):
+                out, lse = partial_rows(q[0], key[..., start:end, :], value[..., start:end, :],
+                                        scale)
+                outs.append(out[None])
+                lses.append(lse[None] + (bias if first + start >= unbiased else 0.0))
+            first += key.shape[-2]
             if release is not None:
                 release(layer)
         if own is not None:
@@ -184,14 +197,18 @@ class TopKShard(abc.ABC):
             outs.append(out[None]), lses.append(lse[None])
         return outs, lses
 
-    def _part_selected(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int
+    def _part_selected(self, layer: int, q: torch.Tensor, k: int, scale: float, tokens: int,
+                       bias: float = 0.0, unbiased: int = 0
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """`parts`' work where the compiled kernel does not run (hnsw, CUDA, no C compiler):
         `select`, the GQA union (`_shared`), then attention over the selected rows, and
-        the keys left out (`_with_tail`). q [Hkv, G * tokens, D] → (out [1, Hkv, r, D],
-        lse [1, Hkv, r]) fp32."""
+        the keys left out (`_with_tail`), every score moved by `bias` but those of the rows
+        below `unbiased`. q [Hkv, G * tokens, D] → (out [1, Hkv, r, D], lse [1, Hkv, r])
+        fp32."""
         scores, idx = (t.to(q.device) for t in self.select(layer, q, k))
         scores, idx = self._shared(layer, q, scores, idx, tokens)
+        if bias:  # raw scores: the bias over the scale
+            scores = scores.float() + (idx >= unbiased).float() * (bias / scale)
         values = self.value_rows(layer, idx).to(q.device)
         if q.device.type != "cpu":
             out, lse = topk.attend_selected(scores, idx, values, scale)
@@ -202,7 +219,13 @@ class TopKShard(abc.ABC):
                 -1, width, values.shape[-1]), scale)
             out, lse = (torch.from_numpy(out).view(1, *q.shape),
                         torch.from_numpy(lse).view(1, *q.shape[:2]))
-        return self._with_tail(layer, q, idx, out, lse, scale)
+        return self._with_tail(layer, q, idx, out, lse, scale, bias)
+
+
+def _cuts(n: int, at: int) -> list[tuple[int, int]]:
+    """Rows [0, n) as (start, end) ranges cut at `at` where it falls inside: the rows
+    below a context bias's `unbiased` a range of their own."""
+    return [(0, at), (at, n)] if 0 < at < n else [(0, n)]
 
 
 def pieces(q: torch.Tensor, tokens: int, width: int):
