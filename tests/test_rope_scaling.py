@@ -285,6 +285,30 @@ def test_yarn_turned_on_for_a_plain_model(plain, ids):
     assert relative(got, expected) < BOUND
 
 
+def test_prepared_weights_follow_the_configs_rope(plain, tmp_path):
+    """A prepared weights file keeps the RoPE's frequencies: one made under plain RoPE is
+    not used once the config beside it declares YaRN (the same weights): it is made again,
+    and the decoder rotates as transformers' YaRN does."""
+    from transformers import AutoConfig
+
+    from starqa.models.prepared import prepared_file
+
+    folder = tmp_path / "edited"
+    shutil.copytree(plain, folder, ignore=shutil.ignore_patterns(".starqa-*"))
+    before = load_decoder(folder, torch.float32, weights="int8")
+    made = prepared_file(folder, "int8", "float32")
+    assert made.is_file()
+    config = {**json.loads((folder / "config.json").read_text()),
+              "max_position_embeddings": ORIGINAL}
+    (folder / "config.json").write_text(json.dumps(yarn(config, 4.0)))
+    after = load_decoder(folder, torch.float32, weights="int8")
+    want, attention = frequencies(AutoConfig.from_pretrained(folder))
+    assert torch.equal(after.inv_freq, want) and not torch.equal(before.inv_freq, want)
+    assert after.rope_attention == pytest.approx(attention) and attention > 1
+    again = load_decoder(folder, torch.float32, weights="int8")  # the file made again is used
+    assert torch.equal(again.inv_freq, want)
+
+
 def test_a_rope_starqa_does_not_know_is_refused(plain, tmp_path):
     folder = tmp_path / "odd"
     shutil.copytree(plain, folder, ignore=shutil.ignore_patterns(".starqa-*"))

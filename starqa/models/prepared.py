@@ -81,12 +81,20 @@ def prepared_file(folder: Path, weights: str, dtype: str) -> Path:
 
 def prepared_stamp(folder: Path, weights: str, torch_version: str, int4_tiles: bool) -> dict:
     """What a prepared file's metadata must say to be used: the model's weights, the torch
-    version (whose packed int4 layout may change), the layout, and for int4 whose layout
-    it holds (a folder shared with a CPU without VNNI rebuilds)."""
+    version (whose packed int4 layout may change), the layout, for int4 whose layout it
+    holds (a folder shared with a CPU without VNNI rebuilds), and a scaled RoPE's
+    parameters (the file keeps its frequencies: a config given YaRN, or whose scaling
+    changed, beside the same weights rebuilds; plain RoPE's files name none)."""
     stamp = {"weights_sha256": weights_digest(folder), "torch": torch_version,
              "layout": PREPARED_LAYOUT}
     if weights == "int4":
         stamp["int4"] = "tiles" if int4_tiles else "torch"
+    try:
+        rope = Rope.of(folder)
+    except ValueError:  # a RoPE starqa does not run: the decoder refuses it when it loads
+        return stamp
+    if rope.kind != "default":
+        stamp["rope"] = json.dumps(rope.parameters, sort_keys=True)
     return stamp
 
 
