@@ -41,7 +41,8 @@ Model = Annotated[Optional[str], typer.Option(
     "--model", "-m", envvar="STARQA_MODEL",
     help="Embedded model name (qwen2.5-coder-1.5b, the default; qwen2.5-coder-0.5b, "
     "smollm2-135m), a GGUF file (./model.gguf), a model in ollama's store (ollama:NAME[:TAG]), "
-    "a local Hugging Face folder, or a hub id.")]
+    "a local Hugging Face folder, or a hub id; any of them with +yarnN is that model with "
+    "YaRN at factor N, a window N times its own (qwen2.5-coder-1.5b+yarn4: 131,072 tokens).")]
 Workers = Annotated[Optional[int], typer.Option(
     "--workers", "-w", envvar="STARQA_WORKERS", min=1,
     help="Workers (ingest: all GPUs, else on a CPU one with every core for star and "

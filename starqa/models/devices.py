@@ -45,7 +45,9 @@ def phase2_weights(requested: str | None, spec: str | None, device: Any = "cpu")
         return requested
     if str(device).startswith("cuda") or (device == "auto" and cuda_available()):
         return "dense"
-    embedded = embedded_model(spec or DEFAULT_MODEL)
+    from starqa.models.scaled import split
+
+    embedded = embedded_model(split(spec or DEFAULT_MODEL)[0])  # +yarnN: the same weights
     return PHASE2_WEIGHTS.get(embedded.name, "dense") if embedded else "dense"
 
 

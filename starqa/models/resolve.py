@@ -22,12 +22,18 @@ def resolve_model(spec: str | None, ui: UI | None = None) -> Path:
     path ending .gguf, or a file starting with GGUF's magic) and a model of ollama's store
     (`ollama:NAME[:TAG]`), by the file's sha256 (starqa.models.gguf); an existing folder with
     a config.json is used as is; anything else is tried as a hub id (weights, configs,
-    tokenizer).
+    tokenizer). Any of them followed by `+yarnN` is that model with YaRN at factor N
+    (starqa.models.scaled), a folder made once beside the others.
     """
     import starqa.models.gguf as gguf
     import starqa.models.ollama as ollama
+    import starqa.models.scaled as scaled
 
     spec = spec or os.environ.get("STARQA_MODEL") or DEFAULT_MODEL
+    base, factor = scaled.split(spec)
+    if factor is not None:
+        folder = resolve_model(base, ui)
+        return scaled.ensure(folder, factor, scaled.with_yarn(_name(base, folder), factor))
     if model := embedded_model(spec):
         return ensure_embedded(model, ui)
     if ollama.is_ollama(spec):
@@ -58,11 +64,22 @@ def resolve_model(spec: str | None, ui: UI | None = None) -> Path:
         ) from e
 
 
+def _name(spec: str, folder: Path) -> str:
+    """A model's name for people: an embedded model's, else its folder's or file's."""
+    model = embedded_model(spec)
+    return model.name if model else Path(spec).name or folder.name
+
+
 def recorded_spec(spec: str) -> str:
     """`spec` as a manifest records it: a local file or folder by its absolute path, so a
-    question asked from another folder finds the same model; any other spec as given."""
+    question asked from another folder finds the same model (with its +yarnN); any other
+    spec as given."""
     import starqa.models.ollama as ollama
+    import starqa.models.scaled as scaled
 
+    base, factor = scaled.split(spec)
+    if factor is not None:
+        return scaled.with_yarn(recorded_spec(base), factor)
     local = Path(spec).expanduser()
     if embedded_model(spec) or ollama.is_ollama(spec) or not local.exists():
         return spec
@@ -71,10 +88,15 @@ def recorded_spec(spec: str) -> str:
 
 def rebuildable(spec: str) -> bool:
     """Whether `resolve_model(spec)` can make the model's folder again once it is deleted:
-    an embedded model (fetched again), ollama's model or a GGUF file (converted again)."""
+    an embedded model (fetched again), ollama's model or a GGUF file (converted again), and
+    any of them or a local folder with +yarnN (its links made again)."""
     import starqa.models.gguf as gguf
     import starqa.models.ollama as ollama
+    import starqa.models.scaled as scaled
 
+    base, factor = scaled.split(spec)
+    if factor is not None:
+        return rebuildable(base) or Path(base).expanduser().is_dir()
     local = Path(spec).expanduser()
     return bool(embedded_model(spec)) or ollama.is_ollama(spec) or (
         local.is_file() and gguf.names_gguf(local))
