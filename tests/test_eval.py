@@ -366,10 +366,8 @@ def test_top_k_lists_run_every_combination():
 
 
 def test_methods_dense_first():
-    assert runner.parse_methods("star,ring") == (["dense", "star", "ring"],
-                                                 ["dense runs too: it is the reference of "
-                                                  "retention"])
-    assert runner.parse_methods("star,dense")[0] == ["dense", "star"]
+    assert runner.parse_methods("star,ring") == (["dense", "star", "ring"], True)
+    assert runner.parse_methods("star,dense") == (["dense", "star"], False)
     assert set(runner.parse_methods(None)[0]) == set(runner.methods_mod.METHODS)
     with pytest.raises(StarqaError, match="Unknown method 'flash'"):
         runner.parse_methods("star,flash")
@@ -378,14 +376,14 @@ def test_methods_dense_first():
 def test_dense_is_left_out_where_it_would_only_extrapolate():
     """Every length past the window: dense, added but not asked for, is left out (and the
     note says so); one length within the window, or dense named, keeps it."""
-    methods, notes = runner.parse_methods("star")
-    assert runner.without_extrapolating_reference(methods, notes, [65_536], 32_768) == (
-        ["star"], ["dense left out: every length is past the 32,768-token window, where it "
-                   "would extrapolate (name it in --methods to run it)"])
-    assert runner.without_extrapolating_reference(methods, notes, [16_384, 65_536],
-                                                  32_768) == (methods, notes)
+    methods, added = runner.parse_methods("star")
+    assert runner.reference(methods, added, [65_536], 32_768) == (
+        ["star"], "dense left out: every length is past the 32,768-token window, where it "
+                  "would extrapolate (name it in --methods to run it)")
+    assert runner.reference(methods, added, [16_384, 65_536], 32_768) == (
+        methods, "dense runs too: it is the reference of retention")
     named = runner.parse_methods("star,dense")
-    assert runner.without_extrapolating_reference(*named, [65_536], 32_768) == named
+    assert runner.reference(*named, [65_536], 32_768) == (["dense", "star"], None)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -141,38 +141,33 @@ def topk_label(method: str, topk: TopK) -> str:
 # options
 
 
-def parse_methods(text: str | None) -> tuple[list[str], list[str]]:
-    """Methods to run, dense first (added when missing: it is the reference), and notes."""
+def parse_methods(text: str | None) -> tuple[list[str], bool]:
+    """Methods to run, dense first, and whether dense was added (not asked for: it is the
+    reference of retention)."""
     names = list(methods_mod.METHODS) if not text or not text.strip() else list(
         dict.fromkeys(p.strip() for p in text.split(",")))
     for name in names:
         if name not in methods_mod.METHODS:
             raise StarqaError(f"Unknown method {name!r}.",
                               hint=f"choose from: {', '.join(methods_mod.METHODS)}")
-    notes = []
-    if scoring.REFERENCE not in names:
-        notes.append(REFERENCE_ADDED)
-    return [scoring.REFERENCE, *(n for n in names if n != scoring.REFERENCE)], notes
+    return ([scoring.REFERENCE, *(n for n in names if n != scoring.REFERENCE)],
+            scoring.REFERENCE not in names)
 
 
-REFERENCE_ADDED = f"{scoring.REFERENCE} runs too: it is the reference of retention"
-
-
-def without_extrapolating_reference(methods: list[str], notes: list[str],
-                                    lengths: Sequence[int], window: int
-                                    ) -> tuple[list[str], list[str]]:
-    """(methods, notes) once the window is known: where every length is past it, dense,
-    added as the reference but not asked for, is left out. It would extrapolate over the
-    whole context, a baseline `ingest` never picks and the slowest run of all (its attention
-    grows with the square of the length); retention is then n/a. Named in --methods, it
-    runs."""
-    if REFERENCE_ADDED not in notes or any(n + default_reserve(window) <= window
-                                           for n in lengths):
-        return methods, notes
-    note = (f"{scoring.REFERENCE} left out: every length is past the {window:,}-token "
-            f"window, where it would extrapolate (name it in --methods to run it)")
+def reference(methods: list[str], added: bool, lengths: Sequence[int], window: int
+              ) -> tuple[list[str], str | None]:
+    """(methods, the note that says what became of dense) once the window is known: dense,
+    `added` as the reference, runs too, unless every length is past the window: there it
+    would extrapolate over the whole context, a baseline `ingest` never picks and the
+    slowest run of all (its attention grows with the square of the length), so it is left
+    out and retention is n/a. Named in --methods, it runs (no note)."""
+    if not added:
+        return methods, None
+    if any(n + default_reserve(window) <= window for n in lengths):
+        return methods, f"{scoring.REFERENCE} runs too: it is the reference of retention"
     return ([m for m in methods if m != scoring.REFERENCE],
-            [note if n == REFERENCE_ADDED else n for n in notes])
+            f"{scoring.REFERENCE} left out: every length is past the {window:,}-token window, "
+            "where it would extrapolate (name it in --methods to run it)")
 
 
 def fit_window(lengths: Sequence[int] | None, window: int) -> tuple[list[int], list[str]]:
@@ -232,7 +227,7 @@ def plan(opts: EvalOptions) -> Plan:
     if opts.edit and opts.kv:
         raise StarqaError("--edit measures re-ingest over float KV; --kv does not apply to it.",
                           hint="drop --kv (or --edit)")
-    methods, notes = parse_methods(opts.methods)
+    methods, added = parse_methods(opts.methods)
     requested = parse_lengths(opts.lengths)
     if opts.samples < 1:
         raise StarqaError(f"--samples must be at least 1 (got {opts.samples}).")
@@ -248,7 +243,8 @@ def plan(opts: EvalOptions) -> Plan:
     model_path = models.resolve_model(opts.model)
     window = models.context_window(AutoConfig.from_pretrained(model_path))
     lengths, past = fit_window(requested, window)
-    methods, notes = without_extrapolating_reference(methods, notes + past, lengths, window)
+    methods, note = reference(methods, added, lengths, window)
+    notes = ([note] if note else []) + past
     fingerprint = models.fingerprint(model_path)
     if opts.json_path:
         json_path = Path(opts.json_path).expanduser().resolve()
