@@ -32,10 +32,11 @@
 /* What the steps share: the call, its picks, and (in scratch slots of the calling thread,
    which no task uses) each position t's union: its shard rows' keys ukeys[t * room ..]
    and values uvals[t * room ..] (then its own keys'), unions[t] shard rows (the first
-   fronts[t] of them below `unbiased`), owns[t] own keys, its pieces first[t] .. first[t + 1] - 1 (piece_of: each piece's position) and
-   their parts [per * (D + 2)] each (G rows of out [D], max, total); urows (kept scores):
-   the union's shard rows; lcounts and tparts (the tail): each position's union counted
-   by list, and its rows' parts. */
+   fronts[t] of them below `unbiased`), owns[t] own keys, its pieces first[t] ..
+   first[t + 1] - 1 (piece_of: each piece's position) and their parts [per * (D + 2)]
+   each (G rows of out [D], max, total); urows (kept scores): the union's shard rows;
+   lcounts and tparts (the tail): each position's union counted by list, and its rows'
+   parts. */
 typedef struct {
     const starqa_topk_args *args;
     const picks *found;

@@ -82,7 +82,8 @@ class starqa_own_keys(ctypes.Structure):
 class starqa_topk_args(ctypes.Structure):
     _fields_ = [("table", ctypes.POINTER(starqa_topk_table)), ("queries", starqa_queries),
                 ("tokens", _I64), ("k", _I64), ("skip", _I64), ("bias", _F32),
-                ("unbiased", _I64), ("own", starqa_own_keys), ("result", starqa_outputs), ("threads", _INT)]
+                ("unbiased", _I64), ("own", starqa_own_keys), ("result", starqa_outputs),
+                ("threads", _INT)]
 
 
 class starqa_select_args(ctypes.Structure):
