@@ -110,7 +110,7 @@ def test_a_context_bias_goes_before_torch_too(context, int4_model, monkeypatch):
 
     stops = set(job.stop_ids)
     reference = Answerer.from_cache(context, dist.local_world("cpu"), int4_model, "int4")
-    assert reference.hook.layer.context_bias == math.log(0.3)
+    assert reference.hook.view.bias == math.log(0.3)
     assert reference.hook.view.unbiased == 37 < context.blocks[0].end
     tokens, top = reference.answer(list(job.query_ids), 8, stops)
     assert early.token == tokens[0]
