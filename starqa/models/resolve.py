@@ -32,8 +32,7 @@ def resolve_model(spec: str | None, ui: UI | None = None) -> Path:
     spec = spec or os.environ.get("STARQA_MODEL") or DEFAULT_MODEL
     base, factor = scaled.split(spec)
     if factor is not None:
-        folder = resolve_model(base, ui)
-        return scaled.ensure(folder, factor, scaled.with_yarn(_name(base, folder), factor))
+        return scaled.ensure(resolve_model(base, ui), factor)
     if model := embedded_model(spec):
         return ensure_embedded(model, ui)
     if ollama.is_ollama(spec):
@@ -62,12 +61,6 @@ def resolve_model(spec: str | None, ui: UI | None = None) -> Path:
             "Hugging Face folder, a .gguf file, ollama:NAME[:TAG] (a model of ollama's "
             "store), or a hub id reachable from this machine",
         ) from e
-
-
-def _name(spec: str, folder: Path) -> str:
-    """A model's name for people: an embedded model's, else its folder's or file's."""
-    model = embedded_model(spec)
-    return model.name if model else Path(spec).name or folder.name
 
 
 def recorded_spec(spec: str) -> str:

@@ -44,15 +44,17 @@ def with_yarn(spec: str, factor: int) -> str:
     return f"{spec}+yarn{factor}"
 
 
-def ensure(base: Path, factor: int, name: str) -> Path:
+def ensure(base: Path, factor: int) -> Path:
     """The folder of the model in `base` with YaRN at `factor`, made on first use: its
-    config with YaRN declared, MODEL_INFO naming it `name`, every other file of the model
-    linked (hard links where the file system allows, else symbolic). starqa's own files
-    beside the model (prepared weights) are left out: they hold the plain RoPE."""
+    config with YaRN declared, MODEL_INFO naming it after the model (`name+yarnN`), every
+    other file of the model linked (hard links where the file system allows, else
+    symbolic). starqa's own files beside the model (prepared weights) are left out: they
+    hold the plain RoPE."""
     from starqa.models.rope import rope_parameters, yarn
 
-    digest = fingerprint(base)["digest"]
-    final = paths.models_dir() / "scaled" / f"{digest[:16]}-yarn{factor}"
+    found = fingerprint(base)
+    name = with_yarn(found["name"], factor)
+    final = paths.models_dir() / "scaled" / f"{found['digest'][:16]}-yarn{factor}"
     if (final / "config.json").is_file() and _links_hold(final):
         return final
     config = json.loads((base / "config.json").read_text())

@@ -88,8 +88,7 @@ class ScannedShard(TopKShard):
             pages = [found for file in mapped if (found := file.pages(layer)) is not None]
             release = torch.tensor(pages, dtype=torch.int64) if pages else None
             self._releases.append(release)
-            words.append(table.step_words(max(k, 1), self.n_sink, release, bias,
-                                          unbiased if bias else 0))
+            words.append(table.step_words(max(k, 1), self.n_sink, release, bias, unbiased))
         return words
 
     def make_tables(self) -> None:
@@ -125,7 +124,7 @@ class ScannedShard(TopKShard):
         for start, m, piece in pieces(q, tokens, self.n_keys):
             mine = None if own is None else tuple(x[0, :, :before + start + m] for x in own)
             found.append((m, *table.attend(piece, k, self.n_sink, scale, m, mine, bias,
-                                           unbiased if bias else 0)))
+                                           unbiased)))
         for mapped in self._mapped_files():
             mapped.release(layer)
         out, lse = joined(q, tokens, found)

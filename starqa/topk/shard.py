@@ -83,13 +83,13 @@ class TopKShard(abc.ABC):
         call and one part (one softmax); elsewhere a part each."""
         k = self._budget(layer)
         tokens = tokens or q.shape[2]
+        unbiased = unbiased if bias else 0  # no bias: nothing to cut
         if question and self.settings.prefill == "exact":
             return self._parts_exact(layer, q, scale, tokens, own, bias, unbiased)
         if q.device.type == "cpu":
             compiled = self._parts_compiled(layer, q, k, scale, tokens, own, bias, unbiased)
             if compiled is not None:
                 return compiled
-        unbiased = unbiased if bias else 0
         outs, lses = [], []  # the own keys' part, then the shard's, which carry the bias
         if own is not None:
             out, lse = partial_rows(q[0], own[0][0], own[1][0], scale, tokens)
@@ -180,7 +180,6 @@ class TopKShard(abc.ABC):
         moved by `bias`; the shard rows below `unbiased` a part of their own, unmoved),
         each mapped block's layer released after its call (so a shard on disk never holds
         more than a block's layer), then (own) the question's keys, causally."""
-        unbiased = unbiased if bias else 0
         outs, lses, first = [], [], 0  # first: the block's first shard row
         for key, value, release in self.blocks:
             key, value = (x[layer].to(q.device, q.dtype) for x in (key, value))

@@ -45,9 +45,8 @@ def plan(opts: IngestOptions, n: int, window: int,
     precision, where not given, is int8 past the window, else float unless float would
     take more than half of `total` (a choice that stays put from one run to the next, and
     so does the cache key; across machines, float: their memories may differ, their choices
-    may not). Raises
-    StarqaError where the settings given cannot fit the window (the sizes that would, in
-    the hint).
+    may not). Raises StarqaError where the settings given cannot fit the window (the sizes
+    that would, in the hint).
     """
     reserve = opts.reserve or 0
     within = n + reserve <= window
