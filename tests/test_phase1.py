@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from starqa import phase1
+from starqa import methods, phase1
 from starqa.phase1.ring import _RingHook
 from starqa.methods import MethodConfig, method_config, plan_blocks
+from starqa.methods.star import block_positions
 
 
 def full_forward_kv(model, ids):
@@ -76,21 +77,37 @@ def test_star_second_block_sees_anchor_not_the_blocks_between(model):
     assert k.shape == (2, 2, end - start, 16)  # [L, Hkv, T, D]
 
 
-@pytest.mark.parametrize("contiguous", [False, True])
+def test_block_positions_take_the_lanes_in_turn():
+    """At contiguous positions with a = b, the first `slots` blocks after block 0 keep their
+    own positions and every later one takes the next lane's, round and round; in one lane
+    every block sits right after its anchor."""
+    blocks = plan_blocks(7 * 100, 100)
+    lanes = MethodConfig("star", 100, 100, {"positions": "contiguous", "slots": 3})
+    assert block_positions(lanes, blocks) == [0, 100, 200, 300, 100, 200, 300]
+    one = MethodConfig("star", 100, 100, {"positions": "contiguous"})
+    assert block_positions(one, blocks) == [0] + [100] * 6
+    star = methods.get("star")
+    assert star.query_position(list(range(700)), lanes, blocks) == 400
+    assert star.query_position(list(range(700)), one, blocks) == 200
+
+
+@pytest.mark.parametrize("slots", [None, 1, 2])  # sparse; contiguous, in one lane or two
 @pytest.mark.parametrize("anchor", [20, 40])  # within block 0; longer than it
 @pytest.mark.parametrize("indices", [[0, 1, 2, 3], [2, 3], [3, 1]])
-def test_star_blocks_equal_a_forward_over_their_anchor_and_themselves(model, contiguous,
+def test_star_blocks_equal_a_forward_over_their_anchor_and_themselves(model, slots,
                                                                       anchor, indices):
     """The anchor's KV, computed once a call (or taken from block 0's), attended as past
-    KV: every block's KV equals that of one causal forward over [c[:a] ‖ c_i] itself."""
+    KV: every block's KV equals that of one causal forward over [c[:a] ‖ c_i] itself, the
+    block at its own positions or from where `block_positions` places it."""
     blocks = plan_blocks(len(IDS), 25)
+    config = MethodConfig("star", 25, anchor, {"positions": "contiguous", "slots": slots})
+    firsts = block_positions(config, blocks) if slots else [s for s, _ in blocks]
     got = list(phase1.encode_star(model, IDS, blocks, indices, anchor_size=anchor,
-                                  contiguous=contiguous))
+                                  at=firsts if slots else None))
     assert [i for i, _, _ in got] == indices
     for i, k, v in got:
         start, end = blocks[i]
-        a = min(anchor, start)
-        at = a if contiguous else start
+        a, at = min(anchor, start), firsts[i]
         seq = torch.cat([IDS[:a], IDS[start:end]])
         pos = torch.cat([torch.arange(a), torch.arange(at, at + end - start)])
         cache = model(seq[None], position_ids=pos[None], use_cache=True).past_key_values

@@ -27,17 +27,17 @@ def opts(**kw) -> IngestOptions:
     return IngestOptions(paths=("repo",), reserve=512, **kw)
 
 
-@pytest.mark.parametrize("n, window, block", [
-    (100_579, 32_768, 4096), (374_303, 32_768, 4096), (1_000_000, 32_768, 4096),
-    (40_000, 32_768, 4096), (16_384, 8192, 3840), (9000, 8192, 2304)])
-def test_past_the_window_star_blocks_fit_it(n, window, block):
+@pytest.mark.parametrize("n, window, block, slots", [
+    (100_579, 32_768, 4096, 6), (374_303, 32_768, 4096, 6), (1_000_000, 32_768, 4096, 6),
+    (40_000, 32_768, 4096, 6), (16_384, 8192, 3840, 1), (9000, 8192, 2304, 2)])
+def test_past_the_window_star_blocks_fit_it(n, window, block, slots):
     """click (100K), rich (374K), a million tokens, one just past the window: blocks of
     4,096 (methods.PAST_WINDOW_BLOCK: Phase 1's attention per token grows with the block),
-    the anchor as long, positions contiguous; in a smaller window, at most half of what it
-    leaves beside the reserve (on a grid of 256), and at most the paper's quarter of the
-    context."""
+    the anchor as long, positions contiguous in as many slots as the window holds beside
+    the anchor and the reserve; in a smaller window, at most half of what it leaves beside
+    the reserve (on a grid of 256), and at most the paper's quarter of the context."""
     choice = planner.plan(opts(), n, window, KV, 24 * GIB, 22 * GIB)
-    assert choice.opts.method_params == {"positions": "contiguous"}
+    assert choice.opts.method_params == {"positions": "contiguous", "slots": slots}
     assert (choice.opts.block_size, choice.opts.anchor_size) == (block, block)
     assert block + block + 512 <= window
     assert choice.line.startswith(f"Plan: {n:,} tokens + 512 reserved > the {window:,}-token "
@@ -133,7 +133,8 @@ def test_default_ingest_past_the_window_plans_and_answers(home, docs, tmp_path, 
     result = engine.ingest(IngestOptions(paths=(str(docs),), model=str(small), dtype="fp32",
                                          encode_in="process"))
     manifest = result.manifest
-    assert manifest.n_tokens > 160 and manifest.method.params == {"positions": "contiguous"}
+    assert manifest.n_tokens > 160
+    assert manifest.method.params["positions"] == "contiguous"
     assert manifest.query_position + manifest.reserve <= 160 and not manifest.past_window
     answer = engine.ask(engine.AskOptions(question="who approved the travel budget",
                                           max_new_tokens=4, model=str(small), warm=False))
@@ -150,7 +151,8 @@ def test_a_moved_contiguous_block_is_reused_as_it_is(home, repo, tmp_path):
     run = dict(paths=(str(repo),), model=str(small), dtype="fp32", encode_in="process",
                block_size=40)
     first = engine.ingest(IngestOptions(**run)).manifest
-    assert first.method.params == {"positions": "contiguous"} and first.n_tokens > 160
+    assert first.method.params == {"positions": "contiguous", "slots": 2}
+    assert first.n_tokens > 160
     (repo / "f5.md").write_text((repo / "f5.md").read_text() + " the answer")
     result = engine.ingest(IngestOptions(**run))
     assert result.reuse.reused > 0 and result.reuse.rotated == 0

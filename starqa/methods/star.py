@@ -1,9 +1,10 @@
 """Star Attention's registry entry (the math: starqa.phase1.star; docs/methods.md §2).
 
 Two ways to place a block's positions (`--positions`): `sparse`, the paper's (the anchor at
-0..a−1, the block at its own offset), and `contiguous` (the block right after its anchor,
-at a..a+len−1, wherever it lies in the context): every relative distance then stays within
-one assembled block, so a context of any length keeps the positions the model was trained on
+0..a−1, the block at its own offset), and `contiguous` (the block after its anchor in one of
+`slots` slots of a block's positions, taken in turn, wherever it lies in the context; one
+slot, right after the anchor, unless the planner fits more): every position then stays
+within the window, so a context of any length keeps the positions the model was trained on
 (docs/methods.md §2, "Past the window").
 """
 
@@ -22,7 +23,7 @@ class Star(Method):
 
     name = "star"
     help = "each block after an anchor, no communication (Star Attention)"
-    settings = ("anchor", "positions")
+    settings = ("anchor", "positions", "slots")
     reuse = "block"  # block i's KV reads the anchor and block i only
     fits_any_window = True  # at contiguous positions (the planner's choice past the window)
     shares_prefix = True  # the anchor, encoded once a worker (starqa.phase1.star)
@@ -35,18 +36,22 @@ class Star(Method):
         if positions not in POSITIONS:
             raise StarqaError(f"Unknown --positions {positions!r} for star.",
                               hint=f"choose one of: {', '.join(POSITIONS)}")
+        slots = params.get("slots") or 1
+        recorded = {} if positions == "sparse" else {"positions": positions}
+        if positions == "contiguous" and slots > 1:
+            recorded["slots"] = slots
         return MethodConfig(self.name, block_size,
-                            block_size if anchor_size is None else anchor_size,
-                            {} if positions == "sparse" else {"positions": positions})
+                            block_size if anchor_size is None else anchor_size, recorded)
 
     def encode(self, model, ids, config, blocks, indices, info, prepared=None) -> Encoded:
         from starqa.phase1.star import encode_star
 
         return encode_star(model, ids, blocks, indices, config.anchor_size,
-                           contiguous=_contiguous(config))
+                           at=block_positions(config, blocks) if _contiguous(config) else None)
 
     def position_free(self, config: MethodConfig) -> bool:
-        """Contiguous positions: a block's KV does not depend on where it lies."""
+        """Contiguous positions: a block's KV does not depend on where it lies (its slot's
+        first position is among its inputs)."""
         return _contiguous(config)
 
     def rotatable(self, config: MethodConfig) -> bool:
@@ -59,22 +64,28 @@ class Star(Method):
         return config.anchor_size
 
     def query_position(self, ids, config, blocks, prepared=None) -> int:
-        """After the context (sparse), or after the longest assembled block (contiguous)."""
+        """After the context (sparse), or after the last position a block takes
+        (contiguous)."""
         return self.query_bounds(config, len(ids), blocks)[0]
 
     def query_bounds(self, config, n_tokens, blocks) -> tuple[int, int]:
         if not _contiguous(config):
             return n_tokens, n_tokens
-        at = assembled_end(blocks, config.anchor_size)
+        at = max((begin + end - start for begin, (start, end)
+                  in zip(block_positions(config, blocks), blocks)), default=0)
         return at, at
 
     def block_inputs(self, ids, config, blocks, index, prepared=None) -> dict:
-        """The anchor's tokens (at 0..a-1) and the block's own (at its offset, or right
-        after the anchor)."""
+        """The anchor's tokens (at 0..a-1) and the block's own (at its offset, or after the
+        anchor in its slot: from the slot's first position where there are several)."""
         start, end = blocks[index]
         inputs = {"anchor": digest(ids[:min(config.anchor_size, start)]),
                   "block": digest(ids[start:end])}
-        return {**inputs, "positions": "contiguous"} if _contiguous(config) else inputs
+        if not _contiguous(config):
+            return inputs
+        if config.params.get("slots", 1) > 1:
+            inputs["at"] = block_positions(config, blocks)[index]
+        return {**inputs, "positions": "contiguous"}
 
     def invalidated(self, config: MethodConfig, blocks: Blocks, edited: int) -> list[int]:
         """`edited` itself; and every later block when the edit reaches into the anchor
@@ -85,10 +96,16 @@ class Star(Method):
         return [edited]
 
 
-def assembled_end(blocks: Blocks, anchor_size: int) -> int:
-    """One past the last position of the longest assembled block [anchor ‖ block] under
-    contiguous positions: where the question starts."""
-    return max((min(anchor_size, start) + end - start for start, end in blocks), default=0)
+def block_positions(config: MethodConfig, blocks: Blocks) -> list[int]:
+    """Each block's first position at contiguous positions: after its anchor, in slot
+    (i − 1) mod `slots` of `block_size` positions each (block 1 in the first, block 2 in
+    the next, round and round): the first `slots` blocks after block 0 keep their own
+    positions (with anchor = block) and each later one shares a slot's with the blocks
+    before it there, so each position holds about n / (a + slots·b) of the context's
+    keys, where one slot would hold n / (a + b). Block 0 is the anchor's, at 0."""
+    a, b, slots = config.anchor_size, config.block_size, config.params.get("slots", 1)
+    return [min(a, start) + (i - 1) % slots * b if i else 0
+            for i, (start, _) in enumerate(blocks)]
 
 
 def _contiguous(config: MethodConfig) -> bool:

@@ -13,13 +13,13 @@ from starqa.phase1.blockwise import Recorder, forward
 
 @torch.inference_mode()
 def encode_star(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]], indices: Sequence[int],
-                anchor_size: int, contiguous: bool = False
+                anchor_size: int, at: Sequence[int] | None = None
                 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """Star Attention Phase 1 for blocks `indices`; yields (index, k, v) per block.
 
     Block 0 is encoded alone; block i > 0 as [c[:a] ‖ c_i] with the anchor at positions
-    0..a-1 and the block at its own positions, or, `contiguous`, right after the anchor
-    (a..a+len-1: every position within one assembled block); the anchor's KV is discarded.
+    0..a-1 and the block at its own positions, or from `at[i]` on (`starqa.methods.star`
+    places blocks within the window past it); the anchor's KV is discarded.
 
     The anchor is the context's first tokens at positions 0..a-1, and attention is causal,
     so its KV is the same before every block: it is computed once per call (or taken from
@@ -34,11 +34,11 @@ def encode_star(model, ids: torch.Tensor, blocks: Sequence[tuple[int, int]], ind
         if anchor and (first is None or first[0][0].shape[2] < anchor):
             longest = max(min(anchor_size, blocks[j][0]) for j in indices)
             first = anchor_kv(model, ids[:longest].to(device))
-        at = anchor if contiguous else start
+        begin = start if at is None else at[i]
         past = [(k[:, :, :anchor], v[:, :, :anchor]) for k, v in first] if anchor else None
         hook = Recorder(keep=end - start, past=past)
-        forward(model, ids[start:end].to(device), torch.arange(at, at + end - start).to(device),
-                hook)
+        positions = torch.arange(begin, begin + end - start)
+        forward(model, ids[start:end].to(device), positions.to(device), hook)
         if start == 0 and first is None:
             first = hook.kept  # block 0 is the anchor's first tokens
         yield (i, *hook.stacked())

@@ -7,10 +7,11 @@ docs/results.md "KV precision"), else float (the cache's dtype) unless float wou
 more than half the machine's memory: then int8 too (`--kv`, docs/architecture.md "KV
 precision"). A context that fits the window with its reserve is encoded as asked. One
 that does not is, by default, encoded by Star Attention with contiguous positions
-(docs/methods.md, "Past the window"): each block right after its anchor, so that every
-position a block or a question meets stays within the window the model was trained on,
-whatever the context's length. The blocks are then sized so that anchor + block + reserve
-fit the window. `--beyond-window` keeps the positions as they are (plain extrapolation,
+(docs/methods.md, "Past the window"): each block after its anchor in the next of the
+slots of a block's positions that the window holds beside the anchor and the reserve, so
+that every position a block or a question meets stays within the window the model was
+trained on, whatever the context's length. The blocks are sized so that anchor + block +
+reserve fit the window, and there are as many slots as fit beside them. `--beyond-window` keeps the positions as they are (plain extrapolation,
 which the planner never picks; docs/methods.md says what was measured of both); settings a
 user gave that cannot fit are refused with the sizes that would.
 """
@@ -73,11 +74,15 @@ def plan(opts: IngestOptions, n: int, window: int,
         raise _cannot(n, reserve, window, f"a window this small holds no block of "
                       f"{methods.MIN_BLOCK} tokens beside an anchor as long")
     block, anchor = methods.fitted_sizes(n, window - reserve, opts.block_size, opts.anchor_size)
+    slots = methods.fitted_slots(window - reserve, block, anchor)
     chosen = replace(opts, block_size=block, anchor_size=anchor,
-                     method_params={**given, "positions": "contiguous"})
+                     method_params={**given, "positions": "contiguous", "slots": slots})
+    span = f"{anchor:,}-{anchor + slots * block - 1:,}"
+    where = (f"in turn in the window's {slots} slots of {block:,} positions ({span})"
+             if slots > 1 else f"all at the same positions ({span})")
     return Choice(chosen, f"Plan: {over}: {opts.method} blocks of {block:,} tokens, each after a "
-                          f"{anchor:,}-token anchor at contiguous positions, so no position "
-                          f"leaves the window{kv_line}.")
+                          f"{anchor:,}-token anchor, {where}, so no position leaves the "
+                          f"window{kv_line}.")
 
 
 def _precision(given: str | None, n: int, kv_bytes: Callable[[str], int | None] | None,

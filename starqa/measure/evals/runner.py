@@ -196,8 +196,9 @@ def fitted_options(name: str, options: dict, n: int, window: int) -> dict:
         return options
     block, anchor = methods_mod.fitted_sizes(n, window - reserve, options["block_size"],
                                              options["anchor_size"])
+    slots = methods_mod.fitted_slots(window - reserve, block, anchor)
     return {"block_size": block, "anchor_size": anchor,
-            "params": {**params, "positions": "contiguous"}}
+            "params": {**params, "positions": "contiguous", "slots": slots}}
 
 
 def method_options(name: str, opts: EvalOptions) -> dict:
