@@ -126,8 +126,8 @@ ChunkSize = Annotated[Optional[int], typer.Option(
 Positions = Annotated[Optional[str], typer.Option(
     envvar="STARQA_POSITIONS",
     help="star, pulsar: sparse (original positions; star's default within the window) or "
-         "contiguous (each block's positions right after its anchor or sink; star's default "
-         "past the window).")]
+         "contiguous (each block's positions after its anchor or sink, within the window; "
+         "star's default past the window).")]
 PassingSize = Annotated[Optional[int], typer.Option(
     envvar="STARQA_PASSING_SIZE",
     help="apb: compressed tokens each block passes on, per layer and KV head "
