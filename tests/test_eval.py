@@ -404,6 +404,22 @@ def test_cli_errors_are_clear(home, tiny_model, args, message):
 # the runner on the tiny model
 
 
+def test_eval_plans_past_the_window_as_ingest_does():
+    """Past the window eval runs star with ingest's blocks and slots (its numbers are the
+    default path's), sparse positions only when asked; within it, as given."""
+    from starqa.launchers.ingest import IngestOptions, planner
+
+    given = {"block_size": None, "anchor_size": None, "params": {}}
+    fitted = runner.fitted_options("star", given, 65_437, 32_768)
+    planned = planner.plan(IngestOptions(paths=("r",), reserve=512), 65_437, 32_768).opts
+    assert fitted == {"block_size": planned.block_size, "anchor_size": planned.anchor_size,
+                      "params": planned.method_params}
+    assert fitted["params"] == {"positions": "contiguous", "slots": 6}
+    sparse = {**given, "params": {"positions": "sparse"}}
+    assert runner.fitted_options("star", sparse, 65_437, 32_768) == sparse
+    assert runner.fitted_options("star", given, 16_000, 32_768) == given
+
+
 def test_lengths_past_the_window_run_as_ingest_plans_them(home, tiny_model, tmp_path):
     """800 tokens on the 512-token window: star at contiguous positions, its blocks sized to
     the window (the question within it), dense extrapolating; a note says so."""
