@@ -3,6 +3,7 @@ positions, sized to the window), the line that says it, and what those blocks ar
 ordinary forward of [anchor ‖ block] at positions 0..a+len−1, reused as it is after it moves."""
 
 import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -139,6 +140,36 @@ def test_default_ingest_past_the_window_plans_and_answers(home, docs, tmp_path, 
     answer = engine.ask(engine.AskOptions(question="who approved the travel budget",
                                           max_new_tokens=4, model=str(small), warm=False))
     assert answer.answer_tokens >= 1
+
+
+@pytest.mark.slow
+def test_a_context_ingested_past_the_window_is_asked_past_it(home, docs, tmp_path):
+    """`ingest --beyond-window` records a context past the window; `ask` then extrapolates
+    as it was built to, cold and warm, where every question used to be refused unless it
+    passed --beyond-window again. The same question with the flag gets the same tokens."""
+    from starqa.workers import client
+
+    small = make_tiny_model(tmp_path / "small", window=160)
+    manifest = engine.ingest(IngestOptions(paths=(str(docs),), model=str(small), dtype="fp32",
+                                           encode_in="process", beyond_window=True)).manifest
+    assert manifest.past_window
+    question = dict(question="who approved the travel budget", max_new_tokens=4,
+                    model=str(small))
+    cold = engine.ask(engine.AskOptions(**question, keepalive=60))
+    assert not cold.warm and len(cold.token_ids) >= 1
+    flagged = engine.ask(engine.AskOptions(**question, beyond_window=True, warm=False))
+    assert flagged.token_ids == cold.token_ids
+    deadline = time.monotonic() + 120
+    while (group := client.find(manifest.key)) is None:
+        assert time.monotonic() < deadline, "no warm group appeared"
+        time.sleep(0.2)
+    try:
+        warm = engine.ask(engine.AskOptions(**question))
+        assert warm.warm and warm.token_ids == cold.token_ids
+    finally:
+        conn = client.Client(group)
+        conn.stop()
+        conn.close()
 
 
 def test_a_moved_contiguous_block_is_reused_as_it_is(home, repo, tmp_path):

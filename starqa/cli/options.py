@@ -94,7 +94,8 @@ MaxNewTokens = Annotated[int, typer.Option(envvar="STARQA_MAX_NEW_TOKENS", min=1
                                            help="Longest answer in tokens.")]
 BeyondWindow = Annotated[bool, typer.Option(
     "--beyond-window", envvar="STARQA_BEYOND_WINDOW",
-    help="Go on even when the context is longer than the model's trained window.")]
+    help="Go on even when the context is longer than the model's trained window (a "
+         "context ingested with it is asked with it).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 EvalLengths = Annotated[Optional[str], typer.Option(
     "--lengths", envvar="STARQA_EVAL_LENGTHS",

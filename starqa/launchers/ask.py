@@ -9,7 +9,7 @@ for later questions) is `starqa.launchers.serve`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starqa.cache import hosts, store
 from starqa.cache.context import Context
@@ -77,6 +77,8 @@ def ask(opts: AskOptions, ui: UI = UI(), head=None) -> Answer:
 def _ask(opts: AskOptions, ui: UI, head) -> Answer:
     started = time.perf_counter()
     manifest = _checked_request(opts)
+    if manifest.past_window:  # built to extrapolate (ingest --beyond-window): asked so too
+        opts = replace(opts, beyond_window=True)
     if opts.warm and opts.nnodes == 1:
         from starqa.workers import client
 
@@ -124,7 +126,8 @@ def _checked_request(opts: AskOptions) -> Manifest:
     if opts.max_new_tokens < 1:
         raise StarqaError(f"--max-new-tokens must be at least 1 (got {opts.max_new_tokens}).")
     manifest = store.find_context(paths.contexts_dir(), opts.context)
-    if opts.beyond_window and opts.max_new_tokens > manifest.model.window:
+    beyond = opts.beyond_window or manifest.past_window
+    if beyond and opts.max_new_tokens > manifest.model.window:
         # without --beyond-window the room check says it; the answer's buffers are this long
         raise StarqaError(f"--max-new-tokens {opts.max_new_tokens:,} is longer than the model's "
                           f"whole window ({manifest.model.window:,} tokens).",

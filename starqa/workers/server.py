@@ -265,8 +265,8 @@ class Server:
         while True:
             ids = self.tokens.ids(ask.question, history)
             error = prompt.room_error(n, len(ids), ask.max_new_tokens, self.window)
-            if error is None or ask.beyond_window:
-                break
+            if error is None or ask.beyond_window or self.manifest.past_window:
+                break  # a context built past the window is asked past it too
             if not history:
                 self._send(messages.Failed.of(error), conn)
                 return None
