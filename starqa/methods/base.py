@@ -40,7 +40,7 @@ class Method:
     # ring: exact causal attention continues from it).
     needs_past: bool = False
     # With contiguous positions (`--positions contiguous`) every position a block or the
-    # question meets lies within one assembled block: contexts longer than any window fit.
+    # question meets lies within a span the window holds: contexts longer than any window fit.
     fits_any_window: bool = False
     # Every block after the first attends to one shared prefix (star's anchor) that a worker
     # encodes once for all its blocks: on a CPU, one worker with every core encodes it once
