@@ -77,21 +77,21 @@ def test_star_second_block_sees_anchor_not_the_blocks_between(model):
     assert k.shape == (2, 2, end - start, 16)  # [L, Hkv, T, D]
 
 
-def test_block_positions_take_the_lanes_in_turn():
+def test_block_positions_take_the_slots_in_turn():
     """At contiguous positions with a = b, the first `slots` blocks after block 0 keep their
-    own positions and every later one takes the next lane's, round and round; in one lane
+    own positions and every later one takes the next slot's, round and round; in one slot
     every block sits right after its anchor."""
     blocks = plan_blocks(7 * 100, 100)
-    lanes = MethodConfig("star", 100, 100, {"positions": "contiguous", "slots": 3})
-    assert block_positions(lanes, blocks) == [0, 100, 200, 300, 100, 200, 300]
+    slots = MethodConfig("star", 100, 100, {"positions": "contiguous", "slots": 3})
+    assert block_positions(slots, blocks) == [0, 100, 200, 300, 100, 200, 300]
     one = MethodConfig("star", 100, 100, {"positions": "contiguous"})
     assert block_positions(one, blocks) == [0] + [100] * 6
     star = methods.get("star")
-    assert star.query_position(list(range(700)), lanes, blocks) == 400
+    assert star.query_position(list(range(700)), slots, blocks) == 400
     assert star.query_position(list(range(700)), one, blocks) == 200
 
 
-@pytest.mark.parametrize("slots", [None, 1, 2])  # sparse; contiguous, in one lane or two
+@pytest.mark.parametrize("slots", [None, 1, 2])  # sparse; contiguous, in one slot or two
 @pytest.mark.parametrize("anchor", [20, 40])  # within block 0; longer than it
 @pytest.mark.parametrize("indices", [[0, 1, 2, 3], [2, 3], [3, 1]])
 def test_star_blocks_equal_a_forward_over_their_anchor_and_themselves(model, slots,

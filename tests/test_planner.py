@@ -145,8 +145,8 @@ def test_default_ingest_past_the_window_plans_and_answers(home, docs, tmp_path, 
 @pytest.mark.slow
 def test_a_context_ingested_past_the_window_is_asked_past_it(home, docs, tmp_path):
     """`ingest --beyond-window` records a context past the window; `ask` then extrapolates
-    as it was built to, cold and warm, where every question used to be refused unless it
-    passed --beyond-window again. The same question with the flag gets the same tokens."""
+    as it was built to, cold and warm, with no flag (the room check would refuse every
+    question), and the same question with the flag gets the same tokens."""
     from starqa.workers import client
 
     small = make_tiny_model(tmp_path / "small", window=160)

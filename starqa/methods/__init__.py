@@ -9,7 +9,8 @@ from starqa.core.blocks import (ContextBias, context_bias, plan_blocks, plan_fil
     round_robin, split_contiguous)
 from starqa.methods.base import Method
 from starqa.methods.config import (MAX_DEFAULT_BLOCK, MIN_BLOCK, OPTIONS, PAST_WINDOW_BLOCK,
-    MethodConfig, check_block_size, check_sizes, default_block, fitted_sizes, fitted_slots, given_settings)
+    MethodConfig, check_block_size, check_sizes, default_block, fitted_sizes, fitted_slots,
+    given_settings)
 from starqa.methods.registry import (DEFAULT, METHODS, REFERENCE, REGISTRY, get, help_line,
     method_config, owners)
 

@@ -111,7 +111,7 @@ def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | N
 
 def fitted_slots(room: int, block_size: int, anchor_size: int) -> int:
     """How many blocks of `block_size` fit side by side after the anchor in `room`
-    positions (the window less the reserve): the lanes star's blocks take at contiguous
+    positions (the window less the reserve): the slots star's blocks take at contiguous
     positions (`starqa.methods.star.block_positions`), at least 1."""
     return max(1, (room - anchor_size) // block_size)
 

@@ -11,9 +11,10 @@ that does not is, by default, encoded by Star Attention with contiguous position
 slots of a block's positions that the window holds beside the anchor and the reserve, so
 that every position a block or a question meets stays within the window the model was
 trained on, whatever the context's length. The blocks are sized so that anchor + block +
-reserve fit the window, and there are as many slots as fit beside them. `--beyond-window` keeps the positions as they are (plain extrapolation,
-which the planner never picks; docs/methods.md says what was measured of both); settings a
-user gave that cannot fit are refused with the sizes that would.
+reserve fit the window, and there are as many slots as fit beside the anchor.
+`--beyond-window` keeps the positions as they are (plain extrapolation, which the planner
+never picks; docs/methods.md says what was measured of both); settings a user gave that
+cannot fit are refused with the sizes that would.
 """
 
 from __future__ import annotations
