@@ -52,7 +52,7 @@ def test_a_group_gone_mid_answer_is_an_error_that_says_so(monkeypatch):
 
 def test_ask_answers_cold_when_the_group_left(monkeypatch):
     """`ask` takes the cold path (here a sentinel) instead of raising the reset."""
-    manifest = SimpleNamespace(name="docs", key="k" * 16)
+    manifest = SimpleNamespace(name="docs", key="k" * 16, past_window=False)
     monkeypatch.setattr(ask_mod, "_checked_request", lambda opts: manifest)
     monkeypatch.setattr(client, "group_for", lambda *a: (SimpleNamespace(name="docs"), None))
     monkeypatch.setattr(ask_mod.Context, "of", lambda m: m)
