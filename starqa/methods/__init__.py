@@ -9,7 +9,7 @@ from starqa.core.blocks import (ContextBias, context_bias, plan_blocks, plan_fil
     round_robin, split_contiguous)
 from starqa.methods.base import Method
 from starqa.methods.config import (MAX_DEFAULT_BLOCK, MIN_BLOCK, OPTIONS, PAST_WINDOW_BLOCK,
-    MethodConfig, check_block_size, check_sizes, default_block, fitted_sizes, fitted_slots,
+    MethodConfig, check_block_size, check_sizes, default_block, fitted_contiguous, fitted_sizes,
     given_settings)
 from starqa.methods.registry import (DEFAULT, METHODS, REFERENCE, REGISTRY, get, help_line,
     method_config, owners)
@@ -18,6 +18,6 @@ __all__ = ["DEFAULT", "MAX_DEFAULT_BLOCK", "METHODS", "MIN_BLOCK", "OPTIONS",
            "PAST_WINDOW_BLOCK", "REFERENCE", "REGISTRY", "ContextBias", "Method",
            "MethodConfig",
            "check_block_size", "check_sizes", "context_bias",
-           "default_block", "fitted_sizes", "fitted_slots", "get", "given_settings", "help_line",
+           "default_block", "fitted_contiguous", "fitted_sizes", "get", "given_settings", "help_line",
            "method_config", "owners",
            "plan_blocks", "plan_file_blocks", "round_robin", "split_contiguous"]

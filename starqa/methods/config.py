@@ -109,11 +109,15 @@ def fitted_sizes(n: int, room: int, block_size: int | None, anchor_size: int | N
     return block, block
 
 
-def fitted_slots(room: int, block_size: int, anchor_size: int) -> int:
-    """How many blocks of `block_size` fit side by side after the anchor in `room`
-    positions (the window less the reserve): the slots star's blocks take at contiguous
-    positions (`starqa.methods.star.block_positions`), at least 1."""
-    return max(1, (room - anchor_size) // block_size)
+def fitted_contiguous(n: int, room: int, block_size: int | None, anchor_size: int | None,
+                      params: dict) -> tuple[int, int, dict]:
+    """(block, anchor, params) of contiguous positions within `room` positions (the window
+    less the reserve): `fitted_sizes`, and as many slots of a block's positions as fit
+    beside the anchor, at least 1 (the slots star's blocks take in turn,
+    `starqa.methods.star.block_positions`). `params`: the other settings, kept."""
+    block, anchor = fitted_sizes(n, room, block_size, anchor_size)
+    slots = max(1, (room - anchor) // block)
+    return block, anchor, {**params, "positions": "contiguous", "slots": slots}
 
 
 def chosen(defaults: dict, given: dict) -> dict:

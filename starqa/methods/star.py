@@ -84,7 +84,7 @@ class Star(Method):
         if not _contiguous(config):
             return inputs
         if config.params.get("slots", 1) > 1:
-            inputs["at"] = block_positions(config, blocks)[index]
+            inputs["at"] = block_position(config, index, start)
         return {**inputs, "positions": "contiguous"}
 
     def invalidated(self, config: MethodConfig, blocks: Blocks, edited: int) -> list[int]:
@@ -97,15 +97,22 @@ class Star(Method):
 
 
 def block_positions(config: MethodConfig, blocks: Blocks) -> list[int]:
-    """Each block's first position at contiguous positions: after its anchor, in slot
-    (i − 1) mod `slots` of `block_size` positions each (block 1 in the first, block 2 in
-    the next, round and round): the first `slots` blocks after block 0 keep their own
-    positions (with anchor = block) and each later one shares a slot's with the blocks
-    before it there, so each position holds about n / (a + slots·b) of the context's
-    keys, where one slot would hold n / (a + b). Block 0 is the anchor's, at 0."""
-    a, b, slots = config.anchor_size, config.block_size, config.params.get("slots", 1)
-    return [min(a, start) + (i - 1) % slots * b if i else 0
-            for i, (start, _) in enumerate(blocks)]
+    """Each block's first position at contiguous positions (`block_position`)."""
+    return [block_position(config, i, start) for i, (start, _) in enumerate(blocks)]
+
+
+def block_position(config: MethodConfig, index: int, start: int) -> int:
+    """The first position of block `index` (starting at token `start`) at contiguous
+    positions: after its anchor, in slot (index − 1) mod `slots` of `block_size` positions
+    each (block 1 in the first, block 2 in the next, round and round): the first `slots`
+    blocks after block 0 keep their own positions (with anchor = block) and each later one
+    shares a slot's with the blocks before it there, so each position holds about
+    n / (a + slots·b) of the context's keys, where one slot would hold n / (a + b). Block
+    0 is the anchor's, at 0."""
+    if not index:
+        return 0
+    slots = config.params.get("slots", 1)
+    return min(config.anchor_size, start) + (index - 1) % slots * config.block_size
 
 
 def _contiguous(config: MethodConfig) -> bool:

@@ -74,10 +74,10 @@ def plan(opts: IngestOptions, n: int, window: int,
     if (window - reserve) // 2 < methods.MIN_BLOCK:
         raise _cannot(n, reserve, window, f"a window this small holds no block of "
                       f"{methods.MIN_BLOCK} tokens beside an anchor as long")
-    block, anchor = methods.fitted_sizes(n, window - reserve, opts.block_size, opts.anchor_size)
-    slots = methods.fitted_slots(window - reserve, block, anchor)
-    chosen = replace(opts, block_size=block, anchor_size=anchor,
-                     method_params={**given, "positions": "contiguous", "slots": slots})
+    block, anchor, params = methods.fitted_contiguous(n, window - reserve, opts.block_size,
+                                                      opts.anchor_size, given)
+    chosen = replace(opts, block_size=block, anchor_size=anchor, method_params=params)
+    slots = params["slots"]
     span = f"{anchor:,}-{anchor + slots * block - 1:,}"
     where = (f"in turn in the window's {slots} slots of {block:,} positions ({span})"
              if slots > 1 else f"all at the same positions ({span})")

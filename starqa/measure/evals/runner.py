@@ -188,17 +188,15 @@ def fit_window(lengths: Sequence[int] | None, window: int) -> tuple[list[int], l
 def fitted_options(name: str, options: dict, n: int, window: int) -> dict:
     """`method_options` for a context of `n` tokens as `ingest` plans it on a `window`:
     past it, a method that fits any window at contiguous positions, blocks and anchor sized
-    to it (`methods.fitted_sizes`), unless sparse positions were asked for."""
+    to it (`methods.fitted_contiguous`), unless sparse positions were asked for."""
     reserve = default_reserve(window)
     params = options["params"]
     if n + reserve <= window or not methods_mod.get(name).fits_any_window \
             or params.get("positions") == "sparse":
         return options
-    block, anchor = methods_mod.fitted_sizes(n, window - reserve, options["block_size"],
-                                             options["anchor_size"])
-    slots = methods_mod.fitted_slots(window - reserve, block, anchor)
-    return {"block_size": block, "anchor_size": anchor,
-            "params": {**params, "positions": "contiguous", "slots": slots}}
+    block, anchor, fitted = methods_mod.fitted_contiguous(
+        n, window - reserve, options["block_size"], options["anchor_size"], params)
+    return {"block_size": block, "anchor_size": anchor, "params": fitted}
 
 
 def method_options(name: str, opts: EvalOptions) -> dict:
